@@ -1,0 +1,398 @@
+"""Encode: conversation -> token ids, per-token targets and media spans, with over-long samples cut or dropped.
+
+The tokenizer's own chat template renders each sample. Targets are each assistant reply plus the end-of-turn
+token the template emits after it: from ``{% generation %}`` spans when the template has them, otherwise by
+rendering the conversation up to each assistant turn (with the generation prompt) and taking the reply that
+follows that prefix. Each image placeholder token is expanded to the image's exact token count.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from packtool.media import ImageRule, image_size, load_image_rule
+from packtool.sources import Conversation, RawSample, SampleError
+from packtool.sources.conversation import conversation_adapter
+from packtool.sources.custom import custom_adapter, load_function
+from packtool.sources.safepickle import load_bytes_list
+from packtool.sources.sample import IMAGE_TAG
+from packtool.sources.typed import sample_type, typed_adapter
+
+#: Files of a model folder that decide the encoding (their bytes form the tokenizer fingerprint).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "preprocessor_config.json",
+)
+
+#: PIL's default decompression-bomb limit, used as the default pixel limit.
+DEFAULT_PIXEL_LIMIT = 89_478_485
+
+
+class EncodeConfigError(ValueError):
+    """The tokenizer folder or settings cannot encode anything (one clear line for the user)."""
+
+
+@dataclass(frozen=True)
+class EncodeSettings:
+    """Every setting that changes how a sample is encoded."""
+
+    tokenizer: str
+    pack_size: int
+    align: int = 1
+    overlong: str = "truncate"
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    image_tokens: int | None = None
+    max_images: int | None = None
+    max_image_tokens: int | None = None
+    adapter: str | None = None
+    allow_pickle: bool = False
+    pixel_limit: int = DEFAULT_PIXEL_LIMIT
+    media_check: str = "decode"
+    caption_prompt: str = ""
+
+    @property
+    def max_tokens(self) -> int:
+        """Longest sample that fits a pack once its length is rounded up to the alignment."""
+        return self.pack_size // self.align * self.align
+
+
+@dataclass
+class Encoded:
+    """One encoded sample: what the ledger records and, unless dropped, what a pack segment holds."""
+
+    key: str
+    shard: str
+    index: int
+    status: str  # packed | truncated | dropped | error
+    reason: str = ""
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    targets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
+    #: Media kept, in placeholder order: part, item, kind, ext, token_offset, tokens, grid_thw, width, height,
+    #: offset, size (where the member lies in the source shard; for an item of a pickled list, the list's member).
+    media: list[dict] = field(default_factory=list)
+    #: Length before truncation (0 if encoding failed).
+    source_tokens: int = 0
+
+
+def tokenizer_fingerprint(tokenizer_dir: str | Path) -> str:
+    """SHA-256 over the files that decide the encoding."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        path = Path(tokenizer_dir) / name
+        if path.exists():
+            h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def check_tokenizer_dir(tokenizer_dir: str | Path) -> None:
+    """Raise :class:`EncodeConfigError` if the folder cannot provide a fast tokenizer and a chat template."""
+    d = Path(tokenizer_dir)
+    if not d.is_dir():
+        raise EncodeConfigError(f"tokenizer folder {d} does not exist")
+    if not (d / "tokenizer.json").exists():
+        raise EncodeConfigError(f"tokenizer folder {d} has no tokenizer.json (a fast tokenizer is required)")
+    has_template = (d / "chat_template.jinja").exists() or (d / "chat_template.json").exists()
+    if not has_template and (d / "tokenizer_config.json").exists():
+        has_template = "chat_template" in json.loads((d / "tokenizer_config.json").read_text())
+    if not has_template:
+        raise EncodeConfigError(f"tokenizer folder {d} has no chat template (chat_template.jinja)")
+
+
+class Encoder:
+    """Turns raw samples into :class:`Encoded` rows; one per worker process (see :func:`get_encoder`)."""
+
+    def __init__(self, settings: EncodeSettings, dataset_yaml: dict | None = None):
+        from transformers import AutoTokenizer
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        check_tokenizer_dir(settings.tokenizer)
+        self.settings = settings
+        self.tok = AutoTokenizer.from_pretrained(settings.tokenizer, local_files_only=True)
+        if not getattr(self.tok, "is_fast", False):
+            raise EncodeConfigError(f"{settings.tokenizer}: not a fast tokenizer")
+        self.template_source = self.tok.chat_template
+        if not isinstance(self.template_source, str):
+            raise EncodeConfigError(f"{settings.tokenizer}: no single chat template")
+        self.template = _compile_jinja_template(self.template_source)
+        self.template_kwargs = dict(self.tok.special_tokens_map)
+        self.generation_tags = re.search(r"\{%-?\s*generation\s*-?%\}", self.template_source) is not None
+        self.rule: ImageRule | None = load_image_rule(
+            settings.tokenizer,
+            min_pixels=settings.min_pixels,
+            max_pixels=settings.max_pixels,
+            image_tokens=settings.image_tokens,
+        )
+        vocab = self.tok.get_vocab()
+        self.image_token = next((t for t in ("<|image_pad|>", "<image>") if t in vocab), None)
+        self.image_token_id = vocab.get(self.image_token) if self.image_token else None
+        self.vision_start_id = vocab.get("<|vision_start|>")
+        self.vision_end_id = vocab.get("<|vision_end|>")
+        self.special_ids = frozenset(self.tok.all_special_ids) | frozenset(self.tok.added_tokens_encoder.values())
+        self.control_tokens = tuple(t for t in self.tok.added_tokens_encoder if t != IMAGE_TAG)
+        self.structured = self._template_takes_image_parts()
+        if self.structured or self.vision_start_id is None or self.image_token != "<|image_pad|>":
+            self.image_text = self.image_token or ""
+        else:
+            self.image_text = "<|vision_start|><|image_pad|><|vision_end|>"
+        self.kind = sample_type(dataset_yaml or {})
+        self.field_map = (dataset_yaml or {}).get("field_map") or {}
+        if (dataset_yaml or {}).get("sample_loader") and not settings.adapter:
+            raise EncodeConfigError("dataset.yaml uses a sample_loader: pass --adapter module:function for it")
+        self.custom = load_function(settings.adapter) if settings.adapter else None
+
+    # -- rendering -------------------------------------------------------------------------------------------
+    def _template_messages(self, messages: list[dict]) -> list[dict]:
+        """Messages as the template wants them: image parts (structured) or the placeholder text in place."""
+        out = []
+        for m in messages:
+            text = m["content"]
+            if self.structured and IMAGE_TAG in text:
+                pieces = text.split(IMAGE_TAG)
+                content = []
+                for i, piece in enumerate(pieces):
+                    if i:
+                        content.append({"type": "image"})
+                    if piece:
+                        content.append({"type": "text", "text": piece})
+                out.append({"role": m["role"], "content": content})
+            else:
+                out.append({"role": m["role"], "content": text.replace(IMAGE_TAG, self.image_text)})
+        return out
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.template.render(
+            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs,
+        )
+
+    def _template_takes_image_parts(self) -> bool:
+        if self.image_token is None:
+            return False
+        probe = [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]},
+            {"role": "assistant", "content": "y"},
+        ]
+        try:
+            return self.image_token in self.render(probe)
+        except Exception:
+            return False
+
+    def target_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and the character spans of each assistant reply (end-of-turn token added later)."""
+        tm = self._template_messages(messages)
+        if self.generation_tags:
+            from transformers.utils.chat_template_utils import _render_with_assistant_indices
+
+            text, spans = _render_with_assistant_indices(
+                self.template, tm, None, None, False, **self.template_kwargs
+            )
+            return text, [(s, e) for s, e in spans]
+        text = self.render(tm)
+        spans = []
+        for i, m in enumerate(tm):
+            if m["role"] != "assistant":
+                continue
+            prefix = self.render(tm[:i], add_generation_prompt=True)
+            if not text.startswith(prefix):
+                raise SampleError("chat template output is not stable under prefixes; add {% generation %} tags")
+            reply = m["content"] if isinstance(m["content"], str) else ""
+            start = len(prefix)
+            for candidate in (reply, reply.strip(), reply.lstrip()):
+                if text.startswith(candidate, start):
+                    spans.append((start, start + len(candidate)))
+                    break
+            else:
+                raise SampleError(f"assistant reply {i} does not appear verbatim in the rendered chat")
+        return text, spans
+
+    # -- adapters --------------------------------------------------------------------------------------------
+    def conversation(self, raw: RawSample) -> Conversation:
+        if self.custom is not None:
+            return custom_adapter(raw.parts, raw.key, self.custom)
+        if self.kind is not None:
+            return typed_adapter(raw.parts, kind=self.kind, field_map=self.field_map,
+                                 prompt=self.settings.caption_prompt)
+        return conversation_adapter(raw.parts, allow_pickle=self.settings.allow_pickle)
+
+    def _media_facts(self, raw: RawSample, conv: Conversation) -> list[dict]:
+        facts = []
+        lists: dict[str, list[bytes]] = {}
+        for m in conv.media:
+            if m.item is None:
+                data = raw.parts[m.part]
+                offset, size = raw.ranges[m.part]
+                ext = m.part.rsplit(".", 1)[-1].lower()
+            else:
+                items = lists.setdefault(m.part, load_bytes_list(raw.parts[m.part]) if self.settings.allow_pickle
+                                         else [])
+                if m.item >= len(items):
+                    raise SampleError(f"media {m.part}[{m.item}] referenced but missing")
+                data, ext = items[m.item], ""
+                offset, size = raw.ranges[m.part]  # the writer re-reads the list and takes the item
+            try:
+                width, height, fmt = image_size(data, max_pixels=self.settings.pixel_limit,
+                                                decode=self.settings.media_check == "decode")
+            except ValueError as exc:
+                raise SampleError(f"media {m.part!r}: {exc}") from None
+            if not ext or len(ext) > 8 or not ext.isalnum():
+                ext = {"jpeg": "jpg"}.get(fmt, fmt or "bin")
+            if self.rule is None:
+                raise SampleError("sample has images but the model folder has no preprocessor_config.json "
+                                  "(pass --image-tokens N for a fixed count per image)")
+            try:
+                grid, n = self.rule.grid(width, height), self.rule.tokens(width, height)
+            except ValueError as exc:
+                raise SampleError(f"media {m.part!r}: {exc}") from None
+            facts.append({"part": m.part, "item": m.item, "kind": m.kind, "ext": ext, "tokens": n,
+                          "grid_thw": list(grid), "width": width, "height": height, "offset": offset,
+                          "size": size})
+        return facts
+
+    # -- encoding --------------------------------------------------------------------------------------------
+    def encode_many(self, raws: list[RawSample], strict: bool = False) -> list[Encoded]:
+        """Encode a batch of samples (one shard); tokenization runs batched."""
+        staged: list[tuple[RawSample, str, list, list[dict]] | Encoded] = []
+        for raw in raws:
+            try:
+                if raw.problem:
+                    raise SampleError(raw.problem)
+                conv = self.conversation(raw)
+                self._check_control_tokens(conv)
+                if conv.media and self.image_token_id is None:
+                    raise SampleError("sample has images but the tokenizer has no image token")
+                media = self._media_facts(raw, conv)
+                text, spans = self.target_spans(conv.messages)
+                staged.append((raw, text, spans, media))
+            except Exception as exc:
+                if strict:
+                    raise SampleError(f"{raw.shard}/{raw.key}: {_reason(exc)}") from exc
+                staged.append(Encoded(raw.key, raw.shard, raw.index, "error", _reason(exc)))
+        texts = [s[1] for s in staged if not isinstance(s, Encoded)]
+        batch = self.tok(texts, add_special_tokens=False, return_offsets_mapping=True) if texts else None
+        out, j = [], 0
+        for s in staged:
+            if isinstance(s, Encoded):
+                out.append(s)
+                continue
+            raw, _, spans, media = s
+            ids, offsets = batch["input_ids"][j], batch["offset_mapping"][j]
+            j += 1
+            try:
+                out.append(self._finish(raw, ids, offsets, spans, media))
+            except Exception as exc:
+                if strict:
+                    raise SampleError(f"{raw.shard}/{raw.key}: {_reason(exc)}") from exc
+                out.append(Encoded(raw.key, raw.shard, raw.index, "error", _reason(exc)))
+        return out
+
+    def _check_control_tokens(self, conv: Conversation) -> None:
+        for m in conv.messages:
+            for t in self.control_tokens:
+                if t in m["content"]:
+                    raise SampleError(f"{m['role']} text contains the control token {t!r}")
+
+    def _finish(self, raw: RawSample, ids, offsets, spans, media: list[dict]) -> Encoded:
+        ids = np.asarray(ids, dtype=np.int64)
+        starts = np.asarray([o[0] for o in offsets], dtype=np.int64)
+        targets = np.zeros(len(ids), dtype=np.uint8)
+        for s, e in spans:
+            targets[(starts >= s) & (starts < e)] = 1
+            if not self.generation_tags:  # reply found by prefix rendering: add the end-of-turn token after it
+                after = np.flatnonzero(starts >= e)
+                if after.size and int(ids[after[0]]) in self.special_ids:
+                    targets[after[0]] = 1
+        # Expand each image placeholder to its exact token count.
+        pads = np.flatnonzero(ids == self.image_token_id) if self.image_token_id is not None else np.zeros(0, int)
+        if len(pads) != len(media):
+            raise SampleError(f"template produced {len(pads)} image placeholders for {len(media)} images")
+        if np.any(targets[pads]):
+            raise SampleError("an image placeholder lies inside an assistant reply")
+        repeat = np.ones(len(ids), dtype=np.int64)
+        repeat[pads] = [m["tokens"] for m in media]
+        new_start = np.concatenate([[0], np.cumsum(repeat)[:-1]])
+        for m, p in zip(media, pads):
+            m["token_offset"] = int(new_start[p])
+        tokens = np.repeat(ids, repeat).astype(np.int32)
+        targets = np.repeat(targets, repeat)
+        enc = Encoded(raw.key, raw.shard, raw.index, "packed", "", tokens, targets, media, len(tokens))
+        if not targets.any():
+            raise SampleError("no training targets")
+        return self._fit(enc)
+
+    def _media_span(self, tokens: np.ndarray, m: dict) -> tuple[int, int]:
+        s, e = m["token_offset"], m["token_offset"] + m["tokens"]
+        if s > 0 and self.vision_start_id is not None and tokens[s - 1] == self.vision_start_id:
+            s -= 1
+        if e < len(tokens) and self.vision_end_id is not None and tokens[e] == self.vision_end_id:
+            e += 1
+        return s, e
+
+    def _fit(self, enc: Encoded) -> Encoded:
+        """Apply the per-pack limits to one sample: cut at a safe boundary, or drop, per ``overlong``."""
+        st = self.settings
+        cut, why = len(enc.tokens), []
+        if cut > st.max_tokens:
+            cut, why = st.max_tokens, [f"{len(enc.tokens)} tokens > {st.max_tokens}"]
+        image_total = 0
+        for j, m in enumerate(enc.media):
+            image_total += m["tokens"]
+            over_images = st.max_images is not None and j + 1 > st.max_images
+            over_tokens = st.max_image_tokens is not None and image_total > st.max_image_tokens
+            if over_images or over_tokens:
+                s, _ = self._media_span(enc.tokens, m)
+                if s < cut:
+                    cut = s
+                    why.append(f"image {j + 1} over the per-pack " + ("image cap" if over_images else
+                                                                         "image-token cap"))
+                break
+        for m in enc.media:  # never cut inside a media span
+            s, e = self._media_span(enc.tokens, m)
+            if s < cut < e:
+                cut = s
+        if cut == len(enc.tokens):
+            return enc
+        reason = "; ".join(why)
+        if st.overlong == "drop":
+            return Encoded(enc.key, enc.shard, enc.index, "dropped", f"over limit: {reason}",
+                           source_tokens=enc.source_tokens)
+        if not enc.targets[:cut].any():
+            return Encoded(enc.key, enc.shard, enc.index, "dropped",
+                           f"no training target fits before a safe cut at {cut} tokens ({reason})",
+                           source_tokens=enc.source_tokens)
+        kept = [m for m in enc.media if m["token_offset"] + m["tokens"] <= cut]
+        return Encoded(enc.key, enc.shard, enc.index, "truncated", f"truncated to {cut}: {reason}",
+                       enc.tokens[:cut].copy(), enc.targets[:cut].copy(), kept, enc.source_tokens)
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, SampleError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+@lru_cache(maxsize=4)
+def _cached_encoder(settings: EncodeSettings, dataset_yaml_json: str) -> Encoder:
+    return Encoder(settings, json.loads(dataset_yaml_json))
+
+
+def get_encoder(settings: EncodeSettings, dataset_yaml: dict | None = None) -> Encoder:
+    """The encoder for these settings, built once per process."""
+    return _cached_encoder(settings, json.dumps(dataset_yaml or {}, sort_keys=True, default=str))
+
+
+def settings_dict(settings: EncodeSettings) -> dict:
+    return asdict(settings)
