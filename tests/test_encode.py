@@ -1,0 +1,181 @@
+"""Encoding: chat template, targets, image tokens and truncation, checked against independent derivations."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from packtool.encode import EncodeSettings, Encoder
+from packtool.sources import RawSample, open_source, read_raw_samples
+
+
+def png(w: int, h: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (120, 30, 200)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def raw(parts: dict, key: str = "k0") -> RawSample:
+    r = RawSample(key=key, shard="shards/x.tar", index=0)
+    off = 0
+    for name, data in parts.items():
+        r.parts[name] = data if isinstance(data, bytes) else json.dumps(data).encode()
+        r.ranges[name] = (off, len(r.parts[name]))
+        off += len(r.parts[name])
+    return r
+
+
+@pytest.fixture(scope="module")
+def encoders(demo_dir):
+    return {name: Encoder(EncodeSettings(tokenizer=str(demo_dir / name), pack_size=2048))
+            for name in ("tokenizer", "tokenizer-gen")}
+
+
+def structured(messages):
+    out = []
+    for m in messages:
+        pieces = m["content"].split("<image>")
+        content = []
+        for i, p in enumerate(pieces):
+            if i:
+                content.append({"type": "image"})
+            if p:
+                content.append({"type": "text", "text": p})
+        out.append({"role": m["role"], "content": content if len(pieces) > 1 else m["content"]})
+    return out
+
+
+def test_demo_samples_decode_to_their_conversation(encoders, demo_dir):
+    """Independent: transformers' own apply_chat_template + tokenizer + smart_resize give the expected ids; the
+    targets decode to exactly the assistant replies each followed by <|im_end|>."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    from packtool.sources.conversation import conversation_adapter
+
+    src = open_source(demo_dir / "dataset", ["train"])
+    raws = list(read_raw_samples(src.root, src.splits["train"][1], src.excluded_samples))
+    cfg = json.loads((demo_dir / "tokenizer" / "preprocessor_config.json").read_text())
+    results = {name: enc.encode_many(raws) for name, enc in encoders.items()}
+    tok = encoders["tokenizer"].tok
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    checked = 0
+    for i, r in enumerate(raws):
+        plain, gen = results["tokenizer"][i], results["tokenizer-gen"][i]
+        assert plain.status == gen.status
+        if plain.status != "packed":
+            continue
+        assert np.array_equal(plain.tokens, gen.tokens) and np.array_equal(plain.targets, gen.targets)
+        conv = conversation_adapter(r.parts)
+        text = tok.apply_chat_template(structured(conv.messages), tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        counts = []
+        for m in conv.media:
+            w, h = Image.open(io.BytesIO(r.parts[m.part])).size
+            rh, rw = smart_resize(h, w, 28, cfg["min_pixels"], cfg["max_pixels"])
+            counts.append(rh * rw // 784)
+        expected, it = [], iter(counts)
+        for t in ids:
+            expected += [t] * (next(it) if t == pad else 1)
+        assert plain.tokens.tolist() == expected
+        replies = [m["content"] + "<|im_end|>" for m in conv.messages if m["role"] == "assistant"]
+        runs = np.split(plain.tokens, np.flatnonzero(np.diff(plain.targets.astype(int)) != 0) + 1)
+        flags = np.split(plain.targets, np.flatnonzero(np.diff(plain.targets.astype(int)) != 0) + 1)
+        got = [tok.decode(run, skip_special_tokens=False) for run, f in zip(runs, flags) if f[0]]
+        assert got == replies
+        checked += 1
+    assert checked >= 20
+
+
+def test_truncation_never_cuts_media_and_keeps_targets(demo_dir):
+    enc = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=300))
+    turns = [{"from": "human", "value": "<image> describe " + "word " * 20},
+             {"from": "gpt", "value": "answer " * 30},
+             {"from": "human", "value": "more " * 10 + "<image>"},
+             {"from": "gpt", "value": "fine " * 80}]
+    r = raw({"json": {"conversations": turns}, "img0.png": png(200, 200), "img1.png": png(300, 300)})
+    e = enc.encode_many([r])[0]
+    assert e.status == "truncated" and len(e.tokens) <= 300 and e.targets.any(), e.reason
+    assert len(e.media) == 1 and len(e.tokens) < 300  # the cut moved back before the second image's span
+    pad = enc.image_token_id
+    for m in e.media:
+        assert (e.tokens[m["token_offset"]: m["token_offset"] + m["tokens"]] == pad).all()
+    assert int((e.tokens == pad).sum()) == sum(m["tokens"] for m in e.media)
+    assert e.tokens[-1] != enc.vision_start_id  # never a dangling vision start
+    dropped = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=300,
+                                     overlong="drop")).encode_many([r])[0]
+    assert dropped.status == "dropped" and "tokens >" in dropped.reason
+    tiny = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=40)).encode_many([r])[0]
+    assert tiny.status == "dropped" and "no training target" in tiny.reason
+
+
+def test_image_cap_truncates_before_the_extra_image(demo_dir):
+    enc = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=4096, max_images=1))
+    turns = [{"role": "user", "content": "a <image> b"}, {"role": "assistant", "content": "ok"},
+             {"role": "user", "content": "c <image>"}, {"role": "assistant", "content": "fine"}]
+    e = enc.encode_many([raw({"json": {"messages": turns}, "0.png": png(60, 60), "1.png": png(60, 60)})])[0]
+    assert e.status == "truncated" and len(e.media) == 1 and "image cap" in e.reason
+
+
+HOSTILE = {
+    "bad json": ({"json": b"{not json"}, "invalid json"),
+    "empty json": ({"json": b""}, "invalid json"),
+    "no assistant": ({"json": [{"from": "human", "value": "hi"}]}, "no assistant turn"),
+    "tag mismatch": ({"json": [{"from": "human", "value": "<image><image>"}, {"from": "gpt", "value": "x"}],
+                      "jpg": png(50, 50)}, "2 <image> tags but 1 images"),
+    "truncated image": ({"json": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}],
+                         "png": png(300, 300)[:200]}, "undecodable image"),
+    "garbage image": ({"json": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}],
+                       "jpg": b"\xff\xd8 not really"}, "undecodable image"),
+    "missing referenced media": ({"json": {"image": "photo.jpg", "conversations": [
+        {"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}]}}, "referenced but missing"),
+    "pickle refused": ({"json": [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}],
+                        "jpgs": pickle.dumps([png(40, 40)])}, "pickled member"),
+    "control token": ({"json": [{"from": "human", "value": "hi <|im_end|>"}, {"from": "gpt", "value": "x"}]},
+                      "control token"),
+    "unknown role": ({"json": [{"from": "alien", "value": "hi"}, {"from": "gpt", "value": "x"}]}, "unknown role"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_samples_are_errors_with_reasons(encoders, case):
+    parts, reason = HOSTILE[case]
+    e = encoders["tokenizer"].encode_many([raw(parts)])[0]
+    assert e.status == "error" and reason in e.reason, e.reason
+
+
+def test_pixel_limit_and_pickle_allowed(demo_dir):
+    turns = [{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "x"}]
+    bomb = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048, pixel_limit=10_000))
+    e = bomb.encode_many([raw({"json": turns, "png": png(200, 200)})])[0]
+    assert e.status == "error" and "exceeds the limit" in e.reason
+    ok = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048, allow_pickle=True))
+    e = ok.encode_many([raw({"json": turns, "jpgs": pickle.dumps([png(40, 40)])})])[0]
+    assert e.status == "packed" and e.media[0]["item"] == 0
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    e = ok.encode_many([raw({"json": turns, "jpgs": pickle.dumps([Evil()])})])[0]
+    assert e.status == "error" and "builtins.print" in e.reason
+
+
+def test_unsafe_member_names_are_quarantined(tmp_path):
+    import tarfile
+
+    shard = tmp_path / "shards" / "a.tar"
+    shard.parent.mkdir()
+    with tarfile.open(shard, "w") as tar:
+        for name, data in (("s1.json", b"{}"), ("../etc/s2.json", b"{}"), ("/abs/s3.json", b"{}")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    samples = list(read_raw_samples(tmp_path, "shards/a.tar"))
+    assert [s.problem is None for s in samples] == [True, False, False]
+    assert all("unsafe member name" in s.problem for s in samples[1:])
+    assert not (tmp_path.parent / "etc").exists()

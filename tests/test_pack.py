@@ -1,0 +1,219 @@
+"""End to end: the demo dataset packed, then read back with Energon, plain webdataset, tarfile and sqlite."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import sqlite3
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+import demo
+
+
+def energon_samples(path: Path, split: str) -> list[dict]:
+    """Every sample of a split through Energon's own loader: crude, raw bytes, errors re-raised, in order."""
+    from megatron.energon import WorkerConfig
+    from megatron.energon.dataset_config import get_dataset_from_config
+    from megatron.energon.errors import reraise_exception
+
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=reraise_exception)
+    factory = get_dataset_from_config(path, split_part=split, training=False, worker_config=wc, decoder=None)
+    dataset = factory.build()
+    wc.worker_activate(0)
+    try:
+        return [dict(s) for s in dataset]
+    finally:
+        wc.worker_deactivate()
+
+
+def source_samples(dataset: Path) -> dict[tuple[str, str], dict[str, bytes]]:
+    """(shard, key) -> {part: bytes} for every sample of the source, read with tarfile, excludes applied."""
+    split_cfg = yaml.safe_load((dataset / ".nv-meta" / "split.yaml").read_text())
+    import braceexpand
+
+    excluded = set(split_cfg.get("exclude") or [])
+    out = {}
+    for patterns in split_cfg["split_parts"].values():
+        for shard in (s for p in patterns for s in braceexpand.braceexpand(p)):
+            with tarfile.open(dataset / shard) as tar:
+                for m in tar:
+                    key, _, part = m.name.partition(".")
+                    if f"{shard}/{key}" in excluded:
+                        continue
+                    out.setdefault((shard, key), {})[part] = tar.extractfile(m).read()
+    return out
+
+
+def records(path: Path, split: str) -> list[tuple[str, dict[str, bytes]]]:
+    """Packs of a split read with tarfile, in shard and record order."""
+    split_cfg = yaml.safe_load((path / ".nv-meta" / "split.yaml").read_text())
+    out = []
+    for shard in split_cfg["split_parts"][split]:
+        with tarfile.open(path / shard) as tar:
+            for m in tar:
+                key, _, part = m.name.partition(".")
+                if not out or out[-1][0] != key:
+                    out.append((key, {}))
+                out[-1][1][part] = tar.extractfile(m).read()
+    return out
+
+
+def npy(data: bytes) -> np.ndarray:
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def test_energon_loads_every_pack(packed):
+    info = json.loads((packed / ".nv-meta" / ".info.json").read_text())
+    split_cfg = yaml.safe_load((packed / ".nv-meta" / "split.yaml").read_text())
+    assert set(split_cfg["split_parts"]) == {"train", "val"}
+    for split, shards in split_cfg["split_parts"].items():
+        loaded = energon_samples(packed, split)
+        expected = records(packed, split)
+        assert len(loaded) == sum(info["shard_counts"][s] for s in shards) == len(expected)
+        assert [s["__key__"] for s in loaded] == [k for k, _ in expected]
+        for sample, (_, parts) in zip(loaded, expected):
+            for part, data in parts.items():
+                assert sample[part] == data
+
+
+def test_plain_webdataset_reads_same_records(packed):
+    import webdataset as wds
+
+    for split in ("train", "val"):
+        shards = yaml.safe_load((packed / ".nv-meta" / "split.yaml").read_text())["split_parts"][split]
+        urls = [str(packed / s) for s in shards]
+        got = [(s["__key__"], {k: v for k, v in s.items() if not k.startswith("__")})
+               for s in wds.WebDataset(urls, shardshuffle=False)]
+        assert got == records(packed, split)
+
+
+def test_index_sqlite_lookup_by_key(packed):
+    info = json.loads((packed / ".nv-meta" / ".info.json").read_text())
+    shards = list(info["shard_counts"])
+    con = sqlite3.connect(packed / ".nv-meta" / "index.sqlite")
+    rows = con.execute("SELECT tar_file_id, sample_key, sample_index, byte_offset, byte_size FROM samples").fetchall()
+    assert len(rows) == sum(info["shard_counts"].values())
+    for fid, key, index, offset, size in rows[:: max(1, len(rows) // 10)]:
+        parts = con.execute("SELECT part_name, content_byte_offset, content_byte_size FROM sample_parts "
+                            "WHERE tar_file_id=? AND sample_index=?", (fid, index)).fetchall()
+        with open(packed / shards[fid], "rb") as f:
+            f.seek(offset)
+            head = f.read(512)
+            assert head[:100].rstrip(b"\0").decode().startswith(key + ".")
+            for part, poff, psize in parts:
+                f.seek(poff)
+                data = f.read(psize)
+                if part == "json":
+                    assert json.loads(data)["segments"]
+        idx = np.fromfile(packed / (shards[fid] + ".idx"), dtype=np.uint64)
+        assert idx[index] == offset
+    # Energon's own random access by key.
+    from megatron.energon.flavors.webdataset.itar_reader import SqliteITarEntryReader
+
+    from megatron.energon.epathlib import EPath
+
+    reader = SqliteITarEntryReader(EPath(packed), key_is_full_entryname=False)
+    key = rows[len(rows) // 2][1]
+    sample = reader[key]
+    assert sample["__key__"] == key and json.loads(sample["json"])["segments"]
+
+
+def test_every_source_sample_accounted_for_once(packed, demo_dir):
+    ledger = pq.read_table(packed / "ledger.parquet").to_pylist()
+    source = source_samples(demo_dir / "dataset")
+    assert Counter((r["shard"], r["key"]) for r in ledger) == Counter(source.keys())
+    assert (demo.EXCLUDED_SHARD, demo.EXCLUDED_KEY) not in source
+    in_packs = Counter()
+    for split in ("train", "val"):
+        for key, parts in records(packed, split):
+            for seg in json.loads(parts["json"])["segments"]:
+                in_packs[(seg["shard"], seg["key"])] += 1
+    for r in ledger:
+        placed = in_packs[(r["shard"], r["key"])]
+        if r["status"] in ("packed", "truncated"):
+            assert placed == 1 and r["pack"] is not None
+        else:
+            assert placed == 0 and r["pack"] is None and r["reason"]
+    assert sum(in_packs.values()) == sum(r["status"] in ("packed", "truncated") for r in ledger)
+
+
+def test_media_bytes_identical_and_image_tokens_follow_the_rule(packed, demo_dir):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+    from PIL import Image
+
+    source = source_samples(demo_dir / "dataset")
+    manifest = json.loads((packed / ".nv-meta" / "packtool.json").read_text())
+    pad = manifest["image_token_id"]
+    cfg = json.loads((demo_dir / "tokenizer" / "preprocessor_config.json").read_text())
+    branches = Counter()
+    for split in ("train", "val"):
+        for _, parts in records(packed, split):
+            tokens = npy(parts["tokens.npy"])
+            seqlens = npy(parts["seqlens.npy"])
+            starts = np.concatenate([[0], np.cumsum(seqlens)[:-1]])
+            meta = json.loads(parts["json"])
+            for seg, start, n in zip(meta["segments"], starts, seqlens):
+                seg_tokens = tokens[start:start + n]
+                src = source[(seg["shard"], seg["key"])]
+                src_images = sorted(p for p in src if p.rsplit(".", 1)[-1] in ("jpg", "png", "webp"))
+                expected_pads = 0
+                for m in seg["media"]:
+                    data = parts[m["member"]]
+                    assert any(data == src[p] for p in src_images)
+                    w, h = Image.open(io.BytesIO(data)).size
+                    rh, rw = smart_resize(h, w, 28, cfg["min_pixels"], cfg["max_pixels"])
+                    assert m["grid_thw"] == [1, rh // 14, rw // 14]
+                    assert m["tokens"] == rh * rw // 784
+                    block = seg_tokens[m["token_offset"]: m["token_offset"] + m["tokens"]]
+                    assert (block == pad).all()
+                    expected_pads += m["tokens"]
+                    if round(h / 28) * round(w / 28) * 784 > cfg["max_pixels"]:
+                        branches["down"] += 1
+                    elif round(h / 28) * round(w / 28) * 784 < cfg["min_pixels"]:
+                        branches["up"] += 1
+                assert int((seg_tokens == pad).sum()) == expected_pads
+    assert branches["down"] > 0 and branches["up"] > 0
+
+
+def test_overlong_samples_truncated_safely(packed):
+    ledger = pq.read_table(packed / "ledger.parquet").to_pylist()
+    truncated = [r for r in ledger if r["status"] == "truncated"]
+    assert truncated, "the demo has samples longer than the pack size"
+    for r in truncated:
+        assert 0 < r["tokens"] <= 2048 < r["source_tokens"] and r["targets"] > 0 and r["reason"]
+    for r in ledger:
+        if r["status"] in ("dropped", "error"):
+            assert r["reason"]
+
+
+def test_train_fill_and_stats(packed):
+    from packtool.stats import compute
+
+    report = compute(packed)
+    train = report["splits"]["train"]
+    assert train["fill"] >= 0.98, train
+    assert train["packs"] >= train["l1_bound"]
+    assert train["padding_tail"] == train["packs"] * 2048 - train["tokens"] - train["padding_align"]
+
+
+def test_rerun_is_byte_identical(packed, demo_dir, tmp_path):
+    from packtool.encode import EncodeSettings
+    from packtool.pipeline import PackSettings, pack
+
+    out = tmp_path / "again"
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048), shard_size="8")
+    pack(demo_dir / "dataset", out, settings, workers=2, progress=False)
+
+    def digest(root: Path) -> dict:
+        return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(root.rglob("*")) if p.is_file() and ".packtool" not in p.parts}
+
+    assert digest(out) == digest(packed)
