@@ -1,0 +1,172 @@
+"""Training-time loaders for packed datasets: a plain torch `IterableDataset` and an Energon task encoder.
+
+Both yield the batches of `packtool.read.pack_to_batch` (one pack per row). A micro-batch of one pack is the
+normal THD setting; for `B > 1` packs, `collate_packs` stacks rows `[B, L]` (short rows padded like the tail of a
+pack) and gives `cu_seqlens*` for the flattened row `tokens.reshape(1, -1)`, so the batch stays one valid THD row.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+import torch
+from megatron.energon import Cooker, DefaultTaskEncoder, Sample, basic_sample_keys, stateless
+from megatron.energon.edataclass import edataclass
+from megatron.energon.epathlib import EPath
+
+from packtool.read import (
+    IGNORE_INDEX,
+    ROW_KEYS,
+    image_processor_from_manifest,
+    iter_records,
+    load_manifest,
+    pack_to_batch,
+    record_offsets,
+    split_shards,
+)
+
+def pad_row(row: dict, length: int, pad_token_id: int) -> dict:
+    """Extend a one-pack batch to `length` tokens; the extra padding joins the last segment (as the pack tail)."""
+    extra = length - row["tokens"].shape[1]
+    if extra < 0:
+        raise ValueError(f"row of {row['tokens'].shape[1]} tokens is longer than {length}")
+    if extra == 0:
+        return row
+    last = row["position_ids"][0, -1]
+    fill = {"tokens": pad_token_id, "labels": IGNORE_INDEX, "loss_mask": 0.0, "padding_mask": True}
+    out = dict(row)
+    for key, value in fill.items():
+        out[key] = torch.cat([row[key], row[key].new_full((1, extra), value)], dim=1)
+    out["position_ids"] = torch.cat([row["position_ids"], last + 1 + torch.arange(extra)[None]], dim=1)
+    out["cu_seqlens_padded"] = row["cu_seqlens_padded"].clone()
+    out["cu_seqlens_padded"][-1] += extra
+    out["max_seqlen"] = int(out["cu_seqlens_padded"].diff().max())
+    return out
+
+
+def collate_packs(rows: list[dict], pad_token_id: int) -> dict:
+    """Batch one-pack rows. One row is returned as is; several are stacked `[B, L]` (labels padded with -100,
+    never 0) with `cu_seqlens`, `cu_seqlens_padded`, `max_seqlen`, `keys` describing `tokens.reshape(1, -1)`;
+    `pack_key` becomes a list, media tensors are concatenated in row order."""
+    if len(rows) == 1:
+        return rows[0]
+    length = max(r["tokens"].shape[1] for r in rows)
+    rows = [pad_row(r, length, pad_token_id) for r in rows]
+    out = {key: torch.cat([r[key] for r in rows]) for key in ROW_KEYS}
+    for key in ("cu_seqlens", "cu_seqlens_padded"):
+        lengths = torch.cat([r[key].diff() for r in rows])
+        out[key] = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+    out["max_seqlen"] = max(r["max_seqlen"] for r in rows)
+    out["keys"] = [k for r in rows for k in r["keys"]]
+    out["pack_key"] = [r["pack_key"] for r in rows]
+    for key in ("image_grid_thw", "pixel_values"):  # rows of a text-only dataset (blending) have none
+        if any(key in r for r in rows):
+            out[key] = torch.cat([r[key] for r in rows if key in r])
+    return out
+
+
+class PackDataset(torch.utils.data.IterableDataset):
+    """The packs of one split as batches, for a plain torch `DataLoader(dataset, batch_size=None)`.
+
+    Order: all records of the split, permuted by `(seed, epoch)` when `shuffle` (call `set_epoch` before each
+    epoch), else on-disk order. Ranks take every `world_size`-th record after cutting the list to a multiple of
+    `world_size` (every rank yields the same number of packs); DataLoader workers then take every
+    `num_workers`-th of the rank's records, which the DataLoader's round-robin turns back into the rank's order.
+    """
+
+    def __init__(self, path, split: str = "train", *, seed: int = 0, shuffle: bool = True, rank: int = 0,
+                 world_size: int = 1, pad_to: str = "pack", images: bool = True, image_processor=None):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.path, self.split, self.seed, self.shuffle = path, split, seed, shuffle
+        self.rank, self.world_size, self.pad_to, self.images = rank, world_size, pad_to, images
+        self.image_processor = image_processor
+        self.manifest = load_manifest(path)
+        self.shards = split_shards(path, split)
+        counts = [len(record_offsets(s)) - 1 for s in self.shards]
+        pairs = [(s, i) for s, n in enumerate(counts) for i in range(n)]
+        self.records = np.array(pairs, dtype=np.int64).reshape(-1, 2)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def rank_records(self) -> np.ndarray:
+        """`(shard index, record index)` rows this rank reads in the current epoch, in order."""
+        order = np.arange(len(self.records))
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(order)
+        order = order[: len(order) // self.world_size * self.world_size]
+        return self.records[order[self.rank::self.world_size]]
+
+    def __len__(self) -> int:
+        return len(self.records) // self.world_size
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        mine = self.rank_records()
+        if info is not None:
+            mine = mine[info.id::info.num_workers]
+        processor = self.image_processor
+        if processor is None and self.images:
+            processor = image_processor_from_manifest(self.manifest)
+        for shard, index in mine:
+            key, members = next(iter_records(self.shards[shard], iter([index])))
+            yield pack_to_batch({**members, "__key__": key}, self.manifest, pad_to=self.pad_to, images=self.images,
+                                image_processor=processor)
+
+
+@functools.lru_cache(maxsize=16)
+def _manifest(dataset_path: str) -> dict:
+    return json.loads((EPath(dataset_path) / ".nv-meta" / "packtool.json").read_text())
+
+
+@edataclass
+class PackSample(Sample):
+    """A pack record as Energon delivers it: raw member bytes by part name."""
+
+    members: dict
+
+
+@edataclass
+class PackRow(Sample):
+    """One pack after `pack_to_batch`."""
+
+    batch: dict
+
+
+@stateless
+def cook_pack(sample: dict) -> PackSample:
+    """Cooker for packtool datasets (subflavor `packtool: 1`): keep the raw parts, decode nothing yet."""
+    members = {k: v for k, v in sample.items() if not k.startswith("__")}
+    return PackSample(**basic_sample_keys(sample), members=members)
+
+
+class PackTaskEncoder(DefaultTaskEncoder):
+    """Energon task encoder for packtool datasets: batches equal `read_packs`' (see `collate_packs` for B > 1).
+    `pad_to`, `images`, `image_processor` as in `packtool.read.pack_to_batch`.
+
+    `get_train_dataset(OUTPUT, task_encoder=PackTaskEncoder(), batch_size=1, ...)`; works in metadatasets too
+    (each sample finds its own dataset's manifest). Media are decoded in the loader workers.
+    """
+
+    cookers = [Cooker(cook_pack, has_subflavors={"packtool": 1})]
+    decoder = None  # raw bytes: the packs hold npy/json/original media, decoded by pack_to_batch
+
+    def __init__(self, *, pad_to: str = "pack", images: bool = True, image_processor=None):
+        super().__init__()
+        self.pad_to, self.images, self.image_processor = pad_to, images, image_processor
+
+    @stateless
+    def encode_sample(self, sample: PackSample) -> PackRow:
+        manifest = _manifest(str(sample.__sources__[0].dataset_path))
+        batch = pack_to_batch({**sample.members, "__key__": sample.__key__}, manifest, pad_to=self.pad_to,
+                              images=self.images, image_processor=self.image_processor)
+        return PackRow.derive_from(sample, batch=batch)
+
+    @stateless
+    def batch(self, samples: list[PackRow]) -> dict:
+        manifest = _manifest(str(samples[0].__sources__[0].dataset_path))
+        return collate_packs([s.batch for s in samples], manifest["pad_token_id"])

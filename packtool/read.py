@@ -1,0 +1,318 @@
+"""Read packed shards at training time: one pack record -> one Megatron-ready micro-batch row (DESIGN §5).
+
+The core is `pack_to_batch`, a pure function from a record's raw members to tensors; `read_packs` walks a split
+in on-disk order; loaders (`packtool.loader`) reuse the same function.
+
+Boundary conventions (all offsets are token indices into the row):
+
+* Segment `i` holds its real tokens at `[cu_seqlens_padded[i], cu_seqlens_padded[i] + seqlen_i)`, followed by
+  its alignment padding up to `cu_seqlens_padded[i + 1]`. `cu_seqlens` counts real tokens only.
+* `pad_to="pack"` makes every row the same length `L = pack_size` rounded down to a multiple of `align` (equal to
+  `pack_size` whenever it is a multiple, the normal case). The tail padding is absorbed into the LAST segment:
+  `cu_seqlens_padded[-1] == L`, so both arrays keep `S + 1` entries (the segment keys line up with them), every
+  boundary stays divisible by `align`, and the padded boundaries cover the whole row as Transformer Engine's THD
+  kernels expect. This is safe for any attention that uses only the padded boundaries too: padding follows the
+  real tokens and attention is causal, so real tokens never see it; its labels are -100.
+  `pad_to="segments"` stops at the last segment's aligned end (variable row length).
+* `position_ids` restart at 0 for each segment and keep counting through its padding (the tail included).
+* `max_seqlen` is the largest padded segment, i.e. `max(diff(cu_seqlens_padded))`.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import tarfile
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+IGNORE_INDEX = -100
+PAD_TO = ("pack", "segments")
+#: Batch fields shaped `[1, L]` (one value per token of the row).
+ROW_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
+
+
+def load_manifest(path: str | Path) -> dict:
+    """The `.nv-meta/packtool.json` manifest of a packed dataset."""
+    return json.loads((Path(path) / ".nv-meta" / "packtool.json").read_text())
+
+
+def split_shards(path: str | Path, split: str) -> list[Path]:
+    """Shard paths of `split` in `split.yaml` order."""
+    parts = yaml.safe_load((Path(path) / ".nv-meta" / "split.yaml").read_text())["split_parts"]
+    if split not in parts:
+        raise KeyError(f"split {split!r} not in {sorted(parts)}")
+    return [Path(path) / name for name in parts[split]]
+
+
+def record_offsets(shard: str | Path) -> np.ndarray:
+    """Byte offset of each record's first header, then the end of the last record (`<shard>.idx`, uint64)."""
+    return np.fromfile(f"{shard}.idx", dtype=np.uint64).astype(np.int64)
+
+
+def parse_record(chunk: bytes) -> tuple[str, dict[str, bytes]]:
+    """Split the tar bytes of one record into its key and `{part: bytes}` (part = name after the key's dot)."""
+    # Zero blocks after the chunk make it a complete archive even when the end offset was not block-rounded.
+    tar = tarfile.open(fileobj=io.BytesIO(chunk + bytes(-len(chunk) % 512 + 1024)), mode="r:")
+    key, parts = None, {}
+    for info in tar:
+        if not info.isfile():
+            continue
+        head, _, base = info.name.rpartition("/")
+        stem, _, part = base.partition(".")
+        name = f"{head}/{stem}" if head else stem
+        if key is None:
+            key = name
+        elif name != key:
+            raise ValueError(f"record {key!r} also holds member {info.name!r}")
+        parts[part] = tar.extractfile(info).read()
+    if key is None:
+        raise ValueError("empty record")
+    return key, parts
+
+
+def iter_records(shard: str | Path, indices: Iterable[int] | None = None) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """Records of one shard as `(key, members)`, in on-disk order or in the order of `indices`."""
+    offsets = record_offsets(shard)
+    with open(shard, "rb") as f:
+        for i in range(len(offsets) - 1) if indices is None else indices:
+            f.seek(offsets[i])
+            yield parse_record(f.read(offsets[i + 1] - offsets[i]))
+
+
+def _load_npy(data: bytes, dtype: type, name: str) -> np.ndarray:
+    array = np.load(io.BytesIO(data), allow_pickle=False)
+    if array.ndim != 1 or array.dtype != dtype:
+        raise ValueError(f"{name}: expected 1-D {np.dtype(dtype)}, got {array.ndim}-D {array.dtype}")
+    return array
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_processor(settings_json: str):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    s = json.loads(settings_json)
+    return Qwen2VLImageProcessorPil(
+        min_pixels=s["min_pixels"], max_pixels=s["max_pixels"], patch_size=s["patch_size"],
+        merge_size=s["merge_size"], temporal_patch_size=s["temporal_patch_size"],
+        image_mean=s["image_mean"], image_std=s["image_std"],
+    )
+
+
+def image_processor_from_manifest(manifest: Mapping):
+    """The Qwen2-VL image processor (PIL backend: the same numbers with or without torchvision) the manifest
+    describes; None for a text-only dataset or a fixed-count (`"type": "fixed"`) one, whose model's own processor
+    the caller must pass. Cached: one per process and settings."""
+    settings = manifest.get("image_processor")
+    if settings is None or settings.get("type") == "fixed":
+        return None
+    if settings.get("type") != "qwen2_vl":
+        raise ValueError(f"unsupported image processor type {settings.get('type')!r}")
+    return _cached_processor(json.dumps(settings, sort_keys=True))
+
+
+def pack_to_batch(
+    members: Mapping[str, bytes],
+    manifest: Mapping,
+    *,
+    pad_to: str = "pack",
+    images: bool = True,
+    image_processor=None,
+) -> dict:
+    """One pack record -> one micro-batch row (DESIGN §5).
+
+    Args:
+        members: part name -> bytes (`tokens.npy`, `targets.npy`, `seqlens.npy`, `json`, `m0.jpg`, ...); keys
+            starting with `__` are ignored except `__key__`, which becomes `pack_key`.
+        manifest: the dataset's `packtool.json` (pad id, image token id, image processor settings).
+        pad_to: "pack" (fixed row length, see module docstring) or "segments" (stop after the last segment).
+        images: decode media into `pixel_values`; when False, only `image_grid_thw` (stored grids) is returned.
+        image_processor: a Hugging Face image processor to use instead of the one the manifest describes
+            (required for media of fixed-count datasets, whose model processor the manifest cannot name).
+
+    Returns: tokens, labels, loss_mask, position_ids, padding_mask (`[1, L]`), cu_seqlens, cu_seqlens_padded
+    (int32 `[S + 1]`), max_seqlen (int), image_grid_thw (int64 `[n, 3]`, when the dataset has an image processor
+    or the pack has media), pixel_values (when also `images`: float32 `[Σpatches, C·t·p·p]` for Qwen2-VL, else what
+    the given processor returns), keys (segment source keys), pack_key.
+    """
+    if pad_to not in PAD_TO:
+        raise ValueError(f"pad_to must be one of {PAD_TO}, got {pad_to!r}")
+    meta = json.loads(members["json"])
+    pack_key = members.get("__key__", "?")
+    tokens = _load_npy(members["tokens.npy"], np.int32, "tokens.npy")
+    targets = _load_npy(members["targets.npy"], np.uint8, "targets.npy")
+    seqlens = _load_npy(members["seqlens.npy"], np.int32, "seqlens.npy").astype(np.int64)
+    segments = meta["segments"]
+    align, pack_size = int(meta["align"]), int(meta["pack_size"])
+    if len(segments) != len(seqlens) or len(tokens) != len(targets) or len(tokens) != seqlens.sum():
+        raise ValueError(f"pack {pack_key}: {len(segments)} segments, seqlens sum {seqlens.sum()}, "
+                         f"{len(tokens)} tokens, {len(targets)} targets do not agree")
+    if len(seqlens) == 0 or (seqlens <= 0).any():
+        raise ValueError(f"pack {pack_key}: no segments or an empty segment")
+
+    cu = np.concatenate([[0], np.cumsum(seqlens)])
+    padded = -(-seqlens // align) * align
+    cu_padded = np.concatenate([[0], np.cumsum(padded)])
+    if pad_to == "pack":
+        length = pack_size // align * align
+        if cu_padded[-1] > length:
+            raise ValueError(f"pack {pack_key}: aligned length {cu_padded[-1]} exceeds pack size {pack_size}")
+        cu_padded[-1] = length  # tail padding absorbed into the last segment
+    length = int(cu_padded[-1])
+
+    # Destination of each real token: its segment's padded start + its offset inside the segment.
+    seg_of = np.repeat(np.arange(len(seqlens)), seqlens)
+    dest = np.arange(len(tokens)) - cu[seg_of] + cu_padded[seg_of]
+
+    row_tokens = np.full(length, manifest["pad_token_id"], dtype=np.int64)
+    row_tokens[dest] = tokens
+    # Token j predicts token j + 1 when j + 1 is in the same segment and is a target.
+    predicts = np.zeros(len(tokens), dtype=bool)
+    predicts[:-1] = targets[1:].astype(bool)
+    predicts[cu[1:] - 1] = False
+    labels = np.full(length, IGNORE_INDEX, dtype=np.int64)
+    source = np.flatnonzero(predicts)
+    labels[dest[source]] = tokens[source + 1]
+    padding_mask = np.ones(length, dtype=bool)
+    padding_mask[dest] = False
+    padded_lengths = np.diff(cu_padded)
+    position_ids = np.arange(length) - np.repeat(cu_padded[:-1], padded_lengths)
+
+    batch = {
+        "tokens": torch.from_numpy(row_tokens)[None],
+        "labels": torch.from_numpy(labels)[None],
+        "loss_mask": torch.from_numpy(labels != IGNORE_INDEX).float()[None],
+        "position_ids": torch.from_numpy(position_ids)[None],
+        "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
+        "cu_seqlens_padded": torch.from_numpy(cu_padded.astype(np.int32)),
+        "max_seqlen": int(padded_lengths.max()),
+        "padding_mask": torch.from_numpy(padding_mask)[None],
+        "keys": [s["key"] for s in segments],
+        "pack_key": pack_key,
+    }
+    batch.update(_media(members, manifest, segments, tokens, cu, pack_key, images, image_processor))
+    return batch
+
+
+def _media(members, manifest, segments, tokens, cu, pack_key, images, image_processor) -> dict:
+    """image_grid_thw (+ pixel_values) for the pack's media, after checking each media span in the tokens."""
+    media = [m for s in segments for m in s["media"]]
+    processor = manifest.get("image_processor")
+    if not media and processor is None:
+        return {}
+    image_token = manifest.get("image_token_id")
+    if image_token is not None:
+        for seg, start, end in zip(segments, cu[:-1], cu[1:]):
+            spans = [(start + m["token_offset"], m["tokens"]) for m in seg["media"]]
+            inside = all(a + n <= end and (tokens[a:a + n] == image_token).all() for a, n in spans)
+            if not inside or int((tokens[start:end] == image_token).sum()) != sum(n for _, n in spans):
+                raise ValueError(f"pack {pack_key}: media spans of segment {seg['key']} do not match its image tokens")
+    for m in media:
+        if m["kind"] != "image":
+            raise ValueError(f"pack {pack_key}: unsupported media kind {m['kind']!r}")
+    stored = np.array([m["grid_thw"] for m in media], dtype=np.int64).reshape(-1, 3)
+    out = {"image_grid_thw": torch.from_numpy(stored)}
+    if not images:
+        return out
+    proc = image_processor if image_processor is not None else image_processor_from_manifest(manifest)
+    if proc is None:
+        if media:
+            raise ValueError(f"pack {pack_key} has media but no image processor: pass the model's image_processor= "
+                             f"(dataset image rule: {(processor or {}).get('type')}) or images=False")
+        return out
+    if not media:
+        if hasattr(proc, "temporal_patch_size"):  # Qwen2-VL layout: [patches, C·t·p·p]
+            dim = 3 * proc.temporal_patch_size * proc.patch_size ** 2
+            out["pixel_values"] = torch.zeros((0, dim), dtype=torch.float32)
+        return out
+    from PIL import Image
+
+    pil = [Image.open(io.BytesIO(members[m["member"]])) for m in media]
+    result = proc(images=pil, return_tensors="np")
+    if "image_grid_thw" in result:
+        grid = np.asarray(result["image_grid_thw"], dtype=np.int64)
+        if not np.array_equal(grid, stored):
+            bad = next(i for i in range(len(media)) if not np.array_equal(grid[i], stored[i]))
+            raise ValueError(f"pack {pack_key}: {media[bad]['member']} processes to grid {grid[bad].tolist()}, "
+                             f"stored {stored[bad].tolist()}")
+    out["pixel_values"] = torch.from_numpy(np.ascontiguousarray(result["pixel_values"], dtype=np.float32))
+    return out
+
+
+def batch_to(batch: dict, device) -> dict:
+    """Move every tensor of a batch to `device` (non-tensors unchanged)."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def read_packs(
+    path: str | Path,
+    split: str = "train",
+    *,
+    pad_to: str = "pack",
+    images: bool = True,
+    device=None,
+    image_processor=None,
+) -> Iterator[dict]:
+    """Batches of a packed dataset's split, one per pack, in on-disk order (deterministic). See `pack_to_batch`."""
+    manifest = load_manifest(path)
+    processor = image_processor
+    if processor is None and images:
+        processor = image_processor_from_manifest(manifest)
+    for shard in split_shards(path, split):
+        for key, members in iter_records(shard):
+            batch = pack_to_batch({**members, "__key__": key}, manifest, pad_to=pad_to, images=images,
+                                  image_processor=processor)
+            yield batch if device is None else batch_to(batch, device)
+
+
+def mrope_position_ids(
+    tokens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+    *,
+    image_token_id: int,
+    spatial_merge_size: int = 2,
+) -> torch.Tensor:
+    """Qwen2/2.5-VL 3-D RoPE positions `[3, 1, L]` for a packed row, computed per segment.
+
+    Each segment starts again at 0: text tokens advance all three rows by one; an image's `t·(h/m)·(w/m)` tokens get
+    (temporal, row, column) offsets from the current position, after which the position advances by
+    `max(h, w) / m`. Padding continues counting like text. Images are taken from `image_grid_thw` in order.
+    For transformers' Qwen2.5-VL packed forward use
+    `torch.cat([batch["position_ids"][None], mrope_position_ids(...)])` (`[4, 1, L]`, row 0 the per-segment text
+    positions) with `attention_mask=None, use_cache=False`.
+    """
+    row = tokens.reshape(-1).cpu().numpy()
+    bounds = cu_seqlens_padded.cpu().numpy().astype(np.int64)
+    grids = iter([] if image_grid_thw is None else image_grid_thw.cpu().numpy().astype(np.int64).tolist())
+    out = np.empty((3, len(row)), dtype=np.int64)
+    m = spatial_merge_size
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        image_at = np.flatnonzero(row[a:b] == image_token_id) + a
+        pos, i = 0, a
+        while i < b:
+            nxt = image_at[np.searchsorted(image_at, i)] if len(image_at) and image_at[-1] >= i else b
+            out[:, i:nxt] = pos + np.arange(nxt - i)
+            pos += nxt - i
+            if nxt == b:
+                break
+            grid = next(grids, None)
+            if grid is None:
+                raise ValueError(f"image tokens at {nxt} but no image grid left")
+            t, h, w = grid
+            h, w = h // m, w // m
+            n = t * h * w
+            if (row[nxt:nxt + n] != image_token_id).any():
+                raise ValueError(f"image at {nxt} has fewer than its {n} tokens")
+            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+            out[:, nxt:nxt + n] = pos + np.stack([tt.ravel(), hh.ravel(), ww.ravel()])
+            pos += max(h, w)
+            i = nxt + n
+    if next(grids, None) is not None:
+        raise ValueError("more image grids than images in the tokens")
+    return torch.from_numpy(out)[:, None, :].to(tokens.device)
