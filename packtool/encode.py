@@ -282,14 +282,14 @@ class Encoder:
                     raise SampleError(f"{raw.shard}/{raw.key}: {_reason(exc)}") from exc
                 staged.append(Encoded(raw.key, raw.shard, raw.index, "error", _reason(exc)))
         texts = [s[1] for s in staged if not isinstance(s, Encoded)]
-        batch = self.tok(texts, add_special_tokens=False, return_offsets_mapping=True) if texts else None
+        batch = self.tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
         out, j = [], 0
         for s in staged:
             if isinstance(s, Encoded):
                 out.append(s)
                 continue
             raw, _, spans, media = s
-            ids, offsets = batch["input_ids"][j], batch["offset_mapping"][j]
+            ids, offsets = batch[j].ids, batch[j].offsets
             j += 1
             try:
                 out.append(self._finish(raw, ids, offsets, spans, media))
