@@ -100,3 +100,19 @@ def test_typed_datasets_and_custom_adapter(demo_dir, tmp_path):
     finally:
         sys.path.remove(str(tmp_path))
     assert r.counts["train"]["packed"] == 12
+
+
+def test_dry_run_compare_and_dp_balance(demo_dir, tmp_path):
+    out = tmp_path / "dry"
+    p = run("pack", demo_dir / "dataset", out, "--tokenizer", demo_dir / "tokenizer", "--pack-size", 2048,
+            "--dry-run", "--balance-dp", 4, "--workers", 1, "--no-progress")
+    assert p.returncode == 0, p.stderr
+    assert (out / "ledger.parquet").exists() and not (out / "train").exists()
+    assert not (out / ".nv-meta" / "index.sqlite").exists()
+    algos = "bfd,ffd,greedy_knapsack,balanced_greedy_knapsack,first_fit_shuffle,sequential"
+    report = json.loads(run("stats", out, "--json", "--compare", algos).stdout)
+    train = report["splits"]["train"]
+    assert train["dp_imbalance"] <= 1.05 and train["dp_imbalance"] <= train["dp_imbalance_unbalanced_order"]
+    rows = {r["algorithm"]: r for r in report["compare"]["train"]}
+    assert set(rows) == set(algos.split(","))
+    assert rows["bfd"]["packs"] == train["packs"] and rows["sequential"]["packs"] >= rows["bfd"]["packs"]
