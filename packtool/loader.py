@@ -71,7 +71,8 @@ class PackDataset(torch.utils.data.IterableDataset):
     """The packs of one split as batches, for a plain torch `DataLoader(dataset, batch_size=None)`.
 
     Order: all records of the split, permuted by `(seed, epoch)` when `shuffle` (call `set_epoch` before each
-    epoch), else on-disk order. Ranks take every `world_size`-th record after cutting the list to a multiple of
+    epoch; a dataset packed with `--balance-dp` equal to `world_size` is permuted by whole groups), else on-disk
+    order. Ranks take every `world_size`-th record after cutting the list to a multiple of
     `world_size` (every rank yields the same number of packs); DataLoader workers then take every
     `num_workers`-th of the rank's records, which the DataLoader's round-robin turns back into the rank's order.
     """
@@ -97,7 +98,11 @@ class PackDataset(torch.utils.data.IterableDataset):
         """`(shard index, record index)` rows this rank reads in the current epoch, in order."""
         order = np.arange(len(self.records))
         if self.shuffle:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(order)
+            # Packs ordered with `--balance-dp N` for N == world_size move as whole groups, so each step still
+            # gives every rank one pack of a compute-balanced group.
+            group = self.world_size if self.manifest.get("settings", {}).get("balance_dp") == self.world_size else 1
+            groups = np.random.default_rng([self.seed, self.epoch]).permutation(len(order) // group)
+            order = (groups[:, None] * group + np.arange(group)).reshape(-1)
         order = order[: len(order) // self.world_size * self.world_size]
         return self.records[order[self.rank::self.world_size]]
 
