@@ -52,6 +52,8 @@ def run_tasks(fn: Callable, tasks: Sequence[tuple], *, workers: int = 1, engine:
 
 
 def _run_ray(fn: Callable, tasks: Sequence[tuple], address: str | None, bar) -> list[Any]:
+    """The tasks as Ray tasks (one CPU each). A task's failure is re-raised as its own exception (not Ray's
+    wrapper with the remote traceback in its message), after the tasks not yet finished are cancelled."""
     try:
         import ray
     except ImportError:
@@ -64,9 +66,16 @@ def _run_ray(fn: Callable, tasks: Sequence[tuple], address: str | None, bar) -> 
     index = {r: i for i, r in enumerate(refs)}
     results: list[Any] = [None] * len(tasks)
     pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        for r in done:
-            results[index[r]] = ray.get(r)
-            bar.update()
+    try:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            for r in done:
+                results[index[r]] = ray.get(r)
+                bar.update()
+    except ray.exceptions.RayTaskError as exc:
+        for r in pending:
+            ray.cancel(r)
+        if isinstance(exc.cause, Exception):
+            raise exc.cause from exc
+        raise
     return results

@@ -7,14 +7,17 @@ is committed and finishes the job; the bytes never depend on workers, engine or 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from packtool import __version__
@@ -24,9 +27,11 @@ from packtool.ledger import LEDGER_SCHEMA, STATUSES
 from packtool.plan import balance_dp, pack_lengths
 from packtool.sources import SourceError, open_source, read_raw_samples
 from packtool.sources.safepickle import load_bytes_list
-from packtool.write import atomic_write, index_tar, npy_bytes, write_energon_meta, write_tar
+from packtool.write import IndexedSample, atomic_write, index_tar, npy_bytes, write_energon_meta, write_tar
 
 WORK = ".packtool"
+#: Raw bytes of source samples held at once by an encode task (at most 256 samples, fewer if media are large).
+CHUNK_BYTES = 64 * 2**20
 MANIFEST = ".nv-meta/packtool.json"
 #: Columns of an encoded source shard (``samples.parquet``), one row per sample in on-disk order.
 ENCODED_SCHEMA = pa.schema([
@@ -57,9 +62,10 @@ class PackSettings:
     dry_run: bool = False
 
     def fingerprint(self) -> dict:
+        """The settings as JSON values (tuples become lists), so a stamp read back compares equal."""
         d = asdict(self)
         d["encode"]["tokenizer"] = tokenizer_fingerprint(self.encode.tokenizer)
-        return d
+        return json.loads(json.dumps(d))
 
 
 @dataclass
@@ -96,7 +102,7 @@ def encode_shard(root: str, shard: str, excluded: frozenset, settings: EncodeSet
     if (out / "samples.parquet").exists():
         return _status_counts(pq.read_table(out / "samples.parquet", columns=["status"]))
     encoder = get_encoder(settings, dataset_yaml)
-    rows, encoded, chunk = [], [], []
+    rows, encoded, chunk, chunk_bytes = [], [], [], 0
     unreadable = None
     samples = read_raw_samples(Path(root), shard, excluded)
     while True:
@@ -110,9 +116,10 @@ def encode_shard(root: str, shard: str, excluded: frozenset, settings: EncodeSet
             unreadable = str(exc)
             break
         chunk.append(raw)
-        if len(chunk) >= 256:
+        chunk_bytes += sum(len(v) for v in raw.parts.values())
+        if len(chunk) >= 256 or chunk_bytes >= CHUNK_BYTES:  # a chunk's raw bytes stay bounded, whatever the media
             encoded += encoder.encode_many(chunk, strict=strict)
-            chunk = []
+            chunk, chunk_bytes = [], 0
     encoded += encoder.encode_many(chunk, strict=strict)
     offset = 0
     for e in encoded:
@@ -193,7 +200,8 @@ def plan_split(split: str, enc_dirs: list[Path], settings: PackSettings) -> Spli
     )
     n_packs = int(ids.max()) + 1
     if settings.balance_dp and settings.balance_dp > 1:
-        order = np.asarray(balance_dp(ids, lengths, settings.balance_dp, align=enc.align), dtype=np.int64)
+        order = np.asarray(balance_dp(ids, lengths, settings.balance_dp, align=enc.align, seed=settings.seed),
+                           dtype=np.int64)
     else:
         # Packs in order of their first item (on-disk order of the source): stable and easy to audit.
         first = np.full(n_packs, len(ids), dtype=np.int64)
@@ -222,22 +230,43 @@ def plan_split(split: str, enc_dirs: list[Path], settings: PackSettings) -> Spli
 
 
 # -- stage 3: write one output shard ---------------------------------------------------------------------------
-def write_shard(out_path: str, split: str, root: str, enc_dirs: list[str], segments: list[tuple],
-                pack_size: int, align: int) -> int:
-    """Write the packs of one output shard. ``segments``: ``(pack_number, src, row, key, shard, truncated,
-    tok_offset, tokens, media_json)`` sorted by pack, then source order. Skips a shard already committed."""
+#: Columns of a write task's segment table (``pack`` first), in the order :func:`_pack_record` unpacks them.
+SEGMENT_COLUMNS = ("pack", "src", "row", "key", "shard", "truncated", "tok_offset", "tokens", "media")
+
+
+class _NpyReader:
+    """Slices of a 1-D ``.npy`` file by positioned reads: unlike a memory map, what was read does not stay in
+    the process's resident memory."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "rb")
+        version = np.lib.format.read_magic(self.file)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+            np.lib.format.read_array_header_2_0
+        _, _, self.dtype = read_header(self.file)
+        self.start = self.file.tell()
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        size = self.dtype.itemsize
+        data = os.pread(self.file.fileno(), (s.stop - s.start) * size, self.start + s.start * size)
+        return np.frombuffer(data, self.dtype)
+
+
+def write_shard(out_path: str, split: str, root: str, enc_dirs: list[str], segments: pa.Table,
+                pack_size: int, align: int) -> list[IndexedSample]:
+    """Write the packs of one output shard. ``segments``: :data:`SEGMENT_COLUMNS`, sorted by pack, then source
+    order. Returns the shard's record index; a shard already committed is indexed, not rewritten."""
     path = Path(out_path)
     if path.exists() and path.with_name(path.name + ".idx").exists():
-        return 0
-    tokens_mm: dict[int, np.ndarray] = {}
-    targets_mm: dict[int, np.ndarray] = {}
+        return index_tar(path)
+    readers: dict[int, tuple[_NpyReader, _NpyReader]] = {}
     files: dict[str, object] = {}
 
     def arrays(src: int):
-        if src not in tokens_mm:
-            tokens_mm[src] = np.load(Path(enc_dirs[src]) / "tokens.npy", mmap_mode="r")
-            targets_mm[src] = np.load(Path(enc_dirs[src]) / "targets.npy", mmap_mode="r")
-        return tokens_mm[src], targets_mm[src]
+        if src not in readers:
+            readers[src] = (_NpyReader(Path(enc_dirs[src]) / "tokens.npy"),
+                            _NpyReader(Path(enc_dirs[src]) / "targets.npy"))
+        return readers[src]
 
     def media_bytes(shard: str, m: dict) -> bytes:
         if shard not in files:
@@ -249,22 +278,20 @@ def write_shard(out_path: str, split: str, root: str, enc_dirs: list[str], segme
             raise OSError(f"{shard}: short read of {m['part']}")
         return data if m["item"] is None else load_bytes_list(data)[m["item"]]
 
+    def rows():  # a batch of rows at a time as Python values
+        for batch in segments.to_batches(max_chunksize=1024):
+            yield from zip(*(batch.column(c).to_pylist() for c in SEGMENT_COLUMNS))
+
     def records():
-        i = 0
-        while i < len(segments):
-            p = segments[i][0]
-            group = []
-            while i < len(segments) and segments[i][0] == p:
-                group.append(segments[i])
-                i += 1
-            yield _pack_record(split, p, group, arrays, media_bytes, pack_size, align)
+        for p, group in itertools.groupby(rows(), key=lambda row: row[0]):
+            yield _pack_record(split, p, list(group), arrays, media_bytes, pack_size, align)
 
     try:
         index = write_tar(path, records())
     finally:
-        for f in files.values():
+        for f in [*files.values(), *(r.file for pair in readers.values() for r in pair)]:
             f.close()
-    return len(index)
+    return index
 
 
 def pack_key(split: str, number: int) -> str:
@@ -309,18 +336,50 @@ def _check_output(output: Path, fingerprint: dict, overwrite: bool) -> None:
         previous = json.loads(stamp.read_text())
     elif manifest.exists():
         previous = json.loads(manifest.read_text()).get("fingerprint")
-    elif output.exists() and any(output.iterdir()):
+    elif output.exists() and any(p.name != WORK for p in output.iterdir()):
         if not overwrite:
             raise PackError(f"{output} exists and was not made by packtool; pass --overwrite to replace it")
     if previous is not None and previous != fingerprint and not overwrite:
-        changed = sorted(k for k in set(previous) | set(fingerprint) if previous.get(k) != fingerprint.get(k))
-        raise PackError(f"{output} was packed with other settings ({', '.join(changed)}); "
+        raise PackError(f"{output} was packed with other settings ({'; '.join(_changes(previous, fingerprint))}); "
                         f"pass --overwrite to replace it")
     if overwrite and previous != fingerprint and output.exists():
         shutil.rmtree(output)
     output.mkdir(parents=True, exist_ok=True)
     if not stamp.exists():
         atomic_write(stamp, json.dumps(fingerprint, indent=1, sort_keys=True).encode())
+
+
+def _changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """``name: old -> new`` for each setting that differs (nested ones as ``encode.pack_size``)."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changes(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {_short(a)} -> {_short(b)}")
+    return out
+
+
+def _short(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 24 else text[:12] + "…" + text[-8:]
+
+
+#: A temporary file or folder (``.NAME.tmpPID``, ``NNNNNN.tmpPID``, ``.NAME.tmp``): what a commit renames.
+_TEMPORARY = re.compile(r"\.tmp\d*$")
+
+
+def _remove_temporaries(output: Path) -> None:
+    """Remove what interrupted runs left under temporary names (any process id). Every file and folder is
+    committed by a rename from such a name, so none of them is part of the output."""
+    for root, dirs, files in os.walk(output):
+        for name in [d for d in dirs if _TEMPORARY.search(d)]:
+            shutil.rmtree(Path(root, name), ignore_errors=True)
+            dirs.remove(name)
+        for name in files:
+            if _TEMPORARY.search(name):
+                Path(root, name).unlink(missing_ok=True)
 
 
 def pack(source: str | Path, output: str | Path, settings: PackSettings, *, workers: int = 1,
@@ -346,6 +405,7 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, *, work
     fingerprint = settings.fingerprint()
     fingerprint["source"] = str(source)
     _check_output(output, fingerprint, overwrite)
+    _remove_temporaries(output)
     manifest_path = output / MANIFEST
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text())
@@ -373,28 +433,21 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, *, work
         out_shards[split] = [f"{split}/pack-{k:06d}.tar" for k in range(n_shards)]
         if settings.dry_run or not n_shards:
             continue
-        t = plan.table
-        cols = {c: t.column(c).to_pylist() for c in ("src", "row", "key", "shard", "truncated", "tok_offset",
-                                                     "tokens", "media")}
         rows = np.flatnonzero(plan.pack >= 0)
         rows = rows[np.lexsort((rows, plan.pack[rows]))]
-        by_shard: dict[int, list[tuple]] = {}
-        for r in rows:
-            p = int(plan.pack[r])
-            by_shard.setdefault(int(plan.shard_of_pack[p]), []).append(
-                (p, cols["src"][r], cols["row"][r], cols["key"][r], cols["shard"][r], cols["truncated"][r],
-                 cols["tok_offset"][r], cols["tokens"][r], cols["media"][r]))
-        for k, segs in sorted(by_shard.items()):
+        bounds = np.searchsorted(plan.shard_of_pack[plan.pack[rows]], np.arange(n_shards + 1))
+        table = plan.table.append_column("pack", pa.array(plan.pack)).select(SEGMENT_COLUMNS)
+        for k in range(n_shards):  # each task gets a compact table of its own rows, no Python object per row
             write_tasks.append((str(output / out_shards[split][k]), split, str(source),
-                                [str(d) for d in enc_dirs[split]], segs, settings.encode.pack_size,
-                                settings.encode.align))
-    run_tasks(write_shard, write_tasks, workers=workers, engine=engine, ray_address=ray_address,
-              desc="write", unit="shard", progress=progress)
+                                [str(d) for d in enc_dirs[split]], table.take(rows[bounds[k]:bounds[k + 1]]),
+                                settings.encode.pack_size, settings.encode.align))
+    written = run_tasks(write_shard, write_tasks, workers=workers, engine=engine, ray_address=ray_address,
+                        desc="write", unit="shard", progress=progress)
     lap("write")
 
     counts, packs = _write_ledger(output, plans)
     if not settings.dry_run:
-        indexes = {s: index_tar(output / s) for shards in out_shards.values() for s in shards}
+        indexes = dict(zip((s for shards in out_shards.values() for s in shards), written))  # tasks in this order
         write_energon_meta(output, {k: v for k, v in out_shards.items() if v}, indexes,
                            megatron.energon.__version__ if hasattr(megatron.energon, "__version__") else "7.4.1")
         _copy_tokenizer(Path(settings.encode.tokenizer), output / ".nv-meta" / "tokenizer")
@@ -446,16 +499,18 @@ def _write_ledger(output: Path, plans: dict[str, SplitPlan]) -> tuple[dict, dict
     for split, plan in plans.items():
         t = plan.table
         n = t.num_rows
-        pack_col = [pack_key(split, int(p)) if p >= 0 else None for p in plan.pack]
+        # pack_key() of every packed row, null for the others, computed by Arrow (no Python string per row).
+        number = pc.utf8_lpad(pc.cast(pa.array(plan.pack, mask=plan.pack < 0), pa.string()), 9, "0")
+        pack_col = pc.binary_join_element_wise(pa.scalar(f"{split}-"), number, "")
         ledger = pa.table({
             "key": t.column("key"), "split": pa.array([split] * n, pa.string()), "shard": t.column("shard"),
             "status": t.column("status"), "reason": t.column("reason"), "tokens": t.column("tokens"),
             "targets": t.column("targets"), "images": t.column("images"), "image_tokens": t.column("image_tokens"),
-            "pack": pa.array(pack_col, pa.string()), "source_tokens": t.column("source_tokens"),
+            "pack": pack_col, "source_tokens": t.column("source_tokens"),
         }, schema=LEDGER_SCHEMA)
         tables.append(ledger)
-        statuses = t.column("status").to_pylist()
-        counts[split] = {"samples": n, **{s: statuses.count(s) for s in STATUSES}}
+        statuses = {v["values"]: v["counts"] for v in pc.value_counts(t.column("status")).to_pylist()}
+        counts[split] = {"samples": n, **{s: statuses.get(s, 0) for s in STATUSES}}
         packs[split] = int(plan.pack.max()) + 1 if n and plan.pack.max() >= 0 else 0
     table = pa.concat_tables(tables) if tables else LEDGER_SCHEMA.empty_table()
     tmp = output / ".ledger.parquet.tmp"

@@ -102,6 +102,13 @@ def _unsafe(name: str) -> bool:
     return name.startswith("/") or ".." in name.split("/") or "\\" in name or "\x00" in name
 
 
+def _ends_cleanly(tar: tarfile.TarFile) -> bool:
+    """Whether iteration stopped at the end-of-archive marker (a zero block). ``tarfile`` also stops silently at a
+    truncated or garbled header, which would drop the rest of the shard and the rest of the current sample."""
+    tar.fileobj.seek(tar.offset)
+    return tar.fileobj.read(tarfile.BLOCKSIZE) == tarfile.NUL * tarfile.BLOCKSIZE
+
+
 def read_raw_samples(root: Path, shard: str, excluded: frozenset[str] = frozenset()) -> Iterator[RawSample]:
     """Every sample of one shard in on-disk order, excluded keys skipped (they are not part of the dataset).
 
@@ -141,6 +148,9 @@ def read_raw_samples(root: Path, shard: str, excluded: frozenset[str] = frozense
                 fobj = tar.extractfile(member)
                 current.parts[part] = fobj.read() if fobj is not None else b""
                 current.ranges[part] = (member.offset_data, member.size)
+            if not _ends_cleanly(tar):
+                raise SourceError(f"cannot read shard {shard}: no end-of-archive marker at byte {tar.offset} "
+                                  f"(truncated or corrupt; its last sample may be incomplete)")
             if current is not None and current.index >= 0:
                 yield current
     except (tarfile.TarError, OSError, EOFError) as exc:
