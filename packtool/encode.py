@@ -112,16 +112,27 @@ def check_tokenizer_dir(tokenizer_dir: str | Path) -> None:
         raise EncodeConfigError(f"tokenizer folder {d} has no chat template (chat_template.jinja)")
 
 
+def load_tokenizer(tokenizer_dir: str | Path):
+    """The folder's tokenizer class, imported by name (``AutoTokenizer`` would import torch: 300 MB per worker)."""
+    import transformers
+
+    cfg_path = Path(tokenizer_dir) / "tokenizer_config.json"
+    name = json.loads(cfg_path.read_text()).get("tokenizer_class") if cfg_path.exists() else None
+    cls = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if cls is None:
+        cls = transformers.AutoTokenizer if name else transformers.PreTrainedTokenizerFast
+    return cls.from_pretrained(str(tokenizer_dir), local_files_only=True)
+
+
 class Encoder:
     """Turns raw samples into :class:`Encoded` rows; one per worker process (see :func:`get_encoder`)."""
 
     def __init__(self, settings: EncodeSettings, dataset_yaml: dict | None = None):
-        from transformers import AutoTokenizer
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
         check_tokenizer_dir(settings.tokenizer)
         self.settings = settings
-        self.tok = AutoTokenizer.from_pretrained(settings.tokenizer, local_files_only=True)
+        self.tok = load_tokenizer(settings.tokenizer)
         if not getattr(self.tok, "is_fast", False):
             raise EncodeConfigError(f"{settings.tokenizer}: not a fast tokenizer")
         self.template_source = self.tok.chat_template

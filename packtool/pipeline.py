@@ -388,7 +388,7 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, *, work
     """Pack every requested split of ``source`` into ``output`` (see the module docstring)."""
     import time
 
-    import megatron.energon
+    from importlib.metadata import version
 
     clock = {"start": time.perf_counter()}
 
@@ -449,7 +449,7 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, *, work
     if not settings.dry_run:
         indexes = dict(zip((s for shards in out_shards.values() for s in shards), written))  # tasks in this order
         write_energon_meta(output, {k: v for k, v in out_shards.items() if v}, indexes,
-                           megatron.energon.__version__ if hasattr(megatron.energon, "__version__") else "7.4.1")
+                           version("megatron-energon"))
         _copy_tokenizer(Path(settings.encode.tokenizer), output / ".nv-meta" / "tokenizer")
     encoder = get_encoder(settings.encode, src.dataset_yaml)
     manifest = {
