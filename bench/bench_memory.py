@@ -162,7 +162,7 @@ def main() -> None:
     probe = ("from packtool.encode import EncodeSettings, get_encoder; "
              f"get_encoder(EncodeSettings(tokenizer={str(tok)!r}, pack_size=4096))")
     _, anon, fixed, _ = peak_rss([sys.executable, "-c", probe])
-    print(f"fixed cost of one process (python + transformers, which imports torch, + tokenizer): "
+    print(f"fixed cost of one process (python + transformers + tokenizer): "
           f"{fixed / MB:.0f} MB resident, {anon / MB:.0f} MB anonymous")
     if args.keep is None:
         shutil.rmtree(work, ignore_errors=True)
