@@ -62,9 +62,12 @@ class PackSettings:
     dry_run: bool = False
 
     def fingerprint(self) -> dict:
-        """The settings as JSON values (tuples become lists), so a stamp read back compares equal."""
+        """The settings that decide the bytes, as JSON values (tuples become lists) so a stamp read back compares
+        equal. ``strict`` (stop or go on) and ``dry_run`` (stop after planning) do not change what gets written:
+        a strict run may be resumed without it, and a dry run may be finished by a full one."""
         d = asdict(self)
         d["encode"]["tokenizer"] = tokenizer_fingerprint(self.encode.tokenizer)
+        del d["strict"], d["dry_run"]
         return json.loads(json.dumps(d))
 
 
@@ -409,7 +412,9 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, *, work
     manifest_path = output / MANIFEST
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text())
-        return PackResult(output, manifest.get("counts", {}), manifest.get("packs", {}))
+        if settings.dry_run or not manifest.get("dry_run"):
+            return PackResult(output, manifest.get("counts", {}), manifest.get("packs", {}))
+        manifest_path.unlink()  # a dry run's output, now finished by a full run on the same encode work
     get_encoder(settings.encode, src.dataset_yaml)  # fail fast on a bad tokenizer folder, before any pool starts
 
     enc_root = output / WORK / "encode"
@@ -456,7 +461,8 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, *, work
         "packtool": __version__,
         "format": 1,
         "fingerprint": fingerprint,
-        "settings": {**asdict(settings.encode), **{k: v for k, v in asdict(settings).items() if k != "encode"},
+        "settings": {**asdict(settings.encode), **{k: v for k, v in asdict(settings).items()
+                                                   if k not in ("encode", "strict", "dry_run")},
                      "tokenizer": Path(settings.encode.tokenizer).name},
         "source": str(source),
         "splits": {k: v for k, v in out_shards.items()},

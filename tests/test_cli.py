@@ -116,3 +116,16 @@ def test_dry_run_compare_and_dp_balance(demo_dir, tmp_path):
     rows = {r["algorithm"]: r for r in report["compare"]["train"]}
     assert set(rows) == set(algos.split(","))
     assert rows["bfd"]["packs"] == train["packs"] and rows["sequential"]["packs"] >= rows["bfd"]["packs"]
+
+
+def test_dry_run_then_full_run_reuses_the_plan(demo_dir, tmp_path):
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    base = [demo_dir / "dataset", "--tokenizer", demo_dir / "tokenizer", "--pack-size", 2048, "--split", "val",
+            "--workers", 1, "--no-progress"]
+    assert run("pack", base[0], out, *base[1:], "--dry-run").returncode == 0
+    assert not (out / "val").exists()
+    assert run("pack", base[0], out, *base[1:], "--strict").returncode == 0
+    assert run("pack", base[0], ref, *base[1:]).returncode == 0
+    assert run("verify", out).returncode == 0
+    for path in sorted(p for p in ref.rglob("*") if p.is_file() and ".packtool" not in p.parts):
+        assert (out / path.relative_to(ref)).read_bytes() == path.read_bytes(), path
