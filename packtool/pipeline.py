@@ -330,26 +330,43 @@ def _pack_record(split, number, group, arrays, media_bytes, pack_size, align):
 
 
 # -- the verb ----------------------------------------------------------------------------------------------------
-def _check_output(output: Path, fingerprint: dict, overwrite: bool) -> None:
-    """Refuse an OUTPUT made with other settings (unless ``overwrite``); start or resume otherwise."""
+def _check_output(output: Path, fingerprint: dict, overwrite: bool):
+    """Refuse an OUTPUT made with other settings (unless ``overwrite``) or being written by another run; start or
+    resume otherwise. Returns the open lock file, held (``flock``) until the caller closes it."""
+    import fcntl
+
     stamp = output / WORK / "settings.json"
     manifest = output / MANIFEST
+    ours = stamp.exists() or manifest.exists() or (output / WORK).is_dir()
+    if output.exists() and not ours and any(output.iterdir()) and not overwrite:
+        raise PackError(f"{output} exists and was not made by packtool; pass --overwrite to replace it")
+    (output / WORK).mkdir(parents=True, exist_ok=True)
+    lock = open(output / WORK / "lock", "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise PackError(f"another packtool run is writing {output}") from None
     previous = None
     if stamp.exists():
         previous = json.loads(stamp.read_text())
     elif manifest.exists():
         previous = json.loads(manifest.read_text()).get("fingerprint")
-    elif output.exists() and any(p.name != WORK for p in output.iterdir()):
-        if not overwrite:
-            raise PackError(f"{output} exists and was not made by packtool; pass --overwrite to replace it")
     if previous is not None and previous != fingerprint and not overwrite:
+        lock.close()
         raise PackError(f"{output} was packed with other settings ({'; '.join(_changes(previous, fingerprint))}); "
                         f"pass --overwrite to replace it")
-    if overwrite and previous != fingerprint and output.exists():
-        shutil.rmtree(output)
-    output.mkdir(parents=True, exist_ok=True)
+    if overwrite and (previous is None or previous != fingerprint):
+        for child in output.iterdir():  # everything but the lock we hold
+            if child.name == WORK:
+                for inner in child.iterdir():
+                    if inner.name != "lock":
+                        shutil.rmtree(inner) if inner.is_dir() else inner.unlink()
+            else:
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
     if not stamp.exists():
         atomic_write(stamp, json.dumps(fingerprint, indent=1, sort_keys=True).encode())
+    return lock
 
 
 def _changes(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -407,80 +424,80 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, *, work
             raise PackError(f"split name {split!r} cannot name packs (no dots or slashes)")
     fingerprint = settings.fingerprint()
     fingerprint["source"] = str(source)
-    _check_output(output, fingerprint, overwrite)
-    _remove_temporaries(output)
-    manifest_path = output / MANIFEST
-    if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
-        if settings.dry_run or not manifest.get("dry_run"):
-            return PackResult(output, manifest.get("counts", {}), manifest.get("packs", {}))
-        manifest_path.unlink()  # a dry run's output, now finished by a full run on the same encode work
-    get_encoder(settings.encode, src.dataset_yaml)  # fail fast on a bad tokenizer folder, before any pool starts
+    with _check_output(output, fingerprint, overwrite):  # holds the OUTPUT lock until the run ends
+        _remove_temporaries(output)
+        manifest_path = output / MANIFEST
+        if manifest_path.exists():
+            manifest = json.loads(manifest_path.read_text())
+            if settings.dry_run or not manifest.get("dry_run"):
+                return PackResult(output, manifest.get("counts", {}), manifest.get("packs", {}))
+            manifest_path.unlink()  # a dry run's output, now finished by a full run on the same encode work
+        get_encoder(settings.encode, src.dataset_yaml)  # fail fast on a bad tokenizer folder, before any pool starts
 
-    enc_root = output / WORK / "encode"
-    enc_dirs = {split: [enc_root / split / f"{i:06d}" for i in range(len(shards))]
-                for split, shards in src.splits.items()}
-    tasks = [(str(source), shard, src.excluded_samples, settings.encode, src.dataset_yaml, settings.strict,
-              str(enc_dirs[split][i])) for split, shards in src.splits.items() for i, shard in enumerate(shards)]
-    run_tasks(encode_shard, tasks, workers=workers, engine=engine, ray_address=ray_address,
-              desc="scan+encode", unit="shard", progress=progress)
-    lap("scan+encode")
+        enc_root = output / WORK / "encode"
+        enc_dirs = {split: [enc_root / split / f"{i:06d}" for i in range(len(shards))]
+                    for split, shards in src.splits.items()}
+        tasks = [(str(source), shard, src.excluded_samples, settings.encode, src.dataset_yaml, settings.strict,
+                  str(enc_dirs[split][i])) for split, shards in src.splits.items() for i, shard in enumerate(shards)]
+        run_tasks(encode_shard, tasks, workers=workers, engine=engine, ray_address=ray_address,
+                  desc="scan+encode", unit="shard", progress=progress)
+        lap("scan+encode")
 
-    plans = {split: plan_split(split, enc_dirs[split], settings) for split in src.splits}
-    for split, plan in plans.items():
-        _check_packable(split, plan, settings)
-    lap("plan")
+        plans = {split: plan_split(split, enc_dirs[split], settings) for split in src.splits}
+        for split, plan in plans.items():
+            _check_packable(split, plan, settings)
+        lap("plan")
 
-    out_shards: dict[str, list[str]] = {}
-    write_tasks = []
-    for split, plan in plans.items():
-        n_shards = int(plan.shard_of_pack.max()) + 1 if plan.shard_of_pack.size else 0
-        out_shards[split] = [f"{split}/pack-{k:06d}.tar" for k in range(n_shards)]
-        if settings.dry_run or not n_shards:
-            continue
-        rows = np.flatnonzero(plan.pack >= 0)
-        rows = rows[np.lexsort((rows, plan.pack[rows]))]
-        bounds = np.searchsorted(plan.shard_of_pack[plan.pack[rows]], np.arange(n_shards + 1))
-        table = plan.table.append_column("pack", pa.array(plan.pack)).select(SEGMENT_COLUMNS)
-        for k in range(n_shards):  # each task gets a compact table of its own rows, no Python object per row
-            write_tasks.append((str(output / out_shards[split][k]), split, str(source),
-                                [str(d) for d in enc_dirs[split]], table.take(rows[bounds[k]:bounds[k + 1]]),
-                                settings.encode.pack_size, settings.encode.align))
-    written = run_tasks(write_shard, write_tasks, workers=workers, engine=engine, ray_address=ray_address,
-                        desc="write", unit="shard", progress=progress)
-    lap("write")
+        out_shards: dict[str, list[str]] = {}
+        write_tasks = []
+        for split, plan in plans.items():
+            n_shards = int(plan.shard_of_pack.max()) + 1 if plan.shard_of_pack.size else 0
+            out_shards[split] = [f"{split}/pack-{k:06d}.tar" for k in range(n_shards)]
+            if settings.dry_run or not n_shards:
+                continue
+            rows = np.flatnonzero(plan.pack >= 0)
+            rows = rows[np.lexsort((rows, plan.pack[rows]))]
+            bounds = np.searchsorted(plan.shard_of_pack[plan.pack[rows]], np.arange(n_shards + 1))
+            table = plan.table.append_column("pack", pa.array(plan.pack)).select(SEGMENT_COLUMNS)
+            for k in range(n_shards):  # each task gets a compact table of its own rows, no Python object per row
+                write_tasks.append((str(output / out_shards[split][k]), split, str(source),
+                                    [str(d) for d in enc_dirs[split]], table.take(rows[bounds[k]:bounds[k + 1]]),
+                                    settings.encode.pack_size, settings.encode.align))
+        written = run_tasks(write_shard, write_tasks, workers=workers, engine=engine, ray_address=ray_address,
+                            desc="write", unit="shard", progress=progress)
+        lap("write")
 
-    counts, packs = _write_ledger(output, plans)
-    if not settings.dry_run:
-        indexes = dict(zip((s for shards in out_shards.values() for s in shards), written))  # tasks in this order
-        write_energon_meta(output, {k: v for k, v in out_shards.items() if v}, indexes,
-                           version("megatron-energon"))
-        _copy_tokenizer(Path(settings.encode.tokenizer), output / ".nv-meta" / "tokenizer")
-    encoder = get_encoder(settings.encode, src.dataset_yaml)
-    manifest = {
-        "packtool": __version__,
-        "format": 1,
-        "fingerprint": fingerprint,
-        "settings": {**asdict(settings.encode), **{k: v for k, v in asdict(settings).items()
-                                                   if k not in ("encode", "strict", "dry_run")},
-                     "tokenizer": Path(settings.encode.tokenizer).name},
-        "source": str(source),
-        "splits": {k: v for k, v in out_shards.items()},
-        "tokenizer": {"fingerprint": tokenizer_fingerprint(settings.encode.tokenizer), "dir": ".nv-meta/tokenizer"},
-        "pad_token_id": _pad_id(encoder.tok),
-        "eos_token_id": encoder.tok.eos_token_id,
-        "image_token_id": encoder.image_token_id,
-        "vision_start_token_id": encoder.vision_start_id,
-        "vision_end_token_id": encoder.vision_end_id,
-        "image_processor": encoder.rule.manifest() if encoder.rule else None,
-        "seed": settings.seed,
-        "counts": counts,
-        "packs": packs,
-        "dry_run": settings.dry_run,
-    }
-    atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
-    lap("finalize")
-    return PackResult(output, counts, packs, {k: v for k, v in clock.items() if k not in ("start", "last")})
+        counts, packs = _write_ledger(output, plans)
+        if not settings.dry_run:
+            indexes = dict(zip((s for shards in out_shards.values() for s in shards), written))  # tasks in this order
+            write_energon_meta(output, {k: v for k, v in out_shards.items() if v}, indexes,
+                               version("megatron-energon"))
+            _copy_tokenizer(Path(settings.encode.tokenizer), output / ".nv-meta" / "tokenizer")
+        encoder = get_encoder(settings.encode, src.dataset_yaml)
+        manifest = {
+            "packtool": __version__,
+            "format": 1,
+            "fingerprint": fingerprint,
+            "settings": {**asdict(settings.encode), **{k: v for k, v in asdict(settings).items()
+                                                       if k not in ("encode", "strict", "dry_run")},
+                         "tokenizer": Path(settings.encode.tokenizer).name},
+            "source": str(source),
+            "splits": {k: v for k, v in out_shards.items()},
+            "tokenizer": {"fingerprint": tokenizer_fingerprint(settings.encode.tokenizer), "dir": ".nv-meta/tokenizer"},
+            "pad_token_id": _pad_id(encoder.tok),
+            "eos_token_id": encoder.tok.eos_token_id,
+            "image_token_id": encoder.image_token_id,
+            "vision_start_token_id": encoder.vision_start_id,
+            "vision_end_token_id": encoder.vision_end_id,
+            "image_processor": encoder.rule.manifest() if encoder.rule else None,
+            "seed": settings.seed,
+            "counts": counts,
+            "packs": packs,
+            "dry_run": settings.dry_run,
+        }
+        atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
+        lap("finalize")
+        return PackResult(output, counts, packs, {k: v for k, v in clock.items() if k not in ("start", "last")})
 
 
 def _pad_id(tok) -> int:

@@ -129,3 +129,16 @@ def test_dry_run_then_full_run_reuses_the_plan(demo_dir, tmp_path):
     assert run("verify", out).returncode == 0
     for path in sorted(p for p in ref.rglob("*") if p.is_file() and ".packtool" not in p.parts):
         assert (out / path.relative_to(ref)).read_bytes() == path.read_bytes(), path
+
+
+def test_concurrent_run_on_the_same_output_is_refused(demo_dir, tmp_path):
+    import fcntl
+
+    out = tmp_path / "out"
+    base = ["pack", demo_dir / "dataset", out, "--tokenizer", demo_dir / "tokenizer", "--pack-size", 2048,
+            "--split", "val", "--workers", 1, "--no-progress"]
+    (out / ".packtool").mkdir(parents=True)
+    with open(out / ".packtool" / "lock", "a") as held:  # what a running `packtool pack` holds
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert "another packtool run is writing" in run(*base, check_fail=True).stderr
+    assert run(*base).returncode == 0
