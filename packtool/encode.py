@@ -112,6 +112,12 @@ def check_tokenizer_dir(tokenizer_dir: str | Path) -> None:
         raise EncodeConfigError(f"tokenizer folder {d} has no chat template (chat_template.jinja)")
 
 
+def _processor_template(tokenizer_dir: str | Path) -> str | None:
+    """The template a VLM folder keeps for its processor (``chat_template.json``), when the tokenizer has none."""
+    path = Path(tokenizer_dir) / "chat_template.json"
+    return json.loads(path.read_text()).get("chat_template") if path.exists() else None
+
+
 def load_tokenizer(tokenizer_dir: str | Path):
     """The folder's tokenizer class, imported by name (``AutoTokenizer`` would import torch: 300 MB per worker)."""
     import transformers
@@ -135,9 +141,11 @@ class Encoder:
         self.tok = load_tokenizer(settings.tokenizer)
         if not getattr(self.tok, "is_fast", False):
             raise EncodeConfigError(f"{settings.tokenizer}: not a fast tokenizer")
-        self.template_source = self.tok.chat_template
+        self.template_source = self.tok.chat_template or _processor_template(settings.tokenizer)
+        if isinstance(self.template_source, dict):  # named templates: the default one renders conversations
+            self.template_source = self.template_source.get("default")
         if not isinstance(self.template_source, str):
-            raise EncodeConfigError(f"{settings.tokenizer}: no single chat template")
+            raise EncodeConfigError(f"{settings.tokenizer}: no default chat template")
         self.template = _compile_jinja_template(self.template_source)
         self.template_kwargs = dict(self.tok.special_tokens_map)
         self.generation_tags = re.search(r"\{%-?\s*generation\s*-?%\}", self.template_source) is not None

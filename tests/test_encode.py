@@ -179,3 +179,19 @@ def test_unsafe_member_names_are_quarantined(tmp_path):
     assert [s.problem is None for s in samples] == [True, False, False]
     assert all("unsafe member name" in s.problem for s in samples[1:])
     assert not (tmp_path.parent / "etc").exists()
+
+
+def test_template_only_in_processor_chat_template_json(demo_dir, tmp_path, encoders):
+    """VLM folders often keep the template in chat_template.json (the processor's) rather than the tokenizer's."""
+    import shutil
+
+    folder = tmp_path / "vlm"
+    shutil.copytree(demo_dir / "tokenizer", folder)
+    template = (folder / "chat_template.jinja").read_text()
+    (folder / "chat_template.jinja").unlink()
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    enc = Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048))
+    turns = [{"from": "human", "value": "<image> what is it"}, {"from": "gpt", "value": "a square"}]
+    r = raw({"json": turns, "png": png(64, 64)})
+    a, b = enc.encode_many([r])[0], encoders["tokenizer"].encode_many([r])[0]
+    assert a.status == "packed" and np.array_equal(a.tokens, b.tokens) and np.array_equal(a.targets, b.targets)
