@@ -175,6 +175,11 @@ def check_pack(key: str, parts: dict[str, bytes], manifest: dict,
         named += [m["member"] for m in seg.get("media", [])]
         if segments is not None:
             segments.append((where, t, seg.get("media", []), bool(seg.get("truncated"))))
+    caps = (("max_segments", len(segs), "segments"), ("max_images", len(named), "images"),
+            ("max_image_tokens", sum(int(m["tokens"]) for s in segs for m in s.get("media", [])), "image tokens"))
+    for setting, value, what in caps:
+        if settings.get(setting) is not None and value > int(settings[setting]):
+            problems.append(f"{key}: {value} {what} exceed {setting} {settings[setting]}")
     members = sorted(p for p in parts if p not in ARRAYS and p != "json")
     if sorted(named) != members:
         problems.append(f"{key}: media members {members} differ from the json's {sorted(named)}")

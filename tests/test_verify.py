@@ -154,3 +154,11 @@ def test_token_check_accepts_every_cut_and_catches_a_changed_token(demo_dir):
     changed = ids.copy()
     changed[len(ids) // 3] = ids[len(ids) // 3 + 1]
     assert len(check.problems([("changed", changed[:-5], [], True), ("whole", changed, [], False)])) == 2
+
+
+def test_caps_from_the_manifest_are_checked(copy):
+    manifest = json.loads((copy / ".nv-meta/packtool.json").read_text())
+    manifest["settings"]["max_segments"] = 1
+    (copy / ".nv-meta/packtool.json").write_text(json.dumps(manifest))
+    problems = verify_output(copy)
+    assert problems and any("segments exceed max_segments 1" in p for p in problems)
