@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pyarrow.parquet as pq
-import pytest
 
 import demo
 

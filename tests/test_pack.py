@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-import pytest
 import yaml
 
 import demo
