@@ -91,9 +91,14 @@ def pack(
         _fail(str(exc))
     total = sum(c["samples"] for c in result.counts.values())
     errors = sum(c["error"] for c in result.counts.values())
+    from packtool.stats import compute
+
+    fills = compute(result.output)["splits"]
     for split, c in result.counts.items():
+        f = fills.get(split, {})
         typer.echo(f"{split}: {c['samples']} samples -> {result.packs.get(split, 0)} packs "
-                   f"(packed {c['packed']}, truncated {c['truncated']}, dropped {c['dropped']}, error {c['error']})")
+                   f"(L1 bound {f.get('l1_bound', 0)}, fill {f.get('fill', 0.0):.4f}; packed {c['packed']}, "
+                   f"truncated {c['truncated']}, dropped {c['dropped']}, error {c['error']})")
     typer.echo(f"wrote {result.output}" + (" (dry run: ledger only)" if dry_run else ""))
     if total and errors / total > max_error_rate:
         _fail(f"error rate {errors / total:.2%} exceeds --max-error-rate {max_error_rate:.2%} "
