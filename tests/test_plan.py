@@ -86,11 +86,17 @@ def ref_fill(units, cap, K, res, balanced):
     return ids
 
 
-def ref_bfd(units, cap, K, res):
+def ref_bfd(units, cap, K, res, seed=0):
+    first = lambda c, rem, segs: c[0]  # noqa: E731
     ids = _place_each(units, cap, K, res, _decreasing(units),
                       lambda c, rem, segs: min(c, key=lambda p: (rem[p], (K - segs[p]) if K else 0, p)))
+    binding = [(v, lim) for v, lim in res if sum(sorted(v, reverse=True)[:K] if K else v) > lim]
     if K and ids and max(np.bincount(ids)) >= K:
-        alt = ref_fill(units, cap, K, res, balanced=True)
+        alt = ref_fill(units, cap, K, binding, balanced=True)
+        if max(alt) < max(ids):
+            ids = alt
+    if binding and ids:  # a binding image cap: a shuffled first fit competes
+        alt = _place_each(units, cap, K, res, np.random.default_rng(seed).permutation(len(units)).tolist(), first)
         if max(alt) < max(ids):
             return alt
     return ids
@@ -99,7 +105,7 @@ def ref_bfd(units, cap, K, res):
 def ref_pack(algorithm, units, cap, K, res, seed=0, delta=0):
     first = lambda c, rem, segs: c[0]  # noqa: E731
     if algorithm == "bfd":
-        return ref_bfd(units, cap, K, res)
+        return ref_bfd(units, cap, K, res, seed)
     if algorithm == "ffd":
         return _place_each(units, cap, K, res, _decreasing(units), first)
     if algorithm == "first_fit_shuffle":
