@@ -397,3 +397,19 @@ def test_l1_bound_and_compare():
         assert set(r) == {"algorithm", "packs", "fill", "l1_bound", "seconds"}
         assert r["packs"] >= r["l1_bound"] == l1_bound(-(-lengths // 2) * 2, 4096)
         assert 0 < r["fill"] <= 1
+
+
+def test_bfd_under_binding_image_cap_is_no_worse_than_either_candidate():
+    from packtool.plan.bestfit import best_fit_decreasing
+
+    rng = np.random.default_rng(1)
+    n = 4000
+    images = np.where(rng.random(n) < 0.7, rng.choice([1, 1, 2, 3, 4], n), 0)
+    lengths = np.minimum(rng.lognormal(6.0, 0.9, n).astype(np.int64) + 1 + 400 * images, 16384)
+    kw = dict(max_segments=16, images=images, max_images=16)
+    ids = pack_lengths(lengths, 16384, algorithm="bfd", **kw)
+    assert_valid(ids, lengths, 16384, **kw)
+    shuffled = pack_lengths(lengths, 16384, algorithm="first_fit_shuffle", **kw)
+    alone = best_fit_decreasing(lengths.astype(np.int64), 16384, 16, ((images.astype(np.int64), 16),))
+    assert ids.max() <= min(shuffled.max(), alone.max())
+    assert ids.max() < alone.max()  # on this image-heavy set the shuffled candidate wins
