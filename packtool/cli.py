@@ -45,6 +45,8 @@ def pack(
     pixel_limit: int = typer.Option(89_478_485, min=1, help="Images with more pixels are quarantined."),
     media_check: str = typer.Option("decode", help="decode (prove every image decodes) or header (size only)."),
     caption_prompt: str = typer.Option("", help="User text for captioning datasets."),
+    template_date: str = typer.Option("2026-01-01", help="Date the chat template sees (strftime_now), fixed for "
+                                                         "reproducible output."),
     workers: Optional[int] = typer.Option(None, min=1, help="Local worker processes (default: all cores)."),
     engine: str = typer.Option("local", help="local or ray."),
     ray_address: Optional[str] = typer.Option(None, help="Ray cluster address (with --engine ray)."),
@@ -79,7 +81,7 @@ def pack(
         tokenizer=str(tokenizer.resolve()), pack_size=pack_size, align=aligned, overlong=overlong,
         min_pixels=min_pixels, max_pixels=max_pixels, image_tokens=image_tokens, max_images=max_images,
         max_image_tokens=max_image_tokens, adapter=adapter, allow_pickle=allow_pickle, pixel_limit=pixel_limit,
-        media_check=media_check, caption_prompt=caption_prompt,
+        media_check=media_check, caption_prompt=caption_prompt, template_date=template_date,
     )
     settings = PackSettings(encode=enc, splits=tuple(split or ()), algorithm=algorithm,
                             balanced_delta=balanced_delta, max_segments=max_segments, seed=seed,

@@ -8,6 +8,7 @@ follows that prefix. Each image placeholder token is expanded to the image's exa
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -61,6 +62,9 @@ class EncodeSettings:
     pixel_limit: int = DEFAULT_PIXEL_LIMIT
     media_check: str = "decode"
     caption_prompt: str = ""
+    #: The date templates see through ``strftime_now`` (Llama-3.1-style "Today Date"), fixed so that reruns on
+    #: another day give the same tokens.
+    template_date: str = "2026-01-01"
 
     @property
     def max_tokens(self) -> int:
@@ -148,6 +152,11 @@ class Encoder:
             raise EncodeConfigError(f"{settings.tokenizer}: no default chat template")
         self.template = _compile_jinja_template(self.template_source)
         self.template_kwargs = dict(self.tok.special_tokens_map)
+        try:
+            today = datetime.date.fromisoformat(settings.template_date)
+        except ValueError:
+            raise EncodeConfigError(f"--template-date must be YYYY-MM-DD, not {settings.template_date!r}") from None
+        self.template_kwargs["strftime_now"] = today.strftime  # shadows the global that reads the clock
         self.generation_tags = re.search(r"\{%-?\s*generation\s*-?%\}", self.template_source) is not None
         self.rule: ImageRule | None = load_image_rule(
             settings.tokenizer,

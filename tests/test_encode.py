@@ -195,3 +195,24 @@ def test_template_only_in_processor_chat_template_json(demo_dir, tmp_path, encod
     r = raw({"json": turns, "png": png(64, 64)})
     a, b = enc.encode_many([r])[0], encoders["tokenizer"].encode_many([r])[0]
     assert a.status == "packed" and np.array_equal(a.tokens, b.tokens) and np.array_equal(a.targets, b.targets)
+
+
+def test_template_date_is_fixed_by_a_setting(demo_dir, tmp_path):
+    """Templates that print today's date (Llama-3.1 style) must not make the output depend on the day."""
+    import shutil
+
+    folder = tmp_path / "dated"
+    shutil.copytree(demo_dir / "tokenizer", folder)
+    template = (folder / "chat_template.jinja").read_text()
+    (folder / "chat_template.jinja").write_text("{{ 'Today ' + strftime_now('%d %b %Y') }}" + template)
+    turns = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
+    tok = Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048)).tok
+
+    def text(date):
+        e = Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048, template_date=date))
+        return tok.decode(e.encode_many([raw({"json": turns})])[0].tokens)
+
+    assert text("2024-07-23").startswith("Today 23 Jul 2024")
+    assert text("2026-01-01").startswith("Today 01 Jan 2026")
+    with pytest.raises(ValueError, match="YYYY-MM-DD"):
+        Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048, template_date="yesterday"))
