@@ -352,6 +352,9 @@ def _check_output(output: Path, fingerprint: dict, overwrite: bool):
         previous = json.loads(stamp.read_text())
     elif manifest.exists():
         previous = json.loads(manifest.read_text()).get("fingerprint")
+    committed = manifest.exists() or any((output / WORK / "encode").glob("*/*/samples.parquet"))
+    if previous is not None and previous != fingerprint and not committed:
+        overwrite = True  # an earlier run stopped before committing anything: nothing to protect
     if previous is not None and previous != fingerprint and not overwrite:
         lock.close()
         raise PackError(f"{output} was packed with other settings ({'; '.join(_changes(previous, fingerprint))}); "
@@ -424,6 +427,7 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, *, work
             raise PackError(f"split name {split!r} cannot name packs (no dots or slashes)")
     fingerprint = settings.fingerprint()
     fingerprint["source"] = str(source)
+    get_encoder(settings.encode, src.dataset_yaml)  # fail fast on a bad tokenizer folder, before OUTPUT is touched
     with _check_output(output, fingerprint, overwrite):  # holds the OUTPUT lock until the run ends
         _remove_temporaries(output)
         manifest_path = output / MANIFEST
@@ -432,7 +436,6 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, *, work
             if settings.dry_run or not manifest.get("dry_run"):
                 return PackResult(output, manifest.get("counts", {}), manifest.get("packs", {}))
             manifest_path.unlink()  # a dry run's output, now finished by a full run on the same encode work
-        get_encoder(settings.encode, src.dataset_yaml)  # fail fast on a bad tokenizer folder, before any pool starts
 
         enc_root = output / WORK / "encode"
         enc_dirs = {split: [enc_root / split / f"{i:06d}" for i in range(len(shards))]

@@ -139,3 +139,14 @@ def test_concurrent_run_on_the_same_output_is_refused(demo_dir, tmp_path):
         fcntl.flock(held, fcntl.LOCK_EX)
         assert "another packtool run is writing" in run(*base, check_fail=True).stderr
     assert run(*base).returncode == 0
+
+
+def test_failed_start_does_not_block_a_corrected_rerun(demo_dir, tmp_path):
+    out = tmp_path / "out"
+    base = ["pack", demo_dir / "dataset", out, "--pack-size", 2048, "--split", "val", "--workers", 1,
+            "--no-progress"]
+    assert "tokenizer.json" in run(*base, "--tokenizer", tmp_path, check_fail=True).stderr
+    assert not out.exists()  # nothing written for a run that could not start
+    (out / ".packtool").mkdir(parents=True)  # a run killed right after stamping its settings
+    (out / ".packtool" / "settings.json").write_text('{"other": 1}')
+    assert run(*base, "--tokenizer", demo_dir / "tokenizer").returncode == 0
