@@ -499,6 +499,8 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, *, work
             "dry_run": settings.dry_run,
         }
         atomic_write(manifest_path, json.dumps(manifest, indent=1).encode())
+        if not settings.dry_run:  # the job is complete: the encoded copies of every token are no longer needed
+            shutil.rmtree(enc_root, ignore_errors=True)
         lap("finalize")
         return PackResult(output, counts, packs, {k: v for k, v in clock.items() if k not in ("start", "last")})
 

@@ -216,3 +216,4 @@ def test_rerun_is_byte_identical(packed, demo_dir, tmp_path):
                 for p in sorted(root.rglob("*")) if p.is_file() and ".packtool" not in p.parts}
 
     assert digest(out) == digest(packed)
+    assert not (out / ".packtool" / "encode").exists()  # the work copies go once the manifest is written
