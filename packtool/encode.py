@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -420,7 +420,3 @@ def _cached_encoder(settings: EncodeSettings, dataset_yaml_json: str) -> Encoder
 def get_encoder(settings: EncodeSettings, dataset_yaml: dict | None = None) -> Encoder:
     """The encoder for these settings, built once per process."""
     return _cached_encoder(settings, json.dumps(dataset_yaml or {}, sort_keys=True, default=str))
-
-
-def settings_dict(settings: EncodeSettings) -> dict:
-    return asdict(settings)
