@@ -1,21 +1,15 @@
-"""Media facts from bytes: image size from the header (optionally a full decode check), and token rules.
+"""Qwen2-VL / Qwen2.5-VL media token rules: an image's patch grid and token count from its width and height.
 
-The Qwen2-VL rule (DESIGN §6) decides an image's grid and token count from its stored width and height alone.
+The rule is transformers' ``smart_resize``: sides rounded to multiples of patch·merge, then scaled into
+``[min_pixels, max_pixels]``; the model folder's ``preprocessor_config.json`` gives the numbers.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import math
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-
-from PIL import Image
-
-#: Part-name endings treated as images.
-IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff"})
 
 
 @dataclass(frozen=True)
@@ -112,35 +106,3 @@ def load_image_rule(
         image_mean=tuple(cfg.get("image_mean", ImageRule.image_mean)),
         image_std=tuple(cfg.get("image_std", ImageRule.image_std)),
     )
-
-
-def image_size(data: bytes, *, max_pixels: int, decode: bool) -> tuple[int, int, str]:
-    """``(width, height, format)`` of an encoded image; raises ``ValueError`` with a reason if it is unusable.
-
-    Only the header is read unless ``decode``: then the whole image is decoded once to prove it is not truncated
-    or corrupt. ``max_pixels`` guards against decompression bombs, checked before any decode.
-    """
-    if not data:
-        raise ValueError("empty image member")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
-        width, height = img.size
-        fmt = (img.format or "").lower()
-    except Image.DecompressionBombError as exc:
-        raise ValueError(f"image exceeds the pixel limit: {exc}") from None
-    except Exception as exc:  # PIL raises many types for bad data
-        raise ValueError(f"undecodable image: {type(exc).__name__}: {exc}") from None
-    if width * height > max_pixels:
-        raise ValueError(f"image of {width}x{height} pixels exceeds the limit of {max_pixels}")
-    if decode:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-                if fmt == "jpeg":  # a scaled DCT decode still reads every byte of the stream, at a fraction of the work
-                    img.draft(img.mode, (max(1, width // 8), max(1, height // 8)))
-                img.load()
-        except Exception as exc:
-            raise ValueError(f"undecodable image: {type(exc).__name__}: {exc}") from None
-    return width, height, fmt
