@@ -11,9 +11,7 @@ from typing import Iterator
 import braceexpand
 import yaml
 
-
-class SourceError(ValueError):
-    """The source dataset as a whole is unusable (one clear line for the user)."""
+from packtool.errors import SourceError
 
 
 @dataclass

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from packtool.errors import SampleError
 
-class SampleError(ValueError):
-    """A sample that cannot be used; the message is its ledger reason."""
+__all__ = ["IMAGE_TAG", "Conversation", "Media", "SampleError"]
 
 
 @dataclass(frozen=True)
