@@ -20,8 +20,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import demo  # noqa: E402
 
-from packtool.encode import EncodeSettings, get_encoder  # noqa: E402
-from packtool.pipeline import PackSettings, pack  # noqa: E402
+from packtool.encode import get_encoder  # noqa: E402
+from packtool.pipeline import pack  # noqa: E402
+from packtool.settings import EncodeSettings, PackSettings  # noqa: E402
 from packtool.sources import open_source, read_raw_samples  # noqa: E402
 
 

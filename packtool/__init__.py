@@ -10,7 +10,7 @@ _LAZY = {
     "pack_lengths": "packtool.plan",
     "ALGORITHMS": "packtool.plan",
     "read_packs": "packtool.read",
-    "to_megatron": "packtool.megatron",
+    "to_megatron": "packtool.megatron_batch",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -1,21 +1,44 @@
-"""The ``packtool`` command: a thin Typer layer over the pipeline, stats, verify and inspect."""
+"""The ``packtool`` command: a thin Typer layer. Options are parsed into :mod:`packtool.settings` (defaults come
+from there), the library does the work, and every :class:`~packtool.errors.PacktoolError` or I/O error becomes
+one line on stderr starting with ``packtool``."""
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
+from typing import Optional, TypeVar
 
 import typer
 
+from packtool.errors import PacktoolError
+from packtool.settings import Algorithm, EncodeSettings, PlanSettings, RunOptions, choices, default
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Offline global sequence packing of Energon multimodal SFT datasets.")
+
+T = TypeVar("T")
+E, P, R = EncodeSettings, PlanSettings, RunOptions
 
 
 def _fail(message: str, code: int = 2) -> None:
     typer.echo(f"packtool: error: {message}", err=True)
     raise typer.Exit(code)
+
+
+def _one_line(call: Callable[[], T]) -> T:
+    """Run ``call``; user-caused errors (and failed I/O: no space, read-only folders) exit with one line."""
+    try:
+        return call()
+    except PacktoolError as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        _fail(message + (f"; pass --{exc.option.replace('_', '-')} to go ahead" if exc.option else ""))
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        _fail(f"{exc.strerror or errno.errorcode.get(exc.errno or 0, 'I/O error')}{where}")
+    raise AssertionError("unreachable")
 
 
 @app.command()
@@ -24,86 +47,84 @@ def pack(
     output: Path = typer.Argument(..., help="Output folder: a packed Energon dataset."),
     tokenizer: Path = typer.Option(..., help="Local Hugging Face model folder (tokenizer, chat template, "
                                              "optional preprocessor_config.json)."),
-    pack_size: int = typer.Option(..., min=1, help="Tokens per pack."),
+    pack_size: int = typer.Option(..., help="Tokens per pack."),
     split: Optional[list[str]] = typer.Option(None, help="Split to pack (repeatable); default: all in split.yaml."),
-    algorithm: str = typer.Option("bfd", help="bfd, ffd, greedy_knapsack, balanced_greedy_knapsack, "
-                                              "first_fit_shuffle, sequential."),
-    balanced_delta: int = typer.Option(0, min=0, help="Extra packs for balanced_greedy_knapsack."),
-    align: Optional[int] = typer.Option(None, min=1, help="Per-segment alignment (default: from --cp-size etc.)."),
+    algorithm: str = typer.Option(default(P, "algorithm"), help=", ".join(choices(Algorithm))),
+    balanced_delta: int = typer.Option(default(P, "balanced_delta"), help="Extra packs for balanced_greedy_knapsack."),
+    align: Optional[int] = typer.Option(None, help="Per-segment alignment (default: from --cp-size etc.)."),
     cp_size: int = typer.Option(1, min=1, help="Context-parallel size (align = 2·cp when cp > 1)."),
     tp_size: int = typer.Option(1, min=1, help="Tensor-parallel size (with --sequence-parallel)."),
     sequence_parallel: bool = typer.Option(False, help="Sequence parallelism (align includes cp·tp)."),
-    max_segments: Optional[int] = typer.Option(None, min=1, help="At most this many samples per pack."),
-    max_images: Optional[int] = typer.Option(None, min=1, help="At most this many images per pack."),
-    max_image_tokens: Optional[int] = typer.Option(None, min=1, help="At most this many image tokens per pack."),
-    overlong: str = typer.Option("truncate", help="truncate (cut at a safe boundary) or drop."),
-    min_pixels: Optional[int] = typer.Option(None, min=1, help="Override the processor's min_pixels."),
-    max_pixels: Optional[int] = typer.Option(None, min=1, help="Override the processor's max_pixels."),
-    image_tokens: Optional[int] = typer.Option(None, min=1, help="Fixed tokens per image (non-Qwen models)."),
+    max_segments: Optional[int] = typer.Option(None, help="At most this many samples per pack."),
+    max_images: Optional[int] = typer.Option(None, help="At most this many images per pack."),
+    max_image_tokens: Optional[int] = typer.Option(None, help="At most this many image tokens per pack."),
+    overlong: str = typer.Option(default(E, "overlong"), help="truncate (cut at a safe boundary) or drop."),
+    min_pixels: Optional[int] = typer.Option(None, help="Override the processor's min_pixels."),
+    max_pixels: Optional[int] = typer.Option(None, help="Override the processor's max_pixels."),
+    image_tokens: Optional[int] = typer.Option(None, help="Fixed tokens per image (non-Qwen models)."),
     adapter: Optional[str] = typer.Option(None, help="Custom adapter module:function."),
-    allow_pickle: bool = typer.Option(False, help="Read pickled jpgs lists (through a global-refusing unpickler)."),
-    pixel_limit: int = typer.Option(89_478_485, min=1, help="Images with more pixels are quarantined."),
-    media_check: str = typer.Option("decode", help="decode (prove every image decodes) or header (size only)."),
-    caption_prompt: str = typer.Option("", help="User text for captioning datasets."),
-    template_date: str = typer.Option("2026-01-01", help="Date the chat template sees (strftime_now), fixed for "
-                                                         "reproducible output."),
-    workers: Optional[int] = typer.Option(None, min=1, help="Local worker processes (default: all cores)."),
-    engine: str = typer.Option("local", help="local or ray."),
-    ray_address: Optional[str] = typer.Option(None, help="Ray cluster address (with --engine ray)."),
-    shard_size: str = typer.Option("512MB", help="Output shard size: bytes (512MB) or a pack count (1000)."),
-    seed: int = typer.Option(0, help="Seed for seeded algorithms."),
-    balance_dp: Optional[int] = typer.Option(None, min=1, help="Order packs so each group of N ranks balances."),
-    strict: bool = typer.Option(False, help="Stop at the first bad sample."),
-    max_error_rate: float = typer.Option(0.01, min=0.0, max=1.0, help="Exit non-zero above this error rate."),
-    dry_run: bool = typer.Option(False, help="Stop after planning: ledger and plan statistics only."),
-    overwrite: bool = typer.Option(False, help="Replace an OUTPUT made with other settings."),
-    progress: bool = typer.Option(True, help="Show progress bars."),
+    allow_pickle: bool = typer.Option(default(E, "allow_pickle"),
+                                      help="Read pickled media lists (through a restricted unpickler)."),
+    pixel_limit: int = typer.Option(default(E, "pixel_limit"), help="Images with more pixels are quarantined."),
+    max_sample_bytes: int = typer.Option(default(E, "max_sample_bytes"),
+                                         help="Samples with more bytes are quarantined."),
+    media_check: str = typer.Option(default(E, "media_check"), help="decode (prove every image decodes) or "
+                                                                    "header (size only)."),
+    caption_prompt: str = typer.Option(default(E, "caption_prompt"), help="User text for captioning datasets."),
+    template_date: str = typer.Option(default(E, "template_date"), help="Date the chat template sees "
+                                                                        "(strftime_now), fixed for reproducible "
+                                                                        "output."),
+    workers: Optional[int] = typer.Option(None, help="Worker processes (default: all cores)."),
+    engine: str = typer.Option(default(R, "engine"), help="local or ray."),
+    ray_address: Optional[str] = typer.Option(None, help="Ray cluster address host:port (with --engine ray)."),
+    shard_size: str = typer.Option(str(default(P, "shard_size")), help="Output shard size: bytes (512MB) or a pack count (1000)."),
+    seed: int = typer.Option(default(P, "seed"), help="Seed for seeded algorithms."),
+    balance_dp: Optional[int] = typer.Option(None, help="Order packs so each group of N ranks balances."),
+    strict: bool = typer.Option(default(R, "strict"), help="Stop at the first bad sample."),
+    max_error_rate: float = typer.Option(default(R, "max_error_rate"), help="Exit non-zero above this error rate."),
+    dry_run: bool = typer.Option(default(R, "dry_run"), help="Stop after planning: ledger and plan statistics."),
+    overwrite: bool = typer.Option(default(R, "overwrite"), help="Replace an OUTPUT made with other settings."),
+    progress: bool = typer.Option(default(R, "progress"), help="Show progress bars."),
 ) -> None:
     """Pack SOURCE into OUTPUT."""
-    from packtool.encode import EncodeConfigError, EncodeSettings
     from packtool.engine import default_workers
-    from packtool.pipeline import PackError, PackSettings, pack as run_pack
-    from packtool.plan import ALGORITHMS, derive_align
-    from packtool.sources import SampleError, SourceError
+    from packtool.pipeline import pack as run_pack
+    from packtool.plan import derive_align
+    from packtool.settings import PackSettings
 
-    if algorithm not in ALGORITHMS:
-        _fail(f"unknown algorithm {algorithm!r}; choose from {', '.join(ALGORITHMS)}")
-    if overlong not in ("truncate", "drop"):
-        _fail("--overlong must be truncate or drop")
-    if media_check not in ("decode", "header"):
-        _fail("--media-check must be decode or header")
-    if engine not in ("local", "ray"):
-        _fail("--engine must be local or ray")
-    aligned = align or derive_align(cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
-    if pack_size < aligned:
-        _fail(f"--pack-size {pack_size} is smaller than the alignment {aligned}")
-    enc = EncodeSettings(
-        tokenizer=str(tokenizer.resolve()), pack_size=pack_size, align=aligned, overlong=overlong,
-        min_pixels=min_pixels, max_pixels=max_pixels, image_tokens=image_tokens, max_images=max_images,
-        max_image_tokens=max_image_tokens, adapter=adapter, allow_pickle=allow_pickle, pixel_limit=pixel_limit,
-        media_check=media_check, caption_prompt=caption_prompt, template_date=template_date,
-    )
-    settings = PackSettings(encode=enc, splits=tuple(split or ()), algorithm=algorithm,
-                            balanced_delta=balanced_delta, max_segments=max_segments, seed=seed,
-                            shard_size=shard_size, balance_dp=balance_dp, strict=strict, dry_run=dry_run)
-    try:
-        result = run_pack(source, output, settings, workers=workers or default_workers(), engine=engine,
-                          ray_address=ray_address, overwrite=overwrite, progress=progress)
-    except (PackError, SourceError, EncodeConfigError, SampleError) as exc:
-        _fail(str(exc))
-    total = sum(c["samples"] for c in result.counts.values())
-    errors = sum(c["error"] for c in result.counts.values())
+    def build() -> tuple[PackSettings, RunOptions]:
+        aligned = align or derive_align(cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
+        enc = EncodeSettings(
+            tokenizer=str(tokenizer.resolve()), pack_size=pack_size, align=aligned, overlong=overlong,  # type: ignore[arg-type]
+            min_pixels=min_pixels, max_pixels=max_pixels, image_tokens=image_tokens, max_images=max_images,
+            max_image_tokens=max_image_tokens, adapter=adapter, allow_pickle=allow_pickle, pixel_limit=pixel_limit,
+            media_check=media_check, caption_prompt=caption_prompt, template_date=template_date,  # type: ignore[arg-type]
+            max_sample_bytes=max_sample_bytes,
+        )
+        plan = PlanSettings(algorithm=algorithm, balanced_delta=balanced_delta, max_segments=max_segments,  # type: ignore[arg-type]
+                            seed=seed, shard_size=shard_size, balance_dp=balance_dp)  # type: ignore[arg-type]
+        options = RunOptions(workers=workers or default_workers(), engine=engine, ray_address=ray_address,  # type: ignore[arg-type]
+                             strict=strict, dry_run=dry_run, overwrite=overwrite, progress=progress,
+                             max_error_rate=max_error_rate)
+        return PackSettings(enc, plan, tuple(split or ())), options
+
+    settings, options = _one_line(build)
+    result = _one_line(lambda: run_pack(source, output, settings, options))
     from packtool.stats import compute
 
     fills = compute(result.output)["splits"]
-    for split, c in result.counts.items():
-        f = fills.get(split, {})
-        typer.echo(f"{split}: {c['samples']} samples -> {result.packs.get(split, 0)} packs "
+    for name, c in result.counts.items():
+        f = fills.get(name, {})
+        typer.echo(f"{name}: {c['samples']} samples -> {result.packs.get(name, 0)} packs "
                    f"(L1 bound {f.get('l1_bound', 0)}, fill {f.get('fill', 0.0):.4f}; packed {c['packed']}, "
                    f"truncated {c['truncated']}, dropped {c['dropped']}, error {c['error']})")
+    if result.seconds:
+        typer.echo("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in result.seconds.items()))
     typer.echo(f"wrote {result.output}" + (" (dry run: ledger only)" if dry_run else ""))
-    if total and errors / total > max_error_rate:
-        _fail(f"error rate {errors / total:.2%} exceeds --max-error-rate {max_error_rate:.2%} "
+    total = sum(c["samples"] for c in result.counts.values())
+    errors = sum(c["error"] for c in result.counts.values())
+    if total and errors / total > options.max_error_rate:
+        _fail(f"error rate {errors / total:.2%} exceeds --max-error-rate {options.max_error_rate:.2%} "
               f"(see {result.output / 'ledger.parquet'})", code=3)
 
 
@@ -119,15 +140,16 @@ def stats(
     """Report how well OUTPUT packed."""
     from packtool import stats as st
 
-    try:
-        report = st.compute(path, balance_dp=balance_dp)
+    def run() -> dict:
+        report = st.compute(path, balance_dp=balance_dp, pack_size=pack_size)
         if compare:
             report["compare"] = st.compare(path, [a.strip() for a in compare.split(",") if a.strip()],
                                            pack_size=pack_size)
-    except (FileNotFoundError, ValueError) as exc:
-        _fail(str(exc))
-    if plot is not None:
-        st.plot(path, plot)
+        if plot is not None:
+            st.plot(path, plot)
+        return report
+
+    report = _one_line(run)
     typer.echo(json.dumps(report, indent=1) if as_json else st.format_report(report))
 
 
@@ -139,7 +161,7 @@ def verify(
     """Check OUTPUT: every pack well-formed, every source sample accounted for, metadata consistent."""
     from packtool.verify import verify_output
 
-    problems = verify_output(output, source=source)
+    problems = _one_line(lambda: verify_output(output, source=source))
     if problems:
         for p in problems:
             typer.echo(p, err=True)
@@ -154,12 +176,9 @@ def inspect(
     split: Optional[str] = typer.Option(None, help="Split to look in (default: the first)."),
 ) -> None:
     """Show one pack: segments, decoded text with targets marked, media."""
-    from packtool.inspect import inspect_pack
+    from packtool.inspect_pack import inspect_pack
 
-    try:
-        typer.echo(inspect_pack(output, key=key, split=split))
-    except (FileNotFoundError, KeyError, ValueError) as exc:
-        _fail(str(exc))
+    typer.echo(_one_line(lambda: inspect_pack(output, key=key, split=split)))
 
 
 def main() -> None:

@@ -11,14 +11,19 @@ from __future__ import annotations
 import datetime
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
+from packtool import hfcompat
+from packtool.errors import ConfigError, FatalSampleError, SampleError, is_data_error, sample_reason
 from packtool.media import ImageRule, image_size, load_image_rule
-from packtool.sources import Conversation, RawSample, SampleError
+from packtool.settings import EncodeSettings
+from packtool.sources import Conversation, RawSample
 from packtool.sources.conversation import conversation_adapter
 from packtool.sources.custom import custom_adapter, load_function
 from packtool.sources.safepickle import load_bytes_list
@@ -36,40 +41,10 @@ TOKENIZER_FILES = (
     "preprocessor_config.json",
 )
 
-#: PIL's default decompression-bomb limit, used as the default pixel limit.
-DEFAULT_PIXEL_LIMIT = 89_478_485
-
-
-class EncodeConfigError(ValueError):
-    """The tokenizer folder or settings cannot encode anything (one clear line for the user)."""
-
-
-@dataclass(frozen=True)
-class EncodeSettings:
-    """Every setting that changes how a sample is encoded."""
-
-    tokenizer: str
-    pack_size: int
-    align: int = 1
-    overlong: str = "truncate"
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-    image_tokens: int | None = None
-    max_images: int | None = None
-    max_image_tokens: int | None = None
-    adapter: str | None = None
-    allow_pickle: bool = False
-    pixel_limit: int = DEFAULT_PIXEL_LIMIT
-    media_check: str = "decode"
-    caption_prompt: str = ""
-    #: The date templates see through ``strftime_now`` (Llama-3.1-style "Today Date"), fixed so that reruns on
-    #: another day give the same tokens.
-    template_date: str = "2026-01-01"
-
-    @property
-    def max_tokens(self) -> int:
-        """Longest sample that fits a pack once its length is rounded up to the alignment."""
-        return self.pack_size // self.align * self.align
+#: Texts longer than this many characters per kept token are cut before tokenizing (see ``Encoder._bounded``).
+_CHARS_PER_TOKEN = 64
+#: Tokens past the kept ones that a cut text must still yield for the kept ones to be exact.
+_STABLE_TOKENS = 64
 
 
 @dataclass
@@ -88,6 +63,8 @@ class Encoded:
     media: list[dict] = field(default_factory=list)
     #: Length before truncation (0 if encoding failed).
     source_tokens: int = 0
+    #: False when a huge text was cut before tokenizing: ``source_tokens`` is then a lower bound.
+    length_known: bool = True
 
 
 def tokenizer_fingerprint(tokenizer_dir: str | Path) -> str:
@@ -103,17 +80,17 @@ def tokenizer_fingerprint(tokenizer_dir: str | Path) -> str:
 
 
 def check_tokenizer_dir(tokenizer_dir: str | Path) -> None:
-    """Raise :class:`EncodeConfigError` if the folder cannot provide a fast tokenizer and a chat template."""
+    """Raise :class:`ConfigError` if the folder cannot provide a fast tokenizer and a chat template."""
     d = Path(tokenizer_dir)
     if not d.is_dir():
-        raise EncodeConfigError(f"tokenizer folder {d} does not exist")
+        raise ConfigError(f"tokenizer folder {d} does not exist")
     if not (d / "tokenizer.json").exists():
-        raise EncodeConfigError(f"tokenizer folder {d} has no tokenizer.json (a fast tokenizer is required)")
+        raise ConfigError(f"tokenizer folder {d} has no tokenizer.json (a fast tokenizer is required)")
     has_template = (d / "chat_template.jinja").exists() or (d / "chat_template.json").exists()
     if not has_template and (d / "tokenizer_config.json").exists():
         has_template = "chat_template" in json.loads((d / "tokenizer_config.json").read_text())
     if not has_template:
-        raise EncodeConfigError(f"tokenizer folder {d} has no chat template (chat_template.jinja)")
+        raise ConfigError(f"tokenizer folder {d} has no chat template (chat_template.jinja)")
 
 
 def _processor_template(tokenizer_dir: str | Path) -> str | None:
@@ -138,24 +115,19 @@ class Encoder:
     """Turns raw samples into :class:`Encoded` rows; one per worker process (see :func:`get_encoder`)."""
 
     def __init__(self, settings: EncodeSettings, dataset_yaml: dict | None = None):
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
         check_tokenizer_dir(settings.tokenizer)
         self.settings = settings
         self.tok = load_tokenizer(settings.tokenizer)
         if not getattr(self.tok, "is_fast", False):
-            raise EncodeConfigError(f"{settings.tokenizer}: not a fast tokenizer")
+            raise ConfigError(f"{settings.tokenizer}: not a fast tokenizer")
         self.template_source = self.tok.chat_template or _processor_template(settings.tokenizer)
         if isinstance(self.template_source, dict):  # named templates: the default one renders conversations
             self.template_source = self.template_source.get("default")
         if not isinstance(self.template_source, str):
-            raise EncodeConfigError(f"{settings.tokenizer}: no default chat template")
-        self.template = _compile_jinja_template(self.template_source)
+            raise ConfigError(f"{settings.tokenizer}: no default chat template")
+        self.template = hfcompat.compile_template(self.template_source)
         self.template_kwargs = dict(self.tok.special_tokens_map)
-        try:
-            today = datetime.date.fromisoformat(settings.template_date)
-        except ValueError:
-            raise EncodeConfigError(f"--template-date must be YYYY-MM-DD, not {settings.template_date!r}") from None
+        today = datetime.date.fromisoformat(settings.template_date)  # checked by EncodeSettings
         self.template_kwargs["strftime_now"] = today.strftime  # shadows the global that reads the clock
         self.generation_tags = re.search(r"\{%-?\s*generation\s*-?%\}", self.template_source) is not None
         self.rule: ImageRule | None = load_image_rule(
@@ -179,7 +151,7 @@ class Encoder:
         self.kind = sample_type(dataset_yaml or {})
         self.field_map = (dataset_yaml or {}).get("field_map") or {}
         if (dataset_yaml or {}).get("sample_loader") and not settings.adapter:
-            raise EncodeConfigError("dataset.yaml uses a sample_loader: pass --adapter module:function for it")
+            raise ConfigError("dataset.yaml uses a sample_loader: give an adapter (module:function) for it")
         self.custom = load_function(settings.adapter) if settings.adapter else None
 
     # -- rendering -------------------------------------------------------------------------------------------
@@ -223,12 +195,7 @@ class Encoder:
         """The rendered text and the character spans of each assistant reply (end-of-turn token added later)."""
         tm = self._template_messages(messages)
         if self.generation_tags:
-            from transformers.utils.chat_template_utils import _render_with_assistant_indices
-
-            text, spans = _render_with_assistant_indices(
-                self.template, tm, None, None, False, **self.template_kwargs
-            )
-            return text, [(s, e) for s, e in spans]
+            return hfcompat.render_with_spans(self.template, tm, **self.template_kwargs)
         text = self.render(tm)
         spans = []
         for i, m in enumerate(tm):
@@ -236,7 +203,12 @@ class Encoder:
                 continue
             prefix = self.render(tm[:i], add_generation_prompt=True)
             if not text.startswith(prefix):
-                raise SampleError("chat template output is not stable under prefixes; add {% generation %} tags")
+                if not any(m["role"] == "user" for m in tm[:i]):
+                    raise SampleError(f"the conversation starts with an assistant turn (turn {i}); the chat "
+                                      f"template renders it differently without a user turn before it")
+                raise SampleError(f"the chat template renders the conversation up to assistant turn {i} "
+                                  f"differently from its start in the whole conversation, so the reply cannot "
+                                  f"be located; a template with {{% generation %}} tags avoids this")
             reply = m["content"] if isinstance(m["content"], str) else ""
             start = len(prefix)
             for candidate in (reply, reply.strip(), reply.lstrip()):
@@ -292,50 +264,106 @@ class Encoder:
 
     # -- encoding --------------------------------------------------------------------------------------------
     def encode_many(self, raws: list[RawSample], strict: bool = False) -> list[Encoded]:
-        """Encode a batch of samples (one shard); tokenization runs batched."""
+        """Encode a batch of samples (one shard); tokenization runs batched. A sample that fails for a reason
+        of its own data becomes an ``error`` row (``strict``: raises :class:`FatalSampleError` naming it);
+        packtool's own bugs propagate (:func:`packtool.errors.is_data_error`)."""
         staged: list[tuple[RawSample, str, list, list[dict]] | Encoded] = []
         for raw in raws:
-            try:
+            with self._guard(raw, strict, staged):
                 if raw.problem:
                     raise SampleError(raw.problem)
                 conv = self.conversation(raw)
-                self._check_control_tokens(conv)
+                self._check_conversation(conv)
                 if conv.media and self.image_token_id is None:
                     raise SampleError("sample has images but the tokenizer has no image token")
                 media = self._media_facts(raw, conv)
                 text, spans = self.target_spans(conv.messages)
                 staged.append((raw, text, spans, media))
-            except Exception as exc:
-                if strict:
-                    raise SampleError(f"{raw.shard}/{raw.key}: {_reason(exc)}") from exc
-                staged.append(Encoded(raw.key, raw.shard, raw.index, "error", _reason(exc)))
-        texts = [s[1] for s in staged if not isinstance(s, Encoded)]
-        batch = self.tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
-        out, j = [], 0
+        texts = [self._bounded(s[1]) for s in staged if not isinstance(s, Encoded)]
+        batch = self._tokenize(texts)
+        out: list[Encoded] = []
+        j = 0
         for s in staged:
             if isinstance(s, Encoded):
                 out.append(s)
                 continue
-            raw, _, spans, media = s
-            ids, offsets = batch[j].ids, batch[j].offsets
+            raw, text, spans, media = s
+            encoding = batch[j]
             j += 1
-            try:
-                out.append(self._finish(raw, ids, offsets, spans, media))
-            except Exception as exc:
-                if strict:
-                    raise SampleError(f"{raw.shard}/{raw.key}: {_reason(exc)}") from exc
-                out.append(Encoded(raw.key, raw.shard, raw.index, "error", _reason(exc)))
+            with self._guard(raw, strict, out):
+                if isinstance(encoding, Exception):
+                    raise encoding
+                ids, offsets = encoding
+                if len(texts[j - 1]) < len(text) and len(ids) <= self.settings.max_tokens + _STABLE_TOKENS:
+                    whole = self._tokenize([text])[0]  # the cut left too few tokens: tokenize the whole text
+                    if isinstance(whole, Exception):
+                        raise whole
+                    ids, offsets = whole
+                    texts[j - 1] = text
+                out.append(self._finish(raw, ids, offsets, spans, media, cut=len(texts[j - 1]) < len(text)))
         return out
 
-    def _check_control_tokens(self, conv: Conversation) -> None:
-        for m in conv.messages:
+    @contextmanager
+    def _guard(self, raw: RawSample, strict: bool, into: list) -> Iterator[None]:
+        """Turn a data error raised for ``raw`` into its ``error`` row appended to ``into``."""
+        try:
+            yield
+        except Exception as exc:
+            if not is_data_error(exc):
+                raise
+            if strict:
+                raise FatalSampleError(f"{raw.shard}/{raw.key}: {sample_reason(exc)}") from exc
+            into.append(Encoded(raw.key, raw.shard, raw.index, "error", sample_reason(exc)))
+
+    def _bounded(self, text: str) -> str:
+        """The text to tokenize: a sample keeps at most ``max_tokens`` tokens, so a huge text is cut far beyond
+        that (``_CHARS_PER_TOKEN`` characters a token) before the tokenizer sees it; ``encode_many`` checks the
+        cut left enough tokens to be exact, and tokenizes the whole text when not."""
+        limit = max(_CHARS_PER_TOKEN * (self.settings.max_tokens + _STABLE_TOKENS), 1 << 16)
+        return text if len(text) <= limit else text[:limit]
+
+    def _tokenize(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]] | Exception]:
+        """``(ids, offsets)`` of each text, batched; a text the tokenizer refuses gets its exception instead (the
+        batch call fails as a whole, so it is retried one text at a time)."""
+        if not texts:
+            return []
+        backend = self.tok.backend_tokenizer
+        try:
+            return [(e.ids, e.offsets) for e in backend.encode_batch(texts, add_special_tokens=False)]
+        except Exception:  # noqa: BLE001 - which text failed is found below, one at a time
+            out: list[tuple[list[int], list[tuple[int, int]]] | Exception] = []
+            for t in texts:
+                try:
+                    e = backend.encode(t, add_special_tokens=False)
+                    out.append((e.ids, e.offsets))
+                except Exception as exc:  # noqa: BLE001 - the tokenizer's verdict on this text's data
+                    out.append(SampleError(f"the tokenizer cannot encode the text: {type(exc).__name__}: {exc}"))
+            return out
+
+    def _check_conversation(self, conv: Conversation) -> None:
+        """Reasons a conversation cannot be trained on, found before rendering (so the reason says what is wrong,
+        not how the template failed)."""
+        for i, m in enumerate(conv.messages):
+            if m["role"] == "assistant" and not m["content"].strip():
+                raise SampleError(f"assistant reply in turn {i} is empty")
+            if m["role"] == "assistant" and IMAGE_TAG in m["content"]:
+                raise SampleError(f"an {IMAGE_TAG} tag lies in assistant turn {i}; media belong in user turns")
             for t in self.control_tokens:
                 if t in m["content"]:
                     raise SampleError(f"{m['role']} text contains the control token {t!r}")
+            try:
+                m["content"].encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise SampleError(f"{m['role']} text of turn {i} is not valid Unicode "
+                                  f"({exc.reason} at character {exc.start})") from None
 
-    def _finish(self, raw: RawSample, ids, offsets, spans, media: list[dict]) -> Encoded:
+    def _finish(self, raw: RawSample, ids, offsets, spans, media: list[dict], cut: bool) -> Encoded:
+        """Targets from the reply spans, placeholders expanded, limits applied. ``cut``: the text was cut before
+        tokenizing (its last tokens are dropped as unsettled, and so are the media past the cut)."""
         ids = np.asarray(ids, dtype=np.int64)
         starts = np.asarray([o[0] for o in offsets], dtype=np.int64)
+        if cut:
+            ids, starts = ids[:-_STABLE_TOKENS], starts[:-_STABLE_TOKENS]
         targets = np.zeros(len(ids), dtype=np.uint8)
         for s, e in spans:
             targets[(starts >= s) & (starts < e)] = 1
@@ -345,6 +373,8 @@ class Encoder:
                     targets[after[0]] = 1
         # Expand each image placeholder to its exact token count.
         pads = np.flatnonzero(ids == self.image_token_id) if self.image_token_id is not None else np.zeros(0, int)
+        if cut:
+            media = media[:len(pads)]
         if len(pads) != len(media):
             raise SampleError(f"template produced {len(pads)} image placeholders for {len(media)} images")
         if np.any(targets[pads]):
@@ -356,7 +386,7 @@ class Encoder:
             m["token_offset"] = int(new_start[p])
         tokens = np.repeat(ids, repeat).astype(np.int32)
         targets = np.repeat(targets, repeat)
-        enc = Encoded(raw.key, raw.shard, raw.index, "packed", "", tokens, targets, media, len(tokens))
+        enc = Encoded(raw.key, raw.shard, raw.index, "packed", "", tokens, targets, media, len(tokens), not cut)
         if not targets.any():
             raise SampleError("no training targets")
         return self._fit(enc)
@@ -374,7 +404,8 @@ class Encoder:
         st = self.settings
         cut, why = len(enc.tokens), []
         if cut > st.max_tokens:
-            cut, why = st.max_tokens, [f"{len(enc.tokens)} tokens > {st.max_tokens}"]
+            at_least = "" if enc.length_known else "at least "
+            cut, why = st.max_tokens, [f"{at_least}{len(enc.tokens)} tokens > {st.max_tokens}"]
         image_total = 0
         for j, m in enumerate(enc.media):
             image_total += m["tokens"]
@@ -404,12 +435,6 @@ class Encoder:
         kept = [m for m in enc.media if m["token_offset"] + m["tokens"] <= cut]
         return Encoded(enc.key, enc.shard, enc.index, "truncated", f"truncated to {cut}: {reason}",
                        enc.tokens[:cut].copy(), enc.targets[:cut].copy(), kept, enc.source_tokens)
-
-
-def _reason(exc: Exception) -> str:
-    if isinstance(exc, SampleError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
 
 
 @lru_cache(maxsize=4)

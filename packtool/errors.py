@@ -13,7 +13,19 @@ from __future__ import annotations
 
 
 class PacktoolError(Exception):
-    """Base of every error a user can cause; its message is one line, fit to print as it is."""
+    """Base of every error a user can cause; its message is one line, fit to print as it is. ``option`` names
+    the setting that would resolve it (the CLI shows it as its flag)."""
+
+    def __init__(self, message: str = "", *, option: str | None = None):
+        super().__init__(message)
+        self.option = option
+
+    def __reduce__(self):  # keep ``option`` across processes (pool and Ray workers pickle errors)
+        return (_rebuild, (type(self), str(self), self.option))
+
+
+def _rebuild(cls: type[PacktoolError], message: str, option: str | None) -> PacktoolError:
+    return cls(message, option=option)
 
 
 class ConfigError(PacktoolError, ValueError):

@@ -16,16 +16,9 @@ from megatron.energon import Cooker, DefaultTaskEncoder, Sample, basic_sample_ke
 from megatron.energon.edataclass import edataclass
 from megatron.energon.epathlib import EPath
 
-from packtool.read import (
-    IGNORE_INDEX,
-    ROW_KEYS,
-    image_processor_from_manifest,
-    iter_records,
-    load_manifest,
-    pack_to_batch,
-    record_offsets,
-    split_shards,
-)
+from packtool.format import load_manifest, split_shard_paths
+from packtool.read import IGNORE_INDEX, ROW_KEYS, image_processor_from_manifest, pack_to_batch
+from packtool.shards import iter_records, record_offsets
 
 def pad_row(row: dict, length: int, pad_token_id: int) -> dict:
     """Extend a one-pack batch to `length` tokens; the extra padding joins the last segment (as the pack tail)."""
@@ -85,7 +78,7 @@ class PackDataset(torch.utils.data.IterableDataset):
         self.rank, self.world_size, self.pad_to, self.images = rank, world_size, pad_to, images
         self.image_processor = image_processor
         self.manifest = load_manifest(path)
-        self.shards = split_shards(path, split)
+        self.shards = split_shard_paths(path, split)
         counts = [len(record_offsets(s)) - 1 for s in self.shards]
         pairs = [(s, i) for s, n in enumerate(counts) for i in range(n)]
         self.records = np.array(pairs, dtype=np.int64).reshape(-1, 2)
@@ -100,7 +93,7 @@ class PackDataset(torch.utils.data.IterableDataset):
         if self.shuffle:
             # Packs ordered with `--balance-dp N` for N == world_size move as whole groups, so each step still
             # gives every rank one pack of a compute-balanced group.
-            group = self.world_size if self.manifest.get("settings", {}).get("balance_dp") == self.world_size else 1
+            group = self.world_size if self.manifest.settings.get("balance_dp") == self.world_size else 1
             groups = np.random.default_rng([self.seed, self.epoch]).permutation(len(order) // group)
             order = (groups[:, None] * group + np.arange(group)).reshape(-1)
         order = order[: len(order) // self.world_size * self.world_size]

@@ -1,4 +1,4 @@
-"""Read packed shards at training time: one pack record -> one Megatron-ready micro-batch row (DESIGN §5).
+"""Read packed shards at training time: one pack record -> one Megatron-ready micro-batch row.
 
 The core is `pack_to_batch`, a pure function from a record's raw members to tensors; `read_packs` walks a split
 in on-disk order; loaders (`packtool.loader`) reuse the same function.
@@ -23,73 +23,20 @@ from __future__ import annotations
 import functools
 import io
 import json
-import tarfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
+
+from packtool.errors import FormatError
+from packtool.format import PackRecord, load_manifest, split_shard_paths
+from packtool.shards import iter_records
 
 IGNORE_INDEX = -100
 PAD_TO = ("pack", "segments")
 #: Batch fields shaped `[1, L]` (one value per token of the row).
 ROW_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
-
-
-def load_manifest(path: str | Path) -> dict:
-    """The `.nv-meta/packtool.json` manifest of a packed dataset."""
-    return json.loads((Path(path) / ".nv-meta" / "packtool.json").read_text())
-
-
-def split_shards(path: str | Path, split: str) -> list[Path]:
-    """Shard paths of `split` in `split.yaml` order."""
-    parts = yaml.safe_load((Path(path) / ".nv-meta" / "split.yaml").read_text())["split_parts"]
-    if split not in parts:
-        raise KeyError(f"split {split!r} not in {sorted(parts)}")
-    return [Path(path) / name for name in parts[split]]
-
-
-def record_offsets(shard: str | Path) -> np.ndarray:
-    """Byte offset of each record's first header, then the end of the last record (`<shard>.idx`, uint64)."""
-    return np.fromfile(f"{shard}.idx", dtype=np.uint64).astype(np.int64)
-
-
-def parse_record(chunk: bytes) -> tuple[str, dict[str, bytes]]:
-    """Split the tar bytes of one record into its key and `{part: bytes}` (part = name after the key's dot)."""
-    # Zero blocks after the chunk make it a complete archive even when the end offset was not block-rounded.
-    tar = tarfile.open(fileobj=io.BytesIO(chunk + bytes(-len(chunk) % 512 + 1024)), mode="r:")
-    key, parts = None, {}
-    for info in tar:
-        if not info.isfile():
-            continue
-        head, _, base = info.name.rpartition("/")
-        stem, _, part = base.partition(".")
-        name = f"{head}/{stem}" if head else stem
-        if key is None:
-            key = name
-        elif name != key:
-            raise ValueError(f"record {key!r} also holds member {info.name!r}")
-        parts[part] = tar.extractfile(info).read()
-    if key is None:
-        raise ValueError("empty record")
-    return key, parts
-
-
-def iter_records(shard: str | Path, indices: Iterable[int] | None = None) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """Records of one shard as `(key, members)`, in on-disk order or in the order of `indices`."""
-    offsets = record_offsets(shard)
-    with open(shard, "rb") as f:
-        for i in range(len(offsets) - 1) if indices is None else indices:
-            f.seek(offsets[i])
-            yield parse_record(f.read(offsets[i + 1] - offsets[i]))
-
-
-def _load_npy(data: bytes, dtype: type, name: str) -> np.ndarray:
-    array = np.load(io.BytesIO(data), allow_pickle=False)
-    if array.ndim != 1 or array.dtype != dtype:
-        raise ValueError(f"{name}: expected 1-D {np.dtype(dtype)}, got {array.ndim}-D {array.dtype}")
-    return array
 
 
 @functools.lru_cache(maxsize=8)
@@ -123,8 +70,9 @@ def pack_to_batch(
     pad_to: str = "pack",
     images: bool = True,
     image_processor=None,
+    source: str = "",
 ) -> dict:
-    """One pack record -> one micro-batch row (DESIGN §5).
+    """One pack record -> one micro-batch row.
 
     Args:
         members: part name -> bytes (`tokens.npy`, `targets.npy`, `seqlens.npy`, `json`, `m0.jpg`, ...); keys
@@ -134,6 +82,7 @@ def pack_to_batch(
         images: decode media into `pixel_values`; when False, only `image_grid_thw` (stored grids) is returned.
         image_processor: a Hugging Face image processor to use instead of the one the manifest describes
             (required for media of fixed-count datasets, whose model processor the manifest cannot name).
+        source: where the record came from (shard path), named in errors.
 
     Returns: tokens, labels, loss_mask, position_ids, padding_mask (`[1, L]`), cu_seqlens, cu_seqlens_padded
     (int32 `[S + 1]`), max_seqlen (int), image_grid_thw (int64 `[n, 3]`, when the dataset has an image processor
@@ -142,26 +91,23 @@ def pack_to_batch(
     """
     if pad_to not in PAD_TO:
         raise ValueError(f"pad_to must be one of {PAD_TO}, got {pad_to!r}")
-    meta = json.loads(members["json"])
-    pack_key = members.get("__key__", "?")
-    tokens = _load_npy(members["tokens.npy"], np.int32, "tokens.npy")
-    targets = _load_npy(members["targets.npy"], np.uint8, "targets.npy")
-    seqlens = _load_npy(members["seqlens.npy"], np.int32, "seqlens.npy").astype(np.int64)
-    segments = meta["segments"]
-    align, pack_size = int(meta["align"]), int(meta["pack_size"])
-    if len(segments) != len(seqlens) or len(tokens) != len(targets) or len(tokens) != seqlens.sum():
-        raise ValueError(f"pack {pack_key}: {len(segments)} segments, seqlens sum {seqlens.sum()}, "
-                         f"{len(tokens)} tokens, {len(targets)} targets do not agree")
-    if len(seqlens) == 0 or (seqlens <= 0).any():
-        raise ValueError(f"pack {pack_key}: no segments or an empty segment")
-
+    pack_key = str(members.get("__key__", "?"))
+    where = f"{source}: pack {pack_key}" if source else f"pack {pack_key}"
+    try:
+        record = PackRecord.from_members(pack_key, members)
+    except FormatError as exc:
+        raise FormatError(f"{source}: {exc}" if source else str(exc)) from None
+    tokens, targets = record.tokens, record.targets
+    seqlens = record.seqlens.astype(np.int64)
+    segments = record.segments
+    align, pack_size = record.align, record.pack_size
     cu = np.concatenate([[0], np.cumsum(seqlens)])
     padded = -(-seqlens // align) * align
     cu_padded = np.concatenate([[0], np.cumsum(padded)])
     if pad_to == "pack":
         length = pack_size // align * align
         if cu_padded[-1] > length:
-            raise ValueError(f"pack {pack_key}: aligned length {cu_padded[-1]} exceeds pack size {pack_size}")
+            raise FormatError(f"{where}: aligned length {cu_padded[-1]} exceeds pack size {pack_size}")
         cu_padded[-1] = length  # tail padding absorbed into the last segment
     length = int(cu_padded[-1])
 
@@ -192,37 +138,39 @@ def pack_to_batch(
         "cu_seqlens_padded": torch.from_numpy(cu_padded.astype(np.int32)),
         "max_seqlen": int(padded_lengths.max()),
         "padding_mask": torch.from_numpy(padding_mask)[None],
-        "keys": [s["key"] for s in segments],
+        "keys": [s.key for s in segments],
         "pack_key": pack_key,
     }
-    batch.update(_media(members, manifest, segments, tokens, cu, pack_key, images, image_processor))
+    batch.update(_media(record, manifest, cu, where, images, image_processor))
     return batch
 
 
-def _media(members, manifest, segments, tokens, cu, pack_key, images, image_processor) -> dict:
+def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, images: bool,
+           image_processor) -> dict:
     """image_grid_thw (+ pixel_values) for the pack's media, after checking each media span in the tokens."""
-    media = [m for s in segments for m in s["media"]]
+    media = record.media_refs
     processor = manifest.get("image_processor")
     if not media and processor is None:
         return {}
     image_token = manifest.get("image_token_id")
     if image_token is not None:
-        for seg, start, end in zip(segments, cu[:-1], cu[1:]):
-            spans = [(start + m["token_offset"], m["tokens"]) for m in seg["media"]]
+        tokens = record.tokens
+        for seg, start, end in zip(record.segments, cu[:-1], cu[1:]):
+            spans = [(start + m.token_offset, m.tokens) for m in seg.media]
             inside = all(a + n <= end and (tokens[a:a + n] == image_token).all() for a, n in spans)
             if not inside or int((tokens[start:end] == image_token).sum()) != sum(n for _, n in spans):
-                raise ValueError(f"pack {pack_key}: media spans of segment {seg['key']} do not match its image tokens")
+                raise FormatError(f"{where}: media spans of segment {seg.key} do not match its image tokens")
     for m in media:
-        if m["kind"] != "image":
-            raise ValueError(f"pack {pack_key}: unsupported media kind {m['kind']!r}")
-    stored = np.array([m["grid_thw"] for m in media], dtype=np.int64).reshape(-1, 3)
+        if m.kind != "image":
+            raise FormatError(f"{where}: unsupported media kind {m.kind!r} in member {m.member}")
+    stored = np.array([m.grid_thw for m in media], dtype=np.int64).reshape(-1, 3)
     out = {"image_grid_thw": torch.from_numpy(stored)}
     if not images:
         return out
     proc = image_processor if image_processor is not None else image_processor_from_manifest(manifest)
     if proc is None:
         if media:
-            raise ValueError(f"pack {pack_key} has media but no image processor: pass the model's image_processor= "
+            raise ValueError(f"{where} has media but no image processor: pass the model's image_processor= "
                              f"(dataset image rule: {(processor or {}).get('type')}) or images=False")
         return out
     if not media:
@@ -230,18 +178,30 @@ def _media(members, manifest, segments, tokens, cu, pack_key, images, image_proc
             dim = 3 * proc.temporal_patch_size * proc.patch_size ** 2
             out["pixel_values"] = torch.zeros((0, dim), dtype=torch.float32)
         return out
-    from PIL import Image
-
-    pil = [Image.open(io.BytesIO(members[m["member"]])) for m in media]
+    pil = [_open_image(record.media[m.member], f"{where}, member {m.member}") for m in media]
     result = proc(images=pil, return_tensors="np")
     if "image_grid_thw" in result:
         grid = np.asarray(result["image_grid_thw"], dtype=np.int64)
         if not np.array_equal(grid, stored):
             bad = next(i for i in range(len(media)) if not np.array_equal(grid[i], stored[i]))
-            raise ValueError(f"pack {pack_key}: {media[bad]['member']} processes to grid {grid[bad].tolist()}, "
-                             f"stored {stored[bad].tolist()}")
+            raise FormatError(f"{where}: {media[bad].member} processes to grid {grid[bad].tolist()}, "
+                              f"stored {stored[bad].tolist()}")
     out["pixel_values"] = torch.from_numpy(np.ascontiguousarray(result["pixel_values"], dtype=np.float32))
     return out
+
+
+def _open_image(data: bytes, where: str):
+    """The decoded image (as stored: no EXIF rotation, the same pixels the grid was computed from)."""
+    from PIL import Image
+
+    from packtool.media.image import open_image
+
+    try:
+        image = open_image(data)
+        image.load()
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise FormatError(f"{where}: media does not decode ({type(exc).__name__}: {exc})") from None
+    return image
 
 
 def batch_to(batch: dict, device) -> dict:
@@ -263,10 +223,10 @@ def read_packs(
     processor = image_processor
     if processor is None and images:
         processor = image_processor_from_manifest(manifest)
-    for shard in split_shards(path, split):
+    for shard in split_shard_paths(path, split):
         for key, members in iter_records(shard):
             batch = pack_to_batch({**members, "__key__": key}, manifest, pad_to=pad_to, images=images,
-                                  image_processor=processor)
+                                  image_processor=processor, source=str(shard))
             yield batch if device is None else batch_to(batch, device)
 
 

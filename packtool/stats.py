@@ -10,14 +10,16 @@ from pathlib import Path
 import numpy as np
 import pyarrow.compute as pc
 
-from packtool.ledger import STATUSES, read_ledger
+from packtool.errors import FormatError
+from packtool.format import MANIFEST, STATUSES
+from packtool.ledger import read_ledger
 
 _NUMBER = re.compile(r"\d+")
 
 
 def _manifest(path: Path) -> dict:
     folder = path if path.is_dir() else path.parent
-    m = folder / ".nv-meta" / "packtool.json"
+    m = folder / MANIFEST
     return json.loads(m.read_text()) if m.exists() else {}
 
 
@@ -26,7 +28,7 @@ def _settings(path: Path, pack_size: int | None = None) -> dict:
     if pack_size is not None:
         s["pack_size"] = pack_size
     if not s.get("pack_size"):
-        raise ValueError(f"{path}: no manifest beside the ledger; pass --pack-size")
+        raise FormatError(f"{path}: no manifest beside the ledger to take the pack size from; give pack_size")
     s.setdefault("align", 1)
     return s
 

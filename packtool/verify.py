@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import json
 import sqlite3
-import tarfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +21,11 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from packtool.ledger import STATUSES, read_ledger
-from packtool.write import index_tar
+from packtool.format import ARRAYS, KEPT, STATUSES
+from packtool.ledger import read_ledger
+from packtool.shards import index_tar, scan_records
 
 MAX_LISTED = 200
-KEPT = ("packed", "truncated")
-ARRAYS = ("tokens.npy", "targets.npy", "seqlens.npy")
 
 
 class MetadataError(ValueError):
@@ -36,21 +34,6 @@ class MetadataError(ValueError):
 
 def _npy(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(data), allow_pickle=False)
-
-
-def _records(path: Path):
-    """(key, {part: bytes}) of every record in a shard, in order."""
-    with tarfile.open(path, "r:") as tar:
-        key, parts = None, {}
-        for m in tar:
-            k, _, part = m.name.partition(".")
-            if k != key:
-                if key is not None:
-                    yield key, parts
-                key, parts = k, {}
-            parts[part] = tar.extractfile(m).read()
-        if key is not None:
-            yield key, parts
 
 
 def _load(path: Path, parse) -> dict:
@@ -296,7 +279,7 @@ def _check_shard(out: Path, split: str, shard: str, count: int | None, manifest:
         problems.append(f"{shard}: .info.json says {count} samples, the tar holds {len(index)}")
     problems += _check_idx(path, shard, index)
     segments: list = []
-    for key, parts in _records(path):
+    for key, parts in scan_records(path):
         found.packs[split] += 1
         if not key.startswith(f"{split}-"):
             problems.append(f"{shard}: record {key} does not belong to split {split}")

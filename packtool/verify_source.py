@@ -16,14 +16,16 @@ from pathlib import Path
 
 import numpy as np
 
-from packtool.encode import EncodeSettings, get_encoder
+from packtool.encode import get_encoder
+from packtool.encoded import UNREADABLE
+from packtool.errors import SourceError
 from packtool.ledger import read_ledger
-from packtool.sources import SourceError, open_source, read_raw_samples
+from packtool.settings import EncodeSettings
+from packtool.sources import open_source, read_raw_samples
 from packtool.sources.safepickle import load_bytes_list
 from packtool.verify import _npy
 
 CHUNK = 256
-UNREADABLE = "#unreadable-after-"
 
 
 def _settings(out: Path, manifest: dict) -> EncodeSettings:

@@ -25,11 +25,11 @@ def demo_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def packed(demo_dir, tmp_path_factory) -> Path:
     """The demo dataset packed at 2048 tokens with the plain (no generation tags) template."""
-    from packtool.encode import EncodeSettings
-    from packtool.pipeline import PackSettings, pack
+    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+    from packtool.pipeline import pack
 
     out = tmp_path_factory.mktemp("packed") / "out"
     settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048),
-                            shard_size="8")
+                            PlanSettings(shard_size="8"))
     pack(demo_dir / "dataset", out, settings, workers=1, progress=False)
     return out

@@ -1,4 +1,4 @@
-"""Write small packed datasets in the packtool format (DESIGN §4) for reader tests.
+"""Write small packed datasets in the packtool format for reader tests.
 
 A stand-in for `packtool pack` output: the caller gives packs of already-encoded segments (tokens, target flags,
 media bytes with their token spans) and gets an Energon-loadable OUTPUT folder. Also a tiny byte-level tokenizer
@@ -10,11 +10,25 @@ from __future__ import annotations
 import functools
 import io
 import json
-import tarfile
 from pathlib import Path
 
 import numpy as np
-import yaml
+
+from packtool.format import (
+    FORMAT_VERSION,
+    MANIFEST,
+    TOKENIZER_DIR,
+    Manifest,
+    MediaRef,
+    PackRecord,
+    Segment,
+    npy_bytes,
+    pack_key,
+    sha256,
+    shard_path,
+    write_energon_metadata,
+)
+from packtool.shards import write_tar
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
 PAD_ID, IM_START_ID, IM_END_ID, VISION_START_ID, VISION_END_ID, IMAGE_PAD_ID = range(256, 262)
@@ -90,7 +104,7 @@ def image_bytes(width: int, height: int, seed: int, fmt: str = "JPEG") -> bytes:
 
 
 def image_media(data: bytes, ext: str, token_offset: int, processor: dict = QWEN_PROCESSOR) -> dict:
-    """Media entry for an image: grid and token count by the Qwen2-VL resize rule (DESIGN §6)."""
+    """Media entry for an image: grid and token count by the Qwen2-VL resize rule."""
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
@@ -103,37 +117,33 @@ def image_media(data: bytes, ext: str, token_offset: int, processor: dict = QWEN
             "width": width, "height": height}
 
 
-def npy(array: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, array, allow_pickle=False)
-    return buf.getvalue()
+def record(segments: list[dict], *, pack_size: int, align: int, split: str, key: str = "") -> PackRecord:
+    """One pack record. A segment is a dict: key, tokens, targets, and optionally media (from `image_media`),
+    shard, truncated."""
+    media: dict[str, bytes] = {}
+    segs = []
+    for seg in segments:
+        refs = []
+        for m in seg.get("media", []):
+            member = f"m{len(media)}.{m['ext']}"
+            media[member] = m["bytes"]
+            refs.append(MediaRef(member=member, kind="image", token_offset=m["token_offset"], tokens=m["tokens"],
+                                 grid_thw=m["grid_thw"], width=m["width"], height=m["height"],
+                                 size=len(m["bytes"]), sha256=sha256(m["bytes"])))
+        segs.append(Segment(seg["key"], split, seg.get("shard", f"src/{split}-0000.tar"),
+                            seg.get("truncated", False), refs))
+    return PackRecord(
+        key, np.concatenate([np.asarray(s["tokens"], np.int32) for s in segments]),
+        np.concatenate([np.asarray(s["targets"], np.uint8) for s in segments]),
+        np.array([len(s["tokens"]) for s in segments], np.int32), pack_size, align, segs, media, "0.1.0")
 
 
 def pack_record(segments: list[dict], *, pack_size: int, align: int, split: str) -> dict[str, bytes]:
-    """Members (part name -> bytes) of one pack record.
+    """``{part: bytes}`` of one pack record (see :func:`record`), as a loader hands it over."""
+    return dict(record(segments, pack_size=pack_size, align=align, split=split).to_members())
 
-    A segment is a dict: key, tokens, targets, and optionally media (from `image_media`), shard, truncated."""
-    parts: dict[str, bytes] = {}
-    seg_meta, number = [], 0
-    for seg in segments:
-        media_meta = []
-        for m in seg.get("media", []):
-            member = f"m{number}.{m['ext']}"
-            number += 1
-            parts[member] = m["bytes"]
-            media_meta.append({"member": member, "kind": "image", "token_offset": m["token_offset"],
-                               "tokens": m["tokens"], "grid_thw": m["grid_thw"], "width": m["width"],
-                               "height": m["height"]})
-        seg_meta.append({"key": seg["key"], "split": split, "shard": seg.get("shard", f"src/{split}-0000.tar"),
-                         "truncated": seg.get("truncated", False), "media": media_meta})
-    meta = {"pack_size": pack_size, "align": align, "packtool": "0.1.0", "segments": seg_meta}
-    head = {
-        "tokens.npy": npy(np.concatenate([np.asarray(s["tokens"], np.int32) for s in segments])),
-        "targets.npy": npy(np.concatenate([np.asarray(s["targets"], np.uint8) for s in segments])),
-        "seqlens.npy": npy(np.array([len(s["tokens"]) for s in segments], np.int32)),
-        "json": json.dumps(meta).encode(),
-    }
-    return {**head, **parts}
+
+npy = npy_bytes
 
 
 def write_packs(
@@ -149,46 +159,26 @@ def write_packs(
 ) -> Path:
     """Write an Energon CrudeWebdataset of packs: `splits` maps split name -> list of packs (lists of segments)."""
     out = Path(out)
-    meta = out / ".nv-meta"
-    meta.mkdir(parents=True, exist_ok=True)
-    shard_counts, split_parts = {}, {}
+    split_parts: dict[str, list[str]] = {}
+    indexes = {}
     for split, packs in splits.items():
-        (out / split).mkdir(exist_ok=True)
         split_parts[split] = []
         for first in range(0, len(packs), packs_per_shard):
-            name = f"{split}/pack-{first // packs_per_shard:06d}.tar"
+            name = shard_path(split, first // packs_per_shard)
             chunk = packs[first:first + packs_per_shard]
-            records = [(f"{split}-{first + i:09d}", pack_record(p, pack_size=pack_size, align=align, split=split))
+            records = [record(p, pack_size=pack_size, align=align, split=split, key=pack_key(split, first + i))
                        for i, p in enumerate(chunk)]
-            _write_shard(out / name, records)
-            shard_counts[name] = len(records)
+            indexes[name] = write_tar(out / name, ((r.key, r.to_members()) for r in records))
             split_parts[split].append(name)
-    (meta / "dataset.yaml").write_text(yaml.safe_dump(
-        {"__module__": "megatron.energon", "__class__": "CrudeWebdataset", "subflavors": {"packtool": 1}}))
-    (meta / "split.yaml").write_text(yaml.safe_dump({"split_parts": split_parts, "exclude": []}))
-    (meta / ".info.json").write_text(json.dumps({"energon_version": "7.4.1", "shard_counts": shard_counts}))
+    write_energon_metadata(out, split_parts, indexes, "7.4.1")
     if with_tokenizer:
-        make_tokenizer(meta / "tokenizer")
-    manifest = {
-        "packtool": "0.1.0", "format": 1, "pad_token_id": PAD_ID, "image_token_id": image_token_id,
-        "vision_start_token_id": VISION_START_ID, "vision_end_token_id": VISION_END_ID, "eos_token_id": IM_END_ID,
-        "settings": {"pack_size": pack_size, "align": align}, "image_processor": image_processor,
-        "tokenizer": {"fingerprint": "fixture", "dir": ".nv-meta/tokenizer"},
-        "counts": {s: {"packs": len(p)} for s, p in splits.items()},
-    }
-    (meta / "packtool.json").write_text(json.dumps(manifest, indent=1))
+        make_tokenizer(out / TOKENIZER_DIR)
+    manifest = Manifest(
+        packtool="0.1.0", format=FORMAT_VERSION, fingerprint={}, settings={"pack_size": pack_size, "align": align},
+        source="fixture", splits=split_parts, tokenizer={"fingerprint": "fixture", "dir": TOKENIZER_DIR},
+        pad_token_id=PAD_ID, eos_token_id=IM_END_ID, image_token_id=image_token_id,
+        vision_start_token_id=VISION_START_ID, vision_end_token_id=VISION_END_ID, image_processor=image_processor,
+        seed=0, counts={}, packs={s: len(p) for s, p in splits.items()},
+    )
+    (out / MANIFEST).write_bytes(manifest.to_bytes())
     return out
-
-
-def _write_shard(path: Path, records: list[tuple[str, dict[str, bytes]]]) -> None:
-    """Uncompressed USTAR tar, fixed metadata, plus the `.tar.idx` Energon needs for loading."""
-    offsets = []
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
-        for key, parts in records:
-            offsets.append(tar.offset)
-            for part, data in parts.items():
-                info = tarfile.TarInfo(f"{key}.{part}")
-                info.size, info.mtime, info.mode, info.uid, info.gid = len(data), 0, 0o644, 0, 0
-                tar.addfile(info, io.BytesIO(data))
-        offsets.append(tar.offset)
-    np.asarray(offsets, dtype=np.uint64).tofile(str(path) + ".idx")

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from packtool.encode import EncodeSettings, Encoder
+from packtool.encode import Encoder
+from packtool.settings import EncodeSettings
 from packtool.sources import RawSample, open_source, read_raw_samples
 
 

@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 
 import demo
 from packtool.cli import app
-from packtool.encode import EncodeSettings
-from packtool.pipeline import PackSettings, pack
+from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+from packtool.pipeline import pack
 from packtool.verify import verify_output
 
 PIXEL_LIMIT = 4_000_000
@@ -186,7 +186,7 @@ def built(tmp_path_factory) -> Built:
 
 def settings(demo_dir: Path, **kw) -> PackSettings:
     enc = EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=PACK_SIZE, pixel_limit=PIXEL_LIMIT, **kw)
-    return PackSettings(encode=enc, shard_size="4")
+    return PackSettings(encode=enc, plan=PlanSettings(shard_size="4"))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from packtool.plan import (ALGORITHMS, balance_dp, compare, derive_align, dp_imbalance, l1_bound,
                            pack_lengths)
-from packtool.plan.bestfit import bfd_by_cost, bfd_by_item
+from packtool.plan.bestfit import bfd_by_cost
 from packtool.plan._common import decreasing_order
 from packtool.plan._rows import place_by_rows
 from packtool.plan._tree import NEG, MaxTree
@@ -86,10 +86,14 @@ def ref_fill(units, cap, K, res, balanced):
     return ids
 
 
-def ref_bfd(units, cap, K, res, seed=0):
+def ref_bfd(units, cap, K, res):
+    return _place_each(units, cap, K, res, _decreasing(units),
+                       lambda c, rem, segs: min(c, key=lambda p: (rem[p], (K - segs[p]) if K else 0, p)))
+
+
+def ref_auto(units, cap, K, res, seed=0):
     first = lambda c, rem, segs: c[0]  # noqa: E731
-    ids = _place_each(units, cap, K, res, _decreasing(units),
-                      lambda c, rem, segs: min(c, key=lambda p: (rem[p], (K - segs[p]) if K else 0, p)))
+    ids = ref_bfd(units, cap, K, res)
     binding = [(v, lim) for v, lim in res if sum(sorted(v, reverse=True)[:K] if K else v) > lim]
     if K and ids and max(np.bincount(ids)) >= K:
         alt = ref_fill(units, cap, K, binding, balanced=True)
@@ -104,8 +108,10 @@ def ref_bfd(units, cap, K, res, seed=0):
 
 def ref_pack(algorithm, units, cap, K, res, seed=0, delta=0):
     first = lambda c, rem, segs: c[0]  # noqa: E731
+    if algorithm == "auto":
+        return ref_auto(units, cap, K, res, seed)
     if algorithm == "bfd":
-        return ref_bfd(units, cap, K, res, seed)
+        return ref_bfd(units, cap, K, res)
     if algorithm == "ffd":
         return _place_each(units, cap, K, res, _decreasing(units), first)
     if algorithm == "first_fit_shuffle":
@@ -198,11 +204,10 @@ def test_histogram_and_per_item_implementations_agree(problem, max_segments):
     lengths, pack_size, _ = problem
     units = np.asarray(lengths, dtype=np.int64)
     assert np.array_equal(bfd_by_cost(units, pack_size, max_segments),
-                          bfd_by_item(units, pack_size, max_segments))
+                          place_by_rows(units, pack_size, decreasing_order(units, pack_size), max_segments))
     assert np.array_equal(ffd_by_cost(units, pack_size, max_segments),
                           first_fit(units, pack_size, decreasing_order(units, pack_size), max_segments))
-    assert np.array_equal(place_by_rows(units, pack_size, decreasing_order(units, pack_size), max_segments),
-                          bfd_by_item(units, pack_size, max_segments))
+    assert bfd_by_cost(units, pack_size, max_segments).tolist() == ref_bfd(lengths, pack_size, max_segments, [])
     for balanced in (False, True) if max_segments else (False,):
         assert np.array_equal(_fill_by_cost(units, pack_size, max_segments, balanced),
                               _fill_by_item(units, pack_size, max_segments, (), balanced))
@@ -213,7 +218,8 @@ def test_implementations_agree_on_many_repeated_costs(max_segments):
     # thousands of items over few costs: whole cells and repeated pack compositions move as blocks
     rng = np.random.default_rng(1)
     units = rng.integers(1, 40, 5000) * rng.integers(1, 4, 5000)
-    assert np.array_equal(bfd_by_cost(units, 256, max_segments), bfd_by_item(units, 256, max_segments))
+    assert np.array_equal(bfd_by_cost(units, 256, max_segments),
+                          place_by_rows(units, 256, decreasing_order(units, 256), max_segments))
     assert np.array_equal(ffd_by_cost(units, 256, max_segments),
                           first_fit(units, 256, decreasing_order(units, 256), max_segments))
     for balanced in (False, True) if max_segments else (False,):
@@ -399,7 +405,7 @@ def test_l1_bound_and_compare():
         assert 0 < r["fill"] <= 1
 
 
-def test_bfd_under_binding_image_cap_is_no_worse_than_either_candidate():
+def test_auto_under_binding_image_cap_is_no_worse_than_either_candidate():
     from packtool.plan.bestfit import best_fit_decreasing
 
     rng = np.random.default_rng(1)
@@ -407,9 +413,10 @@ def test_bfd_under_binding_image_cap_is_no_worse_than_either_candidate():
     images = np.where(rng.random(n) < 0.7, rng.choice([1, 1, 2, 3, 4], n), 0)
     lengths = np.minimum(rng.lognormal(6.0, 0.9, n).astype(np.int64) + 1 + 400 * images, 16384)
     kw = dict(max_segments=16, images=images, max_images=16)
-    ids = pack_lengths(lengths, 16384, algorithm="bfd", **kw)
+    ids = pack_lengths(lengths, 16384, algorithm="auto", **kw)
     assert_valid(ids, lengths, 16384, **kw)
     shuffled = pack_lengths(lengths, 16384, algorithm="first_fit_shuffle", **kw)
     alone = best_fit_decreasing(lengths.astype(np.int64), 16384, 16, ((images.astype(np.int64), 16),))
+    assert np.array_equal(alone, pack_lengths(lengths, 16384, algorithm="bfd", **kw))
     assert ids.max() <= min(shuffled.max(), alone.max())
     assert ids.max() < alone.max()  # on this image-heavy set the shuffled candidate wins

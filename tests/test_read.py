@@ -9,10 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import packfixture as fx
-from packtool.inspect import inspect_pack
+from packtool.inspect_pack import inspect_pack
 from packtool.loader import PackDataset, PackTaskEncoder, collate_packs
-from packtool.megatron import to_megatron
-from packtool.read import load_manifest, mrope_position_ids, pack_to_batch, read_packs
+from packtool.megatron_batch import to_megatron
+from packtool.errors import FormatError
+from packtool.format import load_manifest
+from packtool.read import mrope_position_ids, pack_to_batch, read_packs
 
 MANIFEST = {"pad_token_id": fx.PAD_ID, "image_token_id": fx.IMAGE_PAD_ID, "image_processor": None}
 
@@ -319,21 +321,20 @@ def test_inspect(image_dataset):
     assert second.startswith("pack train-000000001")
     assert "m0.png" in second and "m1.jpg" in second and "<|image_pad|>×8" in second
     assert inspect_pack(path, split="val").startswith("pack val-000000000")
-    with pytest.raises(KeyError):
+    with pytest.raises(FormatError, match="no pack 'train-000000099'"):
         inspect_pack(path, "train-000000099")
     assert load_manifest(path)["image_token_id"] == fx.IMAGE_PAD_ID
 
 
 def test_shuffle_keeps_dp_balanced_groups_together(demo_dir, tmp_path):
     """Packs written with --balance-dp N move as whole groups when N ranks shuffle: each step's packs are one group."""
-    from packtool.encode import EncodeSettings
+    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
     from packtool.loader import PackDataset
-    from packtool.pipeline import PackSettings, pack
+    from packtool.pipeline import pack
 
     out = tmp_path / "dp"
-    pack(demo_dir / "dataset", out, PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"),
-                                                                pack_size=2048), splits=("train",), balance_dp=4),
-         progress=False)
+    pack(demo_dir / "dataset", out, PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048),
+                                                 PlanSettings(balance_dp=4), splits=("train",)), progress=False)
     ranks = [PackDataset(out, "train", seed=3, rank=r, world_size=4, images=False).rank_records() for r in range(4)]
     flat = lambda rec: rec[:, 1]  # noqa: E731  (one shard at the default shard size)
     steps = np.stack([flat(r) for r in ranks], axis=1)

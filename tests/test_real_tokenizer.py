@@ -22,8 +22,8 @@ def qwen(tmp_path_factory) -> Path:
 
 
 def test_pack_with_real_qwen2_vocabulary(qwen, demo_dir, tmp_path):
-    from packtool.encode import EncodeSettings
-    from packtool.pipeline import PackSettings, pack
+    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+    from packtool.pipeline import pack
     from packtool.read import read_packs
     from packtool.verify import verify_output
     from transformers import AutoTokenizer

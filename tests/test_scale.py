@@ -21,15 +21,15 @@ from typer.testing import CliRunner
 
 import demo
 from packtool.cli import app
-from packtool.encode import EncodeSettings
-from packtool.pipeline import PackSettings, pack
-from packtool.sources import SampleError
+from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+from packtool.pipeline import pack
+from packtool.errors import FatalSampleError
 from packtool.verify import verify_output
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKTOOL = [sys.executable, "-m", "packtool.cli"]
 #: Names an interrupted run may leave behind (temporary files and folders of any process).
-TEMPORARY = re.compile(r"\.tmp\d*$")
+TEMPORARY = re.compile(r"\.tmp-[^/]*$")
 
 
 def digest(root: Path) -> dict[str, str]:
@@ -63,15 +63,17 @@ def bad_dataset(root: Path) -> Path:
 def test_workers_and_ray_give_identical_bytes(packed, demo_dir, tmp_path):
     """``packed`` ran with one worker in process; two local workers and Ray must write the very same files, and
     a failing Ray task must surface as the task's own one-line error."""
-    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048), shard_size="8")
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048),
+                            PlanSettings(shard_size="8"))
     pack(demo_dir / "dataset", tmp_path / "two", settings, workers=2, progress=False)
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         pack(demo_dir / "dataset", tmp_path / "ray", settings, engine="ray", progress=False)
-        strict = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048), strict=True)
-        with pytest.raises(SampleError) as failure:
-            pack(bad_dataset(tmp_path / "bad"), tmp_path / "strict", strict, engine="ray", progress=False)
+        strict = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048))
+        with pytest.raises(FatalSampleError) as failure:
+            pack(bad_dataset(tmp_path / "bad"), tmp_path / "strict", strict, engine="ray", strict=True,
+                 progress=False)
     finally:
         ray.shutdown()
     reference = digest(packed)
@@ -106,14 +108,15 @@ main()
 #: (destination pattern, N, before/after, what must be left behind): in pipeline order, each kill hits a run
 #: that resumes the previous one.
 KILL_POINTS = [
-    (r"settings\.json$", 1, "before", r"\.packtool/\.settings\.json\.tmp\d+$"),
-    (r"encode/train/000001$", 1, "before", r"encode/train/000001\.tmp\d+$"),
+    (r"encode\.json$", 1, "before", r"\.packtool/\.encode\.json\.tmp-"),
+    (r"output\.json$", 1, "before", r"\.packtool/\.output\.json\.tmp-"),
+    (r"encode/train/000001$", 1, "before", r"encode/train/\.000001\.tmp-"),
     (r"encode/train/000003$", 1, "after", None),
-    (r"train/pack-000001\.tar$", 1, "before", r"train/\.pack-000001\.tar\.tmp\d+$"),
+    (r"train/pack-000001\.tar$", 1, "before", r"train/\.pack-000001\.tar\.tmp-"),
     (r"train/pack-000003\.tar\.idx$", 1, "after", None),
-    (r"ledger\.parquet$", 1, "before", r"^\.ledger\.parquet\.tmp$"),
-    (r"index\.sqlite$", 1, "before", r"\.nv-meta/\.index\.sqlite\.tmp$"),
-    (r"packtool\.json$", 1, "before", r"\.nv-meta/\.packtool\.json\.tmp\d+$"),
+    (r"ledger\.parquet$", 1, "before", r"^\.ledger\.parquet\.tmp-"),
+    (r"index\.sqlite$", 1, "before", r"\.nv-meta/\.index\.sqlite\.tmp-"),
+    (r"packtool\.json$", 1, "before", r"\.nv-meta/\.packtool\.json\.tmp-"),
 ]
 
 
@@ -124,7 +127,7 @@ def resume_case(demo_dir, tmp_path_factory):
     data = demo.build_dataset(root / "dataset", n_train=300, n_val=40, samples_per_shard=50, image_fraction=0.3)
     tok = demo_dir / "tokenizer"
     args = ["--tokenizer", str(tok), "--pack-size", "2048", "--shard-size", "6", "--no-progress"]
-    settings = PackSettings(EncodeSettings(tokenizer=str(tok), pack_size=2048), shard_size="6")
+    settings = PackSettings(EncodeSettings(tokenizer=str(tok), pack_size=2048), PlanSettings(shard_size="6"))
     reference = root / "reference"
     pack(data, reference, settings, workers=1, progress=False)
     return data, args, settings, digest(reference)

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from packtool.cli import app
 from packtool.verify import TokenCheck, verify_output
-from packtool.write import write_tar
+from packtool.shards import write_tar
 
 
 @pytest.fixture

@@ -9,6 +9,15 @@ from PIL import Image
 
 #: Part-name endings treated as images.
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff"})
+#: The only formats PIL may identify (PIL's names): nothing else is ever handed to a decoder (PIL would pass
+#: EPS to Ghostscript when it is installed).
+PIL_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+
+
+def open_image(data: bytes) -> Image.Image:
+    """The image in ``data``, opened lazily by PIL restricted to :data:`PIL_FORMATS`; no EXIF rotation is applied
+    (packtool counts tokens from, and readers decode, the pixels as stored)."""
+    return Image.open(io.BytesIO(data), formats=PIL_FORMATS)
 
 
 def image_size(data: bytes, *, max_pixels: int, decode: bool) -> tuple[int, int, str]:
@@ -22,7 +31,7 @@ def image_size(data: bytes, *, max_pixels: int, decode: bool) -> tuple[int, int,
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
+            img = open_image(data)
         width, height = img.size
         fmt = (img.format or "").lower()
     except Image.DecompressionBombError as exc:

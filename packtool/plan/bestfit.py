@@ -1,46 +1,31 @@
 """Best-fit decreasing: items largest first, each into the fullest pack it fits.
 
-The rule, shared by the three implementations (per cost, per item, per item with extra resources): take items by
-cost, largest first (equal costs in index order); put each into the pack that minimises ``(remaining units,
-remaining segment slots, pack id)`` among the packs it fits (tokens, segment cap, every extra resource); open a
-new pack when none fits.
+The rule, shared by both implementations (per cost over the histogram; per item, which also honours extra
+resources): take items by cost, largest first (equal costs in index order); put each into the pack that minimises
+``(remaining units, remaining segment slots, pack id)`` among the packs it fits (tokens, segment cap, every extra
+resource); open a new pack when none fits.
 
-Under a segment cap plain best fit degrades: it closes packs with the large and middle items and leaves the
-many small ones to the end, where they fill packs only up to the cap (``max_segments`` tiny items per pack, fill
-~75 % on SFT-like sets). When the cap binds, :func:`best_fit_decreasing` therefore also runs the slot-balanced
-fill of :mod:`packtool.plan.fill`, which spreads the small items over packs up front, and keeps whichever of the
-two needs fewer packs (ties keep best fit).
+Under a segment cap plain best fit degrades: it closes packs with the large and middle items and leaves the many
+small ones to the end, where they fill packs only up to the cap (``max_segments`` tiny items per pack, fill ~75 %
+on SFT-like sets). The ``auto`` algorithm (:mod:`packtool.plan.pack`) therefore also tries other fills.
 """
 
 from __future__ import annotations
-
-from bisect import bisect_left, insort
 
 import numpy as np
 
 from packtool.plan._cells import Cells, cost_classes, few_per_cost
 from packtool.plan._common import Resource, decreasing_order, scatter
 from packtool.plan._rows import place_by_rows
-from packtool.plan.fill import slot_balanced_fill
-
-_CHUNK = 1 << 16
 
 
 def best_fit_decreasing(units: np.ndarray, cap: int, max_segments: int | None = None,
                         resources: tuple[Resource, ...] = ()) -> np.ndarray:
     """Pack id per item (see module doc). ``units``: aligned costs divided by the alignment; ``cap``: pack size
     in the same units."""
-    if resources:
-        ids = place_by_rows(units, cap, decreasing_order(units, cap), max_segments, resources)
-    elif few_per_cost(units):  # the histogram sweep pays per distinct cost: per item is faster here
-        ids = bfd_by_item(units, cap, max_segments)
-    else:
-        ids = bfd_by_cost(units, cap, max_segments)
-    if max_segments is not None and ids.size and np.bincount(ids).max() >= max_segments:
-        alt = slot_balanced_fill(units, cap, max_segments, resources)
-        if alt.max() < ids.max():
-            return alt
-    return ids
+    if resources or few_per_cost(units):  # the histogram sweep pays per distinct cost: per item is faster here
+        return place_by_rows(units, cap, decreasing_order(units, cap), max_segments, resources)
+    return bfd_by_cost(units, cap, max_segments)
 
 
 def bfd_by_cost(units: np.ndarray, cap: int, max_segments: int | None = None) -> np.ndarray:
@@ -84,41 +69,3 @@ def bfd_by_cost(units: np.ndarray, cap: int, max_segments: int | None = None) ->
             each.append(took)
         out[s:e] = np.repeat(np.concatenate(ids_parts), np.concatenate(each))
     return scatter(out, decreasing_order(units, cap))
-
-
-def bfd_by_item(units: np.ndarray, cap: int, max_segments: int | None = None) -> np.ndarray:
-    """Best-fit decreasing one item at a time (no extra resources; with them see
-    :func:`packtool.plan._rows.place_by_rows`). Open packs sit in rows by remaining units, each a sorted list of
-    ``(slots left, id)``; an item takes the first entry of the first row at or above its cost."""
-    n = units.size
-    K = max_segments
-    order = decreasing_order(units, cap)
-    rows: dict[int, list[tuple[int, int]]] = {}
-    row_keys: list[int] = []  #: sorted remaining-unit values with an open pack
-    ids = np.empty(n, dtype=np.int64)
-    next_id = 0
-    for a in range(0, n, _CHUNK):
-        idx = order[a:a + _CHUNK]
-        got = []
-        for c in units[idx].tolist():
-            pos = bisect_left(row_keys, c)
-            if pos == len(row_keys):
-                r, t, p = cap, (K if K else 0), next_id
-                next_id += 1
-            else:
-                r = row_keys[pos]
-                row = rows[r]
-                t, p = row.pop(0)
-                if not row:
-                    del rows[r]
-                    row_keys.pop(pos)
-            r -= c
-            t -= 1 if K else 0
-            if r > 0 and (t > 0 or not K):
-                if r not in rows:
-                    rows[r] = []
-                    insort(row_keys, r)
-                insort(rows[r], (t, p))
-            got.append(p)
-        ids[idx] = got
-    return ids

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
+import hashlib
 import tarfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import braceexpand
-import yaml
 
-from packtool.errors import SourceError
+from packtool.errors import FormatError, SourceError
+from packtool.format import META, InfoJson, SplitYaml, read_mapping, safe_relative, split_member
 
 
 @dataclass
@@ -45,111 +45,152 @@ class SourceDataset:
     dataset_yaml: dict
     #: Shard path -> sample count from ``.info.json``/``.info.yaml`` (may be empty).
     shard_counts: dict[str, int]
-
-
-def _load_yaml_or_json(path: Path) -> dict:
-    text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    return data or {}
+    #: Digest of the metadata files (part of every shard's source stamp).
+    metadata: str = ""
 
 
 def open_source(root: str | Path, splits: list[str] | None = None) -> SourceDataset:
-    """Read the dataset's metadata; ``splits`` restricts to those (each must exist)."""
+    """Read the dataset's metadata; ``splits`` restricts to those (each must exist). Every shard path must stay
+    inside ``root`` and exist."""
     root = Path(root)
-    meta = root / ".nv-meta"
+    meta = root / META
     if not meta.is_dir():
-        raise SourceError(f"{root} is not an Energon dataset: no .nv-meta folder")
-    split_file = next((p for p in (meta / "split.yaml", meta / "split.json") if p.exists()), None)
-    if split_file is None:
-        raise SourceError(f"{meta} has no split.yaml")
-    split_cfg = _load_yaml_or_json(split_file)
-    parts = split_cfg.get("split_parts") or {}
-    if not parts:
-        raise SourceError(f"{split_file} defines no split_parts")
-    excludes = {e for pattern in split_cfg.get("exclude") or [] for e in braceexpand.braceexpand(pattern)}
-    chosen = list(parts) if not splits else splits
-    unknown = [s for s in chosen if s not in parts]
+        raise SourceError(f"{root} is not an Energon dataset: no {META} folder")
+    try:
+        split_cfg = SplitYaml.read(root)
+        dataset_yaml = read_mapping(meta / "dataset.yaml", "dataset file") if (meta / "dataset.yaml").exists() else {}
+        info = InfoJson.read(root) if any((meta / n).exists() for n in (".info.json", ".info.yaml")) else None
+    except FormatError as exc:
+        raise SourceError(str(exc)) from None
+    if not split_cfg.split_parts:
+        raise SourceError(f"{meta / 'split.yaml'} defines no split_parts")
+    excludes = {e for pattern in split_cfg.exclude for e in _expand(pattern)}
+    chosen = list(split_cfg.split_parts) if not splits else splits
+    unknown = [s for s in chosen if s not in split_cfg.split_parts]
     if unknown:
-        raise SourceError(f"unknown split {unknown[0]!r}; {split_file.name} has {', '.join(parts)}")
+        raise SourceError(f"unknown split {unknown[0]!r}; split.yaml has {', '.join(split_cfg.split_parts)}")
     shards_by_split = {}
     for split in chosen:
-        shards = [n for pattern in parts[split] or [] for n in braceexpand.braceexpand(pattern)]
+        shards = [n for pattern in split_cfg.split_parts[split] for n in _expand(pattern)]
+        bad = [s for s in shards if not safe_relative(s)]
+        if bad:
+            raise SourceError(f"split {split!r}: shard path {bad[0]!r} leaves the dataset folder")
         shards_by_split[split] = [s for s in shards if s not in excludes]
         missing = [s for s in shards_by_split[split] if not (root / s).is_file()]
         if missing:
             raise SourceError(f"split {split!r}: shard {missing[0]} does not exist under {root}")
-    counts = {}
-    for info in (meta / ".info.json", meta / ".info.yaml"):
-        if info.exists():
-            counts = dict(_load_yaml_or_json(info).get("shard_counts") or {})
-            break
-    dataset_yaml = _load_yaml_or_json(meta / "dataset.yaml") if (meta / "dataset.yaml").exists() else {}
     all_shards = {s for shards in shards_by_split.values() for s in shards}
     sample_excludes = frozenset(e for e in excludes if e not in all_shards and "/" in e)
-    return SourceDataset(root, shards_by_split, sample_excludes, dataset_yaml, counts)
+    counts = info.shard_counts if info is not None else {}
+    return SourceDataset(root, shards_by_split, sample_excludes, dataset_yaml, counts, metadata_digest(root))
 
 
-def _split_member(name: str) -> tuple[str, str]:
-    """``dir/key.part.ext`` -> (``dir/key``, ``part.ext``), Energon's and WebDataset's rule."""
-    head, _, base = name.rpartition("/")
-    stem, dot, part = base.partition(".")
-    return (f"{head}/{stem}" if head else stem), part
+def _expand(pattern: str) -> list[str]:
+    try:
+        return list(braceexpand.braceexpand(pattern))
+    except Exception as exc:  # braceexpand raises its own error type for unbalanced braces
+        raise SourceError(f"split.yaml: bad shard pattern {pattern!r} ({exc})") from None
+
+
+def metadata_digest(root: Path) -> str:
+    """SHA-256 of the ``.nv-meta`` files that decide how shards are read (split, dataset and info files)."""
+    h = hashlib.sha256()
+    for name in ("split.yaml", "split.json", "dataset.yaml", ".info.json", ".info.yaml"):
+        path = Path(root) / META / name
+        if path.is_file():
+            h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def _unsafe(name: str) -> bool:
     return name.startswith("/") or ".." in name.split("/") or "\\" in name or "\x00" in name
 
 
-def _ends_cleanly(tar: tarfile.TarFile) -> bool:
-    """Whether iteration stopped at the end-of-archive marker (a zero block). ``tarfile`` also stops silently at a
-    truncated or garbled header, which would drop the rest of the shard and the rest of the current sample."""
-    tar.fileobj.seek(tar.offset)
-    return tar.fileobj.read(tarfile.BLOCKSIZE) == tarfile.NUL * tarfile.BLOCKSIZE
-
-
-def read_raw_samples(root: Path, shard: str, excluded: frozenset[str] = frozenset()) -> Iterator[RawSample]:
+class ShardScan:
     """Every sample of one shard in on-disk order, excluded keys skipped (they are not part of the dataset).
 
-    Members are grouped by key while adjacent, as Energon does; a key seen again later is reported as a
-    duplicate. Member names are never used as file paths; one with ``..`` or an absolute path marks its sample.
-    Raises :class:`SourceError` if the tar itself cannot be read.
+    Members are grouped by key while adjacent, as Energon does; a key seen again later is marked as a duplicate.
+    Member names are never used as file paths; one with ``..`` or an absolute path marks its sample. A sample
+    whose members hold more than ``max_sample_bytes`` is marked and its bytes are not kept. Links and other
+    non-file members mark their sample too (their content cannot be packed). Iterating raises
+    :class:`SourceError` if the tar itself cannot be read, including data after its end-of-archive marker.
+    ``seen`` counts the samples met so far, excluded ones included (what ``.info.json`` counts).
     """
-    path = Path(root) / shard
-    seen: set[str] = set()
-    current: RawSample | None = None
-    index = 0
-    try:
-        with tarfile.open(path, "r:") as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                key, part = _split_member(member.name)
-                if current is None or key != current.key:
-                    if current is not None and current.index >= 0:
-                        yield current
-                    if f"{shard}/{key}" in excluded:
-                        current = RawSample(key=key, shard=shard, index=-1)  # consumed, never yielded
-                    else:
-                        current = RawSample(key=key, shard=shard, index=index)
-                        index += 1
-                        if key in seen:
-                            current.problem = f"duplicate key {key!r} in {shard}"
-                        seen.add(key)
-                if current.index < 0:
-                    continue
-                if _unsafe(member.name):
-                    current.problem = f"unsafe member name {member.name!r}"
-                    continue
-                if part in current.parts:
-                    current.problem = f"part {part!r} appears twice"
-                    continue
-                fobj = tar.extractfile(member)
-                current.parts[part] = fobj.read() if fobj is not None else b""
-                current.ranges[part] = (member.offset_data, member.size)
-            if not _ends_cleanly(tar):
-                raise SourceError(f"cannot read shard {shard}: no end-of-archive marker at byte {tar.offset} "
-                                  f"(truncated or corrupt; its last sample may be incomplete)")
-            if current is not None and current.index >= 0:
-                yield current
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        raise SourceError(f"cannot read shard {shard}: {exc}") from exc
+
+    def __init__(self, root: Path, shard: str, excluded: frozenset[str] = frozenset(), *,
+                 max_sample_bytes: int | None = None):
+        self.root, self.shard, self.excluded = Path(root), shard, excluded
+        self.max_sample_bytes = max_sample_bytes
+        self.seen = 0
+
+    def __iter__(self) -> Iterator[RawSample]:
+        path, shard = self.root / self.shard, self.shard
+        keys: set[str] = set()
+        current: RawSample | None = None
+        index = 0
+        try:
+            with tarfile.open(path, "r:") as tar:
+                for member in tar:
+                    if member.isdir():
+                        continue
+                    key, part = split_member(member.name)
+                    if current is None or key != current.key:
+                        if current is not None and current.index >= 0:
+                            yield current
+                        self.seen += 1
+                        if f"{shard}/{key}" in self.excluded:
+                            current = RawSample(key=key, shard=shard, index=-1)  # consumed, never yielded
+                        else:
+                            current = RawSample(key=key, shard=shard, index=index)
+                            index += 1
+                            if key in keys:
+                                current.problem = f"duplicate key {key!r} in {shard}"
+                            keys.add(key)
+                    if current.index < 0 or current.problem:
+                        continue
+                    current.problem = self._member_problem(member, part, current)
+                    if current.problem:
+                        current.parts.clear()
+                        continue
+                    fobj = tar.extractfile(member)
+                    current.parts[part] = fobj.read() if fobj is not None else b""
+                    current.ranges[part] = (member.offset_data, member.size)
+                _check_end(tar, shard)
+                if current is not None and current.index >= 0:
+                    yield current
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            raise SourceError(f"cannot read shard {shard}: {exc}") from exc
+
+    def _member_problem(self, member: tarfile.TarInfo, part: str, current: RawSample) -> str | None:
+        if _unsafe(member.name):
+            return f"unsafe member name {member.name!r}"
+        if not member.isfile():
+            kind = "link" if member.issym() or member.islnk() else "non-file member"
+            return f"member {part!r} is a {kind}; only regular files can be packed"
+        if part in current.parts:
+            return f"part {part!r} appears twice"
+        held = sum(len(v) for v in current.parts.values()) + member.size
+        if self.max_sample_bytes is not None and held > self.max_sample_bytes:
+            return f"sample holds more than {self.max_sample_bytes} bytes (member {part!r}: {member.size} bytes)"
+        return None
+
+
+def _check_end(tar: tarfile.TarFile, shard: str) -> None:
+    """Iteration must have stopped at the end-of-archive marker, with nothing but zeros after it. ``tarfile``
+    also stops silently at a truncated or garbled header (the rest of the shard would be lost), and at the end
+    marker of the first of two concatenated tars (the second would be)."""
+    f = tar.fileobj
+    f.seek(tar.offset)  # type: ignore[union-attr]
+    if f.read(tarfile.BLOCKSIZE) != tarfile.NUL * tarfile.BLOCKSIZE:  # type: ignore[union-attr]
+        raise SourceError(f"cannot read shard {shard}: no end-of-archive marker at byte {tar.offset} "
+                          f"(truncated or corrupt; its last sample may be incomplete)")
+    while block := f.read(1 << 16):  # type: ignore[union-attr]
+        if block.strip(b"\0"):
+            raise SourceError(f"cannot read shard {shard}: data after the end-of-archive marker at byte "
+                              f"{tar.offset} (concatenated tars?) is not read")
+
+
+def read_raw_samples(root: Path, shard: str, excluded: frozenset[str] = frozenset(), *,
+                     max_sample_bytes: int | None = None) -> Iterator[RawSample]:
+    """The samples of one shard (see :class:`ShardScan`)."""
+    return iter(ShardScan(root, shard, excluded, max_sample_bytes=max_sample_bytes))

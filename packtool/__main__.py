@@ -1,0 +1,5 @@
+"""``python -m packtool``: the command line."""
+
+from packtool.cli import main
+
+main()

@@ -1,0 +1,163 @@
+"""The encode stage's store: one folder per source shard under ``OUTPUT/.packtool/encode/<split>/NNNNNN``.
+
+``encode_shard`` (one task per source shard) scans the shard, encodes every sample and commits the folder
+atomically: ``samples.parquet`` (one :data:`ENCODED_SCHEMA` row per sample, on-disk order), ``tokens.npy`` and
+``targets.npy`` (the kept samples' tokens, concatenated) and ``source.json`` (what the source shard looked like
+when it was read). A rerun keeps a folder only while its source shard still looks the same: an edited shard is
+encoded again, so a resumed run never packs stale bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from packtool.commit import commit_path
+from packtool.encode import Encoded, get_encoder
+from packtool.errors import SourceError
+from packtool.format import KEPT, STATUSES, npy_bytes
+from packtool.settings import EncodeSettings
+from packtool.sources.energon import ShardScan
+
+#: Raw bytes of source samples held at once by an encode task (at most 256 samples, fewer if media are large).
+CHUNK_BYTES = 64 * 2**20
+CHUNK_SAMPLES = 256
+#: Key of the ledger row that stands for the unreadable rest of a shard.
+UNREADABLE = "#unreadable-after-"
+
+#: Columns of an encoded source shard, one row per sample in on-disk order.
+ENCODED_SCHEMA = pa.schema([
+    ("key", pa.string()), ("shard", pa.string()), ("status", pa.string()), ("reason", pa.string()),
+    ("tokens", pa.int32()), ("source_tokens", pa.int32()), ("targets", pa.int32()), ("images", pa.int32()),
+    ("image_tokens", pa.int32()), ("truncated", pa.bool_()), ("tok_offset", pa.int64()), ("media", pa.string()),
+])
+
+
+@dataclass(frozen=True)
+class SourceStamp:
+    """What a source shard looked like when it was read: any change of it (or of the dataset metadata that
+    decided how it was read) makes its encoded folder stale."""
+
+    shard: str
+    size: int
+    mtime_ns: int
+    #: Changes with every write to the file, and cannot be set back by a user.
+    ctime_ns: int
+    #: SHA-256 of the dataset's ``.nv-meta`` files that decide how the shard is read.
+    metadata: str
+
+    @classmethod
+    def of(cls, root: Path, shard: str, metadata: str) -> SourceStamp:
+        st = os.stat(root / shard)
+        return cls(shard, st.st_size, st.st_mtime_ns, st.st_ctime_ns, metadata)
+
+
+def is_current(folder: Path, stamp: SourceStamp) -> bool:
+    """Whether ``folder`` holds a committed encoding of the shard as ``stamp`` describes it now."""
+    try:
+        return json.loads((folder / "source.json").read_text()) == asdict(stamp)
+    except (OSError, ValueError):
+        return False
+
+
+def encode_shard(root: str, shard: str, excluded: frozenset, settings: EncodeSettings, dataset_yaml: dict,
+                 expected: int | None, stamp: SourceStamp, strict: bool, out_dir: str) -> dict[str, int]:
+    """Encode every sample of one shard into ``out_dir`` (see the module doc); returns status counts.
+
+    ``expected`` is the shard's sample count from the dataset's ``.info.json`` (None if unknown): a shard that
+    yields fewer samples (a second tar appended after an end-of-archive marker, a lost tail) gets an error row
+    saying so, so no sample is lost without a ledger row.
+    """
+    out = Path(out_dir)
+    if is_current(out, stamp):
+        return status_counts(pq.read_table(out / "samples.parquet", columns=["status"]))
+    encoder = get_encoder(settings, dataset_yaml)
+    encoded: list[Encoded] = []
+    chunk: list = []
+    chunk_bytes, unreadable = 0, None
+    scan = ShardScan(Path(root), shard, excluded, max_sample_bytes=settings.max_sample_bytes)
+    samples = iter(scan)
+    while True:
+        try:
+            raw = next(samples)
+        except StopIteration:
+            break
+        except SourceError as exc:
+            if strict:
+                raise
+            unreadable = str(exc)
+            break
+        chunk.append(raw)
+        chunk_bytes += sum(len(v) for v in raw.parts.values())
+        if len(chunk) >= CHUNK_SAMPLES or chunk_bytes >= CHUNK_BYTES:  # raw bytes held stay bounded
+            encoded += encoder.encode_many(chunk, strict=strict)
+            chunk, chunk_bytes = [], 0
+    encoded += encoder.encode_many(chunk, strict=strict)
+    rows, offset = [], 0
+    for e in encoded:
+        rows.append(_row(e, offset))
+        offset += len(e.tokens) if e.status in KEPT else 0
+    if unreadable is not None:
+        rows.append(_error_row(f"{UNREADABLE}{len(encoded)}", shard, unreadable))
+    elif expected is not None and scan.seen < expected:
+        rows.append(_error_row(f"{UNREADABLE}{len(encoded)}", shard,
+                               f"the dataset's .info.json counts {expected} samples in {shard}, the tar holds "
+                               f"{scan.seen}"))
+    kept = [e for e in encoded if e.status in KEPT]
+    tokens = np.concatenate([e.tokens for e in kept]).astype(np.int32) if kept else np.zeros(0, np.int32)
+    targets = np.concatenate([e.targets for e in kept]).astype(np.uint8) if kept else np.zeros(0, np.uint8)
+    table = pa.Table.from_pylist(rows, schema=ENCODED_SCHEMA)
+    with commit_path(out) as tmp:
+        tmp.mkdir()
+        (tmp / "tokens.npy").write_bytes(npy_bytes(tokens))
+        (tmp / "targets.npy").write_bytes(npy_bytes(targets))
+        pq.write_table(table, tmp / "samples.parquet")
+        (tmp / "source.json").write_text(json.dumps(asdict(stamp)))
+    return status_counts(table)
+
+
+def _row(e: Encoded, offset: int) -> dict:
+    keep = e.status in KEPT
+    return {"key": e.key, "shard": e.shard, "status": e.status, "reason": e.reason,
+            "tokens": len(e.tokens) if keep else 0, "source_tokens": e.source_tokens,
+            "targets": int(e.targets.sum()) if keep else 0, "images": len(e.media) if keep else 0,
+            "image_tokens": sum(m["tokens"] for m in e.media) if keep else 0,
+            "truncated": e.status == "truncated", "tok_offset": offset if keep else -1,
+            "media": json.dumps(e.media if keep else [], separators=(",", ":"))}
+
+
+def _error_row(key: str, shard: str, reason: str) -> dict:
+    return {"key": key, "shard": shard, "status": "error", "reason": reason, "tokens": 0, "source_tokens": 0,
+            "targets": 0, "images": 0, "image_tokens": 0, "truncated": False, "tok_offset": -1, "media": "[]"}
+
+
+def status_counts(table: pa.Table) -> dict[str, int]:
+    statuses = table.column("status").to_pylist()
+    return {s: statuses.count(s) for s in STATUSES}
+
+
+class NpyReader:
+    """Slices of a 1-D ``.npy`` file by positioned reads: unlike a memory map, what was read does not stay in
+    the process's resident memory."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "rb")
+        version = np.lib.format.read_magic(self.file)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+            np.lib.format.read_array_header_2_0
+        _, _, self.dtype = read_header(self.file)
+        self.start = self.file.tell()
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        size = self.dtype.itemsize
+        data = os.pread(self.file.fileno(), (s.stop - s.start) * size, self.start + s.start * size)
+        return np.frombuffer(data, self.dtype)
+
+    def close(self) -> None:
+        self.file.close()

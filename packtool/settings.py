@@ -1,0 +1,242 @@
+"""Settings: one typed definition of every option, checked when it is built, before any work starts.
+
+Three groups, by what they decide:
+
+* :class:`EncodeSettings` decide the encode stage (tokens, targets, truncation of each sample). Changing one
+  re-encodes.
+* :class:`PlanSettings` decide how encoded samples become packs and shards. Changing one re-plans and rewrites,
+  reusing the encode work.
+* :class:`RunOptions` decide how the run goes (workers, engine, strictness, dry run) and never the bytes.
+
+:meth:`PackSettings.fingerprints` gives the two stamps a rerun compares: the encode stage's and the output's.
+The CLI takes its defaults from these classes.
+
+>>> s = PackSettings(EncodeSettings(tokenizer="model", pack_size=4096), PlanSettings(shard_size="1GB"))
+>>> s.plan.shard_size
+ShardSize(unit='bytes', value=1073741824)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import re
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from packtool.errors import ConfigError
+
+Overlong = Literal["truncate", "drop"]
+MediaCheck = Literal["decode", "header"]
+Algorithm = Literal["auto", "bfd", "ffd", "greedy_knapsack", "balanced_greedy_knapsack", "first_fit_shuffle",
+                    "sequential"]
+EngineKind = Literal["local", "ray"]
+
+#: Largest pack: boundaries (``cu_seqlens``) are int32.
+MAX_PACK_SIZE = 2**31 - 1
+#: PIL's default decompression-bomb limit, the default pixel limit.
+DEFAULT_PIXEL_LIMIT = 89_478_485
+#: Default cap on the bytes of one source sample (all its members).
+DEFAULT_MAX_SAMPLE_BYTES = 1 << 30
+
+
+def default(cls: type, name: str) -> Any:
+    """The default of field ``name`` of settings class ``cls`` (for the CLI)."""
+    f = next(f for f in fields(cls) if f.name == name)
+    return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+
+
+def choices(literal: Any) -> tuple[str, ...]:
+    return tuple(get_args(literal))
+
+
+def _check_choice(value: str, literal: Any, name: str) -> None:
+    if value not in get_args(literal):
+        raise ConfigError(f"unknown {name} {value!r}; choose one of {', '.join(get_args(literal))}")
+
+
+def _check_int(value: Any, name: str, *, low: int = 1, high: int | None = None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, not {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise ConfigError(f"{name} must be {bounds}, not {value}")
+
+
+@dataclass(frozen=True)
+class ShardSize:
+    """How big an output shard may grow: a byte estimate or a number of packs."""
+
+    unit: Literal["bytes", "packs"]
+    value: int
+
+    _UNITS = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40, "B": 1}
+
+    @classmethod
+    def parse(cls, text: str | int | ShardSize) -> ShardSize:
+        """``"1000"`` or ``1000`` -> 1000 packs; ``"512MB"`` -> 512·2^20 bytes (KB, MB, GB, TB: powers of 1024)."""
+        if isinstance(text, ShardSize):
+            return text
+        if isinstance(text, int) and not isinstance(text, bool) and text > 0:
+            return cls("packs", text)
+        t = str(text).strip().upper().replace(" ", "")
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)(KB|MB|GB|TB|B)", t)
+        if m:
+            size = int(float(m.group(1)) * cls._UNITS[m.group(2)])
+            if size >= 1:
+                return cls("bytes", size)
+        if t.isdigit() and int(t) > 0:
+            return cls("packs", int(t))
+        raise ConfigError(f"shard size must be a pack count or a size like 512MB, not {text!r}")
+
+    def __str__(self) -> str:
+        if self.unit == "packs":
+            return str(self.value)
+        for suffix in ("TB", "GB", "MB", "KB"):
+            if self.value % self._UNITS[suffix] == 0:
+                return f"{self.value // self._UNITS[suffix]}{suffix}"
+        return f"{self.value}B"
+
+
+@dataclass(frozen=True)
+class EncodeSettings:
+    """Every setting that changes how one sample is encoded."""
+
+    #: Local model folder: tokenizer.json, tokenizer_config.json, chat template, optional preprocessor_config.json.
+    tokenizer: str
+    #: Tokens per pack; also the longest a sample may stay.
+    pack_size: int
+    #: Each segment's length is rounded up to a multiple of this (context/sequence parallelism).
+    align: int = 1
+    #: What happens to a sample longer than the pack (or over a per-pack media cap): cut at a safe point, or drop.
+    overlong: Overlong = "truncate"
+    #: Override the image processor's pixel bounds.
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    #: Fixed tokens per image (models without Qwen2-VL's rule).
+    image_tokens: int | None = None
+    #: Per-pack caps, also applied to single samples (a sample over one is cut or dropped).
+    max_images: int | None = None
+    max_image_tokens: int | None = None
+    #: ``module:function`` turning a raw sample into a conversation.
+    adapter: str | None = None
+    #: Read pickled media lists through the restricted unpickler.
+    allow_pickle: bool = False
+    #: Images with more pixels are quarantined (decompression bombs).
+    pixel_limit: int = DEFAULT_PIXEL_LIMIT
+    #: ``decode`` proves every image decodes; ``header`` reads sizes only.
+    media_check: MediaCheck = "decode"
+    #: User text of captioning samples.
+    caption_prompt: str = ""
+    #: The date templates see through ``strftime_now``, fixed so reruns on another day give the same tokens.
+    template_date: str = "2026-01-01"
+    #: Samples whose members hold more bytes are quarantined before they are parsed.
+    max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES
+
+    def __post_init__(self) -> None:
+        _check_int(self.pack_size, "pack_size", high=MAX_PACK_SIZE)
+        _check_int(self.align, "align")
+        if self.align > self.pack_size:
+            raise ConfigError(f"pack_size {self.pack_size} is smaller than the alignment {self.align}")
+        _check_choice(self.overlong, Overlong, "overlong")
+        _check_choice(self.media_check, MediaCheck, "media_check")
+        for name in ("min_pixels", "max_pixels", "image_tokens", "max_images", "max_image_tokens"):
+            _check_int(getattr(self, name), name, optional=True)
+        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
+            raise ConfigError(f"min_pixels {self.min_pixels} exceeds max_pixels {self.max_pixels}")
+        _check_int(self.pixel_limit, "pixel_limit")
+        _check_int(self.max_sample_bytes, "max_sample_bytes")
+        if self.adapter is not None and not re.fullmatch(r"[\w.]+:\w+", self.adapter):
+            raise ConfigError(f"adapter must be module:function, not {self.adapter!r}")
+        try:
+            datetime.date.fromisoformat(self.template_date)
+        except (TypeError, ValueError):
+            raise ConfigError(f"template_date must be YYYY-MM-DD, not {self.template_date!r}") from None
+
+    @property
+    def max_tokens(self) -> int:
+        """Longest sample that fits a pack once its length is rounded up to the alignment."""
+        return self.pack_size // self.align * self.align
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """Every setting that changes which samples share a pack and how packs are ordered and cut into shards."""
+
+    #: Packing algorithm; ``auto`` keeps the best of best-fit decreasing and a seeded shuffled first fit.
+    algorithm: Algorithm = "auto"
+    #: Extra packs ``balanced_greedy_knapsack`` opens up front.
+    balanced_delta: int = 0
+    #: At most this many samples per pack.
+    max_segments: int | None = None
+    #: Seed of the seeded algorithms and of the data-parallel ordering.
+    seed: int = 0
+    #: Output shard size (a pack count, or bytes like ``"512MB"``), parsed when the settings are built.
+    shard_size: ShardSize = field(default_factory=lambda: ShardSize.parse("512MB"))
+    #: Order packs so each group of this many consecutive packs (one step on as many ranks) balances compute.
+    balance_dp: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice(self.algorithm, Algorithm, "algorithm")
+        _check_int(self.balanced_delta, "balanced_delta", low=0)
+        _check_int(self.max_segments, "max_segments", optional=True)
+        _check_int(self.seed, "seed", low=0)
+        _check_int(self.balance_dp, "balance_dp", optional=True)
+        object.__setattr__(self, "shard_size", ShardSize.parse(self.shard_size))
+
+
+@dataclass(frozen=True)
+class PackSettings:
+    """Everything that decides the bytes of an OUTPUT."""
+
+    encode: EncodeSettings
+    plan: PlanSettings = field(default_factory=PlanSettings)
+    #: Splits to pack; empty = every split of ``split.yaml``.
+    splits: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "splits", tuple(self.splits))
+
+    def fingerprints(self, source: Path, tokenizer_fingerprint: str) -> dict[str, dict]:
+        """``{"encode": ..., "output": ...}`` as JSON values (so a stamp read back compares equal): the encode
+        stamp covers the source, the model files and the encode settings; the output stamp adds the plan and
+        the splits."""
+        encode = {**asdict(self.encode), "tokenizer": tokenizer_fingerprint, "source": str(source)}
+        plan = {**asdict(self.plan), "shard_size": str(self.plan.shard_size)}
+        output = {"encode": encode, "plan": plan, "splits": list(self.splits)}
+        return json.loads(json.dumps({"encode": encode, "output": output}))
+
+    def describe(self) -> dict:
+        """Every setting as plain values, for the manifest."""
+        return {**asdict(self.encode), "tokenizer": Path(self.encode.tokenizer).name,
+                **asdict(self.plan), "shard_size": str(self.plan.shard_size), "splits": list(self.splits)}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a run goes; never what it writes."""
+
+    #: Worker processes (local engine); 1 runs everything in this process.
+    workers: int = 1
+    engine: EngineKind = "local"
+    #: Ray cluster address (``host:port``) with ``engine="ray"``; None starts a local Ray.
+    ray_address: str | None = None
+    #: Stop at the first bad sample instead of quarantining it.
+    strict: bool = False
+    #: Stop after planning: ledger and statistics only.
+    dry_run: bool = False
+    #: Replace an OUTPUT made with other settings (or not made by packtool).
+    overwrite: bool = False
+    progress: bool = True
+    #: Above this fraction of error rows the run fails (after writing the ledger).
+    max_error_rate: float = 0.01
+
+    def __post_init__(self) -> None:
+        _check_int(self.workers, "workers")
+        _check_choice(self.engine, EngineKind, "engine")
+        if not 0.0 <= self.max_error_rate <= 1.0 or math.isnan(self.max_error_rate):
+            raise ConfigError(f"max_error_rate must be between 0 and 1, not {self.max_error_rate}")

@@ -1,0 +1,142 @@
+"""Tar shards: the byte-reproducible USTAR writer with its ``.tar.idx``, and the readers of records.
+
+A record is the adjacent members of one key (:func:`packtool.format.split_member`). The writer commits the
+``.tar.idx`` and then the tar atomically, so a shard whose tar exists is complete.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from packtool.commit import commit_bytes, commit_path
+from packtool.errors import FormatError
+from packtool.format import IndexedRecord, member_name, split_member
+
+BLOCK = 512
+
+
+def _header(name: str, size: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mtime = 0
+    info.mode = 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info.tobuf(format=tarfile.USTAR_FORMAT, encoding="utf-8", errors="strict")
+
+
+def write_tar(path: Path, records: Iterable[tuple[str, list[tuple[str, bytes]]]]) -> list[IndexedRecord]:
+    """Write records ``(key, [(part, bytes), ...])`` as an uncompressed USTAR tar plus its ``.tar.idx``.
+
+    Headers carry mtime 0, uid/gid 0, mode 0644, so equal input gives equal bytes. ``.tar.idx`` holds each
+    record's first header offset, then the end of the data (native uint64, as Energon reads it). Returns the
+    index of every record.
+    """
+    path = Path(path)
+    index: list[IndexedRecord] = []
+    with commit_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            pos = 0
+            for key, parts in records:
+                start, placed = pos, []
+                for part, data in parts:
+                    head = _header(member_name(key, part), len(data))
+                    pad = -len(data) % BLOCK
+                    f.write(head)
+                    f.write(data)
+                    f.write(b"\0" * pad)
+                    placed.append((part, pos + len(head), len(data)))
+                    pos += len(head) + len(data) + pad
+                index.append(IndexedRecord(key, start, pos - start, tuple(placed)))
+            f.write(b"\0" * (2 * BLOCK))
+        offsets = [r.offset for r in index] + [pos]
+        commit_bytes(idx_path(path), np.asarray(offsets, dtype=np.uint64).tobytes())
+    return index
+
+
+def idx_path(shard: Path) -> Path:
+    return shard.with_name(shard.name + ".idx")
+
+
+def index_tar(path: Path) -> list[IndexedRecord]:
+    """The record index of a tar, from its headers (data is not read)."""
+    records: list[IndexedRecord] = []
+    cur_key: str | None = None
+    cur_start, cur_parts, end = 0, [], 0
+    with tarfile.open(path, "r:") as tar:
+        for m in tar:
+            if not m.isfile():
+                continue
+            key, part = split_member(m.name)
+            if key != cur_key:
+                if cur_key is not None:
+                    records.append(IndexedRecord(cur_key, cur_start, end - cur_start, tuple(cur_parts)))
+                cur_key, cur_start, cur_parts = key, m.offset, []
+            cur_parts.append((part, m.offset_data, m.size))
+            end = m.offset_data + m.size + (-m.size % BLOCK)
+    if cur_key is not None:
+        records.append(IndexedRecord(cur_key, cur_start, end - cur_start, tuple(cur_parts)))
+    return records
+
+
+def record_offsets(shard: str | Path) -> np.ndarray:
+    """Byte offset of each record's first header, then the end of the last record (``.tar.idx``)."""
+    path = idx_path(Path(shard))
+    if not path.is_file():
+        raise FormatError(f"{path}: missing")
+    return np.fromfile(path, dtype=np.uint64).astype(np.int64)
+
+
+def parse_record(chunk: bytes, where: str = "record") -> tuple[str, dict[str, bytes]]:
+    """The key and ``{part: bytes}`` of the tar bytes of one record."""
+    # Zero blocks after the chunk make it a complete archive even when the end offset was not block-rounded.
+    try:
+        tar = tarfile.open(fileobj=io.BytesIO(chunk + bytes(-len(chunk) % BLOCK + 2 * BLOCK)), mode="r:")
+        key, parts = None, {}
+        for info in tar:
+            if not info.isfile():
+                continue
+            name, part = split_member(info.name)
+            if key is None:
+                key = name
+            elif name != key:
+                raise FormatError(f"{where}: record {key!r} also holds member {info.name!r}")
+            parts[part] = tar.extractfile(info).read()  # type: ignore[union-attr]
+    except tarfile.TarError as exc:
+        raise FormatError(f"{where}: unreadable tar record ({exc})") from None
+    if key is None:
+        raise FormatError(f"{where}: empty record")
+    return key, parts
+
+
+def iter_records(shard: str | Path, indices: Iterable[int] | None = None) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """Records of one shard as ``(key, members)``, in on-disk order or in the order of ``indices``, found through
+    the shard's ``.tar.idx``."""
+    offsets = record_offsets(shard)
+    with open(shard, "rb") as f:
+        for i in range(len(offsets) - 1) if indices is None else indices:
+            f.seek(offsets[i])
+            yield parse_record(f.read(offsets[i + 1] - offsets[i]), f"{shard} record {i}")
+
+
+def scan_records(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """Records of a tar read front to back from its headers alone (no ``.tar.idx``): what ``verify`` uses to
+    check the index against."""
+    with tarfile.open(path, "r:") as tar:
+        key, parts = None, {}
+        for m in tar:
+            if not m.isfile():
+                continue
+            k, part = split_member(m.name)
+            if k != key:
+                if key is not None:
+                    yield key, parts
+                key, parts = k, {}
+            parts[part] = tar.extractfile(m).read()  # type: ignore[union-attr]
+        if key is not None:
+            yield key, parts
