@@ -350,3 +350,16 @@ def test_png_of_an_image_array_is_fixed_and_lossless():
                 np.zeros(4, np.uint8)):
         with pytest.raises(SampleError, match="is not an 8-bit"):
             png_bytes(bad)
+
+
+def test_converter_samples_without_their_dataset_yaml_read_the_same(tmp_path):
+    """Without ``ChatMLWebdataset`` in ``dataset.yaml`` the chat JSON adapter takes the sample: same media, and a
+    video still quarantines it rather than leaving its ``<video>`` tag as text."""
+    from packtool.sources.conversation import conversation_adapter
+
+    samples = converter_samples(tmp_path / "pwned")
+    for key in ("s0", "s1", "s2", "s4", "s5"):
+        with_yaml = chatml_adapter(samples[key], fields=FIELDS, allow_pickle=True)
+        assert conversation_adapter(samples[key], allow_pickle=True) == with_yaml, key
+    with pytest.raises(SampleError, match="videos are not supported yet"):
+        conversation_adapter(samples["s3"], allow_pickle=True)
