@@ -301,7 +301,7 @@ HOSTILE = {
                               "system"),
     "global in a dtype": (b"\x80\x04\x8c\x05numpy\x8c\x05dtype\x93\x8c\x02os\x8c\x06getcwd\x93)R\x85R.",
                           "refers to os.getcwd"),
-    "state on an accepted global": (b"\x80\x04\x8c\x05numpy\x8c\x05dtype\x93}b.", "sets state on Global"),
+    "state on an accepted global": (b"\x80\x04\x8c\x05numpy\x8c\x05dtype\x93}b.", "sets state on numpy.dtype"),
     "out-of-band buffer": (pickle.dumps(pickle.PickleBuffer(b"x"), protocol=5, buffer_callback=lambda b: False),
                            "unreadable pickled member"),
     "self-referring list": ("cycle", "refers to itself"),

@@ -124,6 +124,9 @@ class _Global(_Refused):
     def __call__(self, *args):
         return self.build(*args)
 
+    def __setstate__(self, state) -> None:
+        raise SampleError(f"pickled member sets state on {self.name}")
+
 
 def _reconstruct(cls=None, shape=None, typecode=None, *rest) -> _PendingArray:
     if cls is not _NDARRAY or shape != (0,) or typecode != b"b" or rest:
