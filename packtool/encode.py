@@ -26,6 +26,7 @@ from packtool.settings import EncodeSettings
 from packtool.sources import Conversation, RawSample
 from packtool.sources.conversation import conversation_adapter
 from packtool.sources.custom import custom_adapter, load_function
+from packtool.sources.mbridge import chatml_adapter, chatml_fields
 from packtool.sources.safepickle import load_bytes_list
 from packtool.sources.sample import IMAGE_TAG
 from packtool.sources.typed import sample_type, typed_adapter
@@ -153,6 +154,7 @@ class Encoder:
         if (dataset_yaml or {}).get("sample_loader") and not settings.adapter:
             raise ConfigError("dataset.yaml uses a sample_loader: give an adapter (module:function) for it")
         self.custom = load_function(settings.adapter) if settings.adapter else None
+        self.chatml = chatml_fields(dataset_yaml or {})
 
     # -- rendering -------------------------------------------------------------------------------------------
     def _template_messages(self, messages: list[dict]) -> list[dict]:
@@ -226,6 +228,8 @@ class Encoder:
         if self.kind is not None:
             return typed_adapter(raw.parts, kind=self.kind, field_map=self.field_map,
                                  prompt=self.settings.caption_prompt)
+        if self.chatml is not None:
+            return chatml_adapter(raw.parts, fields=self.chatml, allow_pickle=self.settings.allow_pickle)
         return conversation_adapter(raw.parts, allow_pickle=self.settings.allow_pickle)
 
     def _media_facts(self, raw: RawSample, conv: Conversation) -> list[dict]:

@@ -1,9 +1,10 @@
 """Adapter for chat JSON samples: LLaVA/ShareGPT (``from``/``value``) and ChatML (``role``/``content``).
 
-A ``json`` member holds a list of turns or ``{"conversations"|"messages": [...]}``. Images are the members whose
-part name ends in an image extension (``jpg``, ``img0.png``, ``1.webp``), numbered ones in number order; or,
-with ``--allow-pickle``, a ``jpgs`` member holding a pickled list of JPEG bytes. ``<image>`` in the text marks
-where each image goes; without tags, images go before the first user text.
+A ``json`` member holds a list of turns or ``{"conversations"|"messages"|"conversation": [...]}``. Images are the
+members whose part name ends in an image extension (``jpg``, ``img0.png``, ``1.webp``), numbered ones in number
+order; or, with ``--allow-pickle``, a ``jpgs`` member holding a pickled list of image bytes or decoded image
+arrays (a pickled ``videos`` member holding any video quarantines the sample: videos are not supported yet).
+``<image>`` in the text marks where each image goes; without tags, images go before the first user text.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import re
 
 from packtool.media import IMAGE_EXTENSIONS
-from packtool.sources.safepickle import load_bytes_list
+from packtool.sources.safepickle import load_bytes_list, refuse_videos
 from packtool.sources.sample import IMAGE_TAG, Conversation, Media, SampleError
 
 ROLES = {
@@ -73,9 +74,9 @@ def parse_turns(doc) -> list[dict]:
     """Messages ``[{"role", "content"}]`` from the JSON document; raises :class:`SampleError` with a reason."""
     turns = doc
     if isinstance(doc, dict):
-        turns = doc.get("conversations", doc.get("messages"))
+        turns = doc.get("conversations", doc.get("messages", doc.get("conversation")))
     if not isinstance(turns, list) or not turns:
-        raise SampleError("json holds no conversation (expected a list of turns, or conversations/messages)")
+        raise SampleError("json holds no conversation (expected a list of turns, or conversation(s)/messages)")
     messages = []
     for turn in turns:
         if not isinstance(turn, dict):
@@ -121,6 +122,10 @@ def conversation_adapter(parts: dict[str, bytes], *, allow_pickle: bool = False)
             raise SampleError("pickled member 'jpgs' refused (pass --allow-pickle to read it safely)")
         items = load_bytes_list(parts["jpgs"])
         media += [Media(part="jpgs", item=i) for i in range(len(items))]
+    if "videos" in parts:  # Megatron-Bridge's convert_to_qwenvl_wds.py writes one to every sample
+        if not allow_pickle:
+            raise SampleError("pickled member 'videos' refused (pickled members are read only when allowed)")
+        refuse_videos(parts["videos"])
     return Conversation(messages=place_images(messages, len(media)), media=media)
 
 

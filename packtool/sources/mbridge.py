@@ -1,0 +1,119 @@
+"""Adapter for Megatron-Bridge's ``ChatMLWebdataset`` samples, named by ``dataset.yaml``'s ``field_map``.
+
+Bridge's converters and tutorials write ``.nv-meta/dataset.yaml`` as::
+
+    __module__: megatron.bridge.data.energon.task_encoder_utils   # or ...models.qwen_vl.data.energon
+    __class__: ChatMLWebdataset
+    field_map:
+      imgs: jpgs                 # or image.png / image.jpg / jpg
+      videos: videos             # optional; or mp4s, or video.mp4
+      conversation: json         # or conversation.json
+    subflavors: {}
+
+Each ``field_map`` value is the member that fills that field. ``conversation`` holds the chat JSON (a list of
+``from``/``value`` or ``role``/``content`` turns, or an object with ``conversation``, ``conversations`` or
+``messages``). ``imgs`` is either one encoded image member or a pickled list (a ``jpgs`` member: encoded image
+bytes, or decoded ``HxWx3`` uint8 arrays from ``convert_to_qwenvl_wds.py``, re-encoded as PNG, see
+:mod:`packtool.sources.safepickle`). ``videos`` and ``audio`` are parsed and then refused per sample: packtool
+packs no video or audio yet.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from packtool.errors import SourceError
+from packtool.media import IMAGE_EXTENSIONS
+from packtool.sources.conversation import parse_turns, place_images
+from packtool.sources.safepickle import load_bytes_list, refuse_videos
+from packtool.sources.sample import Conversation, Media, SampleError
+
+#: ``dataset.yaml`` ``__class__`` of Bridge's multi-turn chat samples.
+CHATML_CLASS = "ChatMLWebdataset"
+#: Member extensions Bridge's decoder reads as pickled lists (``jpgs`` of images; ``videos``/``mp4s`` of videos).
+PICKLED_IMAGES, PICKLED_VIDEOS = ("jpgs",), ("videos", "mp4s")
+
+
+@dataclass(frozen=True)
+class ChatMLFields:
+    """Which member fills which ``ChatMLSample`` field (``dataset.yaml`` ``field_map``)."""
+
+    #: Member holding the chat JSON.
+    conversation: str
+    #: Member holding the images (one image, or a pickled list), or ``None``.
+    imgs: str | None = None
+    #: Member holding the videos (a pickled list of frame lists, or one video file), or ``None``.
+    videos: str | None = None
+    #: Member holding the audio, or ``None``.
+    audio: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("conversation", "imgs", "videos", "audio"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or any(c in value for c in "[],")):
+                raise SourceError(f"dataset.yaml field_map.{name} must name one member, got {value!r}")
+
+
+def chatml_fields(dataset_yaml: dict) -> ChatMLFields | None:
+    """The field map of a ``ChatMLWebdataset`` ``dataset.yaml``, or ``None`` for any other dataset.
+
+    Raises :class:`SourceError` for a field map packtool cannot follow (no ``conversation``, an unknown field,
+    Energon's ``part[key]`` access or ``a,b`` alternatives).
+    """
+    if dataset_yaml.get("__class__") != CHATML_CLASS:
+        return None
+    field_map = dataset_yaml.get("field_map")
+    if not isinstance(field_map, dict) or "conversation" not in field_map:
+        raise SourceError("dataset.yaml for ChatMLWebdataset has no field_map.conversation")
+    unknown = sorted(set(field_map) - {"conversation", "imgs", "videos", "audio"})
+    if unknown:
+        raise SourceError(f"dataset.yaml field_map.{unknown[0]} is not supported (conversation, imgs, videos, audio)")
+    return ChatMLFields(**field_map)
+
+
+def _ext(member: str) -> str:
+    return member.rsplit(".", 1)[-1].lower()
+
+
+def _member(parts: dict[str, bytes], fields: ChatMLFields, field: str) -> str | None:
+    """The member named by ``field``, ``None`` if the field is not mapped; a mapped member must exist."""
+    member = getattr(fields, field)
+    if member is not None and member not in parts:
+        raise SampleError(f"member {member!r} (field_map.{field}) is missing")
+    return member
+
+
+def _refuse_pickle(member: str, allow_pickle: bool) -> None:
+    if not allow_pickle:
+        raise SampleError(f"pickled member {member!r} refused (pickled members are read only when allowed)")
+
+
+def chatml_adapter(parts: dict[str, bytes], *, fields: ChatMLFields, allow_pickle: bool = False) -> Conversation:
+    """The conversation of one raw sample (``{part: bytes}``) of a ``ChatMLWebdataset``."""
+    videos = _member(parts, fields, "videos")
+    if videos is not None:
+        if _ext(videos) not in PICKLED_VIDEOS:
+            raise SampleError(f"video member {videos!r}: videos are not supported yet")
+        _refuse_pickle(videos, allow_pickle)
+        refuse_videos(parts[videos])
+    if _member(parts, fields, "audio") is not None:
+        raise SampleError(f"audio member {fields.audio!r}: audio is not supported yet")
+    name = _member(parts, fields, "conversation")
+    try:
+        doc = json.loads(parts[name].decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SampleError(f"invalid json in {name!r}: {exc}") from None
+    messages = parse_turns(doc)
+    if any("<video>" in m["content"] for m in messages):
+        raise SampleError("conversation has a <video> tag: videos are not supported yet")
+    media: list[Media] = []
+    imgs = _member(parts, fields, "imgs")
+    if imgs is not None and _ext(imgs) in PICKLED_IMAGES:
+        _refuse_pickle(imgs, allow_pickle)
+        media = [Media(part=imgs, item=i) for i in range(len(load_bytes_list(parts[imgs])))]
+    elif imgs is not None and _ext(imgs) in IMAGE_EXTENSIONS:
+        media = [Media(part=imgs)]
+    elif imgs is not None:
+        raise SampleError(f"imgs member {imgs!r} is neither an image nor a pickled image list")
+    return Conversation(messages=place_images(messages, len(media)), media=media)
