@@ -256,7 +256,7 @@ class Encoder:
                 ext = {"jpeg": "jpg"}.get(fmt, fmt or "bin")
             if self.rule is None:
                 raise SampleError("sample has images but the model folder has no preprocessor_config.json "
-                                  "(pass --image-tokens N for a fixed count per image)")
+                                  "(set image_tokens for a fixed count per image)")
             try:
                 grid, n = self.rule.grid(width, height), self.rule.tokens(width, height)
             except ValueError as exc:

@@ -10,6 +10,8 @@ from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
 
+from packtool.errors import EngineError
+
 
 def default_workers() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
@@ -57,7 +59,7 @@ def _run_ray(fn: Callable, tasks: Sequence[tuple], address: str | None, bar) -> 
     try:
         import ray
     except ImportError:
-        raise ValueError("--engine ray needs the optional extra: pip install 'packtool[ray]'") from None
+        raise EngineError("the ray engine needs the optional extra: pip install 'packtool[ray]'") from None
     if not ray.is_initialized():
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})

@@ -51,7 +51,7 @@ def check_against_source(out: Path, source: Path, manifest: dict) -> list[str]:
     try:
         src = open_source(source, list(manifest.get("counts", {})))
     except SourceError as exc:
-        return [f"--source: {exc}"]
+        return [f"source: {exc}"]
     encoder = get_encoder(settings, src.dataset_yaml)
     ledger = _ledger_rows(out)
     info = json.loads((out / ".nv-meta" / ".info.json").read_text())
@@ -102,7 +102,7 @@ def _check_unreadable(shard: str, done: int, error: str, ledger: dict, seen: set
     """The source shard stops being readable after ``done`` samples: the ledger must say so."""
     where = (shard, f"{UNREADABLE}{done}", 1)
     if where not in ledger:
-        return [f"--source: {error} (the ledger has no {where[1]} row for {shard})"]
+        return [f"source: {error} (the ledger has no {where[1]} row for {shard})"]
     seen.add(where)
     return []
 

@@ -20,9 +20,9 @@ import torch
 from PIL import Image
 
 import demo
-from packtool.encode import EncodeSettings
 from packtool.errors import SourceError
-from packtool.pipeline import PackSettings, pack
+from packtool.pipeline import pack
+from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from packtool.sources.mbridge import ChatMLFields, chatml_adapter, chatml_fields
 from packtool.sources.safepickle import load_bytes_list, load_videos, png_bytes, safe_loads
 from packtool.sources.sample import SampleError
@@ -121,7 +121,8 @@ def converted(tmp_path_factory) -> Path:
 
 
 def pack_settings(demo_dir: Path, **kw) -> PackSettings:
-    return PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048, **kw), shard_size="4")
+    return PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048, **kw),
+                        PlanSettings(shard_size="4"))
 
 
 @pytest.fixture(scope="module")

@@ -83,8 +83,8 @@ def load_image_rule(
     max_pixels: int | None = None,
     image_tokens: int | None = None,
 ) -> ImageRule | None:
-    """The rule for a model folder: ``--image-tokens`` wins, else ``preprocessor_config.json`` (Qwen2-VL style),
-    with ``--min-pixels/--max-pixels`` overriding it; ``None`` when the model has no image processor."""
+    """The rule for a model folder: ``image_tokens`` wins, else ``preprocessor_config.json`` (Qwen2-VL style),
+    with ``min_pixels``/``max_pixels`` overriding it; ``None`` when the model has no image processor."""
     if image_tokens is not None:
         return ImageRule(type="fixed", fixed_tokens=int(image_tokens))
     path = Path(tokenizer_dir) / "preprocessor_config.json"

@@ -2,7 +2,7 @@
 
 A ``json`` member holds a list of turns or ``{"conversations"|"messages"|"conversation": [...]}``. Images are the
 members whose part name ends in an image extension (``jpg``, ``img0.png``, ``1.webp``), numbered ones in number
-order; or, with ``--allow-pickle``, a ``jpgs`` member holding a pickled list of image bytes or decoded image
+order; or, with ``allow_pickle``, a ``jpgs`` member holding a pickled list of image bytes or decoded image
 arrays (a pickled ``videos`` member holding any video quarantines the sample: videos are not supported yet).
 ``<image>`` in the text marks where each image goes; without tags, images go before the first user text.
 """
@@ -119,7 +119,7 @@ def conversation_adapter(parts: dict[str, bytes], *, allow_pickle: bool = False)
         media = _referenced_media(doc.get("image", doc.get("images")), parts)
     if "jpgs" in parts:
         if not allow_pickle:
-            raise SampleError("pickled member 'jpgs' refused (pass --allow-pickle to read it safely)")
+            raise SampleError("pickled member 'jpgs' refused: pickles are read only with allow_pickle")
         items = load_bytes_list(parts["jpgs"])
         media += [Media(part="jpgs", item=i) for i in range(len(items))]
     if "videos" in parts:  # Megatron-Bridge's convert_to_qwenvl_wds.py writes one to every sample

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
+from packtool.errors import ConfigError
 from packtool.sources.conversation import parse_turns, place_images
 from packtool.sources.sample import Conversation, Media, SampleError
 
@@ -19,11 +20,11 @@ def load_function(spec: str) -> Callable:
     """Import ``module:function``."""
     module, _, name = spec.partition(":")
     if not module or not name:
-        raise ValueError(f"--adapter must be module:function, got {spec!r}")
+        raise ConfigError(f"adapter must be module:function, not {spec!r}")
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load adapter {spec!r}: {exc}") from None
+        raise ConfigError(f"cannot load adapter {spec!r}: {exc}") from None
 
 
 def custom_adapter(parts: dict[str, bytes], key: str, function: Callable) -> Conversation:
