@@ -62,6 +62,7 @@ def pack(
     """Pack SOURCE into OUTPUT."""
     from packtool.encode import EncodeConfigError, EncodeSettings
     from packtool.engine import default_workers
+    from packtool.errors import PacktoolError
     from packtool.pipeline import PackError, PackSettings, pack as run_pack
     from packtool.plan import ALGORITHMS, derive_align
     from packtool.sources import SampleError, SourceError
@@ -89,7 +90,7 @@ def pack(
     try:
         result = run_pack(source, output, settings, workers=workers or default_workers(), engine=engine,
                           ray_address=ray_address, overwrite=overwrite, progress=progress)
-    except (PackError, SourceError, EncodeConfigError, SampleError) as exc:
+    except (PackError, SourceError, EncodeConfigError, SampleError, PacktoolError) as exc:
         _fail(str(exc))
     total = sum(c["samples"] for c in result.counts.values())
     errors = sum(c["error"] for c in result.counts.values())
