@@ -182,7 +182,8 @@ class Engine:
         env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
         quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
         if self.address is None:
-            ray.init(num_cpus=self.workers, include_dashboard=False, runtime_env=env, **quiet)
+            # "local": a new instance here, never the cluster a `ray start` on this host left in /tmp/ray
+            ray.init(address="local", num_cpus=self.workers, include_dashboard=False, runtime_env=env, **quiet)
         else:
             deadline = time.monotonic() + self.connect_timeout
             _probe_gcs(self.address, self.connect_timeout)
