@@ -21,7 +21,7 @@ from packtool.assemble import SEGMENT_COLUMNS, write_shard
 from packtool.commit import commit_bytes
 from packtool.encode import TOKENIZER_FILES, get_encoder, tokenizer_fingerprint
 from packtool.encoded import SourceStamp, encode_shard, is_current
-from packtool.engine import run_tasks
+from packtool.engine import Engine
 from packtool.errors import ConfigError, FormatError
 from packtool.format import (
     FORMAT_VERSION,
@@ -81,7 +81,10 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, run: Ru
             raise ConfigError(str(exc)) from None
     get_encoder(settings.encode, src.dataset_yaml)  # a bad model folder fails here, before OUTPUT is touched
     fingerprints = settings.fingerprints(source, tokenizer_fingerprint(settings.encode.tokenizer))
-    with OutputDir(output, fingerprints, overwrite=run.overwrite) as out:
+    engine = Engine(run.engine, run.workers, run.ray_address, initializer=get_encoder,
+                    initargs=(settings.encode, src.dataset_yaml))
+    # The engine is up (Ray reached) before OUTPUT is touched, and the OUTPUT lock outlives every worker.
+    with engine, OutputDir(output, fingerprints, overwrite=run.overwrite) as out:
         enc_dirs = {split: [out.encode_dir(split, i) for i in range(len(shards))]
                     for split, shards in src.splits.items()}
         stamps = {s: SourceStamp.of(source, s, src.metadata) for shards in src.splits.values() for s in shards}
@@ -91,14 +94,15 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, run: Ru
         done = _finished(output, run)
         if done is not None:
             return done
-        _encode(src, settings, run, enc_dirs, stamps)
+        _encode(engine, src, settings, run, enc_dirs, stamps)
         clock.lap("scan+encode")
         plans = {split: plan_split(split, load_encoded(enc_dirs[split]), settings) for split in src.splits}
         for split, plan in plans.items():
             _check_packable(split, plan, settings)
         clock.lap("plan")
         out_shards = {split: [shard_path(split, k) for k in range(plan.n_shards)] for split, plan in plans.items()}
-        indexes = {} if run.dry_run else _write(source, output, settings, run, plans, out_shards, enc_dirs, stamps)
+        indexes = {} if run.dry_run else _write(engine, source, output, settings, run, plans, out_shards, enc_dirs,
+                                                stamps)
         clock.lap("write")
         counts, packs = write_ledger(output, plans)
         if not run.dry_run:
@@ -124,16 +128,16 @@ def _finished(output: Path, run: RunOptions) -> PackResult | None:
     return None
 
 
-def _encode(src: SourceDataset, settings: PackSettings, run: RunOptions, enc_dirs: dict[str, list[Path]],
-            stamps: dict[str, SourceStamp]) -> None:
+def _encode(engine: Engine, src: SourceDataset, settings: PackSettings, run: RunOptions,
+            enc_dirs: dict[str, list[Path]], stamps: dict[str, SourceStamp]) -> None:
     tasks = [(str(src.root), shard, src.excluded_samples, settings.encode, src.dataset_yaml,
               src.shard_counts.get(shard), stamps[shard], run.strict, str(enc_dirs[split][i]))
              for split, shards in src.splits.items() for i, shard in enumerate(shards)]
-    run_tasks(encode_shard, tasks, workers=run.workers, engine=run.engine, ray_address=run.ray_address,
-              desc="scan+encode", unit="shard", progress=run.progress)
+    engine.map(encode_shard, tasks, desc="scan+encode", unit="shard", progress=run.progress)
 
 
-def _write(source: Path, output: Path, settings: PackSettings, run: RunOptions, plans: dict[str, SplitPlan],
+def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, run: RunOptions,
+           plans: dict[str, SplitPlan],
            out_shards: dict[str, list[str]], enc_dirs: dict[str, list[Path]],
            stamps: dict[str, SourceStamp]) -> dict[str, list[IndexedRecord]]:
     """One task per output shard, each with a compact table of its own rows (no Python object per row)."""
@@ -150,8 +154,7 @@ def _write(source: Path, output: Path, settings: PackSettings, run: RunOptions, 
             tasks.append((str(output / out_shards[split][k]), split, str(source), [str(d) for d in enc_dirs[split]],
                           split_stamps, table.take(rows[bounds[k]:bounds[k + 1]]), settings.encode.pack_size,
                           settings.encode.align))
-    written = run_tasks(write_shard, tasks, workers=run.workers, engine=run.engine, ray_address=run.ray_address,
-                        desc="write", unit="shard", progress=run.progress)
+    written = engine.map(write_shard, tasks, desc="write", unit="shard", progress=run.progress)
     return dict(zip((s for shards in out_shards.values() for s in shards), written))  # tasks in this order
 
 
