@@ -196,6 +196,20 @@ def qwen_sampling_folder(qwen_folder, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def qwen_capped_folder(qwen_folder, tmp_path_factory) -> Path:
+    """A video config that bounds a video's total pixels (``cap_pixels_per_frame``) by a small token budget."""
+    import json
+    import shutil
+
+    out = tmp_path_factory.mktemp("qwen_capped") / "model"
+    shutil.copytree(qwen_folder, out)
+    video = {"video_processor_type": "Qwen2VLVideoProcessor", "cap_pixels_per_frame": True, "max_video_tokens": 40,
+             "size": {"shortest_edge": 3136, "longest_edge": 200704}}
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video))
+    return out
+
+
+@pytest.fixture(scope="module")
 def nemotron_folder(tmp_path_factory) -> Path:
     import nemotron_omni_model
 
@@ -315,12 +329,13 @@ QWEN_SAMPLES = {
 }
 
 
-@pytest.mark.parametrize("folder_kind", ["plain", "sampling", "override-fps"])
+@pytest.mark.parametrize("folder_kind", ["plain", "sampling", "override-fps", "capped"])
 @pytest.mark.parametrize("sample", list(QWEN_SAMPLES), ids=str)
-def test_qwen_rule_equals_processor(torchvision, qwen_folder, qwen_sampling_folder, folder_kind, sample):
+def test_qwen_rule_equals_processor(torchvision, qwen_folder, qwen_sampling_folder, qwen_capped_folder, folder_kind,
+                                    sample):
     from transformers.video_utils import VideoMetadata
 
-    folder = qwen_sampling_folder if folder_kind == "sampling" else qwen_folder
+    folder = {"sampling": qwen_sampling_folder, "capped": qwen_capped_folder}.get(folder_kind, qwen_folder)
     overrides = {"fps": 1.5, "min_frames": 2} if folder_kind == "override-fps" else {}
     settings = Qwen2VLSettings.from_folder(folder, **overrides)
     processor = _qwen_processor(folder)
@@ -339,7 +354,9 @@ def test_qwen_rule_equals_processor(torchvision, qwen_folder, qwen_sampling_fold
         videos.append(decode_frames(frames, range(n)))
         facts.append(f)
         metas.append(VideoMetadata(**f.metadata()))
-    if folder_kind != "plain" and any(f.fps is None for f in facts):
+    if settings.do_sample_frames and any(f.fps is None for f in facts):
+        with pytest.raises(ValueError, match="no frame rate"):
+            settings.video(next(f for f in facts if f.fps is None))
         pytest.skip("a frame list without a rate cannot be sampled by rate (the processor refuses too)")
     images = [mf.make_image(w, h, seed=7) for w, h in image_sizes]
 
@@ -348,7 +365,7 @@ def test_qwen_rule_equals_processor(torchvision, qwen_folder, qwen_sampling_fold
     ) + "".join("<|vision_start|><|image_pad|><|vision_end|>" for _ in images) + "What happens?<|im_end|>\n"
 
     pil_images = [Image.open(io.BytesIO(b)) for b in images]
-    call = {"do_sample_frames": settings.do_sample_frames}
+    call = {"do_sample_frames": settings.do_sample_frames, "cap_pixels_per_frame": settings.cap_pixels_per_frame}
     if settings.do_sample_frames:
         call.update(fps=settings.fps, min_frames=settings.min_frames, max_frames=settings.max_frames)
     out = _call_qwen(processor, text, videos, pil_images, metas, call)
