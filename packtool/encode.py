@@ -441,6 +441,18 @@ class Encoder:
                        enc.tokens[:cut].copy(), enc.targets[:cut].copy(), kept, enc.source_tokens)
 
 
+def model_facts(settings: EncodeSettings, dataset_yaml: dict | None = None) -> dict:
+    """What the manifest records of the model folder (token ids, image rule), from this process's encoder: the
+    pipeline runs it as its first task, so a model folder that cannot encode fails before OUTPUT is touched, and
+    the parent never loads a tokenizer it does not use."""
+    encoder = get_encoder(settings, dataset_yaml)
+    tok = encoder.tok
+    pad = next((int(c) for c in (tok.pad_token_id, tok.eos_token_id) if c is not None), 0)
+    return {"pad_token_id": pad, "eos_token_id": tok.eos_token_id, "image_token_id": encoder.image_token_id,
+            "vision_start_token_id": encoder.vision_start_id, "vision_end_token_id": encoder.vision_end_id,
+            "image_processor": encoder.rule.manifest() if encoder.rule else None}
+
+
 @lru_cache(maxsize=4)
 def _cached_encoder(settings: EncodeSettings, dataset_yaml_json: str) -> Encoder:
     return Encoder(settings, json.loads(dataset_yaml_json))
