@@ -349,3 +349,15 @@ def test_collate_then_bridge_keeps_segments(image_dataset):
     rows = list(read_packs(path, pad_to="segments"))
     mb = megatron_bridge_batch(collate_packs(rows, fx.PAD_ID))
     check_step_batch(mb, [s for p in packs for s in p], align=4)
+
+
+def test_recipe_settings_follow_the_output(tmp_path):
+    """The recipe's seq_length is the row length the reader gives; an alignment too small for the parallelism is
+    refused (context parallelism splits each padded segment into 2·cp chunks)."""
+    import megatron_bridge_recipe as recipe
+
+    fx.write_packs(tmp_path, {"train": [[fx.chat_segment("a", "q", "x")]]}, pack_size=100, align=4)
+    got = recipe.packed_settings(tmp_path, context_parallel=2)
+    assert got == {"seq_length": next(read_packs(tmp_path))["tokens"].shape[1], "micro_batch_size": 1}
+    with pytest.raises(ValueError, match="needs a multiple of 8"):
+        recipe.packed_settings(tmp_path, context_parallel=4)
