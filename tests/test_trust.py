@@ -113,7 +113,6 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
     """The run failed with exit 2 and one line on stderr starting with ``packtool`` (no traceback)."""
     err = proc.stderr.strip()
-    print("STDERR:", err[-2000:])
     assert proc.returncode == 2, (proc.returncode, err[-3000:])
     assert "\n" not in err and err.startswith("packtool") and "Traceback" not in err, err[-3000:]
     for needle in needles:
@@ -501,3 +500,94 @@ def test_shard_paths_that_leave_the_source_are_refused_before_output_exists(tok,
                   counts={"shards/a.tar": 1, shard: 1})
     one_line_error(cli(*pack_args(src, tmp_path / "out", tok)), "leaves the dataset folder")
     assert not (tmp_path / "out").exists()
+
+
+# -- 10. smaller holes ------------------------------------------------------------------------------------------
+EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 64 48\n%%EndComments\n0 0 moveto showpage\n%%EOF\n"
+
+
+@pytest.mark.parametrize("media_check", ["header", "decode"])
+def test_an_eps_named_jpg_is_quarantined_and_never_reaches_ghostscript(tok, tmp_path, monkeypatch, media_check):
+    """PIL opens only the image formats packtool supports: PostScript in a ``jpg`` member is refused by name of
+    its format, in both media checks, and Ghostscript is never called."""
+    from PIL import EpsImagePlugin
+
+    calls = []
+
+    def ghostscript(*args, **kwargs):
+        calls.append(args)
+        raise OSError("Ghostscript was called")
+
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", ghostscript)
+    src = dataset(tmp_path / "src", {"shards/a.tar": [sample(0), ("x0eps", {"json": chat("<image> what?"),
+                                                                             "jpg": EPS}), sample(1)]})
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, pack_args(src, out, tok, "--media-check", media_check, "--max-error-rate", "1"))
+    assert result.exit_code == 0, (result.output, result.exception)
+    row = ledger(out)["x0eps"]
+    assert row["status"] == "error" and "undecodable image" in row["reason"], row
+    assert calls == []
+
+
+def test_a_second_tar_after_the_end_marker_gets_a_ledger_row(tok, tmp_path):
+    """Two tars concatenated into one shard: the first one's samples pack and the unread rest is an error row of
+    the ledger (it does not vanish); so is a shard holding fewer samples than ``.info.json`` counts."""
+    first, second = [sample(i) for i in range(3)], [sample(i) for i in range(3, 6)]
+    src = dataset(tmp_path / "src", {"shards/a.tar": first, "shards/b.tar": [sample(6)]},
+                  counts={"shards/a.tar": 6, "shards/b.tar": 4})
+    (src / "shards/a.tar").write_bytes(tar_bytes(first) + tar_bytes(second))
+    out = tmp_path / "out"
+    ok(cli(*pack_args(src, out, tok, "--max-error-rate", "1")))
+    rows = pq.read_table(out / "ledger.parquet").to_pylist()
+    errors = {(r["shard"], r["key"]): r["reason"] for r in rows if r["status"] == "error"}
+    assert set(errors) == {("shards/a.tar", "#unreadable-after-3"), ("shards/b.tar", "#unreadable-after-1")}
+    assert "after the end-of-archive marker" in errors[("shards/a.tar", "#unreadable-after-3")]
+    assert ".info.json counts 4 samples" in errors[("shards/b.tar", "#unreadable-after-1")]
+    assert set(segments(out)) == {k for k, _ in first} | {"s00006"}
+
+
+def test_bad_turns_are_quarantined_with_a_reason_that_says_what_is_wrong(tok, tmp_path):
+    """An empty reply is quarantined (not trained as a lone end-of-turn token); a conversation that starts with
+    the assistant, and an ``<image>`` tag in a reply, are quarantined with reasons that say so."""
+    bad = {"x0empty": ({"json": chat("hello", "")}, "reply in turn 1 is empty"),
+           "x1blank": ({"json": chat("hello", "  \n ")}, "reply in turn 1 is empty"),
+           "x2assistantfirst": ({"json": chat("and you?", "I speak first", first="gpt")},
+                                "starts with an assistant turn"),
+           "x3imageinreply": ({"json": chat("draw", "here: <image>"), "jpg": jpeg(64, 48, 0)},
+                              "tag lies in assistant turn 1")}
+    src = dataset(tmp_path / "src", {"shards/a.tar": [sample(0), *((k, m) for k, (m, _) in bad.items()), sample(1)]})
+    out = tmp_path / "out"
+    ok(cli(*pack_args(src, out, tok, "--max-error-rate", "1")))
+    rows = ledger(out)
+    for key, (_, reason) in bad.items():
+        assert rows[key]["status"] == "error" and reason in rows[key]["reason"], rows[key]
+        assert "generation" not in rows[key]["reason"], rows[key]
+    assert set(segments(out)) == {"s00000", "s00001"}
+
+
+def test_exif_orientation_is_never_applied(tok, tmp_path):
+    """A JPEG stored 224x112 with EXIF orientation 6 (display rotated to 112x224): its tokens are counted from the
+    stored size, and the reader's pixel values are the image processor's on the stored pixels, unrotated."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
+
+    import packtool.read
+
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    data = jpeg(224, 112, 5, exif=exif)
+    assert Image.open(io.BytesIO(data)).getexif()[0x0112] == 6
+    src = dataset(tmp_path / "src", {"shards/a.tar": [("s0", {"json": chat("<image> which way up?"), "jpg": data})]})
+    out = tmp_path / "out"
+    ok(cli(*pack_args(src, out, tok)))
+    config = json.loads((tok / "preprocessor_config.json").read_text())
+    factor = config["patch_size"] * config["merge_size"]
+    h, w = smart_resize(112, 224, factor, config["min_pixels"], config["max_pixels"])
+    assert h != w
+    [ref] = segments(out)["s0"]["refs"]
+    assert (ref["width"], ref["height"]) == (224, 112)
+    assert ref["grid_thw"] == [1, h // config["patch_size"], w // config["patch_size"]]
+    [batch] = list(packtool.read.read_packs(out, split="train"))
+    expected = Qwen2VLImageProcessorPil.from_pretrained(str(tok))(images=[Image.open(io.BytesIO(data))],
+                                                                  return_tensors="np")
+    assert batch["image_grid_thw"].tolist() == [ref["grid_thw"]] == expected["image_grid_thw"].tolist()
+    np.testing.assert_array_equal(batch["pixel_values"].numpy(), expected["pixel_values"])
