@@ -591,3 +591,68 @@ def test_exif_orientation_is_never_applied(tok, tmp_path):
                                                                   return_tensors="np")
     assert batch["image_grid_thw"].tolist() == [ref["grid_thw"]] == expected["image_grid_thw"].tolist()
     np.testing.assert_array_equal(batch["pixel_values"].numpy(), expected["pixel_values"])
+
+
+# -- from the redesign (#10) ---------------------------------------------------------------------------------------
+def test_a_bad_shard_size_is_refused_before_any_encode_and_the_corrected_rerun_runs(tok, small, tmp_path):
+    out = tmp_path / "out"
+    args = pack_args(small[0], out, tok)
+    args[args.index("--shard-size") + 1] = "12XB"
+    one_line_error(cli(*args), "12XB")
+    assert not out.exists()
+    args[args.index("--shard-size") + 1] = "12KB"
+    ok(cli(*args))
+    assert (out / ".nv-meta/packtool.json").exists()
+
+
+@pytest.mark.parametrize("spec", ["not an adapter", "no_such_module_xyz:convert", "json:no_such_function"])
+def test_a_bad_adapter_is_one_line(tok, small, tmp_path, spec):
+    one_line_error(cli(*pack_args(small[0], tmp_path / "out", tok, "--adapter", spec)), "adapter")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_typed_field_map_falls_back_to_the_next_alternative_like_energon(tok, tmp_path):
+    """``context: json[question],txt``: a sample whose json has no question takes its context from ``txt``, as
+    Energon's own loader reads it."""
+    from megatron.energon import WorkerConfig, get_loader, get_val_dataset
+    from tokenizers import Tokenizer
+
+    samples = [("s0", {"jpg": jpeg(64, 48, 0), "json": json.dumps({"question": "what from json?",
+                                                                    "answers": ["json answer"]}).encode()}),
+               ("s1", {"jpg": jpeg(64, 48, 1), "json": json.dumps({"answers": ["txt answer"]}).encode(),
+                       "txt": b"what from txt?"})]
+    root = tmp_path / "vqa"
+    write_shard(root / "shards/a.tar", samples)
+    demo.prepare_energon(root, ["shards/a.tar"], {"train": ["shards/a.tar"]}, dataset_yaml={
+        "sample_type": {"__module__": "megatron.energon", "__class__": "VQASample"},
+        "field_map": {"image": "jpg", "context": "json[question],txt", "answers": "json[answers]"}})
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    energon = {s.__key__: s for s in get_loader(get_val_dataset(root, split_part="train", worker_config=wc,
+                                                                batch_size=None))}
+    assert energon["s1"].context == "what from txt?"
+    out = tmp_path / "out"
+    ok(cli(*pack_args(root, out, tok)))
+    decode = Tokenizer.from_file(str(tok / "tokenizer.json")).decode
+    packed = segments(out)
+    for key, s in energon.items():
+        text = decode(packed[key]["tokens"].tolist(), skip_special_tokens=False)
+        assert f"<|vision_end|>{s.context}<|im_end|>" in text and f"{s.answers[0]}<|im_end|>" in text, text
+
+
+def test_changing_only_the_plan_with_overwrite_replans_without_re_encoding(tok, tmp_path):
+    """``--algorithm``, ``--seed`` or ``--balance-dp`` changed with ``--overwrite``: the encode store is reused
+    untouched, and the output equals a fresh run with the new settings."""
+    src = two_shard_source(tmp_path / "src")
+    out = tmp_path / "out"
+    ok(cli(*pack_args(src, out, tok)))
+    store = out / ".packtool/encode"
+    stamps = {p: p.stat().st_mtime_ns for p in store.rglob("*")}
+    assert any(p.name == "samples.parquet" for p in stamps)
+    first = output_files(out)
+    for i, change in enumerate((["--algorithm", "first_fit_shuffle", "--seed", "3"], ["--balance-dp", "2"])):
+        ok(cli(*pack_args(src, out, tok, *change, "--overwrite")))
+        assert {p: p.stat().st_mtime_ns for p in store.rglob("*")} == stamps
+        assert output_files(out) != first
+        fresh = tmp_path / f"fresh{i}"
+        ok(cli(*pack_args(src, fresh, tok, *change)))
+        assert output_files(out) == output_files(fresh)
