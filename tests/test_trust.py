@@ -434,7 +434,8 @@ def test_non_utf8_dataset_yaml_is_one_line(tok, tmp_path):
 def test_a_full_disk_is_one_line(tok, tmp_path, mount):
     src = dataset(tmp_path / "src", {"shards/a.tar": [(f"s{i:05d}", {"json": chat("<image> what?", "a photo"),
                                                                       "jpg": jpeg(256, 256, i)}) for i in range(8)]})
-    one_line_error(cli(*pack_args(src, mount("full", "size=200k") / "out", tok)), "No space left on device")
+    full = mount("full", "size=200k")
+    one_line_error(cli(*pack_args(src, full / "out", tok)), "No space left on device", str(full / "out"))
 
 
 def test_a_read_only_output_parent_is_one_line(tok, small, mount):
