@@ -121,7 +121,8 @@ def _compile(source: str, tokenizer_dir: str) -> object:
         return hfcompat.compile_template(source)
     except jinja2.TemplateError as exc:
         where = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
-        raise ConfigError(f"{tokenizer_dir}: the chat template does not compile{where}: {exc.message or exc}") from None
+        raise ConfigError(f"{tokenizer_dir}: the chat template does not compile{where}: "
+                          f"{exc.message or exc}") from None
 
 
 class Encoder:

@@ -16,6 +16,7 @@ import tarfile
 import time
 from pathlib import Path
 
+import demo
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -23,7 +24,6 @@ import yaml
 from PIL import Image
 from typer.testing import CliRunner
 
-import demo
 from packtool.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +102,7 @@ def pack_args(source: Path, output: Path, tok: Path, *extra: str) -> list[str]:
 def cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """``python -m packtool.cli ARGS`` in a fresh process (this checkout's packtool)."""
     return subprocess.run([sys.executable, "-m", "packtool.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=timeout)
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=timeout, check=False)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -396,7 +396,8 @@ def mount(tmp_path):
     def make(name: str, options: str) -> Path:
         d = tmp_path / name
         d.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(d)], capture_output=True, text=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(d)], capture_output=True, text=True,
+                           check=False)
         if r.returncode:
             pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
         mounted.append(d)
@@ -569,7 +570,10 @@ def test_bad_turns_are_quarantined_with_a_reason_that_says_what_is_wrong(tok, tm
 def test_exif_orientation_is_never_applied(tok, tmp_path):
     """A JPEG stored 224x112 with EXIF orientation 6 (display rotated to 112x224): its tokens are counted from the
     stored size, and the reader's pixel values are the image processor's on the stored pixels, unrotated."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+        smart_resize,
+    )
 
     import packtool.read
 

@@ -40,7 +40,10 @@ def _access(value: dict, spec: str) -> Any:
     """``spec`` resolved in ``value`` by Energon's own field access (``part``, ``part[key][0]``, alternatives
     separated by commas: the first that resolves wins), so a field_map reads the same here as in Energon.
     Imported here: Energon's package imports torch, which encode workers otherwise never load."""
-    from megatron.energon.flavors.webdataset.field_access import field_access, split_field_access
+    from megatron.energon.flavors.webdataset.field_access import (
+        field_access,
+        split_field_access,
+    )
 
     try:
         return field_access(value, split_field_access(spec))
