@@ -1,16 +1,18 @@
-# `make run`: pack the bundled demo dataset offline; `make test`: the test suite. Both start from nothing.
+# `make run`: pack the bundled demo dataset offline; `make test`: lint, type check and the test suite. Both start
+# from nothing: the virtual environment is built with the exact versions of constraints.txt.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := examples/demo
+EXTRAS := test,media,plot,ray
 
-.PHONY: run test bench clean
+.PHONY: run test lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 $(DEMO)/.built: $(STAMP) examples/demo.py
@@ -21,8 +23,22 @@ run: $(DEMO)/.built
 	$(BIN)/packtool pack $(DEMO)/dataset $(DEMO)/packed --tokenizer $(DEMO)/tokenizer --pack-size 2048
 	$(BIN)/packtool stats $(DEMO)/packed
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check packtool tests bench scripts examples
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q -n 2 tests
+
+# Quick runs of every benchmark (each prints its numbers); see bench/*.py --help for full-size runs.
+bench: $(STAMP)
+	$(BIN)/pip install -q -c constraints.txt -e '.[$(EXTRAS),bench]'
+	$(BIN)/python bench/bench_plan.py --sizes 100000
+	$(BIN)/python bench/bench_pack.py --samples 4000
+	$(BIN)/python bench/bench_read.py
+	$(BIN)/python bench/bench_engine.py
+	$(BIN)/python bench/bench_media.py
+	$(BIN)/python bench/bench_memory.py --samples 20000
 
 clean:
 	rm -rf $(VENV) $(DEMO)

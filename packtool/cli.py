@@ -14,7 +14,7 @@ from typing import Optional, TypeVar
 import typer
 
 from packtool.errors import PacktoolError
-from packtool.settings import Algorithm, EncodeSettings, PlanSettings, RunOptions, choices, default
+from packtool.settings import Algorithm, EncodeSettings, PlanSettings, Preset, RunOptions, choices, default
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Offline global sequence packing of Energon multimodal SFT datasets.")
@@ -74,6 +74,10 @@ def pack(
     template_date: str = typer.Option(default(E, "template_date"), help="Date the chat template sees "
                                                                         "(strftime_now), fixed for reproducible "
                                                                         "output."),
+    preset: Optional[str] = typer.Option(None, help="Named conventions: " + ", ".join(choices(Preset)) + "."),
+    target_newline_after_eot: bool = typer.Option(default(E, "target_newline_after_eot"),
+                                                  help="Also train on the newline after each end-of-turn token."),
+    media_first: bool = typer.Option(default(E, "media_first"), help="Move each turn's images before its text."),
     workers: Optional[int] = typer.Option(None, help="Worker processes (default: all cores)."),
     engine: str = typer.Option(default(R, "engine"), help="local or ray."),
     ray_address: Optional[str] = typer.Option(None, help="Ray cluster address host:port (with --engine ray)."),
@@ -99,7 +103,8 @@ def pack(
             min_pixels=min_pixels, max_pixels=max_pixels, image_tokens=image_tokens, max_images=max_images,
             max_image_tokens=max_image_tokens, adapter=adapter, allow_pickle=allow_pickle, pixel_limit=pixel_limit,
             media_check=media_check, caption_prompt=caption_prompt, template_date=template_date,  # type: ignore[arg-type]
-            max_sample_bytes=max_sample_bytes,
+            max_sample_bytes=max_sample_bytes, target_newline_after_eot=target_newline_after_eot,
+            media_first=media_first, preset=preset,  # type: ignore[arg-type]
         )
         plan = PlanSettings(algorithm=algorithm, balanced_delta=balanced_delta, max_segments=max_segments,  # type: ignore[arg-type]
                             seed=seed, shard_size=shard_size, balance_dp=balance_dp)  # type: ignore[arg-type]

@@ -168,13 +168,18 @@ class Encoder:
             raise ConfigError("dataset.yaml uses a sample_loader: give an adapter (module:function) for it")
         self.custom = load_function(settings.adapter) if settings.adapter else None
         self.chatml = chatml_fields(dataset_yaml or {})
+        newline = self.tok.backend_tokenizer.encode("\n", add_special_tokens=False).ids
+        self.newline_id = newline[0] if len(newline) == 1 else None
+        if settings.target_newline_after_eot and self.newline_id is None:
+            raise ConfigError(f"{settings.tokenizer}: no single newline token, so target_newline_after_eot cannot "
+                              f"apply")
 
     # -- rendering -------------------------------------------------------------------------------------------
     def _template_messages(self, messages: list[dict]) -> list[dict]:
         """Messages as the template wants them: image parts (structured) or the placeholder text in place."""
         out = []
         for m in messages:
-            text = m["content"]
+            text = media_first(m["content"]) if self.settings.media_first else m["content"]
             if self.structured and IMAGE_TAG in text:
                 pieces = text.split(IMAGE_TAG)
                 content = []
@@ -388,6 +393,8 @@ class Encoder:
                 after = np.flatnonzero(starts >= e)
                 if after.size and int(ids[after[0]]) in self.special_ids:
                     targets[after[0]] = 1
+        if self.settings.target_newline_after_eot:
+            self._target_newlines(ids, targets)
         # Expand each image placeholder to its exact token count.
         pads = np.flatnonzero(ids == self.image_token_id) if self.image_token_id is not None else np.zeros(0, int)
         if cut:
@@ -407,6 +414,14 @@ class Encoder:
         if not targets.any():
             raise SampleError("no training targets")
         return self._fit(enc)
+
+    def _target_newlines(self, ids: np.ndarray, targets: np.ndarray) -> None:
+        """Mark the newline token right after each reply's end-of-turn token as a target (in place): the token
+        after a run of targets that ends on a special token."""
+        t = targets.astype(bool)
+        after = np.flatnonzero(t[:-1] & ~t[1:]) + 1
+        ends_on_eot = np.isin(ids[after - 1], np.fromiter(self.special_ids, dtype=np.int64))
+        targets[after[ends_on_eot & (ids[after] == self.newline_id)]] = 1
 
     def _media_span(self, tokens: np.ndarray, m: dict) -> tuple[int, int]:
         s, e = m["token_offset"], m["token_offset"] + m["tokens"]
@@ -452,6 +467,27 @@ class Encoder:
         kept = [m for m in enc.media if m["token_offset"] + m["tokens"] <= cut]
         return Encoded(enc.key, enc.shard, enc.index, "truncated", f"truncated to {cut}: {reason}",
                        enc.tokens[:cut].copy(), enc.targets[:cut].copy(), kept, enc.source_tokens)
+
+
+def model_facts(settings: EncodeSettings, dataset_yaml: dict | None = None) -> dict:
+    """What the manifest records of the model folder (token ids, image rule), from this process's encoder: the
+    pipeline runs it as its first task, so a model folder that cannot encode fails before OUTPUT is touched, and
+    the parent never loads a tokenizer it does not use."""
+    encoder = get_encoder(settings, dataset_yaml)
+    tok = encoder.tok
+    pad = next((int(c) for c in (tok.pad_token_id, tok.eos_token_id) if c is not None), 0)
+    return {"pad_token_id": pad, "eos_token_id": tok.eos_token_id, "image_token_id": encoder.image_token_id,
+            "vision_start_token_id": encoder.vision_start_id, "vision_end_token_id": encoder.vision_end_id,
+            "image_processor": encoder.rule.manifest() if encoder.rule else None}
+
+
+def media_first(text: str) -> str:
+    """The turn text with its image tags moved before the text pieces, each piece stripped of edge spaces (how
+    Megatron-Bridge's Qwen-VL task encoder orders a turn); text without tags is unchanged."""
+    if IMAGE_TAG not in text:
+        return text
+    pieces = text.split(IMAGE_TAG)
+    return IMAGE_TAG * (len(pieces) - 1) + "".join(p.strip(" ") for p in pieces)
 
 
 @lru_cache(maxsize=4)

@@ -1,7 +1,9 @@
-"""The encode stage's store: one folder per source shard under ``OUTPUT/.packtool/encode/<split>/NNNNNN``.
+"""The encode stage's store: one folder per range of a source shard, under
+``OUTPUT/.packtool/encode/<split>/<shard number>/<range number>``.
 
-``encode_shard`` (one task per source shard) scans the shard, encodes every sample and commits the folder
-atomically: ``samples.parquet`` (one :data:`ENCODED_SCHEMA` row per sample, on-disk order), ``tokens.npy`` and
+A shard is cut into ranges of consecutive samples (:class:`~packtool.sources.energon.SampleRange`, from a walk
+over its headers) so that tasks are even and a task's memory does not grow with its shard. ``encode_range`` (one
+task per range) reads its samples, encodes them and commits the folder atomically: ``samples.parquet`` (one :data:`ENCODED_SCHEMA` row per sample, on-disk order), ``tokens.npy`` and
 ``targets.npy`` (the kept samples' tokens, concatenated) and ``source.json`` (what the source shard looked like
 when it was read). A rerun keeps a folder only while its source shard still looks the same: an edited shard is
 encoded again, so a resumed run never packs stale bytes.
@@ -23,7 +25,7 @@ from packtool.encode import Encoded, get_encoder
 from packtool.errors import SourceError
 from packtool.format import KEPT, STATUSES, npy_bytes
 from packtool.settings import EncodeSettings
-from packtool.sources.energon import ShardScan
+from packtool.sources.energon import SampleRange, ShardLayout, ShardScan
 
 #: Raw bytes of source samples held at once by an encode task (at most 256 samples, fewer if media are large).
 CHUNK_BYTES = 64 * 2**20
@@ -66,13 +68,18 @@ def is_current(folder: Path, stamp: SourceStamp) -> bool:
         return False
 
 
-def encode_shard(root: str, shard: str, excluded: frozenset, settings: EncodeSettings, dataset_yaml: dict,
-                 expected: int | None, stamp: SourceStamp, strict: bool, out_dir: str) -> dict[str, int]:
-    """Encode every sample of one shard into ``out_dir`` (see the module doc); returns status counts.
+#: Samples per encode task.
+SAMPLES_PER_RANGE = 1024
 
-    ``expected`` is the shard's sample count from the dataset's ``.info.json`` (None if unknown): a shard that
-    yields fewer samples (a second tar appended after an end-of-archive marker, a lost tail) gets an error row
-    saying so, so no sample is lost without a ledger row.
+
+def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: frozenset, settings: EncodeSettings,
+                 dataset_yaml: dict, expected: int | None, stamp: SourceStamp, strict: bool,
+                 out_dir: str) -> dict[str, int]:
+    """Encode the samples of one range of a shard into ``out_dir`` (see the module doc); returns status counts.
+
+    ``expected`` is the shard's sample count from the dataset's ``.info.json`` (None if unknown): when the last
+    range finds fewer samples in the shard (a second tar appended after an end-of-archive marker, a lost tail),
+    it adds an error row saying so, so no sample is lost without a ledger row.
     """
     out = Path(out_dir)
     if is_current(out, stamp):
@@ -81,7 +88,9 @@ def encode_shard(root: str, shard: str, excluded: frozenset, settings: EncodeSet
     encoded: list[Encoded] = []
     chunk: list = []
     chunk_bytes, unreadable = 0, None
-    scan = ShardScan(Path(root), shard, excluded, max_sample_bytes=settings.max_sample_bytes)
+    shard = layout.shard
+    scan = ShardScan(Path(root), shard, excluded, max_sample_bytes=settings.max_sample_bytes, span=span,
+                     layout=layout)
     samples = iter(scan)
     while True:
         try:
@@ -103,12 +112,12 @@ def encode_shard(root: str, shard: str, excluded: frozenset, settings: EncodeSet
     for e in encoded:
         rows.append(_row(e, offset))
         offset += len(e.tokens) if e.status in KEPT else 0
+    lost = f"{UNREADABLE}{span.kept_before + len(encoded)}"
     if unreadable is not None:
-        rows.append(_error_row(f"{UNREADABLE}{len(encoded)}", shard, unreadable))
-    elif expected is not None and scan.seen < expected:
-        rows.append(_error_row(f"{UNREADABLE}{len(encoded)}", shard,
-                               f"the dataset's .info.json counts {expected} samples in {shard}, the tar holds "
-                               f"{scan.seen}"))
+        rows.append(_error_row(lost, shard, unreadable))
+    elif span.last and expected is not None and span.first + scan.seen < expected:
+        rows.append(_error_row(lost, shard, f"the dataset's .info.json counts {expected} samples in {shard}, the "
+                                            f"tar holds {span.first + scan.seen}"))
     kept = [e for e in encoded if e.status in KEPT]
     tokens = np.concatenate([e.tokens for e in kept]).astype(np.int32) if kept else np.zeros(0, np.int32)
     targets = np.concatenate([e.targets for e in kept]).astype(np.uint8) if kept else np.zeros(0, np.uint8)

@@ -1,83 +1,362 @@
 """Run independent tasks: in this process, on a local process pool, or on Ray. Each task writes its own output
-files, so results never depend on the engine, the worker count or the completion order."""
+files, so results never depend on the engine, the worker count or the completion order.
+
+One :class:`Engine` serves a whole run: its worker processes start once and serve every stage, and a Ray
+cluster is connected when the engine is entered, so a bad address fails before the run touches anything.
+Worker processes never outlive the engine: they die with the parent process even when it is SIGKILLed (Linux
+parent-death signal, plus a watcher thread elsewhere), and a SIGTERM or SIGINT to the parent ends them before
+the exception it raises reaches the caller (so a lock the caller holds is released only once no worker lives).
+"""
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import multiprocessing
 import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from typing import Any, Callable, Sequence
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable, Literal, Sequence
 
 from tqdm import tqdm
 
-from packtool.errors import EngineError
+from packtool.errors import ConfigError, EngineError
+
+EngineKind = Literal["local", "ray"]
+
+#: ``host:port`` of a Ray cluster (a bracketed IPv6 host allowed).
+_ADDRESS = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
+#: What an HTTP/2 (gRPC) client sends first; a server answers with a SETTINGS frame.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_HTTP2_SETTINGS = 4
+#: Seconds between a worker's checks that its parent still lives (where no parent-death signal exists).
+_PARENT_POLL_S = 0.5
+_PR_SET_PDEATHSIG = 1
 
 
 def default_workers() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
-def run_tasks(fn: Callable, tasks: Sequence[tuple], *, workers: int = 1, engine: str = "local",
-              ray_address: str | None = None, desc: str = "", unit: str = "task",
-              progress: bool = True) -> list[Any]:
-    """``[fn(*t) for t in tasks]``, in parallel; results in task order. The first failure is raised."""
-    bar = tqdm(total=len(tasks), desc=desc, unit=unit, disable=not progress or not tasks, leave=False)
-    try:
-        if engine == "ray":
-            return _run_ray(fn, tasks, ray_address, bar)
-        if engine != "local":
-            raise ValueError(f"unknown engine {engine!r} (local or ray)")
-        if workers <= 1 or len(tasks) <= 1:
+class Engine:
+    """Runs batches of independent tasks for one run (a context manager).
+
+    ``kind="local"`` with ``workers == 1`` runs every task inline in this process; with more workers, one spawn
+    process pool started on entry serves every :meth:`map` until exit. ``kind="ray"`` connects on entry to the
+    cluster at ``address`` (``host:port``), or starts Ray in this process with ``workers`` CPUs when ``address``
+    is None; a Ray connection made before the engine was entered is used as it is and left open.
+
+    ``initializer(*initargs)`` runs once in every process that runs tasks (each pool worker, each Ray worker
+    before its first task of this engine, this process when inline): the place to load what every task needs.
+    """
+
+    def __init__(self, kind: EngineKind = "local", workers: int = 1, address: str | None = None,
+                 connect_timeout: float = 15.0, *, initializer: Callable[..., None] | None = None,
+                 initargs: tuple = ()) -> None:
+        if kind not in ("local", "ray"):
+            raise ConfigError(f"unknown engine {kind!r} (local or ray)")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"workers must be a positive integer, got {workers!r}")
+        if not connect_timeout > 0:
+            raise ConfigError(f"connect_timeout must be positive, got {connect_timeout!r}")
+        if address is not None:
+            if kind != "ray":
+                raise ConfigError(f"a cluster address ({address!r}) needs the ray engine")
+            _split_address(address)
+        self.kind, self.workers, self.address, self.connect_timeout = kind, workers, address, connect_timeout
+        self.initializer, self.initargs = initializer, tuple(initargs)
+        self._pool: ProcessPoolExecutor | None = None
+        self._ray = None  # the ray module once connected
+        self._owns_ray = False
+        self._handlers: dict[int, Any] = {}
+
+    # -- lifetime ----------------------------------------------------------------------------------------------
+    def __enter__(self) -> "Engine":
+        if self._pool is not None or self._ray is not None:
+            raise RuntimeError("this engine is already open")
+        if self.kind == "ray":
+            self._connect_ray()
+        elif self.workers > 1:
+            self._pool = ProcessPoolExecutor(
+                max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_worker_init, initargs=(os.getpid(), self.initializer, self.initargs))
+        elif self.initializer is not None:
+            self.initializer(*self.initargs)
+        self._install_signal_handlers()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if self._pool is not None:  # after a failure, the tasks already running finish first
+                self._pool.shutdown(wait=True, cancel_futures=True)
+            if self._ray is not None and self._owns_ray:
+                self._ray.shutdown()
+        finally:
+            self._pool, self._ray, self._owns_ray = None, None, False
+            self._restore_signal_handlers()
+
+    # -- running -----------------------------------------------------------------------------------------------
+    def map(self, fn: Callable, tasks: Sequence[tuple], *, desc: str = "", unit: str = "task",
+            progress: bool = True) -> list[Any]:
+        """``[fn(*t) for t in tasks]`` on the engine's workers; results in task order. The first failure is
+        raised as the task's own exception, after the tasks not yet started are cancelled."""
+        if self._pool is None and self._ray is None and (self.kind == "ray" or self.workers > 1):
+            raise RuntimeError("Engine.map needs an open engine (use it in a with block)")
+        bar = tqdm(total=len(tasks), desc=desc, unit=unit, disable=not progress or not tasks, leave=False)
+        try:
+            if self._ray is not None:
+                return self._map_ray(fn, tasks, bar)
+            if self._pool is not None:
+                return self._map_pool(fn, tasks, bar)
             results = []
             for t in tasks:
                 results.append(fn(*t))
                 bar.update()
             return results
+        finally:
+            bar.close()
+
+    def _map_pool(self, fn: Callable, tasks: Sequence[tuple], bar) -> list[Any]:
         results: list[Any] = [None] * len(tasks)
-        ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
-            pending = {pool.submit(fn, *t): i for i, t in enumerate(tasks)}
-            while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    i = pending.pop(fut)
-                    try:
-                        results[i] = fut.result()
-                    except BaseException:
-                        for other in pending:
-                            other.cancel()
-                        raise
-                    bar.update()
-        return results
-    finally:
-        bar.close()
-
-
-def _run_ray(fn: Callable, tasks: Sequence[tuple], address: str | None, bar) -> list[Any]:
-    """The tasks as Ray tasks (one CPU each). A task's failure is re-raised as its own exception (not Ray's
-    wrapper with the remote traceback in its message), after the tasks not yet finished are cancelled."""
-    try:
-        import ray
-    except ImportError:
-        raise EngineError("the ray engine needs the optional extra: pip install 'packtool[ray]'") from None
-    if not ray.is_initialized():
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    remote = ray.remote(fn)
-    refs = [remote.remote(*t) for t in tasks]
-    index = {r: i for i, r in enumerate(refs)}
-    results: list[Any] = [None] * len(tasks)
-    pending = list(refs)
-    try:
+        try:
+            pending = {self._pool.submit(fn, *t): i for i, t in enumerate(tasks)}
+        except BrokenProcessPool:
+            raise EngineError("a worker process died (killed from outside, or out of memory?)") from None
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            for r in done:
-                results[index[r]] = ray.get(r)
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in sorted(done, key=pending.get):  # the same first failure however completions interleave
+                i = pending.pop(fut)
+                try:
+                    results[i] = fut.result()
+                except BaseException as exc:
+                    for other in pending:
+                        other.cancel()
+                    if isinstance(exc, BrokenProcessPool):
+                        raise EngineError("a worker process died (killed from outside, or out of memory?)") \
+                            from None
+                    raise
                 bar.update()
-    except ray.exceptions.RayTaskError as exc:
-        for r in pending:
-            ray.cancel(r)
-        if isinstance(exc.cause, Exception):
-            raise exc.cause from exc
-        raise
-    return results
+        return results
+
+    def _map_ray(self, fn: Callable, tasks: Sequence[tuple], bar) -> list[Any]:
+        """The tasks as Ray tasks (one CPU each). A task's failure is re-raised as its own exception (not Ray's
+        wrapper with the remote traceback in its message), after the tasks not yet finished are cancelled."""
+        ray = self._ray
+        remote = ray.remote(_ray_task)
+        refs = [remote.remote(fn, self.initializer, self.initargs, t) for t in tasks]
+        index = {r: i for i, r in enumerate(refs)}
+        results: list[Any] = [None] * len(tasks)
+        pending = list(refs)
+        try:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                for r in done:
+                    results[index[r]] = ray.get(r)
+                    bar.update()
+        except ray.exceptions.RayTaskError as exc:
+            for r in pending:
+                ray.cancel(r)
+            if isinstance(exc.cause, Exception):
+                raise exc.cause from exc
+            raise
+        return results
+
+    # -- Ray -----------------------------------------------------------------------------------------------
+    def _connect_ray(self) -> None:
+        """Connect to (or start) Ray now, bounded by ``connect_timeout``: an address nobody listens on fails at
+        the socket, a port that is not Ray fails the HTTP/2 handshake, and ``ray.init`` itself runs against a
+        deadline (it retries for minutes on its own)."""
+        try:
+            import ray
+        except ImportError:
+            raise ConfigError("the ray engine needs the optional extra: pip install 'packtool[ray]'") from None
+        if ray.is_initialized():
+            self._ray = ray
+            return
+        env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+        quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
+        if self.address is None:
+            # "local": a new instance here, never the cluster a `ray start` on this host left in /tmp/ray
+            ray.init(address="local", num_cpus=self.workers, include_dashboard=False, runtime_env=env, **quiet)
+        else:
+            deadline = time.monotonic() + self.connect_timeout
+            _probe_gcs(self.address, self.connect_timeout)
+            _enable_token_auth_if_available()
+            _init_before(deadline, self.address,
+                         lambda: ray.init(address=self.address, runtime_env=env, **quiet))
+        self._ray, self._owns_ray = ray, True
+
+    # -- signals -------------------------------------------------------------------------------------------
+    def _install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT end the workers first, then raise in the main thread (``SystemExit(128 + 15)``
+        and ``KeyboardInterrupt``), so the caller unwinds only once no worker lives."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals reach only the main thread; its owner decides what they do
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _restore_signal_handlers(self) -> None:
+        for signum, previous in self._handlers.items():
+            signal.signal(signum, previous)
+        self._handlers.clear()
+
+    def _on_signal(self, signum: int, frame) -> None:
+        for s in self._handlers:  # a second signal must not interrupt the cleanup
+            signal.signal(s, signal.SIG_IGN)
+        self._stop_workers()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    def _stop_workers(self) -> None:
+        """SIGKILL every pool worker and reap it. Tasks commit their files by renames, so a killed task leaves
+        only temporaries behind."""
+        if self._pool is None:
+            return
+        processes = list((getattr(self._pool, "_processes", None) or {}).values())  # no public handle on 3.11
+        for p in processes:
+            p.kill()
+        for p in processes:
+            p.join()
+
+
+def run_tasks(fn: Callable, tasks: Sequence[tuple], *, workers: int = 1, engine: str = "local",
+              ray_address: str | None = None, desc: str = "", unit: str = "task",
+              progress: bool = True) -> list[Any]:
+    """``[fn(*t) for t in tasks]`` on an engine of its own (one stage); results in task order."""
+    with Engine(engine, max(1, min(workers, len(tasks))), ray_address) as e:  # type: ignore[arg-type]
+        return e.map(fn, tasks, desc=desc, unit=unit, progress=progress)
+
+
+# -- worker side -------------------------------------------------------------------------------------------------
+def _worker_init(parent: int, initializer: Callable[..., None] | None, initargs: tuple) -> None:
+    """Tie this pool worker's life to its parent's, leave SIGINT to the parent, then run the user's hook."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the whole group: the parent decides
+    _die_with_parent(parent)
+    if initializer is not None:
+        initializer(*initargs)
+
+
+def _die_with_parent(parent: int) -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="packtool-parent-watch").start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(_PARENT_POLL_S)
+    os._exit(1)
+
+
+#: Initializers that already ran in this Ray worker process.
+_ray_initialized: set[tuple] = set()
+
+
+def _ray_task(fn: Callable, initializer: Callable[..., None] | None, initargs: tuple, task: tuple) -> Any:
+    if initializer is not None:
+        key = (initializer.__module__, initializer.__qualname__, repr(initargs))
+        if key not in _ray_initialized:
+            initializer(*initargs)
+            _ray_initialized.add(key)
+    return fn(*task)
+
+
+# -- connecting to Ray -------------------------------------------------------------------------------------------
+def _split_address(address: str) -> tuple[str, int]:
+    m = _ADDRESS.match(address) if isinstance(address, str) else None
+    if m is None or not 1 <= int(m["port"]) <= 65535:
+        raise ConfigError(f"Ray address {address!r} is not host:port")
+    return m["host"].strip("[]"), int(m["port"])
+
+
+def _probe_gcs(address: str, timeout: float) -> None:
+    """Fail in seconds, with the reason, unless something at ``address`` speaks HTTP/2 (Ray's GCS is gRPC)."""
+    host, port = _split_address(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            s.sendall(_HTTP2_PREFACE)
+            header = _read(s, 9)
+    except socket.gaierror as exc:
+        raise EngineError(f"cannot reach the Ray cluster at {address}: unknown host ({exc.strerror})") from None
+    except TimeoutError:
+        raise EngineError(f"cannot reach the Ray cluster at {address}: no answer within {timeout:g} s") from None
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise EngineError(f"cannot reach the Ray cluster at {address}: {reason.lower()}") from None
+    if len(header) < 9 or header[3] != _HTTP2_SETTINGS:
+        raise EngineError(f"no Ray cluster at {address}: something listens there, but not Ray's gRPC server")
+
+
+def _read(s: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _enable_token_auth_if_available() -> None:
+    """Send the Ray authentication token when one is available (``RAY_AUTH_TOKEN``, the file named by
+    ``RAY_AUTH_TOKEN_PATH``, or ``~/.ray/auth_token``) and ``RAY_AUTH_MODE`` is unset. ``ray start --head``
+    turns token authentication on whenever such a token exists, but ``ray.init`` with an explicit address
+    never sends one on its own; a cluster without authentication ignores the token."""
+    from ray._private.authentication import authentication_token_setup as auth
+
+    log = logging.getLogger(auth.__name__)
+    level = log.level
+    log.setLevel(logging.ERROR)  # its warning would talk about starting a cluster
+    try:
+        auth.maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    finally:
+        log.setLevel(level)
+
+
+def _init_before(deadline: float, address: str, init: Callable[[], None]) -> None:
+    """Run ``init`` (``ray.init``) in a helper thread and give up at ``deadline``; its errors become one line."""
+    outcome: dict[str, BaseException] = {}
+
+    def target() -> None:
+        try:
+            init()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            outcome["error"] = exc
+
+    worker_log = logging.getLogger("ray._private.worker")
+    worker_log.addFilter(_not_main_thread_warning)
+    thread = threading.Thread(target=target, daemon=True, name="packtool-ray-connect")
+    thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()))
+    worker_log.removeFilter(_not_main_thread_warning)
+    if thread.is_alive():  # Ray retries forever on its own, e.g. while the cluster rejects the token
+        raise EngineError(f"the Ray cluster at {address} did not accept the connection in time (a wrong "
+                          "authentication token looks like this)")
+    error = outcome.get("error")
+    if error is None:
+        return
+    chain = [error]
+    while chain[-1].__cause__ is not None:
+        chain.append(chain[-1].__cause__)
+    if any(type(e).__name__ == "AuthenticationError" for e in chain):
+        raise EngineError(f"the Ray cluster at {address} refused the authentication token (or got none): give "
+                          "it the cluster's token in RAY_AUTH_TOKEN, a file named by RAY_AUTH_TOKEN_PATH, or "
+                          "~/.ray/auth_token") from None
+    first = (str(chain[-1]).strip().splitlines() or [type(chain[-1]).__name__])[0]
+    raise EngineError(f"cannot connect to the Ray cluster at {address}: {first}") from None
+
+
+def _not_main_thread_warning(record: logging.LogRecord) -> bool:
+    """Drops Ray's warning that it set no SIGTERM handler from the connect thread: the engine sets its own."""
+    return "SIGTERM handler is not set" not in record.getMessage()

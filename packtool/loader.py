@@ -1,24 +1,38 @@
-"""Training-time loaders for packed datasets: a plain torch `IterableDataset` and an Energon task encoder.
+"""Training-time loaders for packed datasets: a plain torch `IterableDataset` and Energon task encoders.
 
-Both yield the batches of `packtool.read.pack_to_batch` (one pack per row). A micro-batch of one pack is the
-normal THD setting; for `B > 1` packs, `collate_packs` stacks rows `[B, L]` (short rows padded like the tail of a
-pack) and gives `cu_seqlens*` for the flattened row `tokens.reshape(1, -1)`, so the batch stays one valid THD row.
+`PackDataset` and `PackTaskEncoder` yield the batches of `packtool.read.pack_to_batch` (one pack per row);
+`MegatronBridgeTaskEncoder` yields the batch Megatron-Bridge's training steps consume
+(`packtool.megatron_batch.megatron_bridge_batch`) and is the one to name in a Megatron-Bridge recipe. A
+micro-batch of one pack is the normal THD setting; for `B > 1` packs, `collate_packs` stacks rows `[B, L]` (short
+rows padded like the tail of a pack) and gives `cu_seqlens_*` for the flattened row `tokens.reshape(1, -1)`, so the
+batch stays one valid THD row.
+
+A pack that fails to read (a corrupt media member, a malformed record) stops the Energon loader with an error
+naming the shard, the pack key and the member: Energon's default error handler would otherwise log it and skip
+the pack. `on_error="skip"` skips such packs instead, each one logged with a running count.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
+from typing import Literal, NoReturn
 
 import numpy as np
 import torch
-from megatron.energon import Cooker, DefaultTaskEncoder, Sample, basic_sample_keys, stateless
+from megatron.energon import Cooker, DefaultTaskEncoder, Sample, SkipSample, basic_sample_keys, stateless
 from megatron.energon.edataclass import edataclass
 from megatron.energon.epathlib import EPath
+from megatron.energon.errors import FatalSampleError
 
 from packtool.format import load_manifest, split_shard_paths
-from packtool.read import IGNORE_INDEX, ROW_KEYS, image_processor_from_manifest, pack_to_batch
+from packtool.megatron_batch import megatron_bridge_batch
+from packtool.read import IGNORE_INDEX, PAD_TO, ROW_KEYS, image_processor_from_manifest, pack_to_batch
 from packtool.shards import iter_records, record_offsets
+
+log = logging.getLogger(__name__)
+OnError = Literal["raise", "skip"]
 
 def pad_row(row: dict, length: int, pad_token_id: int) -> dict:
     """Extend a one-pack batch to `length` tokens; the extra padding joins the last segment (as the pack tail)."""
@@ -41,14 +55,15 @@ def pad_row(row: dict, length: int, pad_token_id: int) -> dict:
 
 def collate_packs(rows: list[dict], pad_token_id: int) -> dict:
     """Batch one-pack rows. One row is returned as is; several are stacked `[B, L]` (labels padded with -100,
-    never 0) with `cu_seqlens`, `cu_seqlens_padded`, `max_seqlen`, `keys` describing `tokens.reshape(1, -1)`;
+    never 0) with `cu_seqlens_unpadded`, `cu_seqlens_padded`, `max_seqlen`, `keys` describing
+    `tokens.reshape(1, -1)`;
     `pack_key` becomes a list, media tensors are concatenated in row order."""
     if len(rows) == 1:
         return rows[0]
     length = max(r["tokens"].shape[1] for r in rows)
     rows = [pad_row(r, length, pad_token_id) for r in rows]
     out = {key: torch.cat([r[key] for r in rows]) for key in ROW_KEYS}
-    for key in ("cu_seqlens", "cu_seqlens_padded"):
+    for key in ("cu_seqlens_unpadded", "cu_seqlens_padded"):
         lengths = torch.cat([r[key].diff() for r in rows])
         out[key] = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
     out["max_seqlen"] = max(r["max_seqlen"] for r in rows)
@@ -113,7 +128,7 @@ class PackDataset(torch.utils.data.IterableDataset):
         for shard, index in mine:
             key, members = next(iter_records(self.shards[shard], iter([index])))
             yield pack_to_batch({**members, "__key__": key}, self.manifest, pad_to=self.pad_to, images=self.images,
-                                image_processor=processor)
+                                image_processor=processor, source=str(self.shards[shard]))
 
 
 @functools.lru_cache(maxsize=16)
@@ -144,27 +159,66 @@ def cook_pack(sample: dict) -> PackSample:
 
 class PackTaskEncoder(DefaultTaskEncoder):
     """Energon task encoder for packtool datasets: batches equal `read_packs`' (see `collate_packs` for B > 1).
-    `pad_to`, `images`, `image_processor` as in `packtool.read.pack_to_batch`.
+    `pad_to`, `images`, `image_processor` as in `packtool.read.pack_to_batch`; `on_error`: a pack that fails to
+    read stops the loader (`"raise"`, an Energon `FatalSampleError` carrying packtool's message) or is skipped
+    with a logged warning and running count (`"skip"`; `skipped` counts them in this process).
 
     `get_train_dataset(OUTPUT, task_encoder=PackTaskEncoder(), batch_size=1, ...)`; works in metadatasets too
-    (each sample finds its own dataset's manifest). Media are decoded in the loader workers.
+    (each sample finds its own dataset's manifest). Media are decoded in the loader workers. For Megatron-Bridge
+    use `MegatronBridgeTaskEncoder`.
     """
 
     cookers = [Cooker(cook_pack, has_subflavors={"packtool": 1})]
     decoder = None  # raw bytes: the packs hold npy/json/original media, decoded by pack_to_batch
 
-    def __init__(self, *, pad_to: str = "pack", images: bool = True, image_processor=None):
+    def __init__(self, *, pad_to: str = "pack", images: bool = True, image_processor=None,
+                 on_error: OnError = "raise"):
         super().__init__()
-        self.pad_to, self.images, self.image_processor = pad_to, images, image_processor
+        if pad_to not in PAD_TO:
+            raise ValueError(f"pad_to must be one of {PAD_TO}, got {pad_to!r}")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        self.pad_to, self.images, self.image_processor, self.on_error = pad_to, images, image_processor, on_error
+        self.skipped = 0
 
     @stateless
     def encode_sample(self, sample: PackSample) -> PackRow:
-        manifest = _manifest(str(sample.__sources__[0].dataset_path))
-        batch = pack_to_batch({**sample.members, "__key__": sample.__key__}, manifest, pad_to=self.pad_to,
-                              images=self.images, image_processor=self.image_processor)
+        info = sample.__sources__[0]
+        manifest = _manifest(str(info.dataset_path))
+        where = f"{info.dataset_path}/{info.shard_name}"
+        try:
+            batch = pack_to_batch({**sample.members, "__key__": sample.__key__}, manifest, pad_to=self.pad_to,
+                                  images=self.images, image_processor=self.image_processor, source=where)
+        except Exception as exc:  # noqa: BLE001 - every failing pack is reported, never dropped silently
+            self._failed(exc, where, sample.__key__)
         return PackRow.derive_from(sample, batch=batch)
+
+    def _failed(self, exc: Exception, where: str, key: str) -> NoReturn:
+        """Raise past Energon's error handler (it would skip the pack), or skip it visibly."""
+        message = str(exc) or type(exc).__name__
+        if key not in message:  # packtool's own errors name shard and pack already
+            message = f"{where}: pack {key}: {type(exc).__name__}: {message}"
+        if self.on_error == "raise":
+            raise FatalSampleError(f"packtool could not read a pack: {message}") from exc
+        self.skipped += 1
+        log.warning("packtool skipped pack %d in this process: %s", self.skipped, message)
+        raise SkipSample()
+
+    def finish(self, batch: dict) -> dict:
+        """The collated batch as this encoder yields it."""
+        return batch
 
     @stateless
     def batch(self, samples: list[PackRow]) -> dict:
         manifest = _manifest(str(samples[0].__sources__[0].dataset_path))
-        return collate_packs([s.batch for s in samples], manifest["pad_token_id"])
+        return self.finish(collate_packs([s.batch for s in samples], manifest["pad_token_id"]))
+
+
+class MegatronBridgeTaskEncoder(PackTaskEncoder):
+    """Energon task encoder yielding the batch Megatron-Bridge's `vlm_step` / `gpt_step` consume: THD packed-
+    sequence keys `cu_seqlens_q/kv(_padded)`, `max_seqlen_q/kv`, a `visual_inputs` object, ... (table in
+    `packtool.megatron_batch`). Name it as the dataset's task encoder with micro batch size 1 and the model's
+    `seq_length` equal to the pack size. Arguments as `PackTaskEncoder`."""
+
+    def finish(self, batch: dict) -> dict:
+        return megatron_bridge_batch(batch)

@@ -13,10 +13,12 @@ import fcntl
 import json
 import os
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 from typing import IO
 
 from packtool.commit import commit_bytes, remove_temporaries
+from packtool.encoded import SourceStamp
 from packtool.errors import OutputError
 from packtool.format import MANIFEST
 
@@ -81,7 +83,7 @@ class OutputDir:
         previous = {name: _read_json(work / f"{name}.json") for name in ("encode", "output")}
         encode_changed = previous["encode"] not in (None, self.fingerprints["encode"])
         output_changed = previous["output"] not in (None, self.fingerprints["output"])
-        encode_committed = any((out / ENCODE).glob("*/*/samples.parquet"))
+        encode_committed = any((out / ENCODE).glob("*/*/*/samples.parquet"))
         output_committed = self._output_committed()
         if ((encode_changed and encode_committed) or (output_changed and output_committed)) and not self.overwrite:
             old = previous["output"] or {"encode": previous["encode"]}
@@ -125,9 +127,24 @@ class OutputDir:
         commit_bytes(self.path / WORK / "output.json", json.dumps(self.fingerprints["output"], indent=1,
                                                                    sort_keys=True).encode())
 
-    def encode_dir(self, split: str, index: int) -> Path:
-        """Encode store of source shard ``index`` of ``split``."""
-        return self.path / ENCODE / split / f"{index:06d}"
+    def encode_dir(self, split: str, shard: int, part: int) -> Path:
+        """Encode store of range ``part`` of source shard number ``shard`` of ``split``."""
+        return self.path / ENCODE / split / f"{shard:06d}" / f"{part:06d}"
+
+    def drop_stale_encodings(self, stamps: dict[str, SourceStamp]) -> bool:
+        """Delete the encode stores of every source shard that has changed since it was encoded (all its
+        ranges: the new content may cut into other ranges); returns whether there were any."""
+        stale = set()
+        for stamp_file in (self.path / ENCODE).glob("*/*/*/source.json"):
+            recorded = _read_json(stamp_file)
+            if recorded is None or recorded != asdict(stamps.get(recorded.get("shard", ""), _NO_STAMP)):
+                stale.add(stamp_file.parent.parent)
+        for folder in sorted(stale):
+            shutil.rmtree(folder)
+        return bool(stale)
+
+
+_NO_STAMP = SourceStamp("", -1, -1, -1, "")
 
 
 def _read_json(path: Path) -> dict | None:

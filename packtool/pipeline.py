@@ -19,9 +19,9 @@ import pyarrow as pa
 from packtool import __version__
 from packtool.assemble import SEGMENT_COLUMNS, write_shard
 from packtool.commit import commit_bytes
-from packtool.encode import TOKENIZER_FILES, get_encoder, tokenizer_fingerprint
-from packtool.encoded import SourceStamp, encode_shard, is_current
-from packtool.engine import run_tasks
+from packtool.encode import TOKENIZER_FILES, model_facts, tokenizer_fingerprint
+from packtool.encoded import SAMPLES_PER_RANGE, SourceStamp, encode_range
+from packtool.engine import Engine
 from packtool.errors import ConfigError, FormatError
 from packtool.format import (
     FORMAT_VERSION,
@@ -38,6 +38,7 @@ from packtool.output import OutputDir, check_paths
 from packtool.planning import SplitPlan, load_encoded, plan_split
 from packtool.settings import PackSettings, RunOptions
 from packtool.sources import SourceDataset, open_source
+from packtool.sources.energon import shard_layout
 
 
 @dataclass
@@ -79,26 +80,34 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, run: Ru
             check_split_name(split)
         except FormatError as exc:
             raise ConfigError(str(exc)) from None
-    get_encoder(settings.encode, src.dataset_yaml)  # a bad model folder fails here, before OUTPUT is touched
     fingerprints = settings.fingerprints(source, tokenizer_fingerprint(settings.encode.tokenizer))
+    engine = Engine(run.engine, run.workers, run.ray_address)
+    # The engine is up (Ray reached) and the model folder proven by a worker before OUTPUT is touched; the OUTPUT
+    # lock outlives every worker.
+    with engine:
+        facts = engine.map(model_facts, [(settings.encode, src.dataset_yaml)], progress=False)[0]
+        return _pack(engine, src, output, settings, run, fingerprints, facts, clock)
+
+
+def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettings, run: RunOptions,
+          fingerprints: dict, facts: dict, clock: _Clock) -> PackResult:
+    source = src.root
     with OutputDir(output, fingerprints, overwrite=run.overwrite) as out:
-        enc_dirs = {split: [out.encode_dir(split, i) for i in range(len(shards))]
-                    for split, shards in src.splits.items()}
         stamps = {s: SourceStamp.of(source, s, src.metadata) for shards in src.splits.values() for s in shards}
-        if any(not is_current(d, stamps[s]) and (d / "samples.parquet").exists()
-               for split, shards in src.splits.items() for d, s in zip(enc_dirs[split], shards)):
+        if out.drop_stale_encodings(stamps):
             out.clear_output()  # a source shard changed since it was encoded: every plan is stale
         done = _finished(output, run)
         if done is not None:
             return done
-        _encode(src, settings, run, enc_dirs, stamps)
+        enc_dirs = _encode(engine, out, src, settings, run, stamps)
         clock.lap("scan+encode")
         plans = {split: plan_split(split, load_encoded(enc_dirs[split]), settings) for split in src.splits}
         for split, plan in plans.items():
             _check_packable(split, plan, settings)
         clock.lap("plan")
         out_shards = {split: [shard_path(split, k) for k in range(plan.n_shards)] for split, plan in plans.items()}
-        indexes = {} if run.dry_run else _write(source, output, settings, run, plans, out_shards, enc_dirs, stamps)
+        indexes = {} if run.dry_run else _write(engine, source, output, settings, run, plans, out_shards, enc_dirs,
+                                                stamps)
         clock.lap("write")
         counts, packs = write_ledger(output, plans)
         if not run.dry_run:
@@ -106,7 +115,7 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, run: Ru
                                    version("megatron-energon"))
             _copy_tokenizer(Path(settings.encode.tokenizer), output / TOKENIZER_DIR)
         commit_bytes(output / MANIFEST, _manifest(settings, fingerprints, source, out_shards, counts, packs,
-                                                  run.dry_run, src).to_bytes())
+                                                  run.dry_run, facts).to_bytes())
         clock.lap("finalize")
         return PackResult(output, counts, packs, clock.seconds)
 
@@ -124,16 +133,25 @@ def _finished(output: Path, run: RunOptions) -> PackResult | None:
     return None
 
 
-def _encode(src: SourceDataset, settings: PackSettings, run: RunOptions, enc_dirs: dict[str, list[Path]],
-            stamps: dict[str, SourceStamp]) -> None:
-    tasks = [(str(src.root), shard, src.excluded_samples, settings.encode, src.dataset_yaml,
-              src.shard_counts.get(shard), stamps[shard], run.strict, str(enc_dirs[split][i]))
-             for split, shards in src.splits.items() for i, shard in enumerate(shards)]
-    run_tasks(encode_shard, tasks, workers=run.workers, engine=run.engine, ray_address=run.ray_address,
-              desc="scan+encode", unit="shard", progress=run.progress)
+def _encode(engine: Engine, out: OutputDir, src: SourceDataset, settings: PackSettings, run: RunOptions,
+            stamps: dict[str, SourceStamp]) -> dict[str, list[Path]]:
+    """Walk every shard's headers, then encode its ranges; returns each split's range stores in order."""
+    shards = [(split, i, shard) for split, names in src.splits.items() for i, shard in enumerate(names)]
+    layouts = engine.map(shard_layout, [(src.root, shard, src.excluded_samples) for _, _, shard in shards],
+                         desc="scan", unit="shard", progress=run.progress)
+    tasks, enc_dirs = [], {split: [] for split in src.splits}
+    for (split, i, shard), layout in zip(shards, layouts):
+        for k, span in enumerate(layout.ranges(SAMPLES_PER_RANGE)):
+            store = out.encode_dir(split, i, k)
+            enc_dirs[split].append(store)
+            tasks.append((str(src.root), layout, span, src.excluded_samples, settings.encode, src.dataset_yaml,
+                          src.shard_counts.get(shard), stamps[shard], run.strict, str(store)))
+    engine.map(encode_range, tasks, desc="encode", unit="range", progress=run.progress)
+    return enc_dirs
 
 
-def _write(source: Path, output: Path, settings: PackSettings, run: RunOptions, plans: dict[str, SplitPlan],
+def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, run: RunOptions,
+           plans: dict[str, SplitPlan],
            out_shards: dict[str, list[str]], enc_dirs: dict[str, list[Path]],
            stamps: dict[str, SourceStamp]) -> dict[str, list[IndexedRecord]]:
     """One task per output shard, each with a compact table of its own rows (no Python object per row)."""
@@ -150,8 +168,7 @@ def _write(source: Path, output: Path, settings: PackSettings, run: RunOptions, 
             tasks.append((str(output / out_shards[split][k]), split, str(source), [str(d) for d in enc_dirs[split]],
                           split_stamps, table.take(rows[bounds[k]:bounds[k + 1]]), settings.encode.pack_size,
                           settings.encode.align))
-    written = run_tasks(write_shard, tasks, workers=run.workers, engine=run.engine, ray_address=run.ray_address,
-                        desc="write", unit="shard", progress=run.progress)
+    written = engine.map(write_shard, tasks, desc="write", unit="shard", progress=run.progress)
     return dict(zip((s for shards in out_shards.values() for s in shards), written))  # tasks in this order
 
 
@@ -170,25 +187,13 @@ def _check_packable(split: str, plan: SplitPlan, settings: PackSettings) -> None
 
 
 def _manifest(settings: PackSettings, fingerprints: dict, source: Path, out_shards: dict, counts: dict,
-              packs: dict, dry_run: bool, src: SourceDataset) -> Manifest:
-    encoder = get_encoder(settings.encode, src.dataset_yaml)
+              packs: dict, dry_run: bool, facts: dict) -> Manifest:
     return Manifest(
         packtool=__version__, format=FORMAT_VERSION, fingerprint=fingerprints, settings=settings.describe(),
         source=str(source), splits=out_shards,
         tokenizer={"fingerprint": fingerprints["encode"]["tokenizer"], "dir": TOKENIZER_DIR},
-        pad_token_id=_pad_id(encoder.tok), eos_token_id=encoder.tok.eos_token_id,
-        image_token_id=encoder.image_token_id, vision_start_token_id=encoder.vision_start_id,
-        vision_end_token_id=encoder.vision_end_id,
-        image_processor=encoder.rule.manifest() if encoder.rule else None, seed=settings.plan.seed,
-        counts=counts, packs=packs, dry_run=dry_run,
+        seed=settings.plan.seed, counts=counts, packs=packs, dry_run=dry_run, **facts,
     )
-
-
-def _pad_id(tok) -> int:
-    for candidate in (tok.pad_token_id, tok.eos_token_id, 0):
-        if candidate is not None:
-            return int(candidate)
-    return 0
 
 
 def _copy_tokenizer(src: Path, dst: Path) -> None:

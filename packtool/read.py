@@ -6,7 +6,11 @@ in on-disk order; loaders (`packtool.loader`) reuse the same function.
 Boundary conventions (all offsets are token indices into the row):
 
 * Segment `i` holds its real tokens at `[cu_seqlens_padded[i], cu_seqlens_padded[i] + seqlen_i)`, followed by
-  its alignment padding up to `cu_seqlens_padded[i + 1]`. `cu_seqlens` counts real tokens only.
+  its alignment padding up to `cu_seqlens_padded[i + 1]`. `cu_seqlens_unpadded` counts real tokens only.
+* No key is called plain `cu_seqlens`: Megatron-Bridge reads a batch key of that name as the PADDED boundaries
+  (its legacy format), so either meaning would be misread by some consumer. The two names used here mean the same
+  in Megatron-Bridge (`cu_seqlens_unpadded`: real) and Megatron-Core (`cu_seqlens_padded`: physical). For a batch
+  Megatron-Bridge's training steps consume directly, see `packtool.megatron_batch.megatron_bridge_batch`.
 * `pad_to="pack"` makes every row the same length `L = pack_size` rounded down to a multiple of `align` (equal to
   `pack_size` whenever it is a multiple, the normal case). The tail padding is absorbed into the LAST segment:
   `cu_seqlens_padded[-1] == L`, so both arrays keep `S + 1` entries (the segment keys line up with them), every
@@ -84,8 +88,8 @@ def pack_to_batch(
             (required for media of fixed-count datasets, whose model processor the manifest cannot name).
         source: where the record came from (shard path), named in errors.
 
-    Returns: tokens, labels, loss_mask, position_ids, padding_mask (`[1, L]`), cu_seqlens, cu_seqlens_padded
-    (int32 `[S + 1]`), max_seqlen (int), image_grid_thw (int64 `[n, 3]`, when the dataset has an image processor
+    Returns: tokens, labels, loss_mask, position_ids, padding_mask (`[1, L]`), cu_seqlens_unpadded,
+    cu_seqlens_padded (int32 `[S + 1]`), max_seqlen (int), image_grid_thw (int64 `[n, 3]`, when the dataset has an image processor
     or the pack has media), pixel_values (when also `images`: float32 `[Σpatches, C·t·p·p]` for Qwen2-VL, else what
     the given processor returns), keys (segment source keys), pack_key.
     """
@@ -122,8 +126,8 @@ def pack_to_batch(
     predicts[:-1] = targets[1:].astype(bool)
     predicts[cu[1:] - 1] = False
     labels = np.full(length, IGNORE_INDEX, dtype=np.int64)
-    source = np.flatnonzero(predicts)
-    labels[dest[source]] = tokens[source + 1]
+    predictors = np.flatnonzero(predicts)
+    labels[dest[predictors]] = tokens[predictors + 1]
     padding_mask = np.ones(length, dtype=bool)
     padding_mask[dest] = False
     padded_lengths = np.diff(cu_padded)
@@ -134,7 +138,7 @@ def pack_to_batch(
         "labels": torch.from_numpy(labels)[None],
         "loss_mask": torch.from_numpy(labels != IGNORE_INDEX).float()[None],
         "position_ids": torch.from_numpy(position_ids)[None],
-        "cu_seqlens": torch.from_numpy(cu.astype(np.int32)),
+        "cu_seqlens_unpadded": torch.from_numpy(cu.astype(np.int32)),
         "cu_seqlens_padded": torch.from_numpy(cu_padded.astype(np.int32)),
         "max_seqlen": int(padded_lengths.max()),
         "padding_mask": torch.from_numpy(padding_mask)[None],
@@ -179,7 +183,10 @@ def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, im
             out["pixel_values"] = torch.zeros((0, dim), dtype=torch.float32)
         return out
     pil = [_open_image(record.media[m.member], f"{where}, member {m.member}") for m in media]
-    result = proc(images=pil, return_tensors="np")
+    try:
+        result = proc(images=pil, return_tensors="np")
+    except (ValueError, TypeError, OSError) as exc:
+        raise FormatError(f"{where}: the image processor refuses its media ({type(exc).__name__}: {exc})") from None
     if "image_grid_thw" in result:
         grid = np.asarray(result["image_grid_thw"], dtype=np.int64)
         if not np.array_equal(grid, stored):

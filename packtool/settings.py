@@ -33,6 +33,20 @@ MediaCheck = Literal["decode", "header"]
 Algorithm = Literal["auto", "bfd", "ffd", "greedy_knapsack", "balanced_greedy_knapsack", "first_fit_shuffle",
                     "sequential"]
 EngineKind = Literal["local", "ray"]
+Preset = Literal["megatron-bridge-qwen-vl", "megatron-bridge-nemotron-omni"]
+
+#: The encode settings each preset sets: the data conventions of Megatron-Bridge's own task encoders, so packs hold
+#: the tokens and targets those would give. ``megatron-bridge-qwen-vl``: QwenVLTaskEncoder with its
+#: ``build_assistant_loss_mask`` (the newline after each reply's end-of-turn token is a target), ``media_first``
+#: and its pixel bounds.
+PRESETS: dict[str, dict[str, Any]] = {
+    "megatron-bridge-qwen-vl": {"target_newline_after_eot": True, "media_first": True, "min_pixels": 200_704,
+                                "max_pixels": 1_003_520},
+    "megatron-bridge-nemotron-omni": {},
+}
+#: Presets named but not available yet, with the reason.
+UNSUPPORTED_PRESETS = {"megatron-bridge-nemotron-omni": "it needs video and audio support, which packtool does not "
+                                                         "have yet"}
 
 #: Largest pack: boundaries (``cu_seqlens``) are int32.
 MAX_PACK_SIZE = 2**31 - 1
@@ -138,8 +152,16 @@ class EncodeSettings:
     template_date: str = "2026-01-01"
     #: Samples whose members hold more bytes are quarantined before they are parsed.
     max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES
+    #: Also train on the newline token the chat template emits right after each reply's end-of-turn token.
+    target_newline_after_eot: bool = False
+    #: Move the image tags of each turn before its text; the text pieces around a tag lose their edge spaces.
+    media_first: bool = False
+    #: A named set of the settings above (:data:`PRESETS`): it fills those still at their default, and any of them
+    #: given a different value is an error, so the recorded preset always means what it says.
+    preset: Preset | None = None
 
     def __post_init__(self) -> None:
+        self._apply_preset()
         _check_int(self.pack_size, "pack_size", high=MAX_PACK_SIZE)
         _check_int(self.align, "align")
         if self.align > self.pack_size:
@@ -158,6 +180,20 @@ class EncodeSettings:
             datetime.date.fromisoformat(self.template_date)
         except (TypeError, ValueError):
             raise ConfigError(f"template_date must be YYYY-MM-DD, not {self.template_date!r}") from None
+
+    def _apply_preset(self) -> None:
+        if self.preset is None:
+            return
+        _check_choice(self.preset, Preset, "preset")
+        if self.preset in UNSUPPORTED_PRESETS:
+            raise ConfigError(f"preset {self.preset!r} is not supported yet: {UNSUPPORTED_PRESETS[self.preset]}")
+        for name, value in PRESETS[self.preset].items():
+            current = getattr(self, name)
+            if current == default(EncodeSettings, name):
+                object.__setattr__(self, name, value)
+            elif current != value:
+                raise ConfigError(f"preset {self.preset!r} sets {name} to {value!r}, not {current!r}; leave it unset "
+                                  f"or drop the preset")
 
     @property
     def max_tokens(self) -> int:

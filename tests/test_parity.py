@@ -187,5 +187,5 @@ def test_qwen25vl_without_packed_positions_leaks(tmp_path, qwen):
         leaky = qwen(input_ids=batch["tokens"], position_ids=rope, **qwen_inputs(batch)).logits
         clean = qwen(input_ids=batch["tokens"], position_ids=torch.cat([batch["position_ids"][None], rope]),
                      **qwen_inputs(batch)).logits
-    second = slice(int(batch["cu_seqlens"][1]) + 1, int(batch["cu_seqlens"][2]))
+    second = slice(int(batch["cu_seqlens_unpadded"][1]) + 1, int(batch["cu_seqlens_unpadded"][2]))
     assert (leaky[0, second] - clean[0, second]).abs().max() > 1e-3

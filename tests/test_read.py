@@ -43,7 +43,7 @@ def reference(tokens, targets, seqlens, *, align, pack_size, pad_to, pad_id=fx.P
         cu_padded[-1] = length
     widths = [b - a for a, b in zip(cu_padded, cu_padded[1:])]
     return {"tokens": tok, "labels": lab, "loss_mask": [float(x != -100) for x in lab], "position_ids": pos,
-            "padding_mask": pad, "cu_seqlens": cu, "cu_seqlens_padded": cu_padded, "max_seqlen": max(widths)}
+            "padding_mask": pad, "cu_seqlens_unpadded": cu, "cu_seqlens_padded": cu_padded, "max_seqlen": max(widths)}
 
 
 def segments_from(seqlens, rng):
@@ -61,7 +61,7 @@ def check_against_reference(batch, segments, *, align, pack_size, pad_to):
         assert batch[key][0].tolist() == want[key], key
     assert batch["tokens"].dtype == batch["labels"].dtype == batch["position_ids"].dtype == torch.int64
     assert batch["loss_mask"].dtype == torch.float32 and batch["padding_mask"].dtype == torch.bool
-    for key in ("cu_seqlens", "cu_seqlens_padded"):
+    for key in ("cu_seqlens_unpadded", "cu_seqlens_padded"):
         assert batch[key].dtype == torch.int32 and batch[key].tolist() == want[key], key
     assert batch["max_seqlen"] == want["max_seqlen"]
     assert batch["keys"] == [s["key"] for s in segments]
@@ -284,7 +284,7 @@ def test_collate_pads_with_ignore_and_keeps_thd_view(image_dataset):
     assert flat["labels"][flat["padding_mask"]].eq(-100).all() and flat["loss_mask"][flat["padding_mask"]].eq(0).all()
     assert flat["tokens"][flat["padding_mask"]].eq(fx.PAD_ID).all()
     segments = [s for p in packs for s in p]
-    cu, cup = batch["cu_seqlens"].tolist(), batch["cu_seqlens_padded"].tolist()
+    cu, cup = batch["cu_seqlens_unpadded"].tolist(), batch["cu_seqlens_padded"].tolist()
     assert cup[-1] == 3 * length and all(b % 8 == 0 for b in cup) and batch["keys"] == [s["key"] for s in segments]
     for k, seg in enumerate(segments):
         assert cu[k + 1] - cu[k] == len(seg["tokens"])
@@ -298,8 +298,9 @@ def test_to_megatron(image_dataset):
     batch = next(read_packs(path))
     out = to_megatron(batch, "cpu")
     assert out["tokens"].shape == (1, 128) and out["attention_mask"] is None
-    assert torch.equal(out["cu_seqlens_q"], batch["cu_seqlens"]) and out["cu_seqlens_kv_padded"].dtype == torch.int32
-    assert out["max_seqlen_q"].tolist() == [batch["max_seqlen"]] and out["max_seqlen_q"].device.type == "cpu"
+    assert torch.equal(out["cu_seqlens_q"], batch["cu_seqlens_unpadded"])
+    assert out["cu_seqlens_kv_padded"].dtype == torch.int32
+    assert int(out["max_seqlen_q"]) == batch["max_seqlen"] and out["max_seqlen_q"].device.type == "cpu"
     params = out["packed_seq_params"]
     get = params.get if isinstance(params, dict) else lambda k: getattr(params, k)
     assert get("qkv_format") == "thd" and torch.equal(get("cu_seqlens_q_padded"), batch["cu_seqlens_padded"])

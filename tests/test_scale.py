@@ -110,8 +110,8 @@ main()
 KILL_POINTS = [
     (r"encode\.json$", 1, "before", r"\.packtool/\.encode\.json\.tmp-"),
     (r"output\.json$", 1, "before", r"\.packtool/\.output\.json\.tmp-"),
-    (r"encode/train/000001$", 1, "before", r"encode/train/\.000001\.tmp-"),
-    (r"encode/train/000003$", 1, "after", None),
+    (r"encode/train/000001/000000$", 1, "before", r"encode/train/000001/\.000000\.tmp-"),
+    (r"encode/train/000003/000000$", 1, "after", None),
     (r"train/pack-000001\.tar$", 1, "before", r"train/\.pack-000001\.tar\.tmp-"),
     (r"train/pack-000003\.tar\.idx$", 1, "after", None),
     (r"ledger\.parquet$", 1, "before", r"^\.ledger\.parquet\.tmp-"),

@@ -1,15 +1,21 @@
-"""Qwen2-VL / Qwen2.5-VL media token rules: an image's patch grid and token count from its width and height.
+"""Qwen2-VL / Qwen2.5-VL media token rules: an image's or a video's patch grid and token count from its facts.
 
-The rule is transformers' ``smart_resize``: sides rounded to multiples of patch·merge, then scaled into
-``[min_pixels, max_pixels]``; the model folder's ``preprocessor_config.json`` gives the numbers.
+The image rule is transformers' ``smart_resize``: sides rounded to multiples of patch·merge, then scaled into
+``[min_pixels, max_pixels]``; the model folder's ``preprocessor_config.json`` gives the numbers. The video rule
+(:class:`Qwen2VLSettings`) adds ``Qwen2VLVideoProcessor``'s frame sampling, temporal patches and
+``second_per_grid_ts``.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from packtool.errors import ConfigError
+from packtool.media.folder import read_folder
+from packtool.media.video import VideoFacts
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,199 @@ def load_image_rule(
         patch_size=int(cfg.get("patch_size", 14)),
         merge_size=int(cfg.get("merge_size", 2)),
         temporal_patch_size=int(cfg.get("temporal_patch_size", 2)),
+        image_mean=tuple(cfg.get("image_mean", ImageRule.image_mean)),
+        image_std=tuple(cfg.get("image_std", ImageRule.image_std)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Video (Qwen2VLVideoProcessor, as Qwen2_5_VLProcessor uses it)
+# ---------------------------------------------------------------------------------------------------------------
+
+#: Frame rate transformers assumes for a video whose metadata gives none (``VideoMetadata.sampled_fps``).
+UNKNOWN_FPS = 24
+
+
+@dataclass(frozen=True)
+class QwenVideoPlan:
+    """How the processor turns one video into tokens: the frames it is given and what they become."""
+
+    #: Frame numbers handed to the processor (all frames unless the settings sample).
+    indices: tuple[int, ...]
+    #: ``(t, h, w)`` patch grid (``video_grid_thw``).
+    grid_thw: tuple[int, int, int]
+    #: ``<|video_pad|>`` tokens the video occupies.
+    tokens: int
+    #: Seconds one temporal patch spans (``second_per_grid_ts``, used by mRoPE).
+    second_per_grid_ts: float
+    #: Frame size after the resize, ``(height, width)``.
+    resized: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Qwen2VLSettings:
+    """Qwen2-VL / Qwen2.5-VL image and video settings of a model folder, with overrides applied.
+
+    Video settings follow ``Qwen2VLVideoProcessor``: its own config when the folder has one, else the image
+    processor's config (then its pixel bounds are the image bounds and it does not sample frames), else the
+    processor's class defaults.
+    """
+
+    #: Rule for still images.
+    image: ImageRule
+    #: Video pixel bounds per frame (``size.shortest_edge`` / ``size.longest_edge``).
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 28 * 28 * 768
+    video_patch_size: int = 14
+    video_merge_size: int = 2
+    video_temporal_patch_size: int = 2
+    #: Whether frames are sampled (``do_sample_frames``); by ``fps`` or ``num_frames`` (not both).
+    do_sample_frames: bool = False
+    fps: float | None = None
+    num_frames: int | None = None
+    #: Bounds of the frame count when sampling by ``fps``.
+    min_frames: int = 4
+    max_frames: int = 768
+    #: Bound a video's total pixels by ``max_video_tokens`` (the reference implementation's cap).
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 128000
+    #: File the video settings came from (``"none"``: class defaults).
+    video_config: str = "none"
+    image_token: str = "<|image_pad|>"
+    video_token: str = "<|video_pad|>"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.video_min_pixels <= self.video_max_pixels:
+            raise ConfigError(f"video pixel bounds {self.video_min_pixels}..{self.video_max_pixels} are not ordered")
+        if self.do_sample_frames:
+            if (self.fps is None) == (self.num_frames is None):
+                raise ConfigError("frame sampling needs exactly one of a frame rate (fps) or a frame count")
+            if self.fps is not None and not self.fps > 0:
+                raise ConfigError(f"sampling frame rate {self.fps} is not positive")
+            if self.num_frames is not None and self.num_frames <= 0:
+                raise ConfigError(f"sampled frame count {self.num_frames} is not positive")
+        if not 0 < self.min_frames <= self.max_frames:
+            raise ConfigError(f"frame bounds {self.min_frames}..{self.max_frames} are not ordered")
+
+    @classmethod
+    def from_folder(
+        cls,
+        folder: str | Path,
+        *,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        video_min_pixels: int | None = None,
+        video_max_pixels: int | None = None,
+        fps: float | None = None,
+        num_frames: int | None = None,
+        min_frames: int | None = None,
+        max_frames: int | None = None,
+        do_sample_frames: bool | None = None,
+    ) -> Qwen2VLSettings:
+        """Settings of a model folder. Overrides win; giving ``fps`` or ``num_frames`` turns sampling on (and
+        drops the other one from the folder) unless ``do_sample_frames`` says otherwise."""
+        configs = read_folder(folder)
+        image = _image_rule(configs.image, min_pixels, max_pixels)
+        video = configs.video
+        size = dict(video.get("size") or {})
+        lo = video.get("min_pixels", size.get("shortest_edge", cls.video_min_pixels))
+        hi = video.get("max_pixels", size.get("longest_edge", cls.video_max_pixels))
+        folder_fps, folder_frames = video.get("fps"), video.get("num_frames")
+        if fps is not None or num_frames is not None:
+            folder_fps, folder_frames = fps, num_frames
+        sample = do_sample_frames if do_sample_frames is not None else (
+            True if (fps is not None or num_frames is not None) else bool(video.get("do_sample_frames", False))
+        )
+        return cls(
+            image=image,
+            video_min_pixels=int(video_min_pixels if video_min_pixels is not None else lo),
+            video_max_pixels=int(video_max_pixels if video_max_pixels is not None else hi),
+            video_patch_size=int(video.get("patch_size", cls.video_patch_size)),
+            video_merge_size=int(video.get("merge_size", cls.video_merge_size)),
+            video_temporal_patch_size=int(video.get("temporal_patch_size", cls.video_temporal_patch_size)),
+            do_sample_frames=sample,
+            fps=None if folder_fps is None else float(folder_fps),
+            num_frames=None if folder_frames is None else int(folder_frames),
+            min_frames=int(min_frames if min_frames is not None else video.get("min_frames", cls.min_frames)),
+            max_frames=int(max_frames if max_frames is not None else video.get("max_frames", cls.max_frames)),
+            cap_pixels_per_frame=bool(video.get("cap_pixels_per_frame") or False),
+            max_video_tokens=int(video.get("max_video_tokens", cls.max_video_tokens)),
+            video_config=configs.video_source,
+            image_token=str(configs.tokens.get("image_token", cls.image_token)),
+            video_token=str(configs.tokens.get("video_token", cls.video_token)),
+        )
+
+    def sample_indices(self, facts: VideoFacts) -> tuple[int, ...]:
+        """Frames the processor keeps: ``Qwen2VLVideoProcessor.sample_frames`` when sampling, else all."""
+        total = facts.frames
+        if not self.do_sample_frames:
+            return tuple(range(total))
+        tps = self.video_temporal_patch_size
+        if self.num_frames is not None:
+            n = round(self.num_frames / tps) * tps
+        else:
+            if facts.fps is None:
+                raise ValueError("video has no frame rate, so it cannot be sampled by frame rate")
+            cap = math.floor(min(self.max_frames, total) / tps) * tps
+            n = min(max(total / facts.fps * self.fps, self.min_frames), cap, total)
+            n = math.floor(n / tps) * tps
+        if n > total:
+            raise ValueError(f"video has {total} frames, fewer than the {n} to sample")
+        if n <= 0:
+            raise ValueError(f"video of {total} frames is too short to sample (needs {tps})")
+        import torch  # the processor's own arithmetic: float32 steps, truncated
+
+        return tuple(int(i) for i in torch.arange(0, total, total / n).int().tolist())
+
+    def video(self, facts: VideoFacts) -> QwenVideoPlan:
+        """The processor's treatment of one video, from its facts alone."""
+        indices = self.sample_indices(facts)
+        n = len(indices)
+        factor = self.video_patch_size * self.video_merge_size
+        max_pixels = self.video_max_pixels
+        if self.cap_pixels_per_frame:
+            total_pixels = int(self.max_video_tokens * factor * factor * 0.9)
+            max_pixels = max(
+                min(max_pixels, total_pixels * self.video_temporal_patch_size // n), int(self.video_min_pixels * 1.05)
+            )
+        h, w = qwen_resize(facts.height, facts.width, factor, self.video_min_pixels, max_pixels)
+        grid = (-(-n // self.video_temporal_patch_size), h // self.video_patch_size, w // self.video_patch_size)
+        tokens = grid[0] * grid[1] * grid[2] // self.video_merge_size**2
+        sampled_fps = n / facts.frames * facts.fps if facts.fps else UNKNOWN_FPS
+        return QwenVideoPlan(indices, grid, tokens, self.video_temporal_patch_size / sampled_fps, (h, w))
+
+    def video_text(self, facts: VideoFacts) -> str:
+        """What the processor writes in place of one ``<|video_pad|>``."""
+        return self.video_token * self.video(facts).tokens
+
+    def image_text(self, width: int, height: int) -> str:
+        """What the processor writes in place of one ``<|image_pad|>``."""
+        return self.image_token * self.image.tokens(width, height)
+
+    def processor_kwargs(self, facts: VideoFacts) -> dict:
+        """Video keyword arguments that make the processor see the frames of :meth:`video` as this rule does:
+        the sampled frames are passed as they are, with their metadata."""
+        plan = self.video(facts)
+        return {"do_sample_frames": False, "video_metadata": {**facts.metadata(), "frames_indices": list(plan.indices)}}
+
+    def manifest(self) -> dict:
+        """The settings, for the pack manifest and the reader."""
+        out = {k: v for k, v in asdict(self).items() if k != "image"}
+        return {"family": "qwen2_vl", "image": self.image.manifest(), **out}
+
+
+def _image_rule(cfg: dict, min_pixels: int | None, max_pixels: int | None) -> ImageRule:
+    """The image rule of an image-processor config dict (keys as in ``preprocessor_config.json``)."""
+    size = cfg.get("size") or {}
+    lo = cfg.get("min_pixels", size.get("shortest_edge", size.get("min_pixels", ImageRule.min_pixels)))
+    hi = cfg.get("max_pixels", size.get("longest_edge", size.get("max_pixels", ImageRule.max_pixels)))
+    return ImageRule(
+        type="qwen2_vl",
+        min_pixels=int(min_pixels if min_pixels is not None else lo),
+        max_pixels=int(max_pixels if max_pixels is not None else hi),
+        patch_size=int(cfg.get("patch_size", ImageRule.patch_size)),
+        merge_size=int(cfg.get("merge_size", ImageRule.merge_size)),
+        temporal_patch_size=int(cfg.get("temporal_patch_size", ImageRule.temporal_patch_size)),
         image_mean=tuple(cfg.get("image_mean", ImageRule.image_mean)),
         image_std=tuple(cfg.get("image_std", ImageRule.image_std)),
     )

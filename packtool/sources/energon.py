@@ -106,61 +106,146 @@ def _unsafe(name: str) -> bool:
     return name.startswith("/") or ".." in name.split("/") or "\\" in name or "\x00" in name
 
 
-class ShardScan:
-    """Every sample of one shard in on-disk order, excluded keys skipped (they are not part of the dataset).
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where each sample of a shard starts, from a walk over its member headers (no data is read): what lets
+    one shard be encoded as several independent ranges."""
 
-    Members are grouped by key while adjacent, as Energon does; a key seen again later is marked as a duplicate.
-    Member names are never used as file paths; one with ``..`` or an absolute path marks its sample. A sample
-    whose members hold more than ``max_sample_bytes`` is marked and its bytes are not kept. Links and other
-    non-file members mark their sample too (their content cannot be packed). Iterating raises
-    :class:`SourceError` if the tar itself cannot be read, including data after its end-of-archive marker.
-    ``seen`` counts the samples met so far, excluded ones included (what ``.info.json`` counts).
+    shard: str
+    #: Byte offset of each sample's first member header, in on-disk order (excluded samples too).
+    starts: tuple[int, ...]
+    #: Positions of samples whose key appeared earlier in the shard.
+    duplicates: frozenset[int]
+    #: Positions of samples left out by ``split.yaml``'s ``exclude``.
+    excluded: frozenset[int]
+
+    def ranges(self, per_range: int) -> list[SampleRange]:
+        """Consecutive ranges of at most ``per_range`` samples covering the shard (at least one range; the last
+        reads to the end of the file, so a tail the header walk could not read is still reported)."""
+        n = len(self.starts)
+        bounds = list(range(0, n, per_range)) or [0]
+        out = []
+        for k, first in enumerate(bounds):
+            last = k == len(bounds) - 1
+            stop = None if last else self.starts[bounds[k + 1]]
+            kept_before = first - sum(1 for e in self.excluded if e < first)
+            out.append(SampleRange(first, self.starts[first] if n else 0, stop, kept_before, last))
+        return out
+
+
+@dataclass(frozen=True)
+class SampleRange:
+    """A run of consecutive samples of one shard."""
+
+    #: Position of its first sample in the shard.
+    first: int
+    #: Byte offset of that sample's first header.
+    start: int
+    #: Byte offset where the next range begins (None: to the end of the file).
+    stop: int | None
+    #: Samples before it that are not excluded.
+    kept_before: int
+    #: Whether it ends the shard (the end-of-archive checks apply).
+    last: bool
+
+
+def shard_layout(root: Path, shard: str, excluded: frozenset[str] = frozenset()) -> ShardLayout:
+    """Walk the member headers of ``shard``. A header that cannot be read ends the walk (the range reading to
+    the end of the file then reports it)."""
+    starts: list[int] = []
+    seen: set[str] = set()
+    duplicates, skipped = set(), set()
+    current = None
+    try:
+        with tarfile.open(Path(root) / shard, "r:") as tar:
+            for member in tar:
+                if member.isdir():
+                    continue
+                key, _ = split_member(member.name)
+                if key != current:
+                    current = key
+                    if key in seen:
+                        duplicates.add(len(starts))
+                    if f"{shard}/{key}" in excluded:
+                        skipped.add(len(starts))
+                    seen.add(key)
+                    starts.append(member.offset)
+    except (tarfile.TarError, OSError, EOFError):
+        pass
+    return ShardLayout(shard, tuple(starts), frozenset(duplicates), frozenset(skipped))
+
+
+class ShardScan:
+    """The samples of one shard (or of one :class:`SampleRange` of it) in on-disk order, excluded keys skipped
+    (they are not part of the dataset).
+
+    Members are grouped by key while adjacent, as Energon does; a key seen again later is marked as a duplicate
+    (across the whole shard when a ``layout`` is given). Member names are never used as file paths; one with
+    ``..`` or an absolute path marks its sample. A sample whose members hold more than ``max_sample_bytes`` is
+    marked and its bytes are not kept. Links and other non-file members mark their sample too (their content
+    cannot be packed). Iterating raises :class:`SourceError` if the tar itself cannot be read, including data
+    after its end-of-archive marker. ``seen`` counts the samples met so far, excluded ones included (what
+    ``.info.json`` counts).
     """
 
     def __init__(self, root: Path, shard: str, excluded: frozenset[str] = frozenset(), *,
-                 max_sample_bytes: int | None = None):
+                 max_sample_bytes: int | None = None, span: SampleRange | None = None,
+                 layout: ShardLayout | None = None):
         self.root, self.shard, self.excluded = Path(root), shard, excluded
         self.max_sample_bytes = max_sample_bytes
+        self.span = span or SampleRange(0, 0, None, 0, True)
+        self.duplicates = layout.duplicates if layout is not None else None
         self.seen = 0
 
     def __iter__(self) -> Iterator[RawSample]:
-        path, shard = self.root / self.shard, self.shard
+        shard, span = self.shard, self.span
         keys: set[str] = set()
         current: RawSample | None = None
-        index = 0
         try:
-            with tarfile.open(path, "r:") as tar:
-                for member in tar:
-                    if member.isdir():
-                        continue
-                    key, part = split_member(member.name)
-                    if current is None or key != current.key:
-                        if current is not None and current.index >= 0:
-                            yield current
-                        self.seen += 1
-                        if f"{shard}/{key}" in self.excluded:
-                            current = RawSample(key=key, shard=shard, index=-1)  # consumed, never yielded
-                        else:
-                            current = RawSample(key=key, shard=shard, index=index)
-                            index += 1
-                            if key in keys:
-                                current.problem = f"duplicate key {key!r} in {shard}"
-                            keys.add(key)
-                    if current.index < 0 or current.problem:
-                        continue
-                    current.problem = self._member_problem(member, part, current)
-                    if current.problem:
-                        current.parts.clear()
-                        continue
-                    fobj = tar.extractfile(member)
-                    current.parts[part] = fobj.read() if fobj is not None else b""
-                    current.ranges[part] = (member.offset_data, member.size)
-                _check_end_marker(tar, shard)
-                if current is not None and current.index >= 0:
-                    yield current  # whole: its tar ended cleanly, whatever follows the end marker
-                _check_after_end(tar, shard)
+            with open(self.root / shard, "rb") as f:
+                f.seek(span.start)
+                with tarfile.open(fileobj=f, mode="r:") as tar:
+                    for member in tar:
+                        if member.isdir():
+                            continue
+                        key, part = split_member(member.name)
+                        if current is None or key != current.key:
+                            if span.stop is not None and member.offset >= span.stop:
+                                break
+                            if current is not None and current.index >= 0:
+                                yield current
+                            current = self._start(key, keys)
+                        if current.index < 0 or current.problem:
+                            continue
+                        current.problem = self._member_problem(member, part, current)
+                        if current.problem:
+                            current.parts.clear()
+                            continue
+                        fobj = tar.extractfile(member)
+                        current.parts[part] = fobj.read() if fobj is not None else b""
+                        current.ranges[part] = (member.offset_data, member.size)
+                    else:
+                        if span.last:
+                            _check_end_marker(tar, shard)
+                    if current is not None and current.index >= 0:
+                        yield current  # whole: the range ended, or its tar ended cleanly
+                    if span.last:
+                        _check_after_end(tar, shard)
         except (tarfile.TarError, OSError, EOFError) as exc:
             raise SourceError(f"cannot read shard {shard}: {exc}") from exc
+
+    def _start(self, key: str, keys: set[str]) -> RawSample:
+        """The sample that begins with ``key`` (index -1: excluded, consumed but never yielded)."""
+        position = self.span.first + self.seen
+        self.seen += 1
+        if f"{self.shard}/{key}" in self.excluded:
+            return RawSample(key=key, shard=self.shard, index=-1)
+        sample = RawSample(key=key, shard=self.shard, index=position)
+        duplicate = position in self.duplicates if self.duplicates is not None else key in keys
+        if duplicate:
+            sample.problem = f"duplicate key {key!r} in {self.shard}"
+        keys.add(key)
+        return sample
 
     def _member_problem(self, member: tarfile.TarInfo, part: str, current: RawSample) -> str | None:
         if _unsafe(member.name):

@@ -1,0 +1,113 @@
+"""Do workers pay? ``packtool pack`` with 1 and 2 workers against the tokenizer-only floor, in the same run.
+
+    .venv/bin/python bench/bench_workers.py [--samples 20000] [--tokenizer DIR] [--repeat 2]
+
+The floor is the least any packer must do: read each sample, render its chat template once, tokenize it (in
+batches), with the same number of processes, each taking whole shards. Runs are interleaved and repeated (the
+machine is shared); the best of each is reported with the ratios: pack(1)/pack(2) (target >= 1.5x on 2 cores) and
+floor(2)/pack(2) (target >= 0.9x). Every run is a fresh CLI process, so start-up costs count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+import demo  # noqa: E402
+
+
+def floor_shards(args: tuple[str, str, list[str]]) -> int:
+    """Read, render once and tokenize every sample of some shards; returns tokens."""
+    from packtool.encode import get_encoder
+    from packtool.settings import EncodeSettings
+    from packtool.sources import open_source
+    from packtool.sources.conversation import conversation_adapter
+
+    root, tok, shards = args
+    src = open_source(root)
+    encoder = get_encoder(EncodeSettings(tokenizer=tok, pack_size=1 << 20), src.dataset_yaml)
+    backend, total, texts = encoder.tok.backend_tokenizer, 0, []
+    for shard in shards:
+        from packtool.sources.energon import ShardScan
+
+        for raw in ShardScan(Path(root), shard, src.excluded_samples):
+            conv = conversation_adapter(raw.parts)
+            texts.append(encoder.render(encoder._template_messages(conv.messages)))
+            if len(texts) == 256:
+                total += sum(len(e.ids) for e in backend.encode_batch(texts, add_special_tokens=False))
+                texts = []
+    total += sum(len(e.ids) for e in backend.encode_batch(texts, add_special_tokens=False)) if texts else 0
+    return total
+
+
+def run_floor(root: Path, tok: Path, processes: int) -> tuple[float, float]:
+    """(wall, CPU) seconds of the floor over the train split with ``processes`` processes."""
+    from packtool.sources import open_source
+
+    shards = open_source(root).splits["train"]
+    groups = [(str(root), str(tok), shards[i::processes]) for i in range(processes)]
+    start, cpu = time.perf_counter(), _children_cpu()
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(processes) as pool:
+        pool.map(floor_shards, groups)
+    return time.perf_counter() - start, _children_cpu() - cpu
+
+
+def run_pack(root: Path, tok: Path, out: Path, workers: int) -> tuple[float, float]:
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "packtool", "pack", str(root), str(out), "--tokenizer", str(tok),
+           "--pack-size", "8192", "--split", "train", "--workers", str(workers), "--no-progress",
+           "--media-check", "header"]
+    start, cpu = time.perf_counter(), _children_cpu()
+    subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    return time.perf_counter() - start, _children_cpu() - cpu
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=20000)
+    ap.add_argument("--per-shard", type=int, default=5000)
+    ap.add_argument("--tokenizer", type=Path, default=None, help="model folder (default: the demo tokenizer)")
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="packtool-bench-workers-"))
+    try:
+        data, tok = work / "dataset", args.tokenizer or work / "tokenizer"
+        if args.tokenizer is None:
+            demo.build_tokenizer(tok)
+        demo.build_dataset(data, n_train=args.samples, n_val=0, samples_per_shard=args.per_shard,
+                           image_fraction=0.0, long_fraction=0.01)
+        runs: dict[str, list[tuple[float, float]]] = {"pack 1": [], "pack 2": [], "floor 2": [], "floor 1": []}
+        for _ in range(args.repeat):
+            runs["pack 1"].append(run_pack(data, tok, work / "out", 1))
+            runs["floor 2"].append(run_floor(data, tok, 2))
+            runs["pack 2"].append(run_pack(data, tok, work / "out", 2))
+            runs["floor 1"].append(run_floor(data, tok, 1))
+        best = {k: min(v) for k, v in runs.items()}
+        for k, (wall, cpu) in best.items():
+            print(f"{k:<8} wall {wall:7.2f} s  cpu {cpu:7.2f} s  ({args.samples / wall:,.0f} samples/s)")
+        print(f"pack(1 worker) / pack(2 workers) wall: {best['pack 1'][0] / best['pack 2'][0]:.2f}x (target >= 1.5)")
+        print(f"floor(2) / pack(2) wall: {best['floor 2'][0] / best['pack 2'][0]:.2f}x (target >= 0.9)")
+        print(f"pack(2) / pack(1) cpu: {best['pack 2'][1] / best['pack 1'][1]:.2f}x")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

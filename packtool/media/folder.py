@@ -1,0 +1,81 @@
+"""The processor settings a model folder gives, found the way transformers finds them.
+
+transformers reads each sub-processor's settings from ``processor_config.json`` when it nests them there (the
+layout ``save_pretrained`` writes since v5), else from its own file: ``video_preprocessor_config.json`` for the
+video processor, falling back to ``preprocessor_config.json`` (so a folder without a video config gives its video
+processor the image settings), and ``preprocessor_config.json`` for the image processor and feature extractor.
+Top-level keys of ``processor_config.json`` are the processor's own arguments.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from packtool.errors import ConfigError
+
+#: Keys of ``processor_config.json`` that hold a sub-processor's settings rather than a processor argument.
+_NESTED = ("image_processor", "video_processor", "feature_extractor", "audio_processor", "tokenizer")
+
+
+@dataclass(frozen=True)
+class FolderConfigs:
+    """The settings dictionaries of one model folder, and which file each came from."""
+
+    image: dict = field(default_factory=dict)
+    video: dict = field(default_factory=dict)
+    audio: dict = field(default_factory=dict)
+    #: The processor's own arguments (top level of ``processor_config.json``).
+    processor: dict = field(default_factory=dict)
+    #: Named special tokens of the tokenizer (``extra_special_tokens`` of ``tokenizer_config.json`` when a dict).
+    tokens: dict = field(default_factory=dict)
+    #: File the video settings came from; ``"none"`` when the folder has none.
+    video_source: Literal[
+        "processor_config.json", "video_preprocessor_config.json", "preprocessor_config.json", "none"
+    ] = "none"
+
+
+def read_folder(folder: str | Path) -> FolderConfigs:
+    """Read the processor settings of ``folder``; a missing file is no error, an unparsable one is."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(f"model folder {folder} is not a directory")
+    processor = _json(folder / "processor_config.json")
+    preprocessor = _json(folder / "preprocessor_config.json")
+    video_file = _json(folder / "video_preprocessor_config.json")
+    if "video_processor" in processor:
+        video, video_source = processor["video_processor"], "processor_config.json"
+    elif video_file:
+        video, video_source = video_file, "video_preprocessor_config.json"
+    elif preprocessor:
+        video, video_source = preprocessor, "preprocessor_config.json"
+    else:
+        video, video_source = {}, "none"
+    if "feature_extractor" in processor or "audio_processor" in processor:
+        audio = processor.get("feature_extractor", processor.get("audio_processor"))
+    else:
+        audio = preprocessor
+    extra = _json(folder / "tokenizer_config.json").get("extra_special_tokens")
+    return FolderConfigs(
+        image=processor["image_processor"] if "image_processor" in processor else preprocessor,
+        video=video,
+        audio=audio,
+        processor={k: v for k, v in processor.items() if k not in _NESTED},
+        tokens=dict(extra) if isinstance(extra, dict) else {},
+        video_source=video_source,
+    )
+
+
+def _json(path: Path) -> dict:
+    """A JSON object file as a dict; ``{}`` when absent."""
+    if not path.exists():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} does not hold a JSON object")
+    return value
