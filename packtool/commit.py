@@ -9,6 +9,7 @@ path (a Ray task retried on another machine over a shared filesystem) never coll
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -18,6 +19,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+#: Errors of a full filesystem: raised by ``write`` or ``fsync`` without a file name, so :func:`commit_path` adds
+#: the path being written (the user learns which disk is full).
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 #: The suffix every temporary name ends with: ``.tmp-<host>-<pid>-<random>``.
 _TEMPORARY = re.compile(r"\.tmp-[A-Za-z0-9_-]*-\d+-[0-9a-f]{8}$")
 
@@ -72,6 +76,10 @@ def commit_path(path: str | Path) -> Iterator[Path]:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
+    except OSError as exc:
+        if exc.filename is None and exc.errno in _FULL:
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise
     finally:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -112,6 +112,19 @@ def load_tokenizer(tokenizer_dir: str | Path):
     return cls.from_pretrained(str(tokenizer_dir), local_files_only=True)
 
 
+def _compile(source: str, tokenizer_dir: str) -> object:
+    """The compiled chat template; one that Jinja refuses (a syntax error, an unknown filter or test) is a
+    :class:`ConfigError` naming the model folder, raised before any sample is read."""
+    import jinja2
+
+    try:
+        return hfcompat.compile_template(source)
+    except jinja2.TemplateError as exc:
+        where = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
+        raise ConfigError(f"{tokenizer_dir}: the chat template does not compile{where}: "
+                          f"{exc.message or exc}") from None
+
+
 class Encoder:
     """Turns raw samples into :class:`Encoded` rows; one per worker process (see :func:`get_encoder`)."""
 
@@ -126,7 +139,7 @@ class Encoder:
             self.template_source = self.template_source.get("default")
         if not isinstance(self.template_source, str):
             raise ConfigError(f"{settings.tokenizer}: no default chat template")
-        self.template = hfcompat.compile_template(self.template_source)
+        self.template = _compile(self.template_source, settings.tokenizer)
         self.template_kwargs = dict(self.tok.special_tokens_map)
         today = datetime.date.fromisoformat(settings.template_date)  # checked by EncodeSettings
         self.template_kwargs["strftime_now"] = today.strftime  # shadows the global that reads the clock

@@ -226,9 +226,11 @@ class ShardScan:
                         current.ranges[part] = (member.offset_data, member.size)
                     else:
                         if span.last:
-                            _check_end(tar, shard)
+                            _check_end_marker(tar, shard)
                     if current is not None and current.index >= 0:
-                        yield current
+                        yield current  # whole: the range ended, or its tar ended cleanly
+                    if span.last:
+                        _check_after_end(tar, shard)
         except (tarfile.TarError, OSError, EOFError) as exc:
             raise SourceError(f"cannot read shard {shard}: {exc}") from exc
 
@@ -259,15 +261,21 @@ class ShardScan:
         return None
 
 
-def _check_end(tar: tarfile.TarFile, shard: str) -> None:
-    """Iteration must have stopped at the end-of-archive marker, with nothing but zeros after it. ``tarfile``
-    also stops silently at a truncated or garbled header (the rest of the shard would be lost), and at the end
-    marker of the first of two concatenated tars (the second would be)."""
+def _check_end_marker(tar: tarfile.TarFile, shard: str) -> None:
+    """Iteration must have stopped at the end-of-archive marker: ``tarfile`` also stops silently at a truncated
+    or garbled header (the rest of the shard would be lost, and the sample before it may miss members)."""
     f = tar.fileobj
     f.seek(tar.offset)  # type: ignore[union-attr]
     if f.read(tarfile.BLOCKSIZE) != tarfile.NUL * tarfile.BLOCKSIZE:  # type: ignore[union-attr]
         raise SourceError(f"cannot read shard {shard}: no end-of-archive marker at byte {tar.offset} "
                           f"(truncated or corrupt; its last sample may be incomplete)")
+
+
+def _check_after_end(tar: tarfile.TarFile, shard: str) -> None:
+    """Nothing but zeros may follow the end-of-archive marker (the second of two concatenated tars would be
+    lost)."""
+    f = tar.fileobj
+    f.seek(tar.offset + tarfile.BLOCKSIZE)  # type: ignore[union-attr]
     while block := f.read(1 << 16):  # type: ignore[union-attr]
         if block.strip(b"\0"):
             raise SourceError(f"cannot read shard {shard}: data after the end-of-archive marker at byte "
