@@ -68,7 +68,7 @@ class Engine:
         if address is not None:
             if kind != "ray":
                 raise ConfigError(f"a cluster address ({address!r}) needs the ray engine")
-            _split_address(address)
+            split_address(address)
         self.kind, self.workers, self.address, self.connect_timeout = kind, workers, address, connect_timeout
         self.initializer, self.initargs = initializer, tuple(initargs)
         self._pool: ProcessPoolExecutor | None = None
@@ -272,7 +272,8 @@ def _ray_task(fn: Callable, initializer: Callable[..., None] | None, initargs: t
 
 
 # -- connecting to Ray -------------------------------------------------------------------------------------------
-def _split_address(address: str) -> tuple[str, int]:
+def split_address(address: str) -> tuple[str, int]:
+    """``(host, port)`` of a Ray cluster address ``host:port`` (``[v6]:port`` too); ConfigError otherwise."""
     m = _ADDRESS.match(address) if isinstance(address, str) else None
     if m is None or not 1 <= int(m["port"]) <= 65535:
         raise ConfigError(f"Ray address {address!r} is not host:port")
@@ -281,7 +282,7 @@ def _split_address(address: str) -> tuple[str, int]:
 
 def _probe_gcs(address: str, timeout: float) -> None:
     """Fail in seconds, with the reason, unless something at ``address`` speaks HTTP/2 (Ray's GCS is gRPC)."""
-    host, port = _split_address(address)
+    host, port = split_address(address)
     try:
         with socket.create_connection((host, port), timeout=timeout) as s:
             s.settimeout(timeout)

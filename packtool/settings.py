@@ -54,8 +54,6 @@ MAX_PACK_SIZE = 2**31 - 1
 DEFAULT_PIXEL_LIMIT = 89_478_485
 #: Default cap on the bytes of one source sample (all its members).
 DEFAULT_MAX_SAMPLE_BYTES = 1 << 30
-#: What ``ray.init`` accepts as an address: ``auto``, ``local``, ``host:port`` or ``ray://host:port``.
-_RAY_ADDRESS = re.compile(r"auto|local|(ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}")
 
 
 def default(cls: type, name: str) -> Any:
@@ -276,8 +274,9 @@ class RunOptions:
     def __post_init__(self) -> None:
         _check_int(self.workers, "workers")
         _check_choice(self.engine, EngineKind, "engine")
-        if self.ray_address is not None and not _RAY_ADDRESS.fullmatch(self.ray_address):
-            raise ConfigError(f"ray_address must be host:port, ray://host:port, auto or local, "
-                              f"not {self.ray_address!r}")
+        if self.ray_address is not None:
+            from packtool.engine import split_address
+
+            split_address(self.ray_address)
         if not 0.0 <= self.max_error_rate <= 1.0 or math.isnan(self.max_error_rate):
             raise ConfigError(f"max_error_rate must be between 0 and 1, not {self.max_error_rate}")
