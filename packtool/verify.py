@@ -75,8 +75,11 @@ class TokenCheck:
     leave tokenized differently. Other tokenizers get the range check only.
 
     The tokenizer is the one ``pack`` used (:func:`packtool.encode.load_tokenizer`), called through its Rust
-    backend in batches: whole segments without offsets, truncated ones with offsets.
+    backend in batches: whole segments without offsets (``encode_batch_fast``), truncated ones with them.
     """
+
+    #: Characters at the end of a truncated segment's text pre-tokenized to find its last piece.
+    TAIL = 256
 
     def __init__(self, tokenizer_dir: Path, image_token_id: int | None):
         from tokenizers import decoders
@@ -133,8 +136,16 @@ class TokenCheck:
         return tokens[keep]
 
     def _last_piece_start(self, text: str) -> int:
-        pieces = self.pre_tokenizer.pre_tokenize_str(text) if self.pre_tokenizer is not None else []
-        return pieces[-1][1][0] if pieces else 0
+        """Where the last pre-token piece of ``text`` starts: text before it is tokenized as in the whole sample.
+        Found in a tail window (pre-tokenizing a long text costs as much as tokenizing it); a window that holds too
+        few pieces to be sure its split agrees with the whole text's is widened to the whole text."""
+        if self.pre_tokenizer is None:
+            return 0
+        start = max(0, len(text) - self.TAIL)
+        pieces = self.pre_tokenizer.pre_tokenize_str(text[start:])
+        if start and len(pieces) < 4:
+            start, pieces = 0, self.pre_tokenizer.pre_tokenize_str(text)
+        return start + pieces[-1][1][0] if pieces else 0
 
 
 @lru_cache(maxsize=2)

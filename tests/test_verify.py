@@ -151,9 +151,11 @@ def test_missing_metadata_is_reported_not_raised(copy):
     assert result.exit_code == 1 and "split.yaml: missing" in result.output
 
 
-def test_token_check_accepts_every_cut_and_catches_a_changed_token(demo_dir):
+@pytest.mark.parametrize("tail", [TokenCheck.TAIL, 24])
+def test_token_check_accepts_every_cut_and_catches_a_changed_token(demo_dir, tail, monkeypatch):
     """A truncated segment may end inside a word or a multi-byte character: no cut is a false alarm, while a
-    changed token before the cut still is caught."""
+    changed token before the cut still is caught (the last piece found in the whole text or in a short tail)."""
+    monkeypatch.setattr(TokenCheck, "TAIL", tail)
     check = TokenCheck(demo_dir / "tokenizer", image_token_id=None)
     text = ("<|im_start|>assistant\nThe quick brown fox 你好，世界！ 👨‍👩‍👧 jumps over naïve café résumé "
             "Привет 1234567 tomorrow<|im_end|>\n")
