@@ -50,7 +50,7 @@ from packtool.format import (
     sha256,
 )
 from packtool.media import ImageRule, image_size
-from packtool.shards import index_tar, parse_record, record_offsets, scan_records
+from packtool.shards import idx_path, index_tar, parse_record, record_offsets, scan_records
 
 MAX_LISTED = 200
 #: Segments whose tokens are re-encoded in one tokenizer call.
@@ -338,7 +338,7 @@ def _check_idx(path: Path, shard: str, index: list) -> list[str]:
     except FormatError:
         return [f"{shard}.idx: missing"]
     expect = [r.offset for r in index] + ([index[-1].offset + index[-1].size] if index else [0])
-    if path.with_name(path.name + ".idx").stat().st_size % 8 or offsets.tolist() != expect:
+    if idx_path(path).stat().st_size % 8 or offsets.tolist() != expect:
         return [f"{shard}.idx: offsets do not match the tar"]
     return []
 

@@ -77,8 +77,14 @@ def check_source_shard(output: str, root: str, shard: str, excluded: frozenset[s
     """Re-encode one source shard chunk by chunk and compare every sample with its ledger row and pack (a task)."""
     out = Path(output)
     encoder = get_encoder(_settings(out, manifest), dataset_yaml)
-    ledger = _ledger_rows(out, shard)
-    records = _RecordReader(out)
+    try:
+        ledger = _ledger_rows(out, shard)
+    except Exception:  # noqa: BLE001 - an unreadable ledger is reported by the ledger check
+        return []
+    try:
+        records = _RecordReader(out)
+    except (FormatError, sqlite3.Error) as exc:
+        return [f"{shard}: packs cannot be looked up ({exc})"]
     problems: list[str] = []
     occurrence: Counter = Counter()
     scan = ShardScan(Path(root), shard, excluded, max_sample_bytes=encoder.settings.max_sample_bytes)
