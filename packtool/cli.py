@@ -162,11 +162,16 @@ def stats(
 def verify(
     output: Path = typer.Argument(..., help="A packed OUTPUT folder."),
     source: Optional[Path] = typer.Option(None, help="Also check media bytes and tokens against SOURCE."),
+    workers: Optional[int] = typer.Option(None, help="Worker processes (default: all cores)."),
+    engine: str = typer.Option(default(R, "engine"), help="local or ray."),
+    ray_address: Optional[str] = typer.Option(None, help="Ray cluster address host:port (with --engine ray)."),
 ) -> None:
     """Check OUTPUT: every pack well-formed, every source sample accounted for, metadata consistent."""
+    from packtool.engine import default_workers
     from packtool.verify import verify_output
 
-    problems = _one_line(lambda: verify_output(output, source=source))
+    problems = _one_line(lambda: verify_output(output, source=source, workers=workers or default_workers(),
+                                               engine=engine, ray_address=ray_address))
     if problems:
         for p in problems:
             typer.echo(p, err=True)

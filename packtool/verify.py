@@ -1,51 +1,68 @@
-"""``packtool verify``: prove a packed OUTPUT is whole and consistent; with ``--source``, that it is faithful.
+"""``packtool verify``: prove a packed OUTPUT is whole and consistent; with a source, that it is faithful.
 
-Without the source it checks every pack against the format (DESIGN §4), every token id against the embedded
-tokenizer (in its vocabulary; and, for byte-level BPE tokenizers, equal to what the tokenizer makes of the
-segment's own decoded text), every segment against its ledger row (tokens, targets, images), and the Energon
-metadata (``.info.json``, ``.tar.idx``, ``index.sqlite``, ``split.yaml``) against the tars. With ``--source`` it
-re-encodes every source sample and compares tokens, targets and media bytes (:mod:`packtool.verify_source`).
+Without the source every output shard is read once, in parallel (one task per shard), and checked:
 
-Returns a list of problems (empty = ok): each a line naming the file or key and what is wrong.
+- the tar against its ``.tar.idx``, its ``.info.json`` count and its rows of ``index.sqlite``;
+- every record through :meth:`PackRecord.from_members` (the format's own parser), then its pack size, alignment,
+  targets, media spans and the manifest's per-pack caps;
+- every media member: byte size and SHA-256 against its :class:`MediaRef` (a swapped member is caught; records
+  written before these were recorded skip it), a full decode, and its width, height, patch grid and token count
+  against the image rule the manifest describes;
+- every token id against the embedded tokenizer: in the vocabulary and, for byte-level BPE tokenizers, equal to
+  what the tokenizer makes of the segment's own decoded text.
+
+Each shard task returns a 64-bit digest of every segment it found (its identity and its facts). The parent streams
+``ledger.parquet`` a batch at a time and matches its kept rows against those digests, so no Python object is held
+per sample (numpy arrays of a few dozen bytes per sample). Names are looked up again only for the mismatches.
+
+With a source, every source sample is also re-encoded and compared (:mod:`packtool.verify_source`).
+
+The result is a list of problems (empty = ok); each line names the file, pack or member and what is wrong.
 """
 
 from __future__ import annotations
 
-import io
-import json
+import hashlib
 import sqlite3
-from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, fields
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-import yaml
+import pyarrow.parquet as pq
 
-from packtool.format import ARRAYS, KEPT, STATUSES
-from packtool.ledger import read_ledger
-from packtool.shards import index_tar, scan_records
+from packtool.engine import run_tasks
+from packtool.errors import FormatError
+from packtool.format import (
+    ARRAYS,
+    KEPT,
+    LEDGER,
+    LEDGER_SCHEMA,
+    META,
+    STATUSES,
+    InfoJson,
+    Manifest,
+    MediaRef,
+    PackRecord,
+    SplitYaml,
+    safe_relative,
+    sha256,
+)
+from packtool.media import ImageRule, image_size
+from packtool.shards import idx_path, index_tar, parse_record, record_offsets, scan_records
 
 MAX_LISTED = 200
+#: Segments whose tokens are re-encoded in one tokenizer call.
+TOKEN_BATCH = 512
+#: Ledger rows read at a time.
+LEDGER_BATCH = 65536
 
 
-class MetadataError(ValueError):
-    """A metadata file is missing or unreadable (the message is the problem line)."""
-
-
-def _npy(data: bytes) -> np.ndarray:
-    return np.load(io.BytesIO(data), allow_pickle=False)
-
-
-def _load(path: Path, parse) -> dict:
-    if not path.exists():
-        raise MetadataError(f"{path.parent.name}/{path.name}: missing")
-    try:
-        data = parse(path.read_text())
-    except Exception as exc:
-        raise MetadataError(f"{path.parent.name}/{path.name}: unreadable ({type(exc).__name__}: {exc})") from None
-    if not isinstance(data, dict):
-        raise MetadataError(f"{path.parent.name}/{path.name}: not a mapping")
-    return data
+def _digest(*values: object) -> int:
+    """A 64-bit digest of some values, the same in every process (unlike ``hash``)."""
+    text = "\0".join(map(str, values)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
 
 # -- token ids -------------------------------------------------------------------------------------------------
@@ -56,121 +73,132 @@ class TokenCheck:
     so a segment's ids (each media span collapsed back to its one placeholder) must be exactly what the tokenizer
     makes of their own decoded text; for a truncated segment, up to the last pre-token piece, which a cut may
     leave tokenized differently. Other tokenizers get the range check only.
+
+    The tokenizer is the one ``pack`` used (:func:`packtool.encode.load_tokenizer`), called through its Rust
+    backend in batches: whole segments without offsets (``encode_batch_fast``), truncated ones with them.
     """
+
+    #: Characters at the end of a truncated segment's text pre-tokenized to find its last piece.
+    TAIL = 256
 
     def __init__(self, tokenizer_dir: Path, image_token_id: int | None):
         from tokenizers import decoders
-        from transformers import AutoTokenizer
 
-        self.tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-        self.size = len(self.tok)
+        from packtool.encode import load_tokenizer
+
+        self.tok = load_tokenizer(tokenizer_dir).backend_tokenizer
+        ids = np.fromiter(self.tok.get_vocab(with_added_tokens=True).values(), dtype=np.int64)
+        self.known = np.zeros(int(ids.max()) + 1 if ids.size else 0, dtype=bool)
+        self.known[ids] = True
+        self.size = int(self.known.sum())
         self.image_token_id = image_token_id
-        backend = self.tok.backend_tokenizer
-        self.exact = isinstance(backend.decoder, decoders.ByteLevel)
-        self.pre_tokenizer = backend.pre_tokenizer
+        self.exact = isinstance(self.tok.decoder, decoders.ByteLevel)
+        self.pre_tokenizer = self.tok.pre_tokenizer
 
-    def problems(self, segments: list[tuple[str, np.ndarray, list[dict], bool]]) -> list[str]:
+    def problems(self, segments: list[tuple[str, np.ndarray, list[MediaRef], bool]]) -> list[str]:
         """Problems of ``(where, tokens, media, truncated)`` segments (checked as one batch)."""
-        problems, staged = [], []
+        problems, whole, cut = [], [], []
         for where, tokens, media, truncated in segments:
-            bad = np.flatnonzero((tokens < 0) | (tokens >= self.size))
+            inside = (tokens >= 0) & (tokens < len(self.known))
+            bad = np.flatnonzero(~inside)
+            if not bad.size:
+                bad = np.flatnonzero(~self.known[tokens])
             if bad.size:
                 problems.append(f"{where}: token id {int(tokens[bad[0]])} at {int(bad[0])} is outside the "
                                 f"vocabulary of {self.size}")
             elif self.exact:
-                staged.append((where, self._collapse(tokens, media), truncated))
-        if not staged:
-            return problems
-        texts = self.tok.batch_decode([ids for _, ids, _ in staged], skip_special_tokens=False,
-                                      clean_up_tokenization_spaces=False)
-        again = self.tok(texts, add_special_tokens=False, return_offsets_mapping=True)
-        for (where, ids, truncated), text, new, offsets in zip(staged, texts, again["input_ids"],
-                                                               again["offset_mapping"]):
-            n = len(ids)
-            if truncated:
+                (cut if truncated else whole).append((where, self._collapse(tokens, media)))
+        if whole:
+            texts = self.tok.decode_batch([ids.tolist() for _, ids in whole], skip_special_tokens=False)
+            again = self.tok.encode_batch_fast(texts, add_special_tokens=False)
+            for (where, ids), enc in zip(whole, again):
+                if not np.array_equal(ids, enc.ids):
+                    problems.append(f"{where}: token ids differ from the tokenizer's encoding of their own text "
+                                    f"(corrupted tokens)")
+        if cut:
+            texts = self.tok.decode_batch([ids.tolist() for _, ids in cut], skip_special_tokens=False)
+            again = self.tok.encode_batch(texts, add_special_tokens=False)
+            for (where, ids), text, enc in zip(cut, texts, again):
                 stable = self._last_piece_start(text)
-                n = sum(1 for _, end in offsets if end <= stable)
-            elif len(new) != len(ids):
-                n = -1
-            if n < 0 or list(ids[:n]) != list(new[:n]):
-                problems.append(f"{where}: token ids differ from the tokenizer's encoding of their own text "
-                                f"(corrupted tokens)")
+                n = sum(1 for _, end in enc.offsets if end <= stable)
+                if n > len(ids) or not np.array_equal(ids[:n], enc.ids[:n]):
+                    problems.append(f"{where}: token ids differ from the tokenizer's encoding of their own text "
+                                    f"(corrupted tokens)")
         return problems
 
-    def _collapse(self, tokens: np.ndarray, media: list[dict]) -> list[int]:
+    @staticmethod
+    def _collapse(tokens: np.ndarray, media: list[MediaRef]) -> np.ndarray:
+        if not media:
+            return tokens
         keep = np.ones(len(tokens), dtype=bool)
         for m in media:
-            keep[int(m["token_offset"]) + 1: int(m["token_offset"]) + int(m["tokens"])] = False
-        return tokens[keep].tolist()
+            keep[m.token_offset + 1: m.token_offset + m.tokens] = False
+        return tokens[keep]
 
     def _last_piece_start(self, text: str) -> int:
-        pieces = self.pre_tokenizer.pre_tokenize_str(text) if self.pre_tokenizer is not None else []
-        return pieces[-1][1][0] if pieces else 0
+        """Where the last pre-token piece of ``text`` starts: text before it is tokenized as in the whole sample.
+        Found in a tail window (pre-tokenizing a long text costs as much as tokenizing it); a window that holds too
+        few pieces to be sure its split agrees with the whole text's is widened to the whole text."""
+        if self.pre_tokenizer is None:
+            return 0
+        start = max(0, len(text) - self.TAIL)
+        pieces = self.pre_tokenizer.pre_tokenize_str(text[start:])
+        if start and len(pieces) < 4:
+            start, pieces = 0, self.pre_tokenizer.pre_tokenize_str(text)
+        return start + pieces[-1][1][0] if pieces else 0
+
+
+@lru_cache(maxsize=2)
+def _token_check(tokenizer_dir: str, image_token_id: int | None) -> TokenCheck:
+    return TokenCheck(Path(tokenizer_dir), image_token_id)
+
+
+def image_rule(manifest: Manifest) -> ImageRule | None:
+    """The image rule the manifest's ``image_processor`` describes (as :meth:`ImageRule.manifest` wrote it)."""
+    settings = manifest.image_processor
+    if settings is None:
+        return None
+    names = {f.name for f in fields(ImageRule)}
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items() if k in names}
+    if kw.get("type") not in ("qwen2_vl", "fixed"):
+        raise FormatError(f"{META}/packtool.json: unsupported image processor type {kw.get('type')!r}")
+    try:
+        return ImageRule(**kw)
+    except TypeError as exc:
+        raise FormatError(f"{META}/packtool.json: malformed image processor ({exc})") from None
 
 
 # -- one pack --------------------------------------------------------------------------------------------------
-@dataclass
-class Segment:
-    """What a pack holds of one source sample, as the ledger records it."""
-
-    pack: str
-    tokens: int
-    targets: int
-    images: int
-    image_tokens: int
-
-
-def check_pack(key: str, parts: dict[str, bytes], manifest: dict,
-               segments: list[tuple[str, np.ndarray, list[dict], bool]] | None = None) -> list[str]:
-    """Problems of one pack record against the format (DESIGN §4). Appends each segment's
-    ``(where, tokens, media, truncated)`` to ``segments`` for the token check."""
-    try:
-        tokens, targets, seqlens = (_npy(parts[p]) for p in ARRAYS)
-        meta = json.loads(parts["json"])
-    except Exception as exc:
-        return [f"{key}: unreadable record ({type(exc).__name__}: {exc})"]
+def check_pack(where: str, record: PackRecord, members: dict[str, bytes], manifest: Manifest) -> list[str]:
+    """Problems of one parsed pack record beyond what :meth:`PackRecord.from_members` checks: pack size and
+    alignment, targets, media spans, the manifest's caps and members no segment names."""
     problems = []
-    size, align = int(meta.get("pack_size", 0)), int(meta.get("align", 1))
-    settings = manifest.get("settings", {})
+    settings = manifest.settings
+    size, align = record.pack_size, record.align
     if (size, align) != (settings.get("pack_size", size), settings.get("align", align)):
-        problems.append(f"{key}: pack_size/align {size}/{align} differ from the manifest's")
-    if tokens.dtype != np.int32 or targets.dtype != np.uint8 or seqlens.dtype != np.int32:
-        problems.append(f"{key}: wrong dtypes {tokens.dtype}/{targets.dtype}/{seqlens.dtype}")
-    if tokens.shape != targets.shape or tokens.ndim != 1:
-        return problems + [f"{key}: tokens {tokens.shape} and targets {targets.shape} differ"]
-    if int(seqlens.sum()) != len(tokens) or (seqlens <= 0).any():
-        return problems + [f"{key}: seqlens {seqlens.tolist()} do not cover {len(tokens)} tokens"]
-    cost = int((-(-seqlens.astype(np.int64) // align) * align).sum())
+        problems.append(f"{where}: pack_size/align {size}/{align} differ from the manifest's")
+    cost = int((-(-record.seqlens.astype(np.int64) // max(align, 1)) * max(align, 1)).sum())
     if cost > size:
-        problems.append(f"{key}: aligned length {cost} exceeds pack size {size}")
-    if not set(np.unique(targets).tolist()) <= {0, 1}:
-        problems.append(f"{key}: targets hold values other than 0/1")
-    segs = meta.get("segments", [])
-    if len(segs) != len(seqlens):
-        return problems + [f"{key}: {len(segs)} segments in json, {len(seqlens)} seqlens"]
-    image_id = manifest.get("image_token_id")
-    starts = np.concatenate([[0], np.cumsum(seqlens)[:-1]])
-    named = []
-    for seg, start, n in zip(segs, starts, seqlens):
-        t, g = tokens[start:start + n], targets[start:start + n]
-        where = f"{key}/{seg.get('key')}"
-        problems += _check_segment(where, t, g, seg.get("media", []), parts, image_id)
-        named += [m["member"] for m in seg.get("media", [])]
-        if segments is not None:
-            segments.append((where, t, seg.get("media", []), bool(seg.get("truncated"))))
-    caps = (("max_segments", len(segs), "segments"), ("max_images", len(named), "images"),
-            ("max_image_tokens", sum(int(m["tokens"]) for s in segs for m in s.get("media", [])), "image tokens"))
+        problems.append(f"{where}: aligned length {cost} exceeds pack size {size}")
+    if (record.targets > 1).any():
+        problems.append(f"{where}: targets hold values other than 0/1")
+    starts = record.segment_starts()
+    for seg, a, b in zip(record.segments, starts[:-1], starts[1:]):
+        problems += _check_segment(f"{where} segment {seg.key}", record.tokens[a:b], record.targets[a:b], seg.media,
+                                   manifest.image_token_id)
+    refs = record.media_refs
+    caps = (("max_segments", len(record.segments), "segments"), ("max_images", len(refs), "images"),
+            ("max_image_tokens", sum(m.tokens for m in refs), "image tokens"))
     for setting, value, what in caps:
         if settings.get(setting) is not None and value > int(settings[setting]):
-            problems.append(f"{key}: {value} {what} exceed {setting} {settings[setting]}")
-    members = sorted(p for p in parts if p not in ARRAYS and p != "json")
-    if sorted(named) != members:
-        problems.append(f"{key}: media members {members} differ from the json's {sorted(named)}")
+            problems.append(f"{where}: {value} {what} exceed {setting} {settings[setting]}")
+    extra = sorted(set(members) - set(ARRAYS) - {"json"} - set(record.media))
+    if extra:
+        problems.append(f"{where}: members {extra} are not named by any segment")
     return problems
 
 
-def _check_segment(where: str, t: np.ndarray, g: np.ndarray, media: list[dict], parts: dict,
-                   image_id: int | None) -> list[str]:
+def _check_segment(where: str, t: np.ndarray, g: np.ndarray, media: list[MediaRef], image_id: int | None) -> list[str]:
     problems = []
     if g[0]:
         problems.append(f"{where}: first token is a target")
@@ -178,211 +206,383 @@ def _check_segment(where: str, t: np.ndarray, g: np.ndarray, media: list[dict], 
         problems.append(f"{where}: no targets")
     media_tokens = 0
     for m in media:
-        if m["member"] not in parts:
-            problems.append(f"{where}: media member {m['member']} missing")
-        off, cnt = int(m["token_offset"]), int(m["tokens"])
-        if off + cnt > len(t) or (image_id is not None and not (t[off:off + cnt] == image_id).all()):
-            problems.append(f"{where}: media {m['member']} does not cover image tokens at {off}+{cnt}")
-        if g[off:off + cnt].any():
-            problems.append(f"{where}: media {m['member']} tokens marked as targets")
+        off, cnt = m.token_offset, m.tokens
+        if off < 0 or off + cnt > len(t) or (image_id is not None and not (t[off:off + cnt] == image_id).all()):
+            problems.append(f"{where}: media {m.member} does not cover image tokens at {off}+{cnt}")
+        elif g[off:off + cnt].any():
+            problems.append(f"{where}: media {m.member} tokens marked as targets")
         media_tokens += cnt
     if image_id is not None and int((t == image_id).sum()) != media_tokens:
         problems.append(f"{where}: {int((t == image_id).sum())} image tokens, media account for {media_tokens}")
     return problems
 
 
-def _segment_facts(key: str, parts: dict[str, bytes]) -> list[tuple[str, str, Segment]]:
-    """``(shard, key, Segment)`` of each segment of a well-formed record (empty if it is not)."""
+def check_media(where: str, ref: MediaRef, data: bytes, rule: ImageRule | None, pixel_limit: int) -> list[str]:
+    """Problems of one media member: bytes against its recorded size and SHA-256, a full decode, and its size, grid
+    and token count against the image rule."""
+    if ref.size or ref.sha256:  # recorded since format 2's first writer; older records have neither
+        if len(data) != ref.size:
+            return [f"{where}: {len(data)} bytes, recorded {ref.size}"]
+        if sha256(data) != ref.sha256:
+            return [f"{where}: SHA-256 differs from the recorded one (member changed or swapped)"]
+    if ref.kind != "image":
+        return [f"{where}: unsupported media kind {ref.kind!r}"]
     try:
-        targets, seqlens = _npy(parts["targets.npy"]), _npy(parts["seqlens.npy"])
-        segs = json.loads(parts["json"])["segments"]
-        starts = np.concatenate([[0], np.cumsum(seqlens)[:-1]])
-        return [(seg["shard"], seg["key"], Segment(key, int(n), int(targets[s:s + n].sum()), len(seg["media"]),
-                                                   sum(int(m["tokens"]) for m in seg["media"])))
-                for seg, s, n in zip(segs, starts, seqlens)]
-    except Exception:
-        return []
+        width, height, _ = image_size(data, max_pixels=pixel_limit, decode=True)
+    except ValueError as exc:
+        return [f"{where}: {exc}"]
+    if (width, height) != (ref.width, ref.height):
+        return [f"{where}: decodes to {width}x{height}, recorded {ref.width}x{ref.height}"]
+    if rule is None:
+        return [f"{where}: an image, but the manifest describes no image processor"]
+    try:
+        grid, tokens = list(rule.grid(width, height)), rule.tokens(width, height)
+    except ValueError as exc:
+        return [f"{where}: {exc}"]
+    if grid != list(ref.grid_thw) or tokens != ref.tokens:
+        return [f"{where}: the image rule gives grid {grid} and {tokens} tokens, recorded {list(ref.grid_thw)} "
+                f"and {ref.tokens}"]
+    return []
+
+
+# -- one shard (a task) ------------------------------------------------------------------------------------------
+@dataclass
+class ShardReport:
+    """What a shard task found: its problems, its pack count and a digest per segment."""
+
+    problems: list[str] = field(default_factory=list)
+    packs: int = 0
+    #: Per segment, in shard order: digest of (split, source shard, key), digest of its facts
+    #: (pack, tokens, targets, images, image tokens), ordinal of its record in the shard.
+    ident: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    facts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    record: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+
+def segment_facts(record: PackRecord) -> list[tuple[str, str, str, tuple[int, int, int, int]]]:
+    """``(split, source shard, key, (tokens, targets, images, image tokens))`` of each segment: what the ledger
+    records of it."""
+    starts = record.segment_starts()
+    return [(s.split, s.shard, s.key, (int(b - a), int(record.targets[a:b].sum()), len(s.media),
+                                       sum(m.tokens for m in s.media)))
+            for s, a, b in zip(record.segments, starts[:-1], starts[1:])]
+
+
+def check_shard(output: str, split: str, shard: str, fid: int, count: int | None, manifest: Manifest) -> ShardReport:
+    """Check one output shard (see the module docstring); the task :func:`verify_output` runs per shard."""
+    out = Path(output)
+    report = ShardReport()
+    problems = report.problems
+    path = out / shard
+    if not safe_relative(shard):
+        return ShardReport([f"{shard}: shard path leaves the dataset"])
+    if not path.is_file():
+        return ShardReport([f"{shard}: missing"])
+    try:
+        index = index_tar(path)
+    except Exception as exc:  # noqa: BLE001 - tarfile raises several types for a broken tar
+        return ShardReport([f"{shard}: unreadable tar ({type(exc).__name__}: {exc})"])
+    if count != len(index):
+        problems.append(f"{shard}: .info.json says {count} samples, the tar holds {len(index)}")
+    problems += _check_idx(path, shard, index)
+    problems += _check_sqlite(out / META / "index.sqlite", shard, fid, index)
+    tok_dir = out / (manifest.tokenizer or {}).get("dir", f"{META}/tokenizer")
+    tokens = None
+    if (tok_dir / "tokenizer.json").is_file():
+        try:
+            tokens = _token_check(str(tok_dir), manifest.image_token_id)
+        except Exception as exc:  # noqa: BLE001 - whatever the tokenizer library says of its files
+            problems.append(f"{tok_dir.relative_to(out)}: unreadable tokenizer ({type(exc).__name__}: {exc})")
+    try:
+        rule = image_rule(manifest)
+    except FormatError as exc:
+        problems.append(str(exc))
+        rule = None
+    pixel_limit = int(manifest.settings.get("pixel_limit") or 1 << 40)
+    ident, facts, ordinal, staged = [], [], [], []
+    for i, (key, members) in enumerate(scan_records(path)):
+        report.packs += 1
+        where = f"{shard}: pack {key}"
+        if not key.startswith(f"{split}-"):
+            problems.append(f"{where}: does not belong to split {split}")
+        try:
+            record = PackRecord.from_members(key, members)
+        except FormatError as exc:
+            problems.append(f"{shard}: {exc}")
+            continue
+        problems += check_pack(where, record, members, manifest)
+        for m in record.media_refs:
+            problems += check_media(f"{where} member {m.member}", m, record.media[m.member], rule, pixel_limit)
+        for src_split, src_shard, src_key, held in segment_facts(record):
+            ident.append(_digest(src_split, src_shard, src_key))
+            facts.append(_digest(key, *held))
+            ordinal.append(i)
+        if tokens is not None:
+            starts = record.segment_starts()
+            staged += [(f"{where} segment {s.key}", record.tokens[a:b], s.media, s.truncated)
+                       for s, a, b in zip(record.segments, starts[:-1], starts[1:])]
+            if len(staged) >= TOKEN_BATCH:
+                problems += tokens.problems(staged)
+                staged = []
+    if tokens is not None and staged:
+        problems += tokens.problems(staged)
+    report.ident = np.asarray(ident, dtype=np.uint64)
+    report.facts = np.asarray(facts, dtype=np.uint64)
+    report.record = np.asarray(ordinal, dtype=np.int32)
+    return report
+
+
+def _check_idx(path: Path, shard: str, index: list) -> list[str]:
+    try:
+        offsets = record_offsets(path)
+    except FormatError:
+        return [f"{shard}.idx: missing"]
+    expect = [r.offset for r in index] + ([index[-1].offset + index[-1].size] if index else [0])
+    if idx_path(path).stat().st_size % 8 or offsets.tolist() != expect:
+        return [f"{shard}.idx: offsets do not match the tar"]
+    return []
+
+
+def _check_sqlite(path: Path, shard: str, fid: int, index: list) -> list[str]:
+    """The shard's rows of ``index.sqlite`` (``tar_file_id`` = its position in ``split.yaml``) against its tar."""
+    if not path.is_file():
+        return [f"{META}/index.sqlite: missing"]
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        rows = con.execute("SELECT sample_key, sample_index, byte_offset, byte_size FROM samples "
+                           "WHERE tar_file_id = ? ORDER BY sample_index", (fid,)).fetchall()
+        parts = con.execute("SELECT sample_index, part_name, content_byte_offset, content_byte_size FROM "
+                            "sample_parts WHERE tar_file_id = ? ORDER BY sample_index, content_byte_offset",
+                            (fid,)).fetchall()
+    except sqlite3.Error as exc:
+        return [f"{META}/index.sqlite: unreadable ({exc})"]
+    finally:
+        con.close()
+    problems = []
+    if rows != [(r.key, i, r.offset, r.size) for i, r in enumerate(index)]:
+        problems.append(f"{META}/index.sqlite: samples of {shard} (tar_file_id {fid}) do not match the tar")
+    if parts != [(i, p, o, n) for i, r in enumerate(index) for p, o, n in r.parts]:
+        problems.append(f"{META}/index.sqlite: sample_parts of {shard} (tar_file_id {fid}) do not match the tar")
+    return problems
+
+
+def _check_sqlite_extent(path: Path, n_shards: int) -> list[str]:
+    """Rows of ``index.sqlite`` for shards ``split.yaml`` does not list (the per-shard checks cannot see them)."""
+    if not path.is_file():
+        return []  # reported by every shard task
+    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        extra = con.execute("SELECT COUNT(*) FROM samples WHERE tar_file_id < 0 OR tar_file_id >= ?",
+                            (n_shards,)).fetchone()[0]
+    except sqlite3.Error as exc:
+        return [f"{META}/index.sqlite: unreadable ({exc})"]
+    finally:
+        con.close()
+    return [f"{META}/index.sqlite: {extra} samples in shards split.yaml does not list"] if extra else []
 
 
 # -- the whole output -----------------------------------------------------------------------------------------
-@dataclass
-class Found:
-    """What the tars hold: per split, every segment by (shard, key), and the pack count."""
-
-    segments: dict[str, dict[tuple[str, str], list[Segment]]] = field(
-        default_factory=lambda: defaultdict(lambda: defaultdict(list)))
-    packs: Counter = field(default_factory=Counter)
-    indexes: dict = field(default_factory=dict)
-
-
-def verify_output(output: str | Path, *, source: str | Path | None = None) -> list[str]:
-    """Every check; see the module docstring."""
+def verify_output(output: str | Path, *, source: str | Path | None = None, workers: int = 1, engine: str = "local",
+                  ray_address: str | None = None) -> list[str]:
+    """Every check (see the module docstring); ``workers``, ``engine`` and ``ray_address`` as for ``pack``
+    (the shards, and with ``source`` the source shards, are checked in parallel)."""
     out = Path(output)
-    meta = out / ".nv-meta"
     try:
-        manifest = _load(meta / "packtool.json", json.loads)
-    except MetadataError as exc:
-        return [f"{exc} (not a packtool output, or the run did not finish)"]
+        manifest = Manifest.read(out)
+    except FormatError as exc:
+        return [f"{_relative(exc, out)} (not a packtool output, or the run did not finish)"]
     problems: list[str] = []
-    found = Found()
-    shards: list[str] = []
-    if not manifest.get("dry_run"):
+    reports: list[tuple[str, str, ShardReport]] = []
+    if not manifest.dry_run:
         try:
-            info = _load(meta / ".info.json", json.loads)
-            splits = _load(meta / "split.yaml", yaml.safe_load).get("split_parts") or {}
-        except MetadataError as exc:
-            return [str(exc)]
-        shards = [s for ss in splits.values() for s in ss]
-        counts = info.get("shard_counts", {})
-        if list(counts) != shards:
-            problems.append(f".info.json lists {list(counts)}, split.yaml {shards}")
-        tokens = _token_check(out, manifest, problems)
-        for split, split_shards in splits.items():
-            for shard in split_shards:
-                problems += _check_shard(out, split, shard, counts.get(shard), manifest, tokens, found)
-        problems += _check_sqlite(meta / "index.sqlite", shards, found.indexes)
-    problems += _check_ledger(out, manifest, found)
+            splits, info = SplitYaml.read(out), InfoJson.read(out)
+        except FormatError as exc:
+            return [_relative(exc, out)]
+        shards = [(split, s) for split, ss in splits.split_parts.items() for s in ss]
+        if list(info.shard_counts) != [s for _, s in shards]:
+            problems.append(f"{META}/.info.json lists {list(info.shard_counts)}, split.yaml "
+                            f"{[s for _, s in shards]}")
+        tok_dir = out / (manifest.tokenizer or {}).get("dir", f"{META}/tokenizer")
+        if not (tok_dir / "tokenizer.json").is_file():
+            problems.append(f"{tok_dir.relative_to(out)}: no tokenizer.json (readers need it; token ids unchecked)")
+        tasks = [(str(out), split, shard, fid, info.shard_counts.get(shard), manifest)
+                 for fid, (split, shard) in enumerate(shards)]
+        done = run_tasks(check_shard, tasks, workers=workers, engine=engine, ray_address=ray_address,
+                         desc="verify", unit="shard", progress=False)
+        reports = [(split, shard, r) for (split, shard), r in zip(shards, done)]
+        for _, _, r in reports:
+            problems += r.problems
+        problems += _check_sqlite_extent(out / META / "index.sqlite", len(shards))
+    problems += _check_ledger(out, manifest, reports)
     if source is not None:
         from packtool.verify_source import check_against_source
 
-        problems += check_against_source(out, Path(source), manifest)
+        problems += check_against_source(out, Path(source), manifest, workers=workers, engine=engine,
+                                         ray_address=ray_address)
+    problems = list(dict.fromkeys(problems))  # a problem every task sees (the tokenizer) is listed once
     if len(problems) > MAX_LISTED:
         problems = problems[:MAX_LISTED] + [f"... and {len(problems) - MAX_LISTED} more"]
     return problems
 
 
-def _token_check(out: Path, manifest: dict, problems: list[str]) -> TokenCheck | None:
-    tok_dir = out / (manifest.get("tokenizer") or {}).get("dir", ".nv-meta/tokenizer")
-    if not (tok_dir / "tokenizer.json").exists():
-        problems.append(f"{tok_dir.relative_to(out)}: no tokenizer.json (readers need it; token ids unchecked)")
-        return None
-    try:
-        return TokenCheck(tok_dir, manifest.get("image_token_id"))
-    except Exception as exc:
-        problems.append(f"{tok_dir.relative_to(out)}: unreadable tokenizer ({type(exc).__name__}: {exc})")
-        return None
+def _relative(exc: Exception, out: Path) -> str:
+    """An error message with the output folder left out of the paths it names."""
+    return str(exc).replace(f"{out}/", "")
 
 
-def _check_shard(out: Path, split: str, shard: str, count: int | None, manifest: dict, tokens: TokenCheck | None,
-                 found: Found) -> list[str]:
-    """Problems of one shard: its tar, ``.tar.idx``, ``.info.json`` count and every record in it."""
-    path = out / shard
-    if not path.exists():
-        return [f"{shard}: missing"]
-    try:
-        index = index_tar(path)
-    except Exception as exc:
-        return [f"{shard}: unreadable tar ({exc})"]
-    found.indexes[shard] = index
-    problems = []
-    if count != len(index):
-        problems.append(f"{shard}: .info.json says {count} samples, the tar holds {len(index)}")
-    problems += _check_idx(path, shard, index)
-    segments: list = []
-    for key, parts in scan_records(path):
-        found.packs[split] += 1
-        if not key.startswith(f"{split}-"):
-            problems.append(f"{shard}: record {key} does not belong to split {split}")
-        problems += check_pack(key, parts, manifest, segments)
-        for src_shard, src_key, seg in _segment_facts(key, parts):
-            found.segments[split][(src_shard, src_key)].append(seg)
-        if tokens is not None and len(segments) >= 256:
-            problems += tokens.problems(segments)
-            segments = []
-    if tokens is not None:
-        problems += tokens.problems(segments)
-    return problems
+# -- the ledger against the shards ----------------------------------------------------------------------------
+@dataclass
+class LedgerScan:
+    """What one streamed pass over the ledger gathers: problems of single rows, counts, kept-row digests."""
+
+    problems: list[str] = field(default_factory=list)
+    counts: Counter = field(default_factory=Counter)
+    ident: list[np.ndarray] = field(default_factory=list)
+    facts: list[np.ndarray] = field(default_factory=list)
 
 
-def _check_idx(path: Path, shard: str, index: list) -> list[str]:
-    idx_path = path.with_name(path.name + ".idx")
-    if not idx_path.exists():
-        return [f"{shard}.idx: missing"]
-    data = idx_path.read_bytes()
-    expect = [r.offset for r in index] + ([index[-1].offset + index[-1].size] if index else [0])
-    if len(data) % 8 or np.frombuffer(data, dtype=np.uint64).tolist() != expect:
-        return [f"{shard}.idx: offsets do not match the tar"]
-    return []
+def _ledger_batches(out: Path):
+    """The ledger as record batches (schema checked first)."""
+    pf = pq.ParquetFile(out / LEDGER)
+    missing = [n for n in LEDGER_SCHEMA.names if n not in pf.schema_arrow.names]
+    if missing:
+        raise FormatError(f"{LEDGER}: columns {missing} missing")
+    return pf.iter_batches(batch_size=LEDGER_BATCH, columns=LEDGER_SCHEMA.names)
 
 
-def _check_sqlite(path: Path, shards: list[str], indexes: dict) -> list[str]:
-    if not path.exists():
-        return ["index.sqlite: missing"]
-    con = sqlite3.connect(path)
-    try:
-        rows = con.execute("SELECT tar_file_id, sample_key, sample_index, byte_offset, byte_size FROM samples "
-                           "ORDER BY tar_file_id, sample_index").fetchall()
-        parts = con.execute("SELECT tar_file_id, sample_index, part_name, content_byte_offset, content_byte_size "
-                            "FROM sample_parts ORDER BY tar_file_id, sample_index, content_byte_offset").fetchall()
-    except sqlite3.Error as exc:
-        return [f"index.sqlite: unreadable ({exc})"]
-    finally:
-        con.close()
-    index_of = [(fid, indexes.get(s, [])) for fid, s in enumerate(shards)]
-    problems = []
-    if rows != [(fid, r.key, i, r.offset, r.size) for fid, idx in index_of for i, r in enumerate(idx)]:
-        problems.append("index.sqlite: samples table does not match the tars")
-    if parts != [(fid, i, p, o, n) for fid, idx in index_of for i, r in enumerate(idx) for p, o, n in r.parts]:
-        problems.append("index.sqlite: sample_parts table does not match the tars")
-    return problems
+def _scan_ledger(out: Path) -> LedgerScan:
+    scan = LedgerScan()
+    for batch in _ledger_batches(out):
+        cols = {n: batch.column(n).to_pylist() for n in LEDGER_SCHEMA.names}
+        ident, facts = [], []
+        for split, shard, key, status, reason, tokens, targets, images, image_tokens, pack in zip(
+                cols["split"], cols["shard"], cols["key"], cols["status"], cols["reason"], cols["tokens"],
+                cols["targets"], cols["images"], cols["image_tokens"], cols["pack"]):
+            scan.counts[(split, status)] += 1
+            if status in KEPT:
+                ident.append(_digest(split, shard, key))
+                facts.append(_digest(pack, tokens, targets, images, image_tokens))
+            elif status not in STATUSES:
+                scan.problems.append(f"{LEDGER}: {shard}/{key} has unknown status {status!r}")
+            elif not reason:
+                scan.problems.append(f"{LEDGER}: {shard}/{key} is {status} without a reason")
+        scan.ident.append(np.asarray(ident, dtype=np.uint64))
+        scan.facts.append(np.asarray(facts, dtype=np.uint64))
+    return scan
 
 
-def _check_ledger(out: Path, manifest: dict, found: Found) -> list[str]:
+def _check_ledger(out: Path, manifest: Manifest, reports: list[tuple[str, str, ShardReport]]) -> list[str]:
     """Every ledger row against the packs: kept samples lie exactly once in their pack with the recorded
     lengths; the others lie nowhere and have a reason; the manifest's counts match."""
     try:
-        ledger = read_ledger(out).to_pylist()
-    except Exception as exc:
-        return [f"ledger.parquet: unreadable ({exc})"]
-    problems = []
-    kept: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
-    for r in ledger:
-        where = f"ledger: {r['shard']}/{r['key']}"
-        if r["status"] not in STATUSES:
-            problems.append(f"{where} has unknown status {r['status']!r}")
-        elif r["status"] in KEPT:
-            kept[(r["split"], r["shard"], r["key"])].append(r)
-        elif not r["reason"]:
-            problems.append(f"{where} is {r['status']} without a reason")
-    if not manifest.get("dry_run"):
-        problems += _check_placement(kept, found)
-    problems += _check_counts(ledger, manifest, found)
-    return problems
-
-
-def _check_placement(kept: dict[tuple[str, str, str], list[dict]], found: Found) -> list[str]:
-    problems = []
-    for (split, shard, key), rows in kept.items():
-        where = f"{shard}/{key}"
-        segs = found.segments[split].get((shard, key), [])
-        if len(rows) > 1:
-            problems.append(f"ledger: {where} is kept {len(rows)} times")
-            continue
-        r = rows[0]
-        if [s.pack for s in segs] != [r["pack"]]:
-            problems.append(f"ledger: {where} should be in {r['pack']}, found in {[s.pack for s in segs] or None}")
-            continue
-        held = (segs[0].tokens, segs[0].targets, segs[0].images, segs[0].image_tokens)
-        recorded = (r["tokens"], r["targets"], r["images"], r["image_tokens"])
-        if held != recorded:
-            problems.append(f"{r['pack']}/{key}: tokens, targets, images, image tokens {held} in the pack, "
-                            f"{recorded} in the ledger")
-    for split, segments in found.segments.items():
-        for (shard, key), segs in segments.items():
-            if (split, shard, key) not in kept:
-                problems.append(f"{segs[0].pack}: segment {shard}/{key} is not a kept sample of the ledger")
-    return problems
-
-
-def _check_counts(ledger: list[dict], manifest: dict, found: Found) -> list[str]:
-    problems = []
-    for split, c in manifest.get("counts", {}).items():
-        statuses = Counter(r["status"] for r in ledger if r["split"] == split)
-        got = {"samples": sum(statuses.values()), **{s: statuses[s] for s in STATUSES}}
+        scan = _scan_ledger(out)
+    except FormatError as exc:
+        return [str(exc)]
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a broken file
+        return [f"{LEDGER}: unreadable ({type(exc).__name__}: {exc})"]
+    problems = scan.problems
+    if not manifest.dry_run:
+        problems += _check_placement(out, scan, reports)
+    for split, c in manifest.counts.items():
+        got = {s: scan.counts[(split, s)] for s in STATUSES}
+        got = {"samples": sum(got.values()), **got}
         if {k: c.get(k) for k in got} != got:
-            problems.append(f"manifest counts {c} for {split}, the ledger {got}")
-    if not manifest.get("dry_run"):
-        for split, n in (manifest.get("packs") or {}).items():
-            if found.packs[split] != n:
-                problems.append(f"manifest says {n} packs for {split}, the shards hold {found.packs[split]}")
+            problems.append(f"{META}/packtool.json: counts {c} for {split}, the ledger {got}")
+    if not manifest.dry_run:
+        found = Counter()
+        for split, _, r in reports:
+            found[split] += r.packs
+        for split, n in (manifest.packs or {}).items():
+            if found[split] != n:
+                problems.append(f"{META}/packtool.json: {n} packs for {split}, the shards hold {found[split]}")
     return problems
+
+
+def _check_placement(out: Path, scan: LedgerScan, reports: list[tuple[str, str, ShardReport]]) -> list[str]:
+    """Match the ledger's kept rows with the segments found, digest by digest (sorted numpy arrays)."""
+    l_ident, l_facts = _concat(scan.ident), _concat(scan.facts)
+    f_ident = _concat([r.ident for _, _, r in reports])
+    f_facts = _concat([r.facts for _, _, r in reports])
+    f_where = np.concatenate([np.zeros(0, np.int64)] + [np.full(len(r.ident), i, np.int64)
+                                                        for i, (_, _, r) in enumerate(reports)])
+    f_record = _concat([r.record for _, _, r in reports], np.int32)
+    l_ids, l_first, l_n = np.unique(l_ident, return_index=True, return_counts=True)
+    f_ids, f_first, f_n = np.unique(f_ident, return_index=True, return_counts=True)
+    kept_twice = l_ids[l_n > 1]
+    placed_twice = f_ids[f_n > 1]
+    not_found = np.setdiff1d(l_ids, f_ids, assume_unique=True)
+    not_kept = np.setdiff1d(f_ids, l_ids, assume_unique=True)
+    both, li, fi = np.intersect1d(l_ids, f_ids, assume_unique=True, return_indices=True)
+    single = (l_n[li] == 1) & (f_n[fi] == 1)
+    differ = both[single & (l_facts[l_first[li]] != f_facts[f_first[fi]])]
+    if not (kept_twice.size or placed_twice.size or not_found.size or not_kept.size or differ.size):
+        return []
+    # Name the mismatches: the ledger rows again (streamed), the segments from their records.
+    wanted = {int(x) for group in (kept_twice, not_found, differ) for x in group[:MAX_LISTED]}
+    rows = _ledger_rows_of(out, wanted)
+    segments = _Segments(out, [shard for _, shard, _ in reports])
+
+    def found(ident: int) -> list[tuple[str, str, str, tuple]]:
+        at = np.flatnonzero(f_ident == np.uint64(ident))[:MAX_LISTED]
+        return [segments.get(int(f_where[j]), int(f_record[j]), ident) for j in at]
+
+    problems = []
+    for x in kept_twice[:MAX_LISTED]:
+        r = rows[int(x)][0]
+        problems.append(f"{LEDGER}: {r['shard']}/{r['key']} is kept {len(rows[int(x)])} times")
+    for x in placed_twice[:MAX_LISTED]:
+        hits = found(int(x))
+        problems.append(f"{hits[0][0]}: pack {hits[0][1]}: segment {hits[0][2]} is also in packs "
+                        f"{[h[1] for h in hits[1:]]}")
+    for x in not_found[:MAX_LISTED]:
+        r = rows[int(x)][0]
+        problems.append(f"{LEDGER}: {r['shard']}/{r['key']} should be in {r['pack']}, found in no pack")
+    for x in not_kept[:MAX_LISTED]:
+        shard, pack, name, _ = found(int(x))[0]
+        problems.append(f"{shard}: pack {pack}: segment {name} is not a kept sample of the ledger")
+    for x in differ[:MAX_LISTED]:
+        r = rows[int(x)][0]
+        shard, pack, name, held = found(int(x))[0]
+        recorded = (r["tokens"], r["targets"], r["images"], r["image_tokens"])
+        if pack != r["pack"]:
+            problems.append(f"{LEDGER}: {name} should be in {r['pack']}, found in {shard}: pack {pack}")
+        else:
+            problems.append(f"{shard}: pack {pack} segment {name}: tokens, targets, images, image tokens {held} "
+                            f"in the pack, {recorded} in the ledger")
+    return problems
+
+
+def _concat(arrays: list[np.ndarray], dtype=np.uint64) -> np.ndarray:
+    return np.concatenate([np.zeros(0, dtype), *arrays])
+
+
+def _ledger_rows_of(out: Path, wanted: set[int]) -> dict[int, list[dict]]:
+    """Kept ledger rows whose identity digest is in ``wanted`` (a second streamed pass)."""
+    rows: dict[int, list[dict]] = {}
+    for batch in _ledger_batches(out):
+        for r in batch.to_pylist():
+            if r["status"] in KEPT:
+                d = _digest(r["split"], r["shard"], r["key"])
+                if d in wanted:
+                    rows.setdefault(d, []).append(r)
+    return rows
+
+
+class _Segments:
+    """Segments looked up again by (shard, record ordinal): only for problem lines."""
+
+    def __init__(self, out: Path, shards: list[str]):
+        self.out, self.shards = out, shards
+        self.index = lru_cache(maxsize=4)(lambda i: index_tar(out / shards[i]))
+
+    def get(self, shard: int, ordinal: int, ident: int) -> tuple[str, str, str, tuple]:
+        """``(output shard, pack key, "source shard/key", facts)`` of the segment with digest ``ident``."""
+        rec = self.index(shard)[ordinal]
+        with open(self.out / self.shards[shard], "rb") as f:
+            f.seek(rec.offset)
+            key, members = parse_record(f.read(rec.size))
+        record = PackRecord.from_members(key, members)
+        for split, src_shard, src_key, held in segment_facts(record):
+            if _digest(split, src_shard, src_key) == ident:
+                return self.shards[shard], key, f"{src_shard}/{src_key}", held
+        raise AssertionError("a segment digest names no segment of its record")

@@ -13,9 +13,18 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from importlib.metadata import version
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image
+
+from packtool import verify
 from packtool.cli import app
+from packtool.format import PackRecord, SplitYaml, write_energon_metadata
+from packtool.media.image import open_image
+from packtool.shards import index_tar, scan_records, write_tar
 from packtool.verify import TokenCheck, verify_output
-from packtool.shards import write_tar
 
 
 @pytest.fixture
@@ -142,13 +151,15 @@ def test_missing_metadata_is_reported_not_raised(copy):
     assert result.exit_code == 1 and "split.yaml: missing" in result.output
 
 
-def test_token_check_accepts_every_cut_and_catches_a_changed_token(demo_dir):
+@pytest.mark.parametrize("tail", [TokenCheck.TAIL, 24])
+def test_token_check_accepts_every_cut_and_catches_a_changed_token(demo_dir, tail, monkeypatch):
     """A truncated segment may end inside a word or a multi-byte character: no cut is a false alarm, while a
-    changed token before the cut still is caught."""
+    changed token before the cut still is caught (the last piece found in the whole text or in a short tail)."""
+    monkeypatch.setattr(TokenCheck, "TAIL", tail)
     check = TokenCheck(demo_dir / "tokenizer", image_token_id=None)
     text = ("<|im_start|>assistant\nThe quick brown fox 你好，世界！ 👨‍👩‍👧 jumps over naïve café résumé "
             "Привет 1234567 tomorrow<|im_end|>\n")
-    ids = np.asarray(check.tok(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+    ids = np.asarray(check.tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
     cuts = [(f"cut{k}", ids[:k], [], True) for k in range(1, len(ids) + 1)]
     assert check.problems(cuts + [("whole", ids, [], False)]) == []
     changed = ids.copy()
@@ -162,3 +173,100 @@ def test_caps_from_the_manifest_are_checked(copy):
     (copy / ".nv-meta/packtool.json").write_text(json.dumps(manifest))
     problems = verify_output(copy)
     assert problems and any("segments exceed max_segments 1" in p for p in problems)
+
+
+def rewrite_first(out: Path, edit) -> str:
+    """Apply ``edit(record)`` to the first record for which it returns True, rewrite that shard and Energon's
+    metadata to match (so only the edit itself is wrong); return the pack key."""
+    splits = SplitYaml.read(out).split_parts
+    for shard in (s for ss in splits.values() for s in ss):
+        records = [(k, list(members.items())) for k, members in scan_records(out / shard)]
+        for i, (key, members) in enumerate(records):
+            record = PackRecord.from_members(key, dict(members))
+            if edit(record):
+                records[i] = (key, record.to_members())
+                write_tar(out / shard, records)
+                indexes = {s: index_tar(out / s) for ss in splits.values() for s in ss}
+                write_energon_metadata(out, splits, indexes, version("megatron-energon"))
+                return key
+    raise AssertionError("no record to edit")
+
+
+def test_swapped_image_of_the_same_size_is_caught_by_sha256(copy):
+    """Another valid picture of the same pixel size and byte length: only the recorded SHA-256 tells."""
+    shard, key, offset, size = part_location(copy, "m0.jpg")
+    with open(copy / shard, "rb") as f:
+        f.seek(offset)
+        original = f.read(size)
+    img = open_image(original)
+    other = Image.new("RGB", img.size, (200, 30, 90))
+    buf = io.BytesIO()
+    other.save(buf, format=img.format, quality=50)
+    data = buf.getvalue()
+    assert len(data) < size
+    data += bytes(size - len(data))  # a JPEG decoder stops at its end marker
+    open_image(data).load()
+    with open(copy / shard, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+    problems = verify_output(copy)
+    assert len(problems) == 1 and key in problems[0] and "m0.jpg" in problems[0] and "SHA-256" in problems[0], \
+        problems
+
+
+def test_undecodable_media_is_caught(copy):
+    """A record written before sizes and digests were recorded still gets every member decoded."""
+    member = {}
+
+    def cut(record: PackRecord) -> bool:
+        if not record.media_refs:
+            return False
+        for m in record.media_refs:
+            m.sha256, m.size = "", 0
+        ref = record.media_refs[-1]
+        record.media[ref.member] = record.media[ref.member][: len(record.media[ref.member]) // 2]
+        member["name"] = ref.member
+        return True
+
+    key = rewrite_first(copy, cut)
+    problems = verify_output(copy)
+    assert len(problems) == 1, problems
+    assert key in problems[0] and member["name"] in problems[0] and "undecodable" in problems[0], problems
+
+
+def test_grid_that_the_image_rule_does_not_give_is_caught(copy):
+    def regrid(record: PackRecord) -> bool:
+        if not record.media_refs:
+            return False
+        ref = record.media_refs[0]
+        ref.grid_thw = [1, ref.grid_thw[1] + 2, ref.grid_thw[2]]
+        return True
+
+    key = rewrite_first(copy, regrid)
+    problems = verify_output(copy)
+    assert len(problems) == 1 and key in problems[0] and "image rule gives grid" in problems[0], problems
+
+
+def test_workers_find_the_same_problems(copy):
+    shard, key, offset, size = part_location(copy, "tokens.npy")
+    flip(copy / shard, text_token_offset(copy, shard, offset, size))
+    last = list(json.loads((copy / ".nv-meta/.info.json").read_text())["shard_counts"])[-1]
+    (copy / f"{last}.idx").write_bytes(b"")
+    one = verify_output(copy, workers=1)
+    assert any(key in p for p in one) and any(".idx" in p for p in one), one
+    assert verify_output(copy, workers=2) == one
+
+
+def test_ledger_is_streamed_in_batches(copy, monkeypatch):
+    """A ledger read a few rows at a time, in many row groups: a good one passes, a changed row in a late batch
+    is named."""
+    monkeypatch.setattr(verify, "LEDGER_BATCH", 7)
+    table = pq.read_table(copy / "ledger.parquet")
+    pq.write_table(table, copy / "ledger.parquet", row_group_size=5)
+    assert verify_output(copy) == []
+    rows = table.to_pylist()
+    i = max(j for j, r in enumerate(rows) if r["status"] == "packed")
+    rows[i]["targets"] += 1
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), copy / "ledger.parquet", row_group_size=5)
+    problems = verify_output(copy)
+    assert len(problems) == 1 and rows[i]["pack"] in problems[0] and rows[i]["key"] in problems[0], problems
