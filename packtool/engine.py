@@ -20,9 +20,10 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
 
 from tqdm import tqdm
 
@@ -77,7 +78,7 @@ class Engine:
         self._handlers: dict[int, Any] = {}
 
     # -- lifetime ----------------------------------------------------------------------------------------------
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         if self._pool is not None or self._ray is not None:
             raise RuntimeError("this engine is already open")
         if self.kind == "ray":
@@ -331,7 +332,7 @@ def _init_before(deadline: float, address: str, init: Callable[[], None]) -> Non
     def target() -> None:
         try:
             init()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+        except BaseException as exc:  # handed to the caller's thread
             outcome["error"] = exc
 
     worker_log = logging.getLogger("ray._private.worker")

@@ -25,8 +25,8 @@ import io
 import math
 import pickle
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
