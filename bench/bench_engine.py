@@ -17,13 +17,13 @@ import shutil
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import demo  # noqa: E402
-
 from packtool.encode import EncodeSettings, get_encoder  # noqa: E402
 from packtool.engine import Engine, run_tasks  # noqa: E402
 from packtool.pipeline import encode_shard  # noqa: E402
@@ -85,13 +85,13 @@ def main() -> None:
         olds, news, colds = [], [], []
         for _ in range(args.repeat):
             tasks, *_ = encode_tasks(data, tok, work / "enc")
-            olds.append(timed(lambda: run_tasks(encode_shard, tasks, workers=w, progress=False)))
+            olds.append(timed(partial(run_tasks, encode_shard, tasks, workers=w, progress=False)))
             tasks, *_ = encode_tasks(data, tok, work / "enc")
             start = time.perf_counter()
             with Engine("local", w, initializer=get_encoder, initargs=(settings, dataset_yaml)) as engine:
                 engine.map(nothing, [(i,) for i in range(w)], progress=False)  # an earlier stage: pool is up
                 colds.append(time.perf_counter() - start)
-                news.append(timed(lambda: engine.map(encode_shard, tasks, progress=False)))
+                news.append(timed(partial(engine.map, encode_shard, tasks, progress=False)))
         old, new, cold = min(olds), min(news), min(colds)
         print(f"encode stage, {args.samples} samples in {len(tasks)} shards, {w} workers: "
               f"new pool {old:.3f} s, open engine {new:.3f} s (old/new {old / new:.2f}x); "

@@ -26,7 +26,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import mediafixture as mf  # noqa: E402
-
 from packtool.media import Qwen2VLSettings, decode_audio, decode_video, probe_audio, probe_video  # noqa: E402
 from packtool.media.qwen2_vl import ImageRule  # noqa: E402
 
@@ -80,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ("video probe (container only)", timed(lambda v: probe_video(v[1], max_pixels=MAX_PIXELS), videos)),
         ("video probe, mp4/mov/avi (header)",
-         timed(lambda v: probe_video(v[1], max_pixels=MAX_PIXELS), [v for v in videos if v[0] in ("mp4", "mov", "avi")])),
+         timed(lambda v: probe_video(v[1], max_pixels=MAX_PIXELS),
+               [v for v in videos if v[0] in ("mp4", "mov", "avi")])),
         ("video probe, mkv/webm (packet count)",
          timed(lambda v: probe_video(v[1], max_pixels=MAX_PIXELS), [v for v in videos if v[0] in ("mkv", "webm")])),
         ("video plan + decode sampled frames (2 fps)", timed(lambda v: plan_decode(v[1]), videos)),

@@ -19,7 +19,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import demo  # noqa: E402
-
 from packtool.encode import get_encoder  # noqa: E402
 from packtool.pipeline import pack  # noqa: E402
 from packtool.settings import EncodeSettings, PackSettings  # noqa: E402

@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from packtool.plan import ALGORITHMS, l1_bound, pack_lengths  # noqa: E402
+from packtool.plan import ALGORITHMS, l1_bound, pack_lengths
 
 SETS = ("sft", "vlm", "short")
 
@@ -74,7 +74,7 @@ def trl_available() -> str | None:
     try:
         import datasets  # noqa: F401
         import trl.data_utils  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means no peer
+    except Exception as e:  # any import failure means no peer
         return f"{type(e).__name__}: {e}"
     return None
 

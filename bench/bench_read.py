@@ -14,6 +14,7 @@ import io
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import packfixture as fx  # noqa: E402
-
 from packtool.read import (  # noqa: E402
     image_processor_from_manifest,
     iter_records,
@@ -133,12 +133,12 @@ def main() -> None:
 
     for name, (path, split) in datasets.items():
         packs, tokens, images = count(path, split)
-        t_full = timed(lambda: count(path, split))
-        t_lean = timed(lambda: count(path, split, images=False))
+        t_full = timed(partial(count, path, split))
+        t_lean = timed(partial(count, path, split, images=False))
         rows.append((f"{name}: read_packs", packs, tokens, images, t_full))
         if images:
             rows.append((f"{name}: read_packs(images=False)", packs, tokens, 0, t_lean))
-            t_base = timed(lambda: baseline(path, split))
+            t_base = timed(partial(baseline, path, split))
             rows.append((f"{name}: PIL decode + processor only", packs, 0, images, t_base))
 
     print(f"{'what':40} {'packs':>6} {'s':>8} {'packs/s':>9} {'tokens/s':>12} {'images/s':>9}")

@@ -27,8 +27,9 @@ import sys
 import tarfile
 import time
 import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import yaml
@@ -644,7 +645,8 @@ def build_dataset(
         for shard_no, rows in enumerate(_shard_ranges(n, samples_per_shard)):
             name = f"shards/{split}-{shard_no:04d}.tar"
 
-            def shard_samples(rows=rows, name=name) -> Iterator[tuple[str, dict[str, bytes]]]:
+            def shard_samples(rows=rows, name=name, split=split, kinds=kinds,
+                              offset=offset) -> Iterator[tuple[str, dict[str, bytes]]]:
                 for i in rows:
                     key = f"s{offset + i:06d}"
                     members, record = make_sample(offset + i, kinds[i], seed, text_scale)

@@ -20,7 +20,10 @@ What changes against a stock Megatron-Bridge VLM recipe, and why:
 | `cfg.train.global_batch_size` | packs per step | Megatron counts packs, not source samples |
 | `cfg.model.context_parallel_size` | cp | the packs' alignment must be a multiple of 2·cp (checked below) |
 | in-batch / Energon packing | off | the packs are already packed; no `packing_buffer_size`, no in-batch packing |
-| forward step | `megatron.bridge.training.vlm_step.forward_step` (VLMs), `gpt_step.forward_step` (LLMs) | both read the THD keys `cu_seqlens_q/kv(_padded)`, `max_seqlen_q/kv`; Qwen3-VL's own step refuses pre-packed batches |
+| forward step | `vlm_step.forward_step` (VLMs), `gpt_step.forward_step` (LLMs) | reads the packs' THD keys (below) |
+
+Both forward steps (`megatron.bridge.training.vlm_step`, `megatron.bridge.training.gpt_step`) read the THD keys
+`cu_seqlens_q/kv(_padded)`, `max_seqlen_q/kv`; Qwen3-VL's own step refuses pre-packed batches.
 
 The declarative `EnergonDatasetConfig` accepts only Megatron-Bridge's own task encoders, so the dataset is a small
 `DatasetProvider` that builds Energon's data module with packtool's task encoder.

@@ -21,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import demo  # noqa: E402  (sibling module: corpus and Qwen2-style pre-tokenizer)
+import demo  # sibling module: corpus and Qwen2-style pre-tokenizer
 
 #: Special tokens, in id order (ids 0..8).
 SPECIAL_TOKENS = (

@@ -20,9 +20,11 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Callable, Literal, Sequence
+from types import ModuleType
+from typing import Any, Literal
 
 from tqdm import tqdm
 
@@ -72,12 +74,12 @@ class Engine:
         self.kind, self.workers, self.address, self.connect_timeout = kind, workers, address, connect_timeout
         self.initializer, self.initargs = initializer, tuple(initargs)
         self._pool: ProcessPoolExecutor | None = None
-        self._ray = None  # the ray module once connected
+        self._ray: ModuleType | None = None  # the ray module once connected
         self._owns_ray = False
         self._handlers: dict[int, Any] = {}
 
     # -- lifetime ----------------------------------------------------------------------------------------------
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         if self._pool is not None or self._ray is not None:
             raise RuntimeError("this engine is already open")
         if self.kind == "ray":
@@ -111,9 +113,9 @@ class Engine:
         bar = tqdm(total=len(tasks), desc=desc, unit=unit, disable=not progress or not tasks, leave=False)
         try:
             if self._ray is not None:
-                return self._map_ray(fn, tasks, bar)
+                return self._map_ray(self._ray, fn, tasks, bar)
             if self._pool is not None:
-                return self._map_pool(fn, tasks, bar)
+                return self._map_pool(self._pool, fn, tasks, bar)
             results = []
             for t in tasks:
                 results.append(fn(*t))
@@ -122,15 +124,15 @@ class Engine:
         finally:
             bar.close()
 
-    def _map_pool(self, fn: Callable, tasks: Sequence[tuple], bar) -> list[Any]:
+    def _map_pool(self, pool: ProcessPoolExecutor, fn: Callable, tasks: Sequence[tuple], bar) -> list[Any]:
         results: list[Any] = [None] * len(tasks)
         try:
-            pending = {self._pool.submit(fn, *t): i for i, t in enumerate(tasks)}
+            pending = {pool.submit(fn, *t): i for i, t in enumerate(tasks)}
         except BrokenProcessPool:
             raise EngineError("a worker process died (killed from outside, or out of memory?)") from None
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in sorted(done, key=pending.get):  # the same first failure however completions interleave
+            for fut in sorted(done, key=pending.__getitem__):  # the same first failure however completions interleave
                 i = pending.pop(fut)
                 try:
                     results[i] = fut.result()
@@ -144,10 +146,9 @@ class Engine:
                 bar.update()
         return results
 
-    def _map_ray(self, fn: Callable, tasks: Sequence[tuple], bar) -> list[Any]:
+    def _map_ray(self, ray: ModuleType, fn: Callable, tasks: Sequence[tuple], bar) -> list[Any]:
         """The tasks as Ray tasks (one CPU each). A task's failure is re-raised as its own exception (not Ray's
         wrapper with the remote traceback in its message), after the tasks not yet finished are cancelled."""
-        ray = self._ray
         remote = ray.remote(_ray_task)
         refs = [remote.remote(fn, self.initializer, self.initargs, t) for t in tasks]
         index = {r: i for i, r in enumerate(refs)}
@@ -180,7 +181,7 @@ class Engine:
             self._ray = ray
             return
         env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
-        quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
+        quiet: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.WARNING}
         if self.address is None:
             # "local": a new instance here, never the cluster a `ray start` on this host left in /tmp/ray
             ray.init(address="local", num_cpus=self.workers, include_dashboard=False, runtime_env=env, **quiet)
@@ -226,11 +227,11 @@ class Engine:
             p.join()
 
 
-def run_tasks(fn: Callable, tasks: Sequence[tuple], *, workers: int = 1, engine: str = "local",
+def run_tasks(fn: Callable, tasks: Sequence[tuple], *, workers: int = 1, engine: EngineKind = "local",
               ray_address: str | None = None, desc: str = "", unit: str = "task",
               progress: bool = True) -> list[Any]:
     """``[fn(*t) for t in tasks]`` on an engine of its own (one stage); results in task order."""
-    with Engine(engine, max(1, min(workers, len(tasks))), ray_address) as e:  # type: ignore[arg-type]
+    with Engine(engine, max(1, min(workers, len(tasks))), ray_address) as e:
         return e.map(fn, tasks, desc=desc, unit=unit, progress=progress)
 
 
@@ -325,14 +326,14 @@ def _enable_token_auth_if_available() -> None:
         log.setLevel(level)
 
 
-def _init_before(deadline: float, address: str, init: Callable[[], None]) -> None:
+def _init_before(deadline: float, address: str, init: Callable[[], object]) -> None:
     """Run ``init`` (``ray.init``) in a helper thread and give up at ``deadline``; its errors become one line."""
     outcome: dict[str, BaseException] = {}
 
     def target() -> None:
         try:
             init()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+        except BaseException as exc:  # handed to the caller's thread
             outcome["error"] = exc
 
     worker_log = logging.getLogger("ray._private.worker")

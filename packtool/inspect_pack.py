@@ -89,8 +89,8 @@ def render_text(tokenizer, tokens: np.ndarray, targets: np.ndarray, image_token:
     out = []
     for is_target, run in groupby(zip(tokens.tolist(), targets.tolist()), key=lambda x: bool(x[1])):
         text = []
-        for is_image, ids in groupby((t for t, _ in run), key=lambda t: t == image_token):
-            ids = list(ids)
+        for is_image, group in groupby((t for t, _ in run), key=lambda t: t == image_token):
+            ids = list(group)
             if is_image:
                 text.append(f"{tokenizer.id_to_token(image_token)}×{len(ids)}")
             else:

@@ -38,7 +38,9 @@ def ledger_table(split: str, plan: SplitPlan) -> pa.Table:
 
 def write_ledger(output: Path, plans: Mapping[str, SplitPlan]) -> tuple[dict, dict]:
     """Write ``ledger.parquet`` and return the counts per split and status, and the packs per split."""
-    tables, counts, packs = [], {}, {}
+    tables: list[pa.Table] = []
+    counts: dict[str, dict[str, int]] = {}
+    packs: dict[str, int] = {}
     for split, plan in plans.items():
         tables.append(ledger_table(split, plan))
         statuses = {v["values"]: v["counts"] for v in pc.value_counts(plan.table.column("status")).to_pylist()}

@@ -14,13 +14,13 @@ THD `PackedSeqParams` for a Megatron-Core model called directly.
 | `max_seqlen_q`, `max_seqlen_kv` | int32 0-d tensor (host key) | `max_seqlen` |
 | `total_tokens` | int | row length (Megatron-Core derives `seq_idx` for hybrid/Mamba models from it) |
 | `attention_mask` | None | THD attention builds its own |
-| `visual_inputs` | `VisualInputs` or None | `pixel_values` float32 `[Σpatches, C·t·p·p]`, `image_grid_thw` int64 `[n, 3]`; None without images |
+| `visual_inputs` | `VisualInputs` | `pixel_values` float32 `[Σpatches, C·t·p·p]`, `image_grid_thw` int64 `[n, 3]` |
 | `keys`, `pack_key` | list / str | same (ignored by the steps) |
 
 The steps treat a batch as packed only when it has `cu_seqlens_q`; they build `PackedSeqParams(qkv_format="thd")`
 from the `cu_seqlens_*`/`max_seqlen_*` keys and read the host keys with `.cpu()` (so they are tensors, not ints).
-`visual_inputs` is moved to the GPU attribute by attribute and expanded with `normalized_for_model()` into the
-model's keyword arguments.
+`visual_inputs` (None for a batch without images) is moved to the GPU attribute by attribute and expanded with
+`normalized_for_model()` into the model's keyword arguments.
 
 `to_megatron(batch, device)` is the same batch with its tensors on `device` plus `packed_seq_params`, for training
 loops that call a Megatron-Core model themselves.

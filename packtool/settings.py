@@ -59,7 +59,11 @@ DEFAULT_MAX_SAMPLE_BYTES = 1 << 30
 def default(cls: type, name: str) -> Any:
     """The default of field ``name`` of settings class ``cls`` (for the CLI)."""
     f = next(f for f in fields(cls) if f.name == name)
-    return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+    if f.default is not MISSING:
+        return f.default
+    if callable(f.default_factory):
+        return f.default_factory()
+    raise ValueError(f"{cls.__name__}.{name} has no default")
 
 
 def choices(literal: Any) -> tuple[str, ...]:

@@ -67,7 +67,8 @@ def index_tar(path: Path) -> list[IndexedRecord]:
     """The record index of a tar, from its headers (data is not read)."""
     records: list[IndexedRecord] = []
     cur_key: str | None = None
-    cur_start, cur_parts, end = 0, [], 0
+    cur_start, end = 0, 0
+    cur_parts: list[tuple[str, int, int]] = []
     with tarfile.open(path, "r:") as tar:
         for m in tar:
             if not m.isfile():
@@ -97,7 +98,8 @@ def parse_record(chunk: bytes, where: str = "record") -> tuple[str, dict[str, by
     # Zero blocks after the chunk make it a complete archive even when the end offset was not block-rounded.
     try:
         tar = tarfile.open(fileobj=io.BytesIO(chunk + bytes(-len(chunk) % BLOCK + 2 * BLOCK)), mode="r:")
-        key, parts = None, {}
+        key: str | None = None
+        parts: dict[str, bytes] = {}
         for info in tar:
             if not info.isfile():
                 continue
@@ -106,12 +108,20 @@ def parse_record(chunk: bytes, where: str = "record") -> tuple[str, dict[str, by
                 key = name
             elif name != key:
                 raise FormatError(f"{where}: record {key!r} also holds member {info.name!r}")
-            parts[part] = tar.extractfile(info).read()  # type: ignore[union-attr]
+            parts[part] = _member_data(tar, info)
     except tarfile.TarError as exc:
         raise FormatError(f"{where}: unreadable tar record ({exc})") from None
     if key is None:
         raise FormatError(f"{where}: empty record")
     return key, parts
+
+
+def _member_data(tar: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
+    """The content of a regular-file member (``extractfile`` has none for links, folders and devices)."""
+    f = tar.extractfile(info)
+    if f is None:
+        raise FormatError(f"tar member {info.name!r} is not a regular file")
+    return f.read()
 
 
 def iter_records(shard: str | Path, indices: Iterable[int] | None = None) -> Iterator[tuple[str, dict[str, bytes]]]:
@@ -128,7 +138,8 @@ def scan_records(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
     """Records of a tar read front to back from its headers alone (no ``.tar.idx``): what ``verify`` uses to
     check the index against."""
     with tarfile.open(path, "r:") as tar:
-        key, parts = None, {}
+        key: str | None = None
+        parts: dict[str, bytes] = {}
         for m in tar:
             if not m.isfile():
                 continue
@@ -137,6 +148,6 @@ def scan_records(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
                 if key is not None:
                     yield key, parts
                 key, parts = k, {}
-            parts[part] = tar.extractfile(m).read()  # type: ignore[union-attr]
+            parts[part] = _member_data(tar, m)
         if key is not None:
             yield key, parts

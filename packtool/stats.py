@@ -6,6 +6,7 @@ import json
 import re
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.compute as pc
@@ -55,7 +56,8 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
     st = _settings(path, pack_size)
     size, align = int(st["pack_size"]), int(st["align"])
     groups = balance_dp or st.get("balance_dp")
-    report = {"pack_size": size, "align": align, "algorithm": st.get("algorithm"), "splits": {}}
+    splits: dict[str, dict[str, Any]] = {}
+    report = {"pack_size": size, "align": align, "algorithm": st.get("algorithm"), "splits": splits}
     for split in sorted(set(ledger.column("split").to_pylist())):
         a = split_arrays(ledger, split)
         rows = ledger.filter(pc.equal(ledger.column("split"), split))
@@ -68,7 +70,7 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
         tokens, costs = int(lengths.sum()), int(cost.sum())
         seg_per_pack = np.bincount(pack, minlength=n_packs) if n_packs else np.zeros(0, np.int64)
         img_per_pack = np.bincount(pack, weights=a["images"], minlength=n_packs) if n_packs else seg_per_pack
-        entry = {
+        entry: dict[str, Any] = {
             "samples": len(statuses),
             "status": {s: statuses.count(s) for s in STATUSES},
             "reasons": [{"status": s, "reason": r, "count": c} for (s, r), c in sorted(reasons.items())],
@@ -87,7 +89,7 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
             entry["dp_imbalance"] = float(dp_imbalance(pack, lengths, groups))
             natural = np.argsort(_first_index(pack, n_packs), kind="stable")
             entry["dp_imbalance_unbalanced_order"] = float(dp_imbalance(pack, lengths, groups, order=natural))
-        report["splits"][split] = entry
+        splits[split] = entry
     return report
 
 

@@ -53,7 +53,7 @@ def kernel_for(name: str, device: torch.device, dtype: torch.dtype):
             torch.testing.assert_close(fn(q, k, k, cu, 11, 0.2).float(), sdpa_loop(q, k, k, cu, 11, 0.2).float(),
                                        atol=2e-2, rtol=2e-2)
             return label, fn
-        except Exception as error:  # noqa: BLE001 - report and fall back
+        except Exception as error:  # report and fall back
             if name != "auto":
                 raise
             print(f"note: {label} unavailable ({type(error).__name__}: {error}); trying the next kernel")

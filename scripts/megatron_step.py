@@ -43,7 +43,8 @@ def init(cp: int):
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     if dist.get_world_size() != cp:
-        raise SystemExit(f"--cp {cp} needs {cp} processes (torchrun --nproc-per-node {cp}), got {dist.get_world_size()}")
+        raise SystemExit(f"--cp {cp} needs {cp} processes (torchrun --nproc-per-node {cp}), "
+                         f"got {dist.get_world_size()}")
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 

@@ -25,8 +25,8 @@ def demo_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def packed(demo_dir, tmp_path_factory) -> Path:
     """The demo dataset packed at 2048 tokens with the plain (no generation tags) template."""
-    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
     from packtool.pipeline import pack
+    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
     out = tmp_path_factory.mktemp("packed") / "out"
     settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048),

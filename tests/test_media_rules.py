@@ -8,10 +8,9 @@ import torchvision; without it these tests are skipped with that reason, and the
 
 from __future__ import annotations
 
+import io
 import sys
 from pathlib import Path
-
-import io
 
 import numpy as np
 import pytest
@@ -23,7 +22,6 @@ for extra in (ROOT / "examples", ROOT / "tests"):
         sys.path.insert(0, str(extra))
 
 import mediafixture as mf  # noqa: E402
-
 from packtool.errors import ConfigError  # noqa: E402
 from packtool.media import (  # noqa: E402
     NemotronOmniSettings,
@@ -219,8 +217,9 @@ def nemotron_folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def nemotron_sampling_folder(nemotron_folder, tmp_path_factory) -> Path:
     """Same tokenizer; video sampled at 2 fps, smaller image budget and video tiles."""
-    import nemotron_omni_model
     from tokenizers import Tokenizer
+
+    import nemotron_omni_model
 
     return nemotron_omni_model.write_model_folder(
         tmp_path_factory.mktemp("nemotron_s") / "model",
@@ -254,8 +253,9 @@ def test_nemotron_settings_follow_the_folder(nemotron_folder, nemotron_sampling_
     assert (s.min_num_patches, s.max_num_patches, s.video_target_num_patches) == (64, 256, 256)
     assert (s.do_sample_frames, s.fps, s.audio_max_seconds, s.max_audio_samples) == (True, 2.0, 2, 32000)
     assert s.manifest()["family"] == "nemotron_omni"
-    import nemotron_omni_model
     from tokenizers import Tokenizer
+
+    import nemotron_omni_model
 
     tok = Tokenizer.from_file(str(nemotron_folder / "tokenizer.json"))
     bad = nemotron_omni_model.write_model_folder(tmp_path / "bad", tokenizer=tok, audio={"sampling_rate": 22050})
@@ -296,8 +296,8 @@ def test_nemotron_audio_rule_is_the_processors_estimate():
 @pytest.fixture(scope="module")
 def torchvision():
     try:
-        import torchvision  # noqa: F401
-    except Exception as exc:  # noqa: BLE001  (the PyPI wheel raises RuntimeError beside a CPU-only torch)
+        import torchvision
+    except Exception as exc:  # the PyPI wheel raises RuntimeError beside a CPU-only torch
         pytest.skip(f"transformers' video and Nemotron image processors need torchvision: {type(exc).__name__}: {exc}")
     return torchvision
 

@@ -8,12 +8,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from packtool.plan import (ALGORITHMS, balance_dp, compare, derive_align, dp_imbalance, l1_bound,
-                           pack_lengths)
-from packtool.plan.bestfit import bfd_by_cost
+from packtool.plan import ALGORITHMS, balance_dp, compare, derive_align, dp_imbalance, l1_bound, pack_lengths
 from packtool.plan._common import decreasing_order
 from packtool.plan._rows import place_by_rows
 from packtool.plan._tree import NEG, MaxTree
+from packtool.plan.bestfit import bfd_by_cost
 from packtool.plan.fill import _fill_by_cost, _fill_by_item
 from packtool.plan.firstfit import ffd_by_cost, first_fit
 
@@ -64,14 +63,14 @@ def ref_fill(units, cap, K, res, balanced):
         nt = min(K, max(1, -(-len(pool) // max(1, estimate - p)))) if balanced else 0
         room, k, held, x = cap, 0, [0] * len(res), cap
 
-        def best(limit):
+        def best(limit, held):
             return next((i for i in pool if units[i] <= limit
                          and all(h + v[i] <= lim for h, (v, lim) in zip(held, res))), None)
 
         while True:
-            i = best(x)
+            i = best(x, held)
             if i is None and x < room:
-                i = best(room)
+                i = best(room, held)
             if i is None:
                 break
             pool.remove(i)
@@ -92,7 +91,7 @@ def ref_bfd(units, cap, K, res):
 
 
 def ref_auto(units, cap, K, res, seed=0):
-    first = lambda c, rem, segs: c[0]  # noqa: E731
+    first = lambda c, rem, segs: c[0]
     ids = ref_bfd(units, cap, K, res)
     binding = [(v, lim) for v, lim in res if sum(sorted(v, reverse=True)[:K] if K else v) > lim]
     if K and ids and max(np.bincount(ids)) >= K:
@@ -107,7 +106,7 @@ def ref_auto(units, cap, K, res, seed=0):
 
 
 def ref_pack(algorithm, units, cap, K, res, seed=0, delta=0):
-    first = lambda c, rem, segs: c[0]  # noqa: E731
+    first = lambda c, rem, segs: c[0]
     if algorithm == "auto":
         return ref_auto(units, cap, K, res, seed)
     if algorithm == "bfd":

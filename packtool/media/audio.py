@@ -70,17 +70,18 @@ def probe_audio(data: bytes, *, decode: bool = False) -> AudioFacts:
         rate, channels = int(stream.codec_context.sample_rate or 0), int(stream.codec_context.channels or 0)
         if rate <= 0 or channels <= 0:
             raise ValueError("audio stream has no sample rate or channels; the codec may be unsupported")
+        header_samples = int(stream.duration or 0)
         exact_header = (stream.codec_context.name.startswith("pcm_") or stream.codec_context.name == "flac") and (
-            stream.duration and stream.time_base == Fraction(1, rate)
+            header_samples and stream.time_base == Fraction(1, rate)
         )
         if exact_header and not decode:
-            return AudioFacts(int(stream.duration), rate, channels, "header")
+            return AudioFacts(header_samples, rate, channels, "header")
         try:
             samples = sum(frame.samples for frame in container.decode(stream))
         except Exception as exc:
             raise ValueError(f"undecodable audio: {type(exc).__name__}: {exc}") from None
-        if exact_header and samples != stream.duration:
-            raise ValueError(f"audio header says {stream.duration} samples but {samples} decode")
+        if exact_header and samples != header_samples:
+            raise ValueError(f"audio header says {header_samples} samples but {samples} decode")
     return AudioFacts(samples, rate, channels, "decode")
 
 
@@ -104,7 +105,7 @@ def decode_audio(data: bytes, *, rate: int, max_samples: int | None = None) -> n
         native_rate = int(stream.codec_context.sample_rate)
         # Planar float at the native rate and layout: a pure sample-format conversion, no resampling delay.
         to_float = av.AudioResampler(format="fltp", layout=stream.codec_context.layout, rate=native_rate)
-        chunks = []
+        chunks: list[np.ndarray] = []
         for frame in container.decode(stream):
             chunks.extend(f.to_ndarray() for f in to_float.resample(frame))
         chunks.extend(f.to_ndarray() for f in to_float.resample(None))

@@ -18,6 +18,8 @@ from packtool.errors import ConfigError
 
 #: Keys of ``processor_config.json`` that hold a sub-processor's settings rather than a processor argument.
 _NESTED = ("image_processor", "video_processor", "feature_extractor", "audio_processor", "tokenizer")
+#: File a folder's video settings come from; ``"none"`` when it has none.
+VideoSource = Literal["processor_config.json", "video_preprocessor_config.json", "preprocessor_config.json", "none"]
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,7 @@ class FolderConfigs:
     #: Named special tokens of the tokenizer (``extra_special_tokens`` of ``tokenizer_config.json`` when a dict).
     tokens: dict = field(default_factory=dict)
     #: File the video settings came from; ``"none"`` when the folder has none.
-    video_source: Literal[
-        "processor_config.json", "video_preprocessor_config.json", "preprocessor_config.json", "none"
-    ] = "none"
+    video_source: VideoSource = "none"
 
 
 def read_folder(folder: str | Path) -> FolderConfigs:
@@ -45,6 +45,7 @@ def read_folder(folder: str | Path) -> FolderConfigs:
     processor = _json(folder / "processor_config.json")
     preprocessor = _json(folder / "preprocessor_config.json")
     video_file = _json(folder / "video_preprocessor_config.json")
+    video_source: VideoSource
     if "video_processor" in processor:
         video, video_source = processor["video_processor"], "processor_config.json"
     elif video_file:
@@ -53,8 +54,10 @@ def read_folder(folder: str | Path) -> FolderConfigs:
         video, video_source = preprocessor, "preprocessor_config.json"
     else:
         video, video_source = {}, "none"
-    if "feature_extractor" in processor or "audio_processor" in processor:
-        audio = processor.get("feature_extractor", processor.get("audio_processor"))
+    if "feature_extractor" in processor:
+        audio = processor["feature_extractor"]
+    elif "audio_processor" in processor:
+        audio = processor["audio_processor"]
     else:
         audio = preprocessor
     extra = _json(folder / "tokenizer_config.json").get("extra_special_tokens")

@@ -131,7 +131,8 @@ class NemotronOmniSettings:
         d = cls  # class defaults
         rate = int(proc.get("audio_sampling_rate", d.audio_sampling_rate))
         if aud.get("sampling_rate") is not None and int(aud["sampling_rate"]) != rate:
-            raise ConfigError(f"feature extractor expects {aud['sampling_rate']} Hz audio but the processor uses {rate} Hz")
+            raise ConfigError(f"feature extractor expects {aud['sampling_rate']} Hz audio "
+                              f"but the processor uses {rate} Hz")
         return cls(
             patch_size=int(img.get("patch_size", d.patch_size)),
             downsample_ratio=float(img.get("downsample_ratio", d.downsample_ratio)),

@@ -22,6 +22,9 @@ from packtool.media.image import image_size
 
 #: Part-name endings treated as videos.
 VIDEO_EXTENSIONS = frozenset({"mp4", "webm", "mkv", "mov", "avi"})
+#: Where a video's frame count came from: the container header, counted packets, decoded frames, or a list of
+#: images.
+FrameCountSource = Literal["header", "demux", "decode", "frames"]
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,8 @@ class VideoFacts:
     fps: float | None
     #: Seconds; ``None`` when neither the container nor a rate gives it.
     duration: float | None
-    #: Where ``frames`` came from: the container header, counted packets, decoded frames, or a list of images.
-    frame_count_source: Literal["header", "demux", "decode", "frames"]
+    #: Where ``frames`` came from (:data:`FrameCountSource`).
+    frame_count_source: FrameCountSource
 
     def __post_init__(self) -> None:
         if self.width <= 0 or self.height <= 0:
@@ -85,6 +88,7 @@ def probe_video(data: bytes, *, max_pixels: int, decode: bool = False) -> VideoF
             raise ValueError(f"video frame of {width}x{height} pixels exceeds the limit of {max_pixels}")
         fps = _stream_fps(stream)
         header_frames = int(stream.frames or 0)
+        source: FrameCountSource
         try:
             if decode:
                 frames, source = sum(1 for _ in container.decode(stream)), "decode"

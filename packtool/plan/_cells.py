@@ -98,4 +98,4 @@ def cost_classes(units: np.ndarray, cap: int) -> tuple[list[int], list[int]]:
 
 def few_per_cost(units: np.ndarray) -> bool:
     """Whether items are too few per distinct cost for the per-cost sweep to beat a per-item loop."""
-    return units.size < 32 * np.count_nonzero(np.bincount(units))
+    return bool(units.size < 32 * np.count_nonzero(np.bincount(units)))

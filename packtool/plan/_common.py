@@ -7,6 +7,8 @@ limits (images, image tokens per pack) travel as ``resources``: a tuple of ``(pe
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import numpy as np
 
 #: A per-pack additive limit other than tokens: per-item amounts (int64) and the most a pack may hold.
@@ -29,6 +31,10 @@ def as_int_array(values, name: str, n: int | None = None) -> np.ndarray:
     return a
 
 
+@overload
+def positive_int(value: object, name: str, allow_none: Literal[False]) -> int: ...
+@overload
+def positive_int(value: object, name: str, allow_none: bool = True) -> int | None: ...
 def positive_int(value, name: str, allow_none: bool = True) -> int | None:
     if value is None and allow_none:
         return None

@@ -21,11 +21,12 @@ from packtool.plan._common import aligned_costs, as_int_array, positive_int
 def pack_compute(pack_ids, lengths, align: int = 1, *, hidden_size: int = 4096) -> np.ndarray:
     """Estimated compute (token-equivalents, module doc) of every pack ``0..P-1``."""
     ids = as_int_array(pack_ids, "pack_ids")
-    cost = aligned_costs(as_int_array(lengths, "lengths", ids.size), positive_int(align, "align")).astype(np.float64)
+    align = positive_int(align, "align", allow_none=False)
+    cost = aligned_costs(as_int_array(lengths, "lengths", ids.size), align).astype(np.float64)
     n_packs = int(ids.max()) + 1 if ids.size else 0
     tokens = np.bincount(ids, weights=cost, minlength=n_packs)
     attention = np.bincount(ids, weights=cost * cost, minlength=n_packs)
-    return tokens + attention / (12.0 * positive_int(hidden_size, "hidden_size"))
+    return tokens + attention / (12.0 * positive_int(hidden_size, "hidden_size", allow_none=False))
 
 
 def balance_dp(pack_ids, lengths, n: int, align: int = 1, *, hidden_size: int = 4096, seed: int = 0) -> np.ndarray:
@@ -36,7 +37,7 @@ def balance_dp(pack_ids, lengths, n: int, align: int = 1, *, hidden_size: int = 
     then shuffled with ``seed`` so that training does not run from heavy to light packs. A last, incomplete
     group (fewer than ``n`` packs) comes last.
     """
-    n = positive_int(n, "n")
+    n = positive_int(n, "n", allow_none=False)
     compute = pack_compute(pack_ids, lengths, align, hidden_size=hidden_size)
     by_compute = np.argsort(-compute, kind="stable")
     full = compute.size // n * n
@@ -50,7 +51,7 @@ def dp_imbalance(pack_ids, lengths, n: int, order=None, *, align: int = 1, hidde
     """Imbalance of data-parallel steps: for each complete group of ``n`` consecutive packs in ``order``
     (default: pack numbers ascending), max / mean compute; the mean over groups (``reduce="max"``: the worst
     group). 1.0 is perfect; with fewer than ``n`` packs the single partial group is measured."""
-    n = positive_int(n, "n")
+    n = positive_int(n, "n", allow_none=False)
     compute = pack_compute(pack_ids, lengths, align, hidden_size=hidden_size)
     if order is not None:
         order = as_int_array(order, "order", compute.size)

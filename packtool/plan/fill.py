@@ -36,12 +36,22 @@ def slot_balanced_fill(units: np.ndarray, cap: int, max_segments: int,
     return _fill(units, cap, max_segments, resources, balanced=True)
 
 
-def _fill(units, cap, max_segments, resources, balanced):
+def _fill(units: np.ndarray, cap: int, max_segments: int | None, resources: tuple[Resource, ...],
+          balanced: bool) -> np.ndarray:
     if not units.size:
         return np.zeros(0, dtype=np.int64)
     if resources:
         return _fill_by_item(units, cap, max_segments, resources, balanced)
     return _fill_by_cost(units, cap, max_segments, balanced)
+
+
+def _segment_cap(max_segments: int | None, balanced: bool) -> int:
+    """``max_segments`` as an int, 0 for none; the slot-balanced fill aims at a share of it, so it needs one."""
+    if max_segments is None:
+        if balanced:
+            raise ValueError("the slot-balanced fill needs max_segments")
+        return 0
+    return max_segments
 
 
 def _estimate(units: np.ndarray, cap: int, max_segments: int) -> int:
@@ -51,7 +61,7 @@ def _estimate(units: np.ndarray, cap: int, max_segments: int) -> int:
 
 def _fill_by_cost(units: np.ndarray, cap: int, max_segments: int | None, balanced: bool) -> np.ndarray:
     n = units.size
-    K = max_segments
+    K = _segment_cap(max_segments, balanced)
     counts = np.bincount(units, minlength=cap + 1)
     cnt = counts.tolist()
     #: two-level bit set of the costs still present: 64-bit words and a summary of non-empty words
@@ -80,7 +90,11 @@ def _fill_by_cost(units: np.ndarray, cap: int, max_segments: int | None, balance
             summary &= ~(1 << w)
 
     estimate = _estimate(units, cap, K) if balanced else 0
-    ev_cost, ev_pack, ev_reps, ev_each = [], [], [], []  #: item blocks: cost, first pack, packs, items per pack
+    #: item blocks: cost, first pack, packs, items per pack
+    ev_cost: list[int] = []
+    ev_pack: list[int] = []
+    ev_reps: list[int] = []
+    ev_each: list[int] = []
     packs, left = 0, n
     while left:
         nt = min(K, max(1, -(-left // max(1, estimate - packs)))) if balanced else 0
@@ -118,13 +132,13 @@ def _fill_by_cost(units: np.ndarray, cap: int, max_segments: int | None, balance
         packs += reps
         left -= reps * k
     # Expand the blocks: items of one cost are taken in index order, block after block.
-    ev_cost = np.asarray(ev_cost, dtype=np.int64)
-    ev_each = np.asarray(ev_each, dtype=np.int64)
-    ev_len = np.asarray(ev_reps, dtype=np.int64) * ev_each
-    by_cost = np.argsort(ev_cost, kind="stable")
+    block_cost = np.asarray(ev_cost, dtype=np.int64)
+    block_each = np.asarray(ev_each, dtype=np.int64)
+    ev_len = np.asarray(ev_reps, dtype=np.int64) * block_each
+    by_cost = np.argsort(block_cost, kind="stable")
     taken = np.empty_like(ev_len)  #: items of the same cost taken by earlier blocks
     csum = np.cumsum(ev_len[by_cost])
-    first_of_cost = np.searchsorted(ev_cost[by_cost], ev_cost[by_cost], side="left")
+    first_of_cost = np.searchsorted(block_cost[by_cost], block_cost[by_cost], side="left")
     before = np.concatenate(([0], csum[:-1]))
     taken[by_cost] = before - before[first_of_cost]
     order = increasing_order(units, cap)  #: items grouped by cost, index order within a cost
@@ -132,8 +146,8 @@ def _fill_by_cost(units: np.ndarray, cap: int, max_segments: int | None, balance
     block = np.repeat(np.arange(ev_len.size), ev_len)
     within = np.arange(n) - np.repeat(np.cumsum(ev_len) - ev_len, ev_len)
     ids = np.empty(n, dtype=np.int64)
-    ids[order[start[ev_cost[block]] + taken[block] + within]] = (
-        np.asarray(ev_pack, dtype=np.int64)[block] + within // ev_each[block])
+    ids[order[start[block_cost[block]] + taken[block] + within]] = (
+        np.asarray(ev_pack, dtype=np.int64)[block] + within // block_each[block])
     return ids
 
 
@@ -167,7 +181,7 @@ def _fill_by_item(units: np.ndarray, cap: int, max_segments: int | None, resourc
     :class:`MaxTree` holding minus their demands (:data:`NEG` once taken), so "the largest remaining item no
     larger than x that the pack's resources allow" is a leftmost search from the first item of cost <= x."""
     n = units.size
-    K = max_segments
+    K = _segment_cap(max_segments, balanced)
     order = decreasing_order(units, cap)
     su = units[order]
     #: first position (in decreasing order) whose cost is <= x

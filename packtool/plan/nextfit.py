@@ -23,12 +23,13 @@ def sequential(units: np.ndarray, cap: int, max_segments: int | None = None,
         np.minimum(end, np.arange(1, n + 1) + (max_segments - 1), out=end)
     for values, limit in resources:
         np.minimum(end, _ends(values, limit), out=end)
-    starts = []
+    starts: list[int] = []
     s = 0
     while s < n:  # one step per pack
         starts.append(s)
         s = int(end[s])
-    sizes = np.diff(np.asarray(starts + [n], dtype=np.int64))
+    bounds = np.asarray(starts + [n], dtype=np.int64)
+    sizes = bounds[1:] - bounds[:-1]
     return np.repeat(np.arange(sizes.size, dtype=np.int64), sizes)
 
 

@@ -56,7 +56,8 @@ def pack_lengths(lengths, pack_size: int, *, algorithm: str = "auto", align: int
             continue
         if values is None:
             raise ValueError(f"{limit_name} needs per-item {name}")
-        named.append((name, as_int_array(values, name, lengths.size), positive_int(limit, limit_name)))
+        named.append((name, as_int_array(values, name, lengths.size),
+                      positive_int(limit, limit_name, allow_none=False)))
     costs = aligned_costs(lengths, align)
     check_fits(costs, pack_size, named)
     if not lengths.size:

@@ -9,7 +9,7 @@ The function receives the raw sample (``{part: bytes}`` plus ``"__key__"``) and 
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from packtool.errors import ConfigError
 from packtool.sources.conversation import parse_turns, place_images

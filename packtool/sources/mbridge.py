@@ -99,7 +99,8 @@ def chatml_adapter(parts: dict[str, bytes], *, fields: ChatMLFields, allow_pickl
         refuse_videos(parts[videos])
     if _member(parts, fields, "audio") is not None:
         raise SampleError(f"audio member {fields.audio!r}: audio is not supported yet")
-    name = _member(parts, fields, "conversation")
+    _member(parts, fields, "conversation")  # always mapped; raises when this sample lacks it
+    name = fields.conversation
     try:
         doc = json.loads(parts[name].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -25,8 +25,8 @@ import io
 import math
 import pickle
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -103,7 +103,7 @@ class _PendingArray(_Refused):
     __slots__ = ("array",)
 
     def __init__(self) -> None:
-        self.array = None
+        self.array: np.ndarray | None = None
 
     def __setstate__(self, state) -> None:
         # numpy's ndarray state: (version 1, shape, dtype, is_fortran, raw data)
