@@ -36,7 +36,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_plan.py --sizes 100000
 	$(BIN)/python bench/bench_pack.py --samples 4000
 	$(BIN)/python bench/bench_read.py
-	$(BIN)/python bench/bench_engine.py
+	$(BIN)/python bench/bench_workers.py --samples 4000 --per-shard 1000 --repeat 1
 	$(BIN)/python bench/bench_media.py
 	$(BIN)/python bench/bench_memory.py --samples 20000
 

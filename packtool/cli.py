@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import errno
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Optional, TypeVar
+from typing import TypeVar
 
 import typer
 
@@ -48,21 +47,21 @@ def pack(
     tokenizer: Path = typer.Option(..., help="Local Hugging Face model folder (tokenizer, chat template, "
                                              "optional preprocessor_config.json)."),
     pack_size: int = typer.Option(..., help="Tokens per pack."),
-    split: Optional[list[str]] = typer.Option(None, help="Split to pack (repeatable); default: all in split.yaml."),
+    split: list[str] | None = typer.Option(None, help="Split to pack (repeatable); default: all in split.yaml."),
     algorithm: str = typer.Option(default(P, "algorithm"), help=", ".join(choices(Algorithm))),
     balanced_delta: int = typer.Option(default(P, "balanced_delta"), help="Extra packs for balanced_greedy_knapsack."),
-    align: Optional[int] = typer.Option(None, help="Per-segment alignment (default: from --cp-size etc.)."),
+    align: int | None = typer.Option(None, help="Per-segment alignment (default: from --cp-size etc.)."),
     cp_size: int = typer.Option(1, min=1, help="Context-parallel size (align = 2·cp when cp > 1)."),
     tp_size: int = typer.Option(1, min=1, help="Tensor-parallel size (with --sequence-parallel)."),
     sequence_parallel: bool = typer.Option(False, help="Sequence parallelism (align includes cp·tp)."),
-    max_segments: Optional[int] = typer.Option(None, help="At most this many samples per pack."),
-    max_images: Optional[int] = typer.Option(None, help="At most this many images per pack."),
-    max_image_tokens: Optional[int] = typer.Option(None, help="At most this many image tokens per pack."),
+    max_segments: int | None = typer.Option(None, help="At most this many samples per pack."),
+    max_images: int | None = typer.Option(None, help="At most this many images per pack."),
+    max_image_tokens: int | None = typer.Option(None, help="At most this many image tokens per pack."),
     overlong: str = typer.Option(default(E, "overlong"), help="truncate (cut at a safe boundary) or drop."),
-    min_pixels: Optional[int] = typer.Option(None, help="Override the processor's min_pixels."),
-    max_pixels: Optional[int] = typer.Option(None, help="Override the processor's max_pixels."),
-    image_tokens: Optional[int] = typer.Option(None, help="Fixed tokens per image (non-Qwen models)."),
-    adapter: Optional[str] = typer.Option(None, help="Custom adapter module:function."),
+    min_pixels: int | None = typer.Option(None, help="Override the processor's min_pixels."),
+    max_pixels: int | None = typer.Option(None, help="Override the processor's max_pixels."),
+    image_tokens: int | None = typer.Option(None, help="Fixed tokens per image (non-Qwen models)."),
+    adapter: str | None = typer.Option(None, help="Custom adapter module:function."),
     allow_pickle: bool = typer.Option(default(E, "allow_pickle"),
                                       help="Read pickled media lists (through a restricted unpickler)."),
     pixel_limit: int = typer.Option(default(E, "pixel_limit"), help="Images with more pixels are quarantined."),
@@ -74,16 +73,17 @@ def pack(
     template_date: str = typer.Option(default(E, "template_date"), help="Date the chat template sees "
                                                                         "(strftime_now), fixed for reproducible "
                                                                         "output."),
-    preset: Optional[str] = typer.Option(None, help="Named conventions: " + ", ".join(choices(Preset)) + "."),
+    preset: str | None = typer.Option(None, help="Named conventions: " + ", ".join(choices(Preset)) + "."),
     target_newline_after_eot: bool = typer.Option(default(E, "target_newline_after_eot"),
                                                   help="Also train on the newline after each end-of-turn token."),
     media_first: bool = typer.Option(default(E, "media_first"), help="Move each turn's images before its text."),
-    workers: Optional[int] = typer.Option(None, help="Worker processes (default: all cores)."),
+    workers: int | None = typer.Option(None, help="Worker processes (default: all cores)."),
     engine: str = typer.Option(default(R, "engine"), help="local or ray."),
-    ray_address: Optional[str] = typer.Option(None, help="Ray cluster address host:port (with --engine ray)."),
-    shard_size: str = typer.Option(str(default(P, "shard_size")), help="Output shard size: bytes (512MB) or a pack count (1000)."),
+    ray_address: str | None = typer.Option(None, help="Ray cluster address host:port (with --engine ray)."),
+    shard_size: str = typer.Option(str(default(P, "shard_size")),
+                                   help="Output shard size: bytes (512MB) or a pack count (1000)."),
     seed: int = typer.Option(default(P, "seed"), help="Seed for seeded algorithms."),
-    balance_dp: Optional[int] = typer.Option(None, help="Order packs so each group of N ranks balances."),
+    balance_dp: int | None = typer.Option(None, help="Order packs so each group of N ranks balances."),
     strict: bool = typer.Option(default(R, "strict"), help="Stop at the first bad sample."),
     max_error_rate: float = typer.Option(default(R, "max_error_rate"), help="Exit non-zero above this error rate."),
     dry_run: bool = typer.Option(default(R, "dry_run"), help="Stop after planning: ledger and plan statistics."),
@@ -137,10 +137,10 @@ def pack(
 def stats(
     path: Path = typer.Argument(..., help="A packed OUTPUT folder, or a ledger.parquet."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-    plot: Optional[Path] = typer.Option(None, help="Write a PNG: fill, segments per pack, lengths."),
-    compare: Optional[str] = typer.Option(None, help="Replan the ledger with these algorithms (comma-separated)."),
-    pack_size: Optional[int] = typer.Option(None, help="Pack size for --compare (default: the run's)."),
-    balance_dp: Optional[int] = typer.Option(None, help="Report DP-group imbalance for this many ranks."),
+    plot: Path | None = typer.Option(None, help="Write a PNG: fill, segments per pack, lengths."),
+    compare: str | None = typer.Option(None, help="Replan the ledger with these algorithms (comma-separated)."),
+    pack_size: int | None = typer.Option(None, help="Pack size for --compare (default: the run's)."),
+    balance_dp: int | None = typer.Option(None, help="Report DP-group imbalance for this many ranks."),
 ) -> None:
     """Report how well OUTPUT packed."""
     from packtool import stats as st
@@ -161,17 +161,17 @@ def stats(
 @app.command()
 def verify(
     output: Path = typer.Argument(..., help="A packed OUTPUT folder."),
-    source: Optional[Path] = typer.Option(None, help="Also check media bytes and tokens against SOURCE."),
-    workers: Optional[int] = typer.Option(None, help="Worker processes (default: all cores)."),
+    source: Path | None = typer.Option(None, help="Also check media bytes and tokens against SOURCE."),
+    workers: int | None = typer.Option(None, help="Worker processes (default: all cores)."),
     engine: str = typer.Option(default(R, "engine"), help="local or ray."),
-    ray_address: Optional[str] = typer.Option(None, help="Ray cluster address host:port (with --engine ray)."),
+    ray_address: str | None = typer.Option(None, help="Ray cluster address host:port (with --engine ray)."),
 ) -> None:
     """Check OUTPUT: every pack well-formed, every source sample accounted for, metadata consistent."""
     from packtool.engine import default_workers
     from packtool.verify import verify_output
 
     problems = _one_line(lambda: verify_output(output, source=source, workers=workers or default_workers(),
-                                               engine=engine, ray_address=ray_address))
+                                               engine=engine, ray_address=ray_address))  # type: ignore[arg-type]  # Engine checks it
     if problems:
         for p in problems:
             typer.echo(p, err=True)
@@ -182,8 +182,8 @@ def verify(
 @app.command()
 def inspect(
     output: Path = typer.Argument(..., help="A packed OUTPUT folder."),
-    key: Optional[str] = typer.Argument(None, help="Pack key (default: the first pack)."),
-    split: Optional[str] = typer.Option(None, help="Split to look in (default: the first)."),
+    key: str | None = typer.Argument(None, help="Pack key (default: the first pack)."),
+    split: str | None = typer.Option(None, help="Split to look in (default: the first)."),
 ) -> None:
     """Show one pack: segments, decoded text with targets marked, media."""
     from packtool.inspect_pack import inspect_pack
@@ -196,4 +196,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

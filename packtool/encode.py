@@ -11,11 +11,12 @@ from __future__ import annotations
 import datetime
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -112,7 +113,7 @@ def load_tokenizer(tokenizer_dir: str | Path):
     return cls.from_pretrained(str(tokenizer_dir), local_files_only=True)
 
 
-def _compile(source: str, tokenizer_dir: str) -> object:
+def _compile(source: str, tokenizer_dir: str) -> Any:
     """The compiled chat template; one that Jinja refuses (a syntax error, an unknown filter or test) is a
     :class:`ConfigError` naming the model folder, raised before any sample is read."""
     import jinja2
@@ -120,7 +121,8 @@ def _compile(source: str, tokenizer_dir: str) -> object:
     try:
         return hfcompat.compile_template(source)
     except jinja2.TemplateError as exc:
-        where = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
+        line = getattr(exc, "lineno", None)
+        where = f" (line {line})" if line else ""
         raise ConfigError(f"{tokenizer_dir}: the chat template does not compile{where}: "
                           f"{exc.message or exc}") from None
 
@@ -145,7 +147,7 @@ class Encoder:
         self.template_kwargs["strftime_now"] = today.strftime  # shadows the global that reads the clock
         self.generation_tags = re.search(r"\{%-?\s*generation\s*-?%\}", self.template_source) is not None
         self.rule: ImageRule | None = load_image_rule(
-            settings.tokenizer,
+            Path(settings.tokenizer),
             min_pixels=settings.min_pixels,
             max_pixels=settings.max_pixels,
             image_tokens=settings.image_tokens,
@@ -177,7 +179,7 @@ class Encoder:
     # -- rendering -------------------------------------------------------------------------------------------
     def _template_messages(self, messages: list[dict]) -> list[dict]:
         """Messages as the template wants them: image parts (structured) or the placeholder text in place."""
-        out = []
+        out: list[dict] = []
         for m in messages:
             text = media_first(m["content"]) if self.settings.media_first else m["content"]
             if self.structured and IMAGE_TAG in text:
@@ -202,7 +204,7 @@ class Encoder:
     def _template_takes_image_parts(self) -> bool:
         if self.image_token is None:
             return False
-        probe = [
+        probe: list[dict] = [
             {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]},
             {"role": "assistant", "content": "y"},
         ]
@@ -252,15 +254,16 @@ class Encoder:
 
     def _media_facts(self, raw: RawSample, conv: Conversation) -> list[dict]:
         facts = []
-        lists: dict[str, list[bytes]] = {}
+        lists: dict[str, Sequence[bytes]] = {}
         for m in conv.media:
             if m.item is None:
                 data = raw.parts[m.part]
                 offset, size = raw.ranges[m.part]
                 ext = m.part.rsplit(".", 1)[-1].lower()
             else:
-                items = lists.setdefault(m.part, load_bytes_list(raw.parts[m.part]) if self.settings.allow_pickle
-                                         else [])
+                if m.part not in lists:
+                    lists[m.part] = load_bytes_list(raw.parts[m.part]) if self.settings.allow_pickle else []
+                items = lists[m.part]
                 if m.item >= len(items):
                     raise SampleError(f"media {m.part}[{m.item}] referenced but missing")
                 data, ext = items[m.item], ""
@@ -352,13 +355,13 @@ class Encoder:
         backend = self.tok.backend_tokenizer
         try:
             return [(e.ids, e.offsets) for e in backend.encode_batch(texts, add_special_tokens=False)]
-        except Exception:  # noqa: BLE001 - which text failed is found below, one at a time
+        except Exception:
             out: list[tuple[list[int], list[tuple[int, int]]] | Exception] = []
             for t in texts:
                 try:
                     e = backend.encode(t, add_special_tokens=False)
                     out.append((e.ids, e.offsets))
-                except Exception as exc:  # noqa: BLE001 - the tokenizer's verdict on this text's data
+                except Exception as exc:
                     out.append(SampleError(f"the tokenizer cannot encode the text: {type(exc).__name__}: {exc}"))
             return out
 

@@ -3,10 +3,11 @@
 
 A shard is cut into ranges of consecutive samples (:class:`~packtool.sources.energon.SampleRange`, from a walk
 over its headers) so that tasks are even and a task's memory does not grow with its shard. ``encode_range`` (one
-task per range) reads its samples, encodes them and commits the folder atomically: ``samples.parquet`` (one :data:`ENCODED_SCHEMA` row per sample, on-disk order), ``tokens.npy`` and
-``targets.npy`` (the kept samples' tokens, concatenated) and ``source.json`` (what the source shard looked like
-when it was read). A rerun keeps a folder only while its source shard still looks the same: an edited shard is
-encoded again, so a resumed run never packs stale bytes.
+task per range) reads its samples, encodes them and commits the folder atomically: ``samples.parquet`` (one
+:data:`ENCODED_SCHEMA` row per sample, on-disk order), ``tokens.npy`` and ``targets.npy`` (the kept samples'
+tokens, concatenated) and ``source.json`` (what the source shard looked like when it was read). A rerun keeps a
+folder only while its source shard still looks the same: an edited shard is encoded again, so a resumed run
+never packs stale bytes.
 """
 
 from __future__ import annotations

@@ -227,14 +227,6 @@ class Engine:
             p.join()
 
 
-def run_tasks(fn: Callable, tasks: Sequence[tuple], *, workers: int = 1, engine: EngineKind = "local",
-              ray_address: str | None = None, desc: str = "", unit: str = "task",
-              progress: bool = True) -> list[Any]:
-    """``[fn(*t) for t in tasks]`` on an engine of its own (one stage); results in task order."""
-    with Engine(engine, max(1, min(workers, len(tasks))), ray_address) as e:
-        return e.map(fn, tasks, desc=desc, unit=unit, progress=progress)
-
-
 # -- worker side -------------------------------------------------------------------------------------------------
 def _worker_init(parent: int, initializer: Callable[..., None] | None, initargs: tuple) -> None:
     """Tie this pool worker's life to its parent's, leave SIGINT to the parent, then run the user's hook."""

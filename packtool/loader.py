@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from typing import Literal, NoReturn
+from typing import Any, Literal, NoReturn
 
 import numpy as np
 import torch
@@ -62,7 +62,7 @@ def collate_packs(rows: list[dict], pad_token_id: int) -> dict:
         return rows[0]
     length = max(r["tokens"].shape[1] for r in rows)
     rows = [pad_row(r, length, pad_token_id) for r in rows]
-    out = {key: torch.cat([r[key] for r in rows]) for key in ROW_KEYS}
+    out: dict[str, Any] = {key: torch.cat([r[key] for r in rows]) for key in ROW_KEYS}
     for key in ("cu_seqlens_unpadded", "cu_seqlens_padded"):
         lengths = torch.cat([r[key].diff() for r in rows])
         out[key] = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
@@ -189,7 +189,7 @@ class PackTaskEncoder(DefaultTaskEncoder):
         try:
             batch = pack_to_batch({**sample.members, "__key__": sample.__key__}, manifest, pad_to=self.pad_to,
                                   images=self.images, image_processor=self.image_processor, source=where)
-        except Exception as exc:  # noqa: BLE001 - every failing pack is reported, never dropped silently
+        except Exception as exc:
             self._failed(exc, where, sample.__key__)
         return PackRow.derive_from(sample, batch=batch)
 

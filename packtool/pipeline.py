@@ -54,7 +54,8 @@ class PackResult:
 
 class _Clock:
     def __init__(self) -> None:
-        self.last, self.seconds = time.perf_counter(), {}
+        self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
 
     def lap(self, stage: str) -> None:
         now = time.perf_counter()
@@ -139,7 +140,8 @@ def _encode(engine: Engine, out: OutputDir, src: SourceDataset, settings: PackSe
     shards = [(split, i, shard) for split, names in src.splits.items() for i, shard in enumerate(names)]
     layouts = engine.map(shard_layout, [(src.root, shard, src.excluded_samples) for _, _, shard in shards],
                          desc="scan", unit="shard", progress=run.progress)
-    tasks, enc_dirs = [], {split: [] for split in src.splits}
+    tasks: list[tuple] = []
+    enc_dirs: dict[str, list[Path]] = {split: [] for split in src.splits}
     for (split, i, shard), layout in zip(shards, layouts):
         for k, span in enumerate(layout.ranges(SAMPLES_PER_RANGE)):
             store = out.encode_dir(split, i, k)

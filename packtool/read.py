@@ -25,16 +25,16 @@ Boundary conventions (all offsets are token indices into the row):
 from __future__ import annotations
 
 import functools
-import io
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from packtool.errors import FormatError
-from packtool.format import PackRecord, load_manifest, split_shard_paths
+from packtool.format import Manifest, PackRecord, load_manifest, split_shard_paths
 from packtool.shards import iter_records
 
 IGNORE_INDEX = -100
@@ -55,7 +55,7 @@ def _cached_processor(settings_json: str):
     )
 
 
-def image_processor_from_manifest(manifest: Mapping):
+def image_processor_from_manifest(manifest: Manifest | Mapping):
     """The Qwen2-VL image processor (PIL backend: the same numbers with or without torchvision) the manifest
     describes; None for a text-only dataset or a fixed-count (`"type": "fixed"`) one, whose model's own processor
     the caller must pass. Cached: one per process and settings."""
@@ -68,8 +68,8 @@ def image_processor_from_manifest(manifest: Mapping):
 
 
 def pack_to_batch(
-    members: Mapping[str, bytes],
-    manifest: Mapping,
+    members: Mapping[str, Any],
+    manifest: Manifest | Mapping,
     *,
     pad_to: str = "pack",
     images: bool = True,
@@ -89,9 +89,9 @@ def pack_to_batch(
         source: where the record came from (shard path), named in errors.
 
     Returns: tokens, labels, loss_mask, position_ids, padding_mask (`[1, L]`), cu_seqlens_unpadded,
-    cu_seqlens_padded (int32 `[S + 1]`), max_seqlen (int), image_grid_thw (int64 `[n, 3]`, when the dataset has an image processor
-    or the pack has media), pixel_values (when also `images`: float32 `[Σpatches, C·t·p·p]` for Qwen2-VL, else what
-    the given processor returns), keys (segment source keys), pack_key.
+    cu_seqlens_padded (int32 `[S + 1]`), max_seqlen (int), image_grid_thw (int64 `[n, 3]`, when the dataset has an
+    image processor or the pack has media), pixel_values (when also `images`: float32 `[Σpatches, C·t·p·p]` for
+    Qwen2-VL, else what the given processor returns), keys (segment source keys), pack_key.
     """
     if pad_to not in PAD_TO:
         raise ValueError(f"pad_to must be one of {PAD_TO}, got {pad_to!r}")
@@ -149,7 +149,7 @@ def pack_to_batch(
     return batch
 
 
-def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, images: bool,
+def _media(record: PackRecord, manifest: Manifest | Mapping, cu: np.ndarray, where: str, images: bool,
            image_processor) -> dict:
     """image_grid_thw (+ pixel_values) for the pack's media, after checking each media span in the tokens."""
     media = record.media_refs

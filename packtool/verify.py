@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from packtool.engine import run_tasks
+from packtool.engine import Engine
 from packtool.errors import FormatError
 from packtool.format import (
     ARRAYS,
@@ -50,6 +50,7 @@ from packtool.format import (
     sha256,
 )
 from packtool.media import ImageRule, image_size
+from packtool.settings import EngineKind
 from packtool.shards import idx_path, index_tar, parse_record, record_offsets, scan_records
 
 MAX_LISTED = 200
@@ -97,7 +98,9 @@ class TokenCheck:
 
     def problems(self, segments: list[tuple[str, np.ndarray, list[MediaRef], bool]]) -> list[str]:
         """Problems of ``(where, tokens, media, truncated)`` segments (checked as one batch)."""
-        problems, whole, cut = [], [], []
+        problems: list[str] = []
+        whole: list[tuple[str, np.ndarray]] = []
+        cut: list[tuple[str, np.ndarray]] = []
         for where, tokens, media, truncated in segments:
             inside = (tokens >= 0) & (tokens < len(self.known))
             bad = np.flatnonzero(~inside)
@@ -163,7 +166,7 @@ def image_rule(manifest: Manifest) -> ImageRule | None:
     if kw.get("type") not in ("qwen2_vl", "fixed"):
         raise FormatError(f"{META}/packtool.json: unsupported image processor type {kw.get('type')!r}")
     try:
-        return ImageRule(**kw)
+        return ImageRule(**kw)  # type: ignore[arg-type]  # field types are checked by ImageRule's use below
     except TypeError as exc:
         raise FormatError(f"{META}/packtool.json: malformed image processor ({exc})") from None
 
@@ -280,7 +283,7 @@ def check_shard(output: str, split: str, shard: str, fid: int, count: int | None
         return ShardReport([f"{shard}: missing"])
     try:
         index = index_tar(path)
-    except Exception as exc:  # noqa: BLE001 - tarfile raises several types for a broken tar
+    except Exception as exc:
         return ShardReport([f"{shard}: unreadable tar ({type(exc).__name__}: {exc})"])
     if count != len(index):
         problems.append(f"{shard}: .info.json says {count} samples, the tar holds {len(index)}")
@@ -291,7 +294,7 @@ def check_shard(output: str, split: str, shard: str, fid: int, count: int | None
     if (tok_dir / "tokenizer.json").is_file():
         try:
             tokens = _token_check(str(tok_dir), manifest.image_token_id)
-        except Exception as exc:  # noqa: BLE001 - whatever the tokenizer library says of its files
+        except Exception as exc:
             problems.append(f"{tok_dir.relative_to(out)}: unreadable tokenizer ({type(exc).__name__}: {exc})")
     try:
         rule = image_rule(manifest)
@@ -382,11 +385,15 @@ def _check_sqlite_extent(path: Path, n_shards: int) -> list[str]:
 
 
 # -- the whole output -----------------------------------------------------------------------------------------
-def verify_output(output: str | Path, *, source: str | Path | None = None, workers: int = 1, engine: str = "local",
-                  ray_address: str | None = None) -> list[str]:
+def verify_output(output: str | Path, *, source: str | Path | None = None, workers: int = 1,
+                  engine: EngineKind = "local", ray_address: str | None = None) -> list[str]:
     """Every check (see the module docstring); ``workers``, ``engine`` and ``ray_address`` as for ``pack``
-    (the shards, and with ``source`` the source shards, are checked in parallel)."""
-    out = Path(output)
+    (the shards, and with ``source`` the source shards, are checked in parallel on one engine)."""
+    with Engine(engine, workers, ray_address) as runner:
+        return _verify(Path(output), None if source is None else Path(source), runner)
+
+
+def _verify(out: Path, source: Path | None, runner: Engine) -> list[str]:
     try:
         manifest = Manifest.read(out)
     except FormatError as exc:
@@ -407,8 +414,7 @@ def verify_output(output: str | Path, *, source: str | Path | None = None, worke
             problems.append(f"{tok_dir.relative_to(out)}: no tokenizer.json (readers need it; token ids unchecked)")
         tasks = [(str(out), split, shard, fid, info.shard_counts.get(shard), manifest)
                  for fid, (split, shard) in enumerate(shards)]
-        done = run_tasks(check_shard, tasks, workers=workers, engine=engine, ray_address=ray_address,
-                         desc="verify", unit="shard", progress=False)
+        done = runner.map(check_shard, tasks, desc="verify", unit="shard", progress=False)
         reports = [(split, shard, r) for (split, shard), r in zip(shards, done)]
         for _, _, r in reports:
             problems += r.problems
@@ -417,8 +423,7 @@ def verify_output(output: str | Path, *, source: str | Path | None = None, worke
     if source is not None:
         from packtool.verify_source import check_against_source
 
-        problems += check_against_source(out, Path(source), manifest, workers=workers, engine=engine,
-                                         ray_address=ray_address)
+        problems += check_against_source(out, source, manifest, runner)
     problems = list(dict.fromkeys(problems))  # a problem every task sees (the tokenizer) is listed once
     if len(problems) > MAX_LISTED:
         problems = problems[:MAX_LISTED] + [f"... and {len(problems) - MAX_LISTED} more"]
@@ -478,18 +483,18 @@ def _check_ledger(out: Path, manifest: Manifest, reports: list[tuple[str, str, S
         scan = _scan_ledger(out)
     except FormatError as exc:
         return [str(exc)]
-    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a broken file
+    except Exception as exc:
         return [f"{LEDGER}: unreadable ({type(exc).__name__}: {exc})"]
     problems = scan.problems
     if not manifest.dry_run:
         problems += _check_placement(out, scan, reports)
     for split, c in manifest.counts.items():
-        got = {s: scan.counts[(split, s)] for s in STATUSES}
-        got = {"samples": sum(got.values()), **got}
+        by_status: dict[str, int] = {s: scan.counts[(split, s)] for s in STATUSES}
+        got: dict[str, int] = {"samples": sum(by_status.values()), **by_status}
         if {k: c.get(k) for k in got} != got:
             problems.append(f"{META}/packtool.json: counts {c} for {split}, the ledger {got}")
     if not manifest.dry_run:
-        found = Counter()
+        found: Counter[str] = Counter()
         for split, _, r in reports:
             found[split] += r.packs
         for split, n in (manifest.packs or {}).items():

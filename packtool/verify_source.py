@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from packtool.encode import get_encoder
 from packtool.encoded import UNREADABLE
-from packtool.engine import run_tasks
+from packtool.engine import Engine
 from packtool.errors import FormatError, SourceError
 from packtool.format import KEPT, LEDGER, META, TOKENIZER_DIR, InfoJson, Manifest, PackRecord
 from packtool.settings import EncodeSettings
@@ -40,8 +40,7 @@ def _settings(out: Path, manifest: Manifest) -> EncodeSettings:
     return EncodeSettings(**kw)
 
 
-def check_against_source(out: Path, source: Path, manifest: Manifest, *, workers: int = 1, engine: str = "local",
-                         ray_address: str | None = None) -> list[str]:
+def check_against_source(out: Path, source: Path, manifest: Manifest, engine: Engine) -> list[str]:
     """Problems found by re-encoding the source: missing or extra samples, changed tokens, targets or media."""
     try:
         src = open_source(source, list(manifest.counts))
@@ -50,12 +49,11 @@ def check_against_source(out: Path, source: Path, manifest: Manifest, *, workers
     shards = [s for ss in src.splits.values() for s in ss]
     tasks = [(str(out), str(src.root), shard, src.excluded_samples, src.dataset_yaml, src.shard_counts.get(shard),
               manifest) for shard in shards]
-    problems = [p for found in run_tasks(check_source_shard, tasks, workers=workers, engine=engine,
-                                         ray_address=ray_address, desc="verify source", unit="shard",
-                                         progress=False) for p in found]
+    problems = [p for found in engine.map(check_source_shard, tasks, desc="verify source", unit="shard",
+                                          progress=False) for p in found]
     try:
         ledger_shards = pq.read_table(out / LEDGER, columns=["shard"]).column("shard").unique().to_pylist()
-    except Exception:  # noqa: BLE001 - reported by the ledger check already
+    except Exception:
         return problems
     for shard in sorted(set(ledger_shards) - set(shards)):
         problems.append(f"{LEDGER}: rows of {shard}, which the source does not list")
@@ -65,7 +63,8 @@ def check_against_source(out: Path, source: Path, manifest: Manifest, *, workers
 def _ledger_rows(out: Path, shard: str) -> dict[tuple[str, int], dict]:
     """The ledger rows of one source shard by (key, occurrence of that key in the shard)."""
     table = pq.read_table(out / LEDGER, filters=pc.field("shard") == shard)
-    rows, seen = {}, Counter()
+    rows: dict[tuple[str, int], dict] = {}
+    seen: Counter[str] = Counter()
     for r in table.to_pylist():
         seen[r["key"]] += 1
         rows[(r["key"], seen[r["key"]])] = r
@@ -79,7 +78,7 @@ def check_source_shard(output: str, root: str, shard: str, excluded: frozenset[s
     encoder = get_encoder(_settings(out, manifest), dataset_yaml)
     try:
         ledger = _ledger_rows(out, shard)
-    except Exception:  # noqa: BLE001 - an unreadable ledger is reported by the ledger check
+    except Exception:
         return []
     try:
         records = _RecordReader(out)

@@ -47,7 +47,7 @@ QWEN_PROCESSOR = {
 
 
 @functools.lru_cache(maxsize=1)
-def tokenizer() -> "tokenizers.Tokenizer":  # noqa: F821
+def tokenizer() -> tokenizers.Tokenizer:  # noqa: F821
     """Byte-level tokenizer without merges: 256 byte tokens, then SPECIALS (ids 256..261)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel

@@ -70,8 +70,8 @@ def test_stats_table_json_plot(packed, tmp_path):
 
 
 def test_typed_datasets_and_custom_adapter(demo_dir, tmp_path):
-    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
     from packtool.pipeline import pack
+    from packtool.settings import EncodeSettings, PackSettings
 
     vqa = demo.build_vqa_dataset(tmp_path / "vqa", n=12)
     cap = demo.build_captioning_dataset(tmp_path / "cap", n=8)

@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 
 import demo
 from packtool.cli import app
-from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from packtool.pipeline import pack
+from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from packtool.verify import verify_output
 
 PIXEL_LIMIT = 4_000_000

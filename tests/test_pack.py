@@ -100,7 +100,7 @@ def test_index_sqlite_lookup_by_key(packed):
     con = sqlite3.connect(packed / ".nv-meta" / "index.sqlite")
     rows = con.execute("SELECT tar_file_id, sample_key, sample_index, byte_offset, byte_size FROM samples").fetchall()
     assert len(rows) == sum(info["shard_counts"].values())
-    for fid, key, index, offset, size in rows[:: max(1, len(rows) // 10)]:
+    for fid, key, index, offset, _size in rows[:: max(1, len(rows) // 10)]:
         parts = con.execute("SELECT part_name, content_byte_offset, content_byte_size FROM sample_parts "
                             "WHERE tar_file_id=? AND sample_index=?", (fid, index)).fetchall()
         with open(packed / shards[fid], "rb") as f:
@@ -115,9 +115,8 @@ def test_index_sqlite_lookup_by_key(packed):
         idx = np.fromfile(packed / (shards[fid] + ".idx"), dtype=np.uint64)
         assert idx[index] == offset
     # Energon's own random access by key.
-    from megatron.energon.flavors.webdataset.itar_reader import SqliteITarEntryReader
-
     from megatron.energon.epathlib import EPath
+    from megatron.energon.flavors.webdataset.itar_reader import SqliteITarEntryReader
 
     reader = SqliteITarEntryReader(EPath(packed), key_is_full_entryname=False)
     key = rows[len(rows) // 2][1]
@@ -132,7 +131,7 @@ def test_every_source_sample_accounted_for_once(packed, demo_dir):
     assert (demo.EXCLUDED_SHARD, demo.EXCLUDED_KEY) not in source
     in_packs = Counter()
     for split in ("train", "val"):
-        for key, parts in records(packed, split):
+        for _key, parts in records(packed, split):
             for seg in json.loads(parts["json"])["segments"]:
                 in_packs[(seg["shard"], seg["key"])] += 1
     for r in ledger:
@@ -145,8 +144,8 @@ def test_every_source_sample_accounted_for_once(packed, demo_dir):
 
 
 def test_media_bytes_identical_and_image_tokens_follow_the_rule(packed, demo_dir):
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
     from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     source = source_samples(demo_dir / "dataset")
     manifest = json.loads((packed / ".nv-meta" / "packtool.json").read_text())
@@ -204,8 +203,8 @@ def test_train_fill_and_stats(packed):
 
 
 def test_rerun_is_byte_identical(packed, demo_dir, tmp_path):
-    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
     from packtool.pipeline import pack
+    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
     out = tmp_path / "again"
     settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048),

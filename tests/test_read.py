@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import packfixture as fx
+from packtool.errors import FormatError
+from packtool.format import load_manifest
 from packtool.inspect_pack import inspect_pack
 from packtool.loader import PackDataset, PackTaskEncoder, collate_packs
 from packtool.megatron_batch import to_megatron
-from packtool.errors import FormatError
-from packtool.format import load_manifest
 from packtool.read import mrope_position_ids, pack_to_batch, read_packs
 
 MANIFEST = {"pad_token_id": fx.PAD_ID, "image_token_id": fx.IMAGE_PAD_ID, "image_processor": None}
@@ -192,7 +192,7 @@ def test_mrope_positions_by_hand():
 
 def test_pack_dataset_order_ranks_workers(image_dataset):
     path, _ = image_dataset
-    keys = lambda ds: [b["pack_key"] for b in ds]  # noqa: E731
+    keys = lambda ds: [b["pack_key"] for b in ds]
     assert keys(PackDataset(path, shuffle=False)) == [f"train-{i:09d}" for i in range(3)]
     ds = PackDataset(path, seed=3, images=False)
     first = keys(ds)
@@ -329,15 +329,15 @@ def test_inspect(image_dataset):
 
 def test_shuffle_keeps_dp_balanced_groups_together(demo_dir, tmp_path):
     """Packs written with --balance-dp N move as whole groups when N ranks shuffle: each step's packs are one group."""
-    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
     from packtool.loader import PackDataset
     from packtool.pipeline import pack
+    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
     out = tmp_path / "dp"
     pack(demo_dir / "dataset", out, PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048),
                                                  PlanSettings(balance_dp=4), splits=("train",)), progress=False)
     ranks = [PackDataset(out, "train", seed=3, rank=r, world_size=4, images=False).rank_records() for r in range(4)]
-    flat = lambda rec: rec[:, 1]  # noqa: E731  (one shard at the default shard size)
+    flat = lambda rec: rec[:, 1]
     steps = np.stack([flat(r) for r in ranks], axis=1)
     assert (steps // 4 == (steps[:, :1] // 4)).all() and (steps % 4 == np.arange(4)).all()
     assert not (steps[:, 0] == np.arange(0, 4 * len(steps), 4)).all()  # shuffled, not on-disk order

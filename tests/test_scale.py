@@ -21,9 +21,9 @@ from typer.testing import CliRunner
 
 import demo
 from packtool.cli import app
-from packtool.settings import EncodeSettings, PackSettings, PlanSettings
-from packtool.pipeline import pack
 from packtool.errors import FatalSampleError
+from packtool.pipeline import pack
+from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from packtool.verify import verify_output
 
 ROOT = Path(__file__).resolve().parents[1]

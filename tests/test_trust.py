@@ -16,7 +16,6 @@ import tarfile
 import time
 from pathlib import Path
 
-import demo
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -24,6 +23,7 @@ import yaml
 from PIL import Image
 from typer.testing import CliRunner
 
+import demo
 from packtool.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,17 +7,15 @@ import json
 import shutil
 import sqlite3
 import tarfile
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
-import pytest
-from typer.testing import CliRunner
-
-from importlib.metadata import version
-
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from PIL import Image
+from typer.testing import CliRunner
 
 from packtool import verify
 from packtool.cli import app

@@ -12,6 +12,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from packtool.errors import ConfigError
 from packtool.media.folder import read_folder
@@ -204,8 +205,8 @@ class Qwen2VLSettings:
         image = _image_rule(configs.image, min_pixels, max_pixels)
         video = configs.video
         size = dict(video.get("size") or {})
-        lo = video.get("min_pixels", size.get("shortest_edge", cls.video_min_pixels))
-        hi = video.get("max_pixels", size.get("longest_edge", cls.video_max_pixels))
+        lo: Any = video.get("min_pixels", size.get("shortest_edge", cls.video_min_pixels))
+        hi: Any = video.get("max_pixels", size.get("longest_edge", cls.video_max_pixels))
         folder_fps, folder_frames = video.get("fps"), video.get("num_frames")
         if fps is not None or num_frames is not None:
             folder_fps, folder_frames = fps, num_frames
@@ -238,9 +239,9 @@ class Qwen2VLSettings:
             return tuple(range(total))
         tps = self.video_temporal_patch_size
         if self.num_frames is not None:
-            n = round(self.num_frames / tps) * tps
+            n: float = round(self.num_frames / tps) * tps
         else:
-            if facts.fps is None:
+            if facts.fps is None or self.fps is None:
                 raise ValueError("video has no frame rate, so it cannot be sampled by frame rate")
             cap = math.floor(min(self.max_frames, total) / tps) * tps
             n = min(max(total / facts.fps * self.fps, self.min_frames), cap, total)

@@ -265,8 +265,8 @@ def _check_end_marker(tar: tarfile.TarFile, shard: str) -> None:
     """Iteration must have stopped at the end-of-archive marker: ``tarfile`` also stops silently at a truncated
     or garbled header (the rest of the shard would be lost, and the sample before it may miss members)."""
     f = tar.fileobj
-    f.seek(tar.offset)  # type: ignore[union-attr]
-    if f.read(tarfile.BLOCKSIZE) != tarfile.NUL * tarfile.BLOCKSIZE:  # type: ignore[union-attr]
+    f.seek(tar.offset)
+    if f.read(tarfile.BLOCKSIZE) != tarfile.NUL * tarfile.BLOCKSIZE:
         raise SourceError(f"cannot read shard {shard}: no end-of-archive marker at byte {tar.offset} "
                           f"(truncated or corrupt; its last sample may be incomplete)")
 
@@ -275,8 +275,8 @@ def _check_after_end(tar: tarfile.TarFile, shard: str) -> None:
     """Nothing but zeros may follow the end-of-archive marker (the second of two concatenated tars would be
     lost)."""
     f = tar.fileobj
-    f.seek(tar.offset + tarfile.BLOCKSIZE)  # type: ignore[union-attr]
-    while block := f.read(1 << 16):  # type: ignore[union-attr]
+    f.seek(tar.offset + tarfile.BLOCKSIZE)
+    while block := f.read(1 << 16):
         if block.strip(b"\0"):
             raise SourceError(f"cannot read shard {shard}: data after the end-of-archive marker at byte "
                               f"{tar.offset} (concatenated tars?) is not read")
