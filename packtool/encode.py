@@ -4,6 +4,9 @@ The tokenizer's own chat template renders each sample. Targets are each assistan
 token the template emits after it: from ``{% generation %}`` spans when the template has them, otherwise by
 rendering the conversation up to each assistant turn (with the generation prompt) and taking the reply that
 follows that prefix. Each image placeholder token is expanded to the image's exact token count.
+
+Media of every kind (image, video, audio) are measured before tokenizing: a member that does not read, or a kind
+the model folder has no rule for, quarantines the sample, so no sample is packed without its media.
 """
 
 from __future__ import annotations
@@ -21,14 +24,14 @@ import numpy as np
 
 from packtool import hfcompat
 from packtool.errors import ConfigError, FatalSampleError, SampleError, is_data_error, sample_reason
-from packtool.media import ImageRule, image_size, load_image_rule
+from packtool.media import ImageRule, image_size, load_image_rule, probe_audio, probe_frames, probe_video
 from packtool.settings import EncodeSettings
 from packtool.sources import Conversation, RawSample
 from packtool.sources.conversation import conversation_adapter
 from packtool.sources.custom import custom_adapter, load_function
 from packtool.sources.mbridge import chatml_adapter, chatml_fields
 from packtool.sources.safepickle import load_bytes_list
-from packtool.sources.sample import IMAGE_TAG
+from packtool.sources.sample import IMAGE_TAG, MEDIA_TAGS, TAG_PATTERN, Media, tag_kinds
 from packtool.sources.typed import sample_type, typed_adapter
 
 #: Files of a model folder that decide the encoding (their bytes form the tokenizer fingerprint).
@@ -143,7 +146,7 @@ class Encoder:
         self.vision_start_id = vocab.get("<|vision_start|>")
         self.vision_end_id = vocab.get("<|vision_end|>")
         self.special_ids = frozenset(self.tok.all_special_ids) | frozenset(self.tok.added_tokens_encoder.values())
-        self.control_tokens = tuple(t for t in self.tok.added_tokens_encoder if t != IMAGE_TAG)
+        self.control_tokens = tuple(t for t in self.tok.added_tokens_encoder if t not in MEDIA_TAGS.values())
         self.structured = self._template_takes_image_parts()
         if self.structured or self.vision_start_id is None or self.image_token != "<|image_pad|>":
             self.image_text = self.image_token or ""
@@ -163,16 +166,17 @@ class Encoder:
 
     # -- rendering -------------------------------------------------------------------------------------------
     def _template_messages(self, messages: list[dict]) -> list[dict]:
-        """Messages as the template wants them: image parts (structured) or the placeholder text in place."""
+        """Messages as the template wants them: media parts (structured) or the placeholder text in place."""
         out = []
         for m in messages:
             text = media_first(m["content"]) if self.settings.media_first else m["content"]
-            if self.structured and IMAGE_TAG in text:
-                pieces = text.split(IMAGE_TAG)
+            kinds = tag_kinds(text)
+            if self.structured and kinds:
+                pieces = TAG_PATTERN.split(text)
                 content = []
                 for i, piece in enumerate(pieces):
                     if i:
-                        content.append({"type": "image"})
+                        content.append({"type": kinds[i - 1]})
                     if piece:
                         content.append({"type": "text", "text": piece})
                 out.append({"role": m["role"], "content": content})
@@ -238,38 +242,60 @@ class Encoder:
         return conversation_adapter(raw.parts, allow_pickle=self.settings.allow_pickle)
 
     def _media_facts(self, raw: RawSample, conv: Conversation) -> list[dict]:
+        """What each media item costs and where its bytes lie; a member that does not read, or a kind the model
+        folder has no rule for, raises :class:`SampleError` naming the member."""
         facts = []
         lists: dict[str, list[bytes]] = {}
         for m in conv.media:
-            if m.item is None:
-                data = raw.parts[m.part]
-                offset, size = raw.ranges[m.part]
-                ext = m.part.rsplit(".", 1)[-1].lower()
-            else:
-                items = lists.setdefault(m.part, load_bytes_list(raw.parts[m.part]) if self.settings.allow_pickle
-                                         else [])
-                if m.item >= len(items):
-                    raise SampleError(f"media {m.part}[{m.item}] referenced but missing")
-                data, ext = items[m.item], ""
-                offset, size = raw.ranges[m.part]  # the writer re-reads the list and takes the item
             try:
-                width, height, fmt = image_size(data, max_pixels=self.settings.pixel_limit,
-                                                decode=self.settings.media_check == "decode")
-            except ValueError as exc:
+                if m.kind == "image":
+                    facts.append(self._image_facts(raw, m, lists))
+                elif m.kind == "video":
+                    facts.append(self._video_facts(raw, m))
+                else:
+                    facts.append(self._audio_facts(raw, m))
+            except SampleError:
+                raise
+            except ValueError as exc:  # the media layer's reasons name no member
                 raise SampleError(f"media {m.part!r}: {exc}") from None
-            if not ext or len(ext) > 8 or not ext.isalnum():
-                ext = {"jpeg": "jpg"}.get(fmt, fmt or "bin")
-            if self.rule is None:
-                raise SampleError("sample has images but the model folder has no preprocessor_config.json "
-                                  "(set image_tokens for a fixed count per image)")
-            try:
-                grid, n = self.rule.grid(width, height), self.rule.tokens(width, height)
-            except ValueError as exc:
-                raise SampleError(f"media {m.part!r}: {exc}") from None
-            facts.append({"part": m.part, "item": m.item, "kind": m.kind, "ext": ext, "tokens": n,
-                          "grid_thw": list(grid), "width": width, "height": height, "offset": offset,
-                          "size": size})
         return facts
+
+    def _image_facts(self, raw: RawSample, m: Media, lists: dict[str, list[bytes]]) -> dict:
+        if m.item is None:
+            data = raw.parts[m.part]
+            offset, size = raw.ranges[m.part]
+            ext = m.part.rsplit(".", 1)[-1].lower()
+        else:
+            items = lists.setdefault(m.part, load_bytes_list(raw.parts[m.part]) if self.settings.allow_pickle
+                                     else [])
+            if m.item >= len(items):
+                raise SampleError(f"media {m.part}[{m.item}] referenced but missing")
+            data, ext = items[m.item], ""
+            offset, size = raw.ranges[m.part]  # the writer re-reads the list and takes the item
+        width, height, fmt = image_size(data, max_pixels=self.settings.pixel_limit,
+                                        decode=self.settings.media_check == "decode")
+        if not ext or len(ext) > 8 or not ext.isalnum():
+            ext = {"jpeg": "jpg"}.get(fmt, fmt or "bin")
+        if self.rule is None:
+            raise SampleError("sample has images but the model folder has no preprocessor_config.json "
+                              "(set image_tokens for a fixed count per image)")
+        grid, n = self.rule.grid(width, height), self.rule.tokens(width, height)
+        return {"part": m.part, "item": m.item, "kind": m.kind, "ext": ext, "tokens": n, "grid_thw": list(grid),
+                "width": width, "height": height, "offset": offset, "size": size}
+
+    def _video_facts(self, raw: RawSample, m: Media) -> dict:
+        decode = self.settings.media_check == "decode"
+        if m.frames:
+            probe_frames([raw.parts[f] for f in m.frames], max_pixels=self.settings.pixel_limit, decode=decode)
+        else:
+            probe_video(raw.parts[m.part], max_pixels=self.settings.pixel_limit, decode=decode)
+        raise SampleError(f"media {m.part!r}: the model folder {Path(self.settings.tokenizer).name} has no rule "
+                          f"for videos")
+
+    def _audio_facts(self, raw: RawSample, m: Media) -> dict:
+        probe_audio(raw.parts[m.part], decode=self.settings.media_check == "decode")
+        raise SampleError(f"media {m.part!r}: the model folder {Path(self.settings.tokenizer).name} has no rule "
+                          f"for audio")
 
     # -- encoding --------------------------------------------------------------------------------------------
     def encode_many(self, raws: list[RawSample], strict: bool = False) -> list[Encoded]:
@@ -283,7 +309,7 @@ class Encoder:
                     raise SampleError(raw.problem)
                 conv = self.conversation(raw)
                 self._check_conversation(conv)
-                if conv.media and self.image_token_id is None:
+                if any(m.kind == "image" for m in conv.media) and self.image_token_id is None:
                     raise SampleError("sample has images but the tokenizer has no image token")
                 media = self._media_facts(raw, conv)
                 text, spans = self.target_spans(conv.messages)
@@ -351,12 +377,17 @@ class Encoder:
 
     def _check_conversation(self, conv: Conversation) -> None:
         """Reasons a conversation cannot be trained on, found before rendering (so the reason says what is wrong,
-        not how the template failed)."""
+        not how the template failed). Whatever the adapter, the media tags must name the media, kind for kind."""
+        tags = [k for m in conv.messages for k in tag_kinds(m["content"])]
+        if tags != [m.kind for m in conv.media]:
+            raise SampleError(f"media tags in the text ({', '.join(tags) or 'none'}) do not match the sample's "
+                              f"media ({', '.join(m.kind for m in conv.media) or 'none'})")
         for i, m in enumerate(conv.messages):
             if m["role"] == "assistant" and not m["content"].strip():
                 raise SampleError(f"assistant reply in turn {i} is empty")
-            if m["role"] == "assistant" and IMAGE_TAG in m["content"]:
-                raise SampleError(f"an {IMAGE_TAG} tag lies in assistant turn {i}; media belong in user turns")
+            if m["role"] == "assistant" and tag_kinds(m["content"]):
+                tag = MEDIA_TAGS[tag_kinds(m["content"])[0]]
+                raise SampleError(f"a media tag {tag} lies in assistant turn {i}; media belong in user turns")
             for t in self.control_tokens:
                 if t in m["content"]:
                     raise SampleError(f"{m['role']} text contains the control token {t!r}")
@@ -469,12 +500,12 @@ def model_facts(settings: EncodeSettings, dataset_yaml: dict | None = None) -> d
 
 
 def media_first(text: str) -> str:
-    """The turn text with its image tags moved before the text pieces, each piece stripped of edge spaces (how
-    Megatron-Bridge's Qwen-VL task encoder orders a turn); text without tags is unchanged."""
-    if IMAGE_TAG not in text:
+    """The turn text with its media tags moved before the text pieces (in their order), each piece stripped of
+    edge spaces (how Megatron-Bridge's Qwen-VL task encoder orders a turn); text without tags is unchanged."""
+    kinds = tag_kinds(text)
+    if not kinds:
         return text
-    pieces = text.split(IMAGE_TAG)
-    return IMAGE_TAG * (len(pieces) - 1) + "".join(p.strip(" ") for p in pieces)
+    return "".join(MEDIA_TAGS[k] for k in kinds) + "".join(p.strip(" ") for p in TAG_PATTERN.split(text))
 
 
 @lru_cache(maxsize=4)
