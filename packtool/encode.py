@@ -24,14 +24,24 @@ import numpy as np
 
 from packtool import hfcompat
 from packtool.errors import ConfigError, FatalSampleError, SampleError, is_data_error, sample_reason
-from packtool.media import ImageRule, image_size, load_image_rule, probe_audio, probe_frames, probe_video
+from packtool.media import (
+    ImageRule,
+    Qwen2VLSettings,
+    image_size,
+    load_image_rule,
+    probe_audio,
+    probe_frames,
+    probe_video,
+    read_folder,
+)
 from packtool.settings import EncodeSettings
 from packtool.sources import Conversation, RawSample
 from packtool.sources.conversation import conversation_adapter
 from packtool.sources.custom import custom_adapter, load_function
 from packtool.sources.mbridge import chatml_adapter, chatml_fields
 from packtool.sources.safepickle import load_bytes_list
-from packtool.sources.sample import IMAGE_TAG, MEDIA_TAGS, TAG_PATTERN, Media, tag_kinds
+from packtool.format import sha256
+from packtool.sources.sample import IMAGE_TAG, MEDIA_TAGS, TAG_PATTERN, VIDEO_TAG, Media, tag_kinds
 from packtool.sources.typed import sample_type, typed_adapter
 
 #: Files of a model folder that decide the encoding (their bytes form the tokenizer fingerprint).
@@ -43,6 +53,8 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "added_tokens.json",
     "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
 )
 
 #: Texts longer than this many characters per kept token are cut before tokenizing (see ``Encoder._bounded``).
@@ -63,7 +75,10 @@ class Encoded:
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     targets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
     #: Media kept, in placeholder order: part, item, kind, ext, token_offset, tokens, grid_thw, width, height,
-    #: offset, size (where the member lies in the source shard; for an item of a pickled list, the list's member).
+    #: offset, size (where the member lies in the source shard; for an item of a pickled list, the list's member);
+    #: videos add frames (``[part, offset, size]`` of each frame of a frame list), total_frames, fps, duration,
+    #: frame_indices, second_per_grid_ts and sha256 (of the bytes measured, checked again when the pack is
+    #: written).
     media: list[dict] = field(default_factory=list)
     #: Length before truncation (0 if encoding failed).
     source_tokens: int = 0
@@ -145,6 +160,10 @@ class Encoder:
         self.image_token_id = vocab.get(self.image_token) if self.image_token else None
         self.vision_start_id = vocab.get("<|vision_start|>")
         self.vision_end_id = vocab.get("<|vision_end|>")
+        self.video_token_id = vocab.get("<|video_pad|>")
+        self.video_rule = self._video_rule()
+        self.video_text = ("<|vision_start|><|video_pad|><|vision_end|>" if self.vision_start_id is not None
+                           else "<|video_pad|>")
         self.special_ids = frozenset(self.tok.all_special_ids) | frozenset(self.tok.added_tokens_encoder.values())
         self.control_tokens = tuple(t for t in self.tok.added_tokens_encoder if t not in MEDIA_TAGS.values())
         self.structured = self._template_takes_image_parts()
@@ -181,8 +200,23 @@ class Encoder:
                         content.append({"type": "text", "text": piece})
                 out.append({"role": m["role"], "content": content})
             else:
-                out.append({"role": m["role"], "content": text.replace(IMAGE_TAG, self.image_text)})
+                out.append({"role": m["role"],
+                            "content": text.replace(IMAGE_TAG, self.image_text).replace(VIDEO_TAG, self.video_text)})
         return out
+
+    def _video_rule(self) -> Qwen2VLSettings | None:
+        """Qwen2-VL's video rule for a Qwen-style folder (a ``<|video_pad|>`` token and a Qwen2-VL image rule),
+        with the video settings applied; None for a folder that takes no video."""
+        if self.video_token_id is None or self.rule is None or self.rule.type != "qwen2_vl":
+            return None
+        st = self.settings
+        try:
+            return Qwen2VLSettings.from_folder(
+                st.tokenizer, min_pixels=st.min_pixels, max_pixels=st.max_pixels, video_min_pixels=st.video_min_pixels,
+                video_max_pixels=st.video_max_pixels, fps=st.video_fps, num_frames=st.video_frames,
+                min_frames=st.video_min_frames, max_frames=st.video_max_frames)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"{st.tokenizer}: unreadable video settings ({exc})") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self.template.render(
@@ -284,13 +318,26 @@ class Encoder:
                 "width": width, "height": height, "offset": offset, "size": size}
 
     def _video_facts(self, raw: RawSample, m: Media) -> dict:
+        """A video's plan from its container facts (or its frames' headers): the frames the processor is given,
+        the grid, the tokens and ``second_per_grid_ts``."""
         decode = self.settings.media_check == "decode"
         if m.frames:
-            probe_frames([raw.parts[f] for f in m.frames], max_pixels=self.settings.pixel_limit, decode=decode)
+            data = [raw.parts[f] for f in m.frames]
+            facts = probe_frames(data, max_pixels=self.settings.pixel_limit, decode=decode)
         else:
-            probe_video(raw.parts[m.part], max_pixels=self.settings.pixel_limit, decode=decode)
-        raise SampleError(f"media {m.part!r}: the model folder {Path(self.settings.tokenizer).name} has no rule "
-                          f"for videos")
+            data = [raw.parts[m.part]]
+            facts = probe_video(data[0], max_pixels=self.settings.pixel_limit, decode=decode)
+        if self.video_rule is None:
+            raise SampleError(f"media {m.part!r}: the model folder {Path(self.settings.tokenizer).name} has no rule "
+                              f"for videos")
+        plan = self.video_rule.video(facts)
+        offset, size = raw.ranges[m.part]
+        return {"part": m.part, "item": None, "kind": "video", "ext": m.part.rsplit(".", 1)[-1].lower(),
+                "tokens": plan.tokens, "grid_thw": list(plan.grid_thw), "width": facts.width, "height": facts.height,
+                "offset": offset, "size": sum(len(d) for d in data), "sha256": sha256(b"".join(data)),
+                "frames": [[f, *raw.ranges[f]] for f in m.frames], "total_frames": facts.frames, "fps": facts.fps,
+                "duration": facts.duration, "frame_indices": list(plan.indices),
+                "second_per_grid_ts": plan.second_per_grid_ts}
 
     def _audio_facts(self, raw: RawSample, m: Media) -> dict:
         probe_audio(raw.parts[m.part], decode=self.settings.media_check == "decode")
@@ -413,14 +460,17 @@ class Encoder:
                     targets[after[0]] = 1
         if self.settings.target_newline_after_eot:
             self._target_newlines(ids, targets)
-        # Expand each image placeholder to its exact token count.
-        pads = np.flatnonzero(ids == self.image_token_id) if self.image_token_id is not None else np.zeros(0, int)
+        # Expand each media placeholder to its exact token count.
+        placeholder = {"image": self.image_token_id, "video": self.video_token_id}
+        pads = np.flatnonzero(np.isin(ids, [t for t in placeholder.values() if t is not None]))
         if cut:
             media = media[:len(pads)]
         if len(pads) != len(media):
-            raise SampleError(f"template produced {len(pads)} image placeholders for {len(media)} images")
+            raise SampleError(f"template produced {len(pads)} media placeholders for {len(media)} media items")
+        if any(int(ids[p]) != placeholder.get(m["kind"]) for p, m in zip(pads, media)):
+            raise SampleError("the template's media placeholders are not in the order of the media kinds")
         if np.any(targets[pads]):
-            raise SampleError("an image placeholder lies inside an assistant reply")
+            raise SampleError("a media placeholder lies inside an assistant reply")
         repeat = np.ones(len(ids), dtype=np.int64)
         repeat[pads] = [m["tokens"] for m in media]
         new_start = np.concatenate([[0], np.cumsum(repeat)[:-1]])
@@ -465,8 +515,8 @@ class Encoder:
                 s, _ = self._media_span(enc.tokens, m)
                 if s < cut:
                     cut = s
-                    why.append(f"image {j + 1} over the per-pack " + ("image cap" if over_images else
-                                                                         "image-token cap"))
+                    why.append(f"{m['kind']} {j + 1} over the per-pack " + ("image cap" if over_images else
+                                                                               "image-token cap"))
                 break
         for m in enc.media:  # never cut inside a media span
             s, e = self._media_span(enc.tokens, m)
@@ -496,7 +546,10 @@ def model_facts(settings: EncodeSettings, dataset_yaml: dict | None = None) -> d
     pad = next((int(c) for c in (tok.pad_token_id, tok.eos_token_id) if c is not None), 0)
     return {"pad_token_id": pad, "eos_token_id": tok.eos_token_id, "image_token_id": encoder.image_token_id,
             "vision_start_token_id": encoder.vision_start_id, "vision_end_token_id": encoder.vision_end_id,
-            "image_processor": encoder.rule.manifest() if encoder.rule else None}
+            "image_processor": encoder.rule.manifest() if encoder.rule else None,
+            "video_token_id": encoder.video_token_id if encoder.video_rule else None,
+            "video_processor": {**encoder.video_rule.manifest(),
+                                "config": read_folder(settings.tokenizer).video} if encoder.video_rule else None}
 
 
 def media_first(text: str) -> str:
