@@ -25,6 +25,8 @@ from packtool.sources.safepickle import load_bytes_list
 
 #: Columns of a write task's segment table (``pack`` first), sorted by pack, then source order.
 SEGMENT_COLUMNS = ("pack", "src", "row", "key", "shard", "truncated", "tok_offset", "tokens", "media")
+#: Facts of a video the encoder measured that its :class:`MediaRef` carries.
+VIDEO_FIELDS = ("total_frames", "fps", "duration", "frame_indices", "second_per_grid_ts")
 #: Estimated bytes of a record besides its token arrays and media: headers, json, padding.
 _RECORD_OVERHEAD = 4096
 _MEDIA_OVERHEAD = 1024
@@ -61,17 +63,26 @@ class _Sources:
         return self.arrays[src]
 
     def media(self, shard: str, m: dict) -> bytes:
-        if shard not in self.files:
-            if SourceStamp.of(self.root, shard, self.stamps[shard].metadata) != self.stamps[shard]:
-                raise SourceError(f"source shard {shard} changed after it was encoded; run the same command "
-                                  f"again to encode it anew")
-            self.files[shard] = open(self.root / shard, "rb")
-        f = self.files[shard]
+        """The bytes of one media item (of a frame list: see :meth:`frames`)."""
+        f = self._open(shard)
         f.seek(m["offset"])
         data = f.read(m["size"])
         if len(data) != m["size"]:
             raise SourceError(f"{shard}: short read of member {m['part']}")
         return data if m["item"] is None else load_bytes_list(data)[m["item"]]
+
+    def frames(self, shard: str, m: dict) -> list[bytes]:
+        """The bytes of each frame of a video given as a list of images."""
+        return [self.media(shard, {"part": part, "offset": offset, "size": size, "item": None})
+                for part, offset, size in m["frames"]]
+
+    def _open(self, shard: str) -> BinaryIO:
+        if shard not in self.files:
+            if SourceStamp.of(self.root, shard, self.stamps[shard].metadata) != self.stamps[shard]:
+                raise SourceError(f"source shard {shard} changed after it was encoded; run the same command "
+                                  f"again to encode it anew")
+            self.files[shard] = open(self.root / shard, "rb")
+        return self.files[shard]
 
     def close(self) -> None:
         for f in self.files.values():
@@ -110,6 +121,7 @@ def assemble_record(key: str, split: str, group: list[tuple[Any, ...]], sources:
     """One pack from its segment rows (in pack order)."""
     toks, tgts, seqlens, segs = [], [], [], []
     media: dict[str, bytes] = {}
+    items = 0
     for _, src, _, sample_key, shard, truncated, tok_offset, length, media_json in group:
         tok, tgt = sources.tokens(src)
         toks.append(np.asarray(tok[tok_offset: tok_offset + length]))
@@ -117,12 +129,20 @@ def assemble_record(key: str, split: str, group: list[tuple[Any, ...]], sources:
         seqlens.append(length)
         refs = []
         for m in json.loads(media_json):
-            member = f"m{len(media)}.{m['ext']}"
-            data = sources.media(shard, m)
-            media[member] = data
+            items += 1
+            if m.get("frames"):  # a video given as images: one member per frame, in frame order
+                frames = sources.frames(shard, m)
+                names = [f"m{items - 1}.{i}.{part.rsplit('.', 1)[-1].lower()}"
+                         for i, (part, _, _) in enumerate(m["frames"])]
+                media.update(zip(names, frames))
+                data, member = b"".join(frames), names[0]
+            else:
+                names, member = [], f"m{items - 1}.{m['ext']}"
+                data = media[member] = sources.media(shard, m)
+            video = {k: m[k] for k in VIDEO_FIELDS} if m["kind"] == "video" else {}
             refs.append(MediaRef(member=member, kind=m["kind"], token_offset=m["token_offset"], tokens=m["tokens"],
                                  grid_thw=m["grid_thw"], width=m["width"], height=m["height"], size=len(data),
-                                 sha256=sha256(data)))
+                                 sha256=sha256(data), frames=names, **video))
         segs.append(Segment(sample_key, split, shard, bool(truncated), refs))
     return PackRecord(key, np.concatenate(toks), np.concatenate(tgts), np.asarray(seqlens, dtype=np.int32),
                       pack_size, align, segs, media, __version__)

@@ -55,8 +55,20 @@ def pack(
     tp_size: int = typer.Option(1, min=1, help="Tensor-parallel size (with --sequence-parallel)."),
     sequence_parallel: bool = typer.Option(False, help="Sequence parallelism (align includes cp·tp)."),
     max_segments: int | None = typer.Option(None, help="At most this many samples per pack."),
-    max_images: int | None = typer.Option(None, help="At most this many images per pack."),
-    max_image_tokens: int | None = typer.Option(None, help="At most this many image tokens per pack."),
+    max_images: int | None = typer.Option(None, help="At most this many media items (images, videos, audio) "
+                                                        "per pack."),
+    max_image_tokens: int | None = typer.Option(None, help="At most this many media tokens per pack."),
+    video_fps: float | None = typer.Option(default(E, "video_fps"), help="Sample video frames at this rate "
+                                                                            "(overrides the model folder)."),
+    video_frames: int | None = typer.Option(default(E, "video_frames"), help="Sample this many frames per video."),
+    video_min_frames: int | None = typer.Option(default(E, "video_min_frames"),
+                                                   help="Fewest frames rate sampling keeps."),
+    video_max_frames: int | None = typer.Option(default(E, "video_max_frames"),
+                                                   help="Most frames rate sampling keeps."),
+    video_min_pixels: int | None = typer.Option(default(E, "video_min_pixels"),
+                                                   help="Override the video processor's min pixels per frame."),
+    video_max_pixels: int | None = typer.Option(default(E, "video_max_pixels"),
+                                                   help="Override the video processor's max pixels per frame."),
     overlong: str = typer.Option(default(E, "overlong"), help="truncate (cut at a safe boundary) or drop."),
     min_pixels: int | None = typer.Option(None, help="Override the processor's min_pixels."),
     max_pixels: int | None = typer.Option(None, help="Override the processor's max_pixels."),
@@ -104,7 +116,9 @@ def pack(
             max_image_tokens=max_image_tokens, adapter=adapter, allow_pickle=allow_pickle, pixel_limit=pixel_limit,
             media_check=media_check, caption_prompt=caption_prompt, template_date=template_date,  # type: ignore[arg-type]
             max_sample_bytes=max_sample_bytes, target_newline_after_eot=target_newline_after_eot,
-            media_first=media_first, preset=preset,  # type: ignore[arg-type]
+            media_first=media_first, preset=preset, video_fps=video_fps, video_frames=video_frames,  # type: ignore[arg-type]
+            video_min_frames=video_min_frames, video_max_frames=video_max_frames, video_min_pixels=video_min_pixels,
+            video_max_pixels=video_max_pixels,
         )
         plan = PlanSettings(algorithm=algorithm, balanced_delta=balanced_delta, max_segments=max_segments,  # type: ignore[arg-type]
                             seed=seed, shard_size=shard_size, balance_dp=balance_dp)  # type: ignore[arg-type]

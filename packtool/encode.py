@@ -4,6 +4,9 @@ The tokenizer's own chat template renders each sample. Targets are each assistan
 token the template emits after it: from ``{% generation %}`` spans when the template has them, otherwise by
 rendering the conversation up to each assistant turn (with the generation prompt) and taking the reply that
 follows that prefix. Each image placeholder token is expanded to the image's exact token count.
+
+Media of every kind (image, video, audio) are measured before tokenizing: a member that does not read, or a kind
+the model folder has no rule for, quarantines the sample, so no sample is packed without its media.
 """
 
 from __future__ import annotations
@@ -22,14 +25,24 @@ import numpy as np
 
 from packtool import hfcompat
 from packtool.errors import ConfigError, FatalSampleError, SampleError, is_data_error, sample_reason
-from packtool.media import ImageRule, image_size, load_image_rule
+from packtool.format import sha256
+from packtool.media import (
+    ImageRule,
+    Qwen2VLSettings,
+    image_size,
+    load_image_rule,
+    probe_audio,
+    probe_frames,
+    probe_video,
+    read_folder,
+)
 from packtool.settings import EncodeSettings
 from packtool.sources import Conversation, RawSample
 from packtool.sources.conversation import conversation_adapter
 from packtool.sources.custom import custom_adapter, load_function
 from packtool.sources.mbridge import chatml_adapter, chatml_fields
 from packtool.sources.safepickle import load_bytes_list
-from packtool.sources.sample import IMAGE_TAG
+from packtool.sources.sample import IMAGE_TAG, MEDIA_TAGS, TAG_PATTERN, VIDEO_TAG, Media, tag_kinds
 from packtool.sources.typed import sample_type, typed_adapter
 
 #: Files of a model folder that decide the encoding (their bytes form the tokenizer fingerprint).
@@ -41,6 +54,8 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "added_tokens.json",
     "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
 )
 
 #: Texts longer than this many characters per kept token are cut before tokenizing (see ``Encoder._bounded``).
@@ -61,7 +76,10 @@ class Encoded:
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     targets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
     #: Media kept, in placeholder order: part, item, kind, ext, token_offset, tokens, grid_thw, width, height,
-    #: offset, size (where the member lies in the source shard; for an item of a pickled list, the list's member).
+    #: offset, size (where the member lies in the source shard; for an item of a pickled list, the list's member);
+    #: videos add frames (``[part, offset, size]`` of each frame of a frame list), total_frames, fps, duration,
+    #: frame_indices, second_per_grid_ts and sha256 (of the bytes measured, checked again when the pack is
+    #: written).
     media: list[dict] = field(default_factory=list)
     #: Length before truncation (0 if encoding failed).
     source_tokens: int = 0
@@ -157,8 +175,12 @@ class Encoder:
         self.image_token_id = vocab.get(self.image_token) if self.image_token else None
         self.vision_start_id = vocab.get("<|vision_start|>")
         self.vision_end_id = vocab.get("<|vision_end|>")
+        self.video_token_id = vocab.get("<|video_pad|>")
+        self.video_rule = self._video_rule()
+        self.video_text = ("<|vision_start|><|video_pad|><|vision_end|>" if self.vision_start_id is not None
+                           else "<|video_pad|>")
         self.special_ids = frozenset(self.tok.all_special_ids) | frozenset(self.tok.added_tokens_encoder.values())
-        self.control_tokens = tuple(t for t in self.tok.added_tokens_encoder if t != IMAGE_TAG)
+        self.control_tokens = tuple(t for t in self.tok.added_tokens_encoder if t not in MEDIA_TAGS.values())
         self.structured = self._template_takes_image_parts()
         if self.structured or self.vision_start_id is None or self.image_token != "<|image_pad|>":
             self.image_text = self.image_token or ""
@@ -178,22 +200,38 @@ class Encoder:
 
     # -- rendering -------------------------------------------------------------------------------------------
     def _template_messages(self, messages: list[dict]) -> list[dict]:
-        """Messages as the template wants them: image parts (structured) or the placeholder text in place."""
-        out: list[dict] = []
+        """Messages as the template wants them: media parts (structured) or the placeholder text in place."""
+        out = []
         for m in messages:
             text = media_first(m["content"]) if self.settings.media_first else m["content"]
-            if self.structured and IMAGE_TAG in text:
-                pieces = text.split(IMAGE_TAG)
-                content = []
+            kinds = tag_kinds(text)
+            if self.structured and kinds:
+                pieces = TAG_PATTERN.split(text)
+                content: list[dict[str, str]] = []
                 for i, piece in enumerate(pieces):
                     if i:
-                        content.append({"type": "image"})
+                        content.append({"type": kinds[i - 1]})
                     if piece:
                         content.append({"type": "text", "text": piece})
                 out.append({"role": m["role"], "content": content})
             else:
-                out.append({"role": m["role"], "content": text.replace(IMAGE_TAG, self.image_text)})
+                out.append({"role": m["role"],
+                            "content": text.replace(IMAGE_TAG, self.image_text).replace(VIDEO_TAG, self.video_text)})
         return out
+
+    def _video_rule(self) -> Qwen2VLSettings | None:
+        """Qwen2-VL's video rule for a Qwen-style folder (a ``<|video_pad|>`` token and a Qwen2-VL image rule),
+        with the video settings applied; None for a folder that takes no video."""
+        if self.video_token_id is None or self.rule is None or self.rule.type != "qwen2_vl":
+            return None
+        st = self.settings
+        try:
+            return Qwen2VLSettings.from_folder(
+                st.tokenizer, min_pixels=st.min_pixels, max_pixels=st.max_pixels, video_min_pixels=st.video_min_pixels,
+                video_max_pixels=st.video_max_pixels, fps=st.video_fps, num_frames=st.video_frames,
+                min_frames=st.video_min_frames, max_frames=st.video_max_frames)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"{st.tokenizer}: unreadable video settings ({exc})") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self.template.render(
@@ -253,39 +291,74 @@ class Encoder:
         return conversation_adapter(raw.parts, allow_pickle=self.settings.allow_pickle)
 
     def _media_facts(self, raw: RawSample, conv: Conversation) -> list[dict]:
+        """What each media item costs and where its bytes lie; a member that does not read, or a kind the model
+        folder has no rule for, raises :class:`SampleError` naming the member."""
         facts = []
         lists: dict[str, Sequence[bytes]] = {}
         for m in conv.media:
-            if m.item is None:
-                data = raw.parts[m.part]
-                offset, size = raw.ranges[m.part]
-                ext = m.part.rsplit(".", 1)[-1].lower()
-            else:
-                if m.part not in lists:
-                    lists[m.part] = load_bytes_list(raw.parts[m.part]) if self.settings.allow_pickle else []
-                items = lists[m.part]
-                if m.item >= len(items):
-                    raise SampleError(f"media {m.part}[{m.item}] referenced but missing")
-                data, ext = items[m.item], ""
-                offset, size = raw.ranges[m.part]  # the writer re-reads the list and takes the item
             try:
-                width, height, fmt = image_size(data, max_pixels=self.settings.pixel_limit,
-                                                decode=self.settings.media_check == "decode")
-            except ValueError as exc:
+                if m.kind == "image":
+                    facts.append(self._image_facts(raw, m, lists))
+                elif m.kind == "video":
+                    facts.append(self._video_facts(raw, m))
+                else:
+                    facts.append(self._audio_facts(raw, m))
+            except SampleError:
+                raise
+            except ValueError as exc:  # the media layer's reasons name no member
                 raise SampleError(f"media {m.part!r}: {exc}") from None
-            if not ext or len(ext) > 8 or not ext.isalnum():
-                ext = {"jpeg": "jpg"}.get(fmt, fmt or "bin")
-            if self.rule is None:
-                raise SampleError("sample has images but the model folder has no preprocessor_config.json "
-                                  "(set image_tokens for a fixed count per image)")
-            try:
-                grid, n = self.rule.grid(width, height), self.rule.tokens(width, height)
-            except ValueError as exc:
-                raise SampleError(f"media {m.part!r}: {exc}") from None
-            facts.append({"part": m.part, "item": m.item, "kind": m.kind, "ext": ext, "tokens": n,
-                          "grid_thw": list(grid), "width": width, "height": height, "offset": offset,
-                          "size": size})
         return facts
+
+    def _image_facts(self, raw: RawSample, m: Media, lists: dict[str, Sequence[bytes]]) -> dict:
+        if m.item is None:
+            data = raw.parts[m.part]
+            offset, size = raw.ranges[m.part]
+            ext = m.part.rsplit(".", 1)[-1].lower()
+        else:
+            if m.part not in lists:
+                lists[m.part] = load_bytes_list(raw.parts[m.part]) if self.settings.allow_pickle else []
+            items = lists[m.part]
+            if m.item >= len(items):
+                raise SampleError(f"media {m.part}[{m.item}] referenced but missing")
+            data, ext = items[m.item], ""
+            offset, size = raw.ranges[m.part]  # the writer re-reads the list and takes the item
+        width, height, fmt = image_size(data, max_pixels=self.settings.pixel_limit,
+                                        decode=self.settings.media_check == "decode")
+        if not ext or len(ext) > 8 or not ext.isalnum():
+            ext = {"jpeg": "jpg"}.get(fmt, fmt or "bin")
+        if self.rule is None:
+            raise SampleError("sample has images but the model folder has no preprocessor_config.json "
+                              "(set image_tokens for a fixed count per image)")
+        grid, n = self.rule.grid(width, height), self.rule.tokens(width, height)
+        return {"part": m.part, "item": m.item, "kind": m.kind, "ext": ext, "tokens": n, "grid_thw": list(grid),
+                "width": width, "height": height, "offset": offset, "size": size}
+
+    def _video_facts(self, raw: RawSample, m: Media) -> dict:
+        """A video's plan from its container facts (or its frames' headers): the frames the processor is given,
+        the grid, the tokens and ``second_per_grid_ts``."""
+        decode = self.settings.media_check == "decode"
+        if m.frames:
+            data = [raw.parts[f] for f in m.frames]
+            facts = probe_frames(data, max_pixels=self.settings.pixel_limit, decode=decode)
+        else:
+            data = [raw.parts[m.part]]
+            facts = probe_video(data[0], max_pixels=self.settings.pixel_limit, decode=decode)
+        if self.video_rule is None:
+            raise SampleError(f"media {m.part!r}: the model folder {Path(self.settings.tokenizer).name} has no rule "
+                              f"for videos")
+        plan = self.video_rule.video(facts)
+        offset, size = raw.ranges[m.part]
+        return {"part": m.part, "item": None, "kind": "video", "ext": m.part.rsplit(".", 1)[-1].lower(),
+                "tokens": plan.tokens, "grid_thw": list(plan.grid_thw), "width": facts.width, "height": facts.height,
+                "offset": offset, "size": sum(len(d) for d in data), "sha256": sha256(b"".join(data)),
+                "frames": [[f, *raw.ranges[f]] for f in m.frames], "total_frames": facts.frames, "fps": facts.fps,
+                "duration": facts.duration, "frame_indices": list(plan.indices),
+                "second_per_grid_ts": plan.second_per_grid_ts}
+
+    def _audio_facts(self, raw: RawSample, m: Media) -> dict:
+        probe_audio(raw.parts[m.part], decode=self.settings.media_check == "decode")
+        raise SampleError(f"media {m.part!r}: the model folder {Path(self.settings.tokenizer).name} has no rule "
+                          f"for audio")
 
     # -- encoding --------------------------------------------------------------------------------------------
     def encode_many(self, raws: list[RawSample], strict: bool = False) -> list[Encoded]:
@@ -299,7 +372,7 @@ class Encoder:
                     raise SampleError(raw.problem)
                 conv = self.conversation(raw)
                 self._check_conversation(conv)
-                if conv.media and self.image_token_id is None:
+                if any(m.kind == "image" for m in conv.media) and self.image_token_id is None:
                     raise SampleError("sample has images but the tokenizer has no image token")
                 media = self._media_facts(raw, conv)
                 text, spans = self.target_spans(conv.messages)
@@ -367,12 +440,17 @@ class Encoder:
 
     def _check_conversation(self, conv: Conversation) -> None:
         """Reasons a conversation cannot be trained on, found before rendering (so the reason says what is wrong,
-        not how the template failed)."""
+        not how the template failed). Whatever the adapter, the media tags must name the media, kind for kind."""
+        tags = [k for m in conv.messages for k in tag_kinds(m["content"])]
+        if tags != [m.kind for m in conv.media]:
+            raise SampleError(f"media tags in the text ({', '.join(tags) or 'none'}) do not match the sample's "
+                              f"media ({', '.join(m.kind for m in conv.media) or 'none'})")
         for i, m in enumerate(conv.messages):
             if m["role"] == "assistant" and not m["content"].strip():
                 raise SampleError(f"assistant reply in turn {i} is empty")
-            if m["role"] == "assistant" and IMAGE_TAG in m["content"]:
-                raise SampleError(f"an {IMAGE_TAG} tag lies in assistant turn {i}; media belong in user turns")
+            if m["role"] == "assistant" and tag_kinds(m["content"]):
+                tag = MEDIA_TAGS[tag_kinds(m["content"])[0]]
+                raise SampleError(f"a media tag {tag} lies in assistant turn {i}; media belong in user turns")
             for t in self.control_tokens:
                 if t in m["content"]:
                     raise SampleError(f"{m['role']} text contains the control token {t!r}")
@@ -398,14 +476,17 @@ class Encoder:
                     targets[after[0]] = 1
         if self.settings.target_newline_after_eot:
             self._target_newlines(ids, targets)
-        # Expand each image placeholder to its exact token count.
-        pads = np.flatnonzero(ids == self.image_token_id) if self.image_token_id is not None else np.zeros(0, int)
+        # Expand each media placeholder to its exact token count.
+        placeholder = {"image": self.image_token_id, "video": self.video_token_id}
+        pads = np.flatnonzero(np.isin(ids, [t for t in placeholder.values() if t is not None]))
         if cut:
             media = media[:len(pads)]
         if len(pads) != len(media):
-            raise SampleError(f"template produced {len(pads)} image placeholders for {len(media)} images")
+            raise SampleError(f"template produced {len(pads)} media placeholders for {len(media)} media items")
+        if any(int(ids[p]) != placeholder.get(m["kind"]) for p, m in zip(pads, media)):
+            raise SampleError("the template's media placeholders are not in the order of the media kinds")
         if np.any(targets[pads]):
-            raise SampleError("an image placeholder lies inside an assistant reply")
+            raise SampleError("a media placeholder lies inside an assistant reply")
         repeat = np.ones(len(ids), dtype=np.int64)
         repeat[pads] = [m["tokens"] for m in media]
         new_start = np.concatenate([[0], np.cumsum(repeat)[:-1]])
@@ -450,8 +531,8 @@ class Encoder:
                 s, _ = self._media_span(enc.tokens, m)
                 if s < cut:
                     cut = s
-                    why.append(f"image {j + 1} over the per-pack " + ("image cap" if over_images else
-                                                                         "image-token cap"))
+                    why.append(f"{m['kind']} {j + 1} over the per-pack " + ("image cap" if over_images else
+                                                                               "image-token cap"))
                 break
         for m in enc.media:  # never cut inside a media span
             s, e = self._media_span(enc.tokens, m)
@@ -481,16 +562,19 @@ def model_facts(settings: EncodeSettings, dataset_yaml: dict | None = None) -> d
     pad = next((int(c) for c in (tok.pad_token_id, tok.eos_token_id) if c is not None), 0)
     return {"pad_token_id": pad, "eos_token_id": tok.eos_token_id, "image_token_id": encoder.image_token_id,
             "vision_start_token_id": encoder.vision_start_id, "vision_end_token_id": encoder.vision_end_id,
-            "image_processor": encoder.rule.manifest() if encoder.rule else None}
+            "image_processor": encoder.rule.manifest() if encoder.rule else None,
+            "video_token_id": encoder.video_token_id if encoder.video_rule else None,
+            "video_processor": {**encoder.video_rule.manifest(),
+                                "config": read_folder(settings.tokenizer).video} if encoder.video_rule else None}
 
 
 def media_first(text: str) -> str:
-    """The turn text with its image tags moved before the text pieces, each piece stripped of edge spaces (how
-    Megatron-Bridge's Qwen-VL task encoder orders a turn); text without tags is unchanged."""
-    if IMAGE_TAG not in text:
+    """The turn text with its media tags moved before the text pieces (in their order), each piece stripped of
+    edge spaces (how Megatron-Bridge's Qwen-VL task encoder orders a turn); text without tags is unchanged."""
+    kinds = tag_kinds(text)
+    if not kinds:
         return text
-    pieces = text.split(IMAGE_TAG)
-    return IMAGE_TAG * (len(pieces) - 1) + "".join(p.strip(" ") for p in pieces)
+    return "".join(MEDIA_TAGS[k] for k in kinds) + "".join(p.strip(" ") for p in TAG_PATTERN.split(text))
 
 
 @lru_cache(maxsize=4)

@@ -26,7 +26,7 @@ import json
 import re
 import sqlite3
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -91,10 +91,10 @@ def shard_path(split: str, number: int) -> str:
 class MediaRef:
     """One media item of a segment: which member of the record holds its bytes and where its tokens lie."""
 
-    #: Part name inside the record (``m0.jpg``); the tar member is ``KEY.m0.jpg``. Numbered in placeholder order
-    #: across the pack.
+    #: Part name inside the record (``m0.jpg``, ``m1.mp4``); the tar member is ``KEY.m0.jpg``. Numbered in
+    #: placeholder order across the pack. For a video given as a list of images, its first frame (``m1.0.png``).
     member: str
-    #: ``image`` (``video``, ``audio`` to come).
+    #: ``image``, ``video`` or ``audio``.
     kind: MediaKind
     #: First placeholder token of the media, relative to the segment start.
     token_offset: int
@@ -102,13 +102,29 @@ class MediaRef:
     tokens: int
     #: Patch grid ``[t, h, w]`` the model's processor makes of it (``[1, 1, 1]`` for fixed-count models).
     grid_thw: list[int]
-    #: Stored size in pixels.
+    #: Stored size in pixels (of one frame for a video).
     width: int
     height: int
-    #: Bytes of the member.
+    #: Bytes of the member (of all frames of a frame list).
     size: int = 0
-    #: SHA-256 of the member's bytes (hex), recorded when the pack is written: a swapped member is caught.
+    #: SHA-256 of the member's bytes (hex; of the frames' bytes in order for a frame list), recorded when the pack
+    #: is written: a swapped member is caught.
     sha256: str = ""
+    #: Video given as a list of images: the members holding its frames, in order (``member`` is the first).
+    frames: list[str] = field(default_factory=list)
+    #: Video: frames in the source stream, its rate (None when the source gives none) and seconds (likewise).
+    total_frames: int = 0
+    fps: float | None = None
+    duration: float | None = None
+    #: Video: the frames the model's processor is given (already sampled; the reader decodes only these).
+    frame_indices: list[int] = field(default_factory=list)
+    #: Qwen2-VL video: seconds one temporal patch spans (``second_per_grid_ts``, for mRoPE).
+    second_per_grid_ts: float | None = None
+
+    @property
+    def members(self) -> list[str]:
+        """Every member holding this item's bytes."""
+        return self.frames or [self.member]
 
 
 @dataclass
@@ -153,7 +169,7 @@ class PackRecord:
     pack_size: int
     align: int
     segments: list[Segment]
-    #: Media member name -> bytes, in placeholder order.
+    #: Media member name -> bytes, in placeholder order (a frame list's frames in frame order).
     media: dict[str, bytes] = field(default_factory=dict)
     #: packtool version that wrote the record.
     packtool: str = ""
@@ -190,10 +206,10 @@ class PackRecord:
         if len(seqlens) == 0 or (seqlens <= 0).any():
             raise FormatError(f"pack {key}: no segments or an empty segment")
         media = {}
-        for m in (m for s in segments for m in s.media):
-            if m.member not in members:
-                raise FormatError(f"pack {key}: media member {m.member} missing")
-            media[m.member] = members[m.member]
+        for name in (name for s in segments for m in s.media for name in m.members):
+            if name not in members:
+                raise FormatError(f"pack {key}: media member {name} missing")
+            media[name] = members[name]
         return cls(key, tokens, targets, seqlens, pack_size, align, segments, media, str(meta.get("packtool", "")))
 
     @property
@@ -310,7 +326,7 @@ class InfoJson:
 
 
 @dataclass
-class Manifest:
+class Manifest(Mapping[str, Any]):
     """``.nv-meta/packtool.json``: how the output was made and what a reader needs besides the tars."""
 
     #: packtool version that wrote it.
@@ -341,6 +357,10 @@ class Manifest:
     packs: dict[str, int]
     #: Whether the run stopped after planning (ledger only, no shards).
     dry_run: bool = False
+    #: Token of a video's placeholders, and the video settings a reader needs (``family``: ``qwen2_vl``, with the
+    #: frame sampling and pixel bounds the tokens were counted with), or None when the model folder takes no video.
+    video_token_id: int | None = None
+    video_processor: dict | None = None
 
     @classmethod
     def read(cls, root: str | Path) -> Manifest:
@@ -359,12 +379,20 @@ class Manifest:
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), indent=1).encode()
 
-    def get(self, name: str, default: Any = None) -> Any:
-        """Mapping-style access, for readers that take a manifest or a plain dict."""
-        return getattr(self, name, default)
-
+    # A read-only mapping of its fields too, so readers take a Manifest or the plain dict of one alike.
     def __getitem__(self, name: str) -> Any:
+        if name not in _MANIFEST_FIELDS:
+            raise KeyError(name)
         return getattr(self, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_MANIFEST_FIELDS)
+
+    def __len__(self) -> int:
+        return len(_MANIFEST_FIELDS)
+
+
+_MANIFEST_FIELDS = tuple(f.name for f in fields(Manifest))
 
 
 def load_manifest(root: str | Path) -> Manifest:

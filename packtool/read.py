@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from packtool.errors import FormatError
-from packtool.format import Manifest, PackRecord, load_manifest, split_shard_paths
+from packtool.format import PackRecord, load_manifest, split_shard_paths
 from packtool.shards import iter_records
 
 IGNORE_INDEX = -100
@@ -55,7 +55,7 @@ def _cached_processor(settings_json: str):
     )
 
 
-def image_processor_from_manifest(manifest: Manifest | Mapping):
+def image_processor_from_manifest(manifest: Mapping):
     """The Qwen2-VL image processor (PIL backend: the same numbers with or without torchvision) the manifest
     describes; None for a text-only dataset or a fixed-count (`"type": "fixed"`) one, whose model's own processor
     the caller must pass. Cached: one per process and settings."""
@@ -69,7 +69,7 @@ def image_processor_from_manifest(manifest: Manifest | Mapping):
 
 def pack_to_batch(
     members: Mapping[str, Any],
-    manifest: Manifest | Mapping,
+    manifest: Mapping,
     *,
     pad_to: str = "pack",
     images: bool = True,
@@ -149,26 +149,39 @@ def pack_to_batch(
     return batch
 
 
-def _media(record: PackRecord, manifest: Manifest | Mapping, cu: np.ndarray, where: str, images: bool,
-           image_processor) -> dict:
-    """image_grid_thw (+ pixel_values) for the pack's media, after checking each media span in the tokens."""
-    media = record.media_refs
-    processor = manifest.get("image_processor")
-    if not media and processor is None:
-        return {}
-    image_token = manifest.get("image_token_id")
-    if image_token is not None:
-        tokens = record.tokens
+def _check_spans(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str) -> None:
+    """Each media item's span must hold its kind's placeholder token, and each segment no other such token."""
+    tokens = record.tokens
+    for kind, key in (("image", "image_token_id"), ("video", "video_token_id")):
+        token = manifest.get(key)
+        if token is None:
+            continue
         for seg, start, end in zip(record.segments, cu[:-1], cu[1:]):
-            spans = [(start + m.token_offset, m.tokens) for m in seg.media]
-            inside = all(a + n <= end and (tokens[a:a + n] == image_token).all() for a, n in spans)
-            if not inside or int((tokens[start:end] == image_token).sum()) != sum(n for _, n in spans):
-                raise FormatError(f"{where}: media spans of segment {seg.key} do not match its image tokens")
-    for m in media:
-        if m.kind != "image":
-            raise FormatError(f"{where}: unsupported media kind {m.kind!r} in member {m.member}")
+            spans = [(start + m.token_offset, m.tokens) for m in seg.media if m.kind == kind]
+            inside = all(a + n <= end and (tokens[a:a + n] == token).all() for a, n in spans)
+            if not inside or int((tokens[start:end] == token).sum()) != sum(n for _, n in spans):
+                raise FormatError(f"{where}: media spans of segment {seg.key} do not match its {kind} tokens")
+
+
+def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, images: bool,
+           image_processor) -> dict:
+    """image_grid_thw (+ pixel_values) for the pack's images and video_grid_thw, second_per_grid_ts
+    (+ pixel_values_videos) for its videos, after checking each media span in the tokens."""
+    everything = record.media_refs
+    processor = manifest.get("image_processor")
+    if not everything and processor is None:
+        return {}
+    _check_spans(record, manifest, cu, where)
+    for m in everything:
+        if m.kind not in ("image", "video"):
+            raise FormatError(f"{where}: media kind {m.kind!r} (member {m.member}) is not supported by the reader "
+                              f"yet")
+    out = _videos(record, manifest, where, images) if manifest.get("video_processor") else {}
+    if any(m.kind == "video" for m in everything) and not out:
+        raise FormatError(f"{where}: the pack holds videos but the manifest describes no video processor")
+    media = [m for m in everything if m.kind == "image"]
     stored = np.array([m.grid_thw for m in media], dtype=np.int64).reshape(-1, 3)
-    out = {"image_grid_thw": torch.from_numpy(stored)}
+    out["image_grid_thw"] = torch.from_numpy(stored)
     if not images:
         return out
     proc = image_processor if image_processor is not None else image_processor_from_manifest(manifest)
@@ -194,6 +207,72 @@ def _media(record: PackRecord, manifest: Manifest | Mapping, cu: np.ndarray, whe
             raise FormatError(f"{where}: {media[bad].member} processes to grid {grid[bad].tolist()}, "
                               f"stored {stored[bad].tolist()}")
     out["pixel_values"] = torch.from_numpy(np.ascontiguousarray(result["pixel_values"], dtype=np.float32))
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_video_processor(settings_json: str):
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    s = json.loads(settings_json)
+    config = {k: v for k, v in s["config"].items() if not k.endswith(("_type", "_class", "_auto_map"))}
+    config.update(size={"shortest_edge": s["video_min_pixels"], "longest_edge": s["video_max_pixels"]},
+                  patch_size=s["video_patch_size"], temporal_patch_size=s["video_temporal_patch_size"],
+                  merge_size=s["video_merge_size"], do_sample_frames=False,
+                  cap_pixels_per_frame=s["cap_pixels_per_frame"], max_video_tokens=s["max_video_tokens"])
+    config.pop("min_pixels", None), config.pop("max_pixels", None)
+    return Qwen2VLVideoProcessor(**config)
+
+
+def video_processor_from_manifest(manifest: Mapping):
+    """transformers' Qwen2-VL video processor with the settings the tokens were counted with, told not to sample
+    (the reader hands it the planned frames); None when the dataset has no video settings. Needs torchvision."""
+    settings = manifest.get("video_processor")
+    if settings is None:
+        return None
+    if settings.get("family") != "qwen2_vl":
+        raise ValueError(f"unsupported video processor family {settings.get('family')!r}")
+    return _cached_video_processor(json.dumps(settings, sort_keys=True))
+
+
+def _videos(record: PackRecord, manifest: Mapping, where: str, decode: bool) -> dict:
+    """video_grid_thw and second_per_grid_ts of the pack's videos (+ pixel_values_videos when ``decode``): only
+    the planned frames are decoded, and the processor is told not to sample again."""
+    from packtool.media import decode_frames, decode_video
+
+    videos = [m for m in record.media_refs if m.kind == "video"]
+    grids = np.array([m.grid_thw for m in videos], dtype=np.int64).reshape(-1, 3)
+    out = {"video_grid_thw": torch.from_numpy(grids),
+           "second_per_grid_ts": torch.tensor([float(m.second_per_grid_ts or 0.0) for m in videos],
+                                              dtype=torch.float32)}
+    if not decode:
+        return out
+    if not videos:  # the same keys in every batch, without building a processor
+        s = manifest["video_processor"]
+        dim = 3 * s["video_temporal_patch_size"] * s["video_patch_size"] ** 2
+        out["pixel_values_videos"] = torch.zeros((0, dim), dtype=torch.float32)
+        return out
+    proc = video_processor_from_manifest(manifest)
+    from transformers.video_utils import VideoMetadata
+
+    arrays, metadata = [], []
+    for m in videos:
+        try:
+            if m.frames:
+                arrays.append(decode_frames([record.media[f] for f in m.frames], m.frame_indices))
+            else:
+                arrays.append(decode_video(record.media[m.member], m.frame_indices))
+        except (ValueError, OSError) as exc:
+            raise FormatError(f"{where}, member {m.member}: video does not decode ({exc})") from None
+        metadata.append(VideoMetadata(total_num_frames=m.total_frames, fps=m.fps, width=m.width, height=m.height,
+                                      duration=m.duration, frames_indices=list(m.frame_indices)))
+    result = proc(videos=arrays, video_metadata=metadata, do_sample_frames=False, return_tensors="pt")
+    grid = result["video_grid_thw"].numpy().astype(np.int64)
+    if not np.array_equal(grid, grids):
+        bad = next(i for i in range(len(videos)) if not np.array_equal(grid[i], grids[i]))
+        raise FormatError(f"{where}: {videos[bad].member} processes to grid {grid[bad].tolist()}, "
+                          f"stored {grids[bad].tolist()}")
+    out["pixel_values_videos"] = result["pixel_values_videos"].to(torch.float32).contiguous()
     return out
 
 
@@ -244,42 +323,65 @@ def mrope_position_ids(
     *,
     image_token_id: int,
     spatial_merge_size: int = 2,
+    video_grid_thw: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
+    video_token_id: int | None = None,
+    tokens_per_second: int = 2,
 ) -> torch.Tensor:
     """Qwen2/2.5-VL 3-D RoPE positions `[3, 1, L]` for a packed row, computed per segment.
 
-    Each segment starts again at 0: text tokens advance all three rows by one; an image's `t·(h/m)·(w/m)` tokens get
-    (temporal, row, column) offsets from the current position, after which the position advances by
-    `max(h, w) / m`. Padding continues counting like text. Images are taken from `image_grid_thw` in order.
-    For transformers' Qwen2.5-VL packed forward use
+    Each segment starts again at 0: text tokens advance all three rows by one; an image's or a video's
+    `t·(h/m)·(w/m)` tokens get (temporal, row, column) offsets from the current position, after which the position
+    advances by `max(h, w) / m`. A video's temporal offsets are `int(k · tokens_per_second · second_per_grid_ts)`
+    for temporal patch `k` (transformers' `get_rope_index`; `tokens_per_second` is the model's
+    `vision_config.tokens_per_second`), an image's are 0. Padding continues counting like text. Images and videos
+    are taken from their grids in order. For transformers' Qwen2.5-VL packed forward use
     `torch.cat([batch["position_ids"][None], mrope_position_ids(...)])` (`[4, 1, L]`, row 0 the per-segment text
     positions) with `attention_mask=None, use_cache=False`.
     """
     row = tokens.reshape(-1).cpu().numpy()
     bounds = cu_seqlens_padded.cpu().numpy().astype(np.int64)
-    grids = iter([] if image_grid_thw is None else image_grid_thw.cpu().numpy().astype(np.int64).tolist())
+
+    def grids(thw: torch.Tensor | None):
+        return iter([] if thw is None else thw.cpu().numpy().astype(np.int64).tolist())
+
+    queues = {image_token_id: grids(image_grid_thw), video_token_id: grids(video_grid_thw)}
+    seconds: Iterator[torch.Tensor] = iter(
+        [] if second_per_grid_ts is None else second_per_grid_ts.cpu().to(torch.float32).reshape(-1))
+    media_ids = [t for t in (image_token_id, video_token_id) if t is not None]
     out = np.empty((3, len(row)), dtype=np.int64)
     m = spatial_merge_size
     for a, b in zip(bounds[:-1], bounds[1:]):
-        image_at = np.flatnonzero(row[a:b] == image_token_id) + a
+        media_at = np.flatnonzero(np.isin(row[a:b], media_ids)) + a
         pos, i = 0, a
         while i < b:
-            nxt = image_at[np.searchsorted(image_at, i)] if len(image_at) and image_at[-1] >= i else b
+            nxt = media_at[np.searchsorted(media_at, i)] if len(media_at) and media_at[-1] >= i else b
             out[:, i:nxt] = pos + np.arange(nxt - i)
             pos += nxt - i
             if nxt == b:
                 break
-            grid = next(grids, None)
+            token = int(row[nxt])
+            kind = "video" if token == video_token_id else "image"
+            grid = next(queues[token], None)
             if grid is None:
-                raise ValueError(f"image tokens at {nxt} but no image grid left")
+                raise ValueError(f"{kind} tokens at {nxt} but no {kind} grid left")
             t, h, w = grid
             h, w = h // m, w // m
             n = t * h * w
-            if (row[nxt:nxt + n] != image_token_id).any():
-                raise ValueError(f"image at {nxt} has fewer than its {n} tokens")
-            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+            if (row[nxt:nxt + n] != token).any():
+                raise ValueError(f"{kind} at {nxt} has fewer than its {n} tokens")
+            temporal = np.zeros(t, dtype=np.int64)
+            if kind == "video":
+                spgt = next(seconds, None)
+                if spgt is None:
+                    raise ValueError(f"video at {nxt} has no second_per_grid_ts")
+                temporal = (torch.arange(t) * (tokens_per_second * spgt)).long().numpy()
+            tt, hh, ww = np.meshgrid(temporal, np.arange(h), np.arange(w), indexing="ij")
             out[:, nxt:nxt + n] = pos + np.stack([tt.ravel(), hh.ravel(), ww.ravel()])
             pos += max(h, w)
             i = nxt + n
-    if next(grids, None) is not None:
-        raise ValueError("more image grids than images in the tokens")
+    for queued, queue in queues.items():
+        if queued is not None and next(queue, None) is not None:
+            kind = "video" if queued == video_token_id else "image"
+            raise ValueError(f"more {kind} grids than {kind}s in the tokens")
     return torch.from_numpy(out)[:, None, :].to(tokens.device)

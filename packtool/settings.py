@@ -137,9 +137,19 @@ class EncodeSettings:
     max_pixels: int | None = None
     #: Fixed tokens per image (models without Qwen2-VL's rule).
     image_tokens: int | None = None
-    #: Per-pack caps, also applied to single samples (a sample over one is cut or dropped).
+    #: Per-pack caps on media items and their placeholder tokens, every kind counted (images, videos, audio); also
+    #: applied to single samples (a sample over one is cut or dropped, never inside a media span).
     max_images: int | None = None
     max_image_tokens: int | None = None
+    #: Video frame sampling, overriding the model folder's video processor: a rate in frames per second, or a
+    #: frame count (one of the two; giving either turns sampling on), and the frame-count bounds of rate sampling.
+    video_fps: float | None = None
+    video_frames: int | None = None
+    video_min_frames: int | None = None
+    video_max_frames: int | None = None
+    #: Override the video processor's pixel bounds per frame.
+    video_min_pixels: int | None = None
+    video_max_pixels: int | None = None
     #: ``module:function`` turning a raw sample into a conversation.
     adapter: str | None = None
     #: Read pickled media lists through the restricted unpickler.
@@ -170,10 +180,19 @@ class EncodeSettings:
             raise ConfigError(f"pack_size {self.pack_size} is smaller than the alignment {self.align}")
         _check_choice(self.overlong, Overlong, "overlong")
         _check_choice(self.media_check, MediaCheck, "media_check")
-        for name in ("min_pixels", "max_pixels", "image_tokens", "max_images", "max_image_tokens"):
+        for name in ("min_pixels", "max_pixels", "image_tokens", "max_images", "max_image_tokens", "video_frames",
+                     "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels"):
             _check_int(getattr(self, name), name, optional=True)
-        if self.min_pixels and self.max_pixels and self.min_pixels > self.max_pixels:
-            raise ConfigError(f"min_pixels {self.min_pixels} exceeds max_pixels {self.max_pixels}")
+        for lo, hi in (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pixels"),
+                       ("video_min_frames", "video_max_frames")):
+            if getattr(self, lo) and getattr(self, hi) and getattr(self, lo) > getattr(self, hi):
+                raise ConfigError(f"{lo} {getattr(self, lo)} exceeds {hi} {getattr(self, hi)}")
+        if self.video_fps is not None:
+            if isinstance(self.video_fps, bool) or not isinstance(self.video_fps, (int, float)) or \
+                    not 0 < self.video_fps < math.inf:
+                raise ConfigError(f"video_fps must be a positive number, not {self.video_fps!r}")
+            if self.video_frames is not None:
+                raise ConfigError("give video_fps or video_frames, not both")
         _check_int(self.pixel_limit, "pixel_limit")
         _check_int(self.max_sample_bytes, "max_sample_bytes")
         if self.adapter is not None and not re.fullmatch(r"[\w.]+:\w+", self.adapter):

@@ -189,3 +189,41 @@ def test_qwen25vl_without_packed_positions_leaks(tmp_path, qwen):
                      **qwen_inputs(batch)).logits
     second = slice(int(batch["cu_seqlens_unpadded"][1]) + 1, int(batch["cu_seqlens_unpadded"][2]))
     assert (leaky[0, second] - clean[0, second]).abs().max() > 1e-3
+
+
+def test_mrope_positions_of_videos_equal_get_rope_index(qwen):
+    """Two segments with videos (and an image) in one row: the positions restart per segment and equal the model's
+    own get_rope_index on each segment alone."""
+    from packtool.read import mrope_position_ids
+
+    video = qwen.config.video_token_id
+
+    def segment(media):  # media: list of (token, grid)
+        ids, types = [5, 6, 7], [0, 0, 0]
+        for token, (t, h, w) in media:
+            n = t * h * w // 4
+            ids += [fx.VISION_START_ID] + [token] * n + [fx.VISION_END_ID] + [8, 9]
+            types += [0] + [2 if token == video else 1] * n + [0, 0, 0]
+        return ids, types
+
+    segs = [([(video, (3, 4, 6)), (fx.IMAGE_PAD_ID, (1, 6, 4))], [0.7]),
+            ([(video, (5, 8, 4))], [1.3])]
+    rows, expected, images, videos, seconds = [], [], [], [], []
+    for media, spgt in segs:
+        ids, types = segment(media)
+        img = [g for tok, g in media if tok != video]
+        vid = [g for tok, g in media if tok == video]
+        pos, _ = qwen.model.get_rope_index(
+            torch.tensor([ids]), mm_token_type_ids=torch.tensor([types]),
+            image_grid_thw=torch.tensor(img) if img else None, video_grid_thw=torch.tensor(vid),
+            second_per_grid_ts=torch.tensor(spgt))
+        rows += ids
+        expected.append(pos[:, 0])
+        images += img
+        videos += vid
+        seconds += spgt
+    cu = torch.tensor([0, len(segment(segs[0][0])[0]), len(rows)])
+    got = mrope_position_ids(torch.tensor([rows]), cu, torch.tensor(images), image_token_id=fx.IMAGE_PAD_ID,
+                             video_grid_thw=torch.tensor(videos), second_per_grid_ts=torch.tensor(seconds),
+                             video_token_id=video, tokens_per_second=qwen.config.vision_config.tokens_per_second)
+    assert torch.equal(got[:, 0], torch.cat(expected, dim=1))

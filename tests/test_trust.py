@@ -556,7 +556,7 @@ def test_bad_turns_are_quarantined_with_a_reason_that_says_what_is_wrong(tok, tm
            "x2assistantfirst": ({"json": chat("and you?", "I speak first", first="gpt")},
                                 "starts with an assistant turn"),
            "x3imageinreply": ({"json": chat("draw", "here: <image>"), "jpg": jpeg(64, 48, 0)},
-                              "tag lies in assistant turn 1")}
+                              "lies in assistant turn 1")}
     src = dataset(tmp_path / "src", {"shards/a.tar": [sample(0), *((k, m) for k, (m, _) in bad.items()), sample(1)]})
     out = tmp_path / "out"
     ok(cli(*pack_args(src, out, tok, "--max-error-rate", "1")))

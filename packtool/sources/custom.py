@@ -2,7 +2,8 @@
 
 The function receives the raw sample (``{part: bytes}`` plus ``"__key__"``) and returns a
 :class:`~packtool.sources.sample.Conversation`, or a dict ``{"messages": [...], "media": [part names]}`` with
-``<image>`` tags in the text (or none: images then go before the first user text). It raises
+``<image>``/``<video>``/``<audio>`` tags in the text (or none: media then go before the first user text; a part's
+kind follows its extension). It raises
 :class:`~packtool.sources.sample.SampleError` (or any exception) to reject a sample with a reason.
 """
 
@@ -12,7 +13,7 @@ import importlib
 from collections.abc import Callable
 
 from packtool.errors import ConfigError
-from packtool.sources.conversation import parse_turns, place_images
+from packtool.sources.conversation import member_kind, parse_turns, place_media
 from packtool.sources.sample import Conversation, Media, SampleError
 
 
@@ -33,12 +34,13 @@ def custom_adapter(parts: dict[str, bytes], key: str, function: Callable) -> Con
     if isinstance(out, Conversation):
         conv = out
     elif isinstance(out, dict) and "messages" in out:
-        media = [m if isinstance(m, Media) else Media(part=str(m)) for m in out.get("media", [])]
+        media = [m if isinstance(m, Media) else Media(part=str(m), kind=member_kind(str(m)) or "image")
+                 for m in out.get("media", [])]
         conv = Conversation(messages=parse_turns(out["messages"]), media=media)
     else:
         raise SampleError(f"adapter returned {type(out).__name__}, not a conversation")
     for m in conv.media:
         if m.part not in parts:
             raise SampleError(f"media {m.part!r} referenced but missing")
-    conv.messages = place_images(conv.messages, len(conv.media))
+    conv.messages, conv.media = place_media(conv.messages, conv.media)
     return conv

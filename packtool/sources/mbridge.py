@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from packtool.errors import SourceError
 from packtool.media import IMAGE_EXTENSIONS
-from packtool.sources.conversation import parse_turns, place_images
+from packtool.sources.conversation import parse_turns, place_media
 from packtool.sources.safepickle import load_bytes_list, refuse_videos
 from packtool.sources.sample import Conversation, Media, SampleError
 
@@ -117,4 +117,5 @@ def chatml_adapter(parts: dict[str, bytes], *, fields: ChatMLFields, allow_pickl
         media = [Media(part=imgs)]
     elif imgs is not None:
         raise SampleError(f"imgs member {imgs!r} is neither an image nor a pickled image list")
-    return Conversation(messages=place_images(messages, len(media)), media=media)
+    messages, media = place_media(messages, media)
+    return Conversation(messages=messages, media=media)

@@ -2,31 +2,44 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from packtool.errors import SampleError
+from packtool.format import MediaKind
 
-__all__ = ["IMAGE_TAG", "Conversation", "Media", "SampleError"]
+__all__ = ["AUDIO_TAG", "IMAGE_TAG", "MEDIA_TAGS", "TAG_PATTERN", "VIDEO_TAG", "Conversation", "Media", "MediaKind",
+           "SampleError", "tag_kinds"]
 
 
 @dataclass(frozen=True)
 class Media:
     """One media item of a sample, referenced by the member it came from."""
 
-    #: Part name inside the source sample (``jpg``, ``img0.png``, ``0.webp``).
+    #: Part name inside the source sample (``jpg``, ``img0.png``, ``0.webp``, ``clip.mp4``); for a video given as
+    #: a list of frames, its first frame's part.
     part: str
-    #: ``image`` (``audio``/``video`` later).
-    kind: str = "image"
+    #: ``image``, ``video`` or ``audio``.
+    kind: MediaKind = "image"
     #: Position inside a part that holds a list of media (a pickled ``jpgs`` list), else ``None``.
     item: int | None = None
+    #: The frame members of a video given as a list of images, in frame order (``part`` is the first); else empty.
+    frames: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in MEDIA_TAGS:
+            raise SampleError(f"unknown media kind {self.kind!r} for member {self.part!r}")
+        if self.frames and (self.kind != "video" or self.frames[0] != self.part):
+            raise SampleError(f"frame list of {self.part!r} must be a video starting at that member")
 
 
 @dataclass
 class Conversation:
     """A chat as the template sees it, plus its media in placeholder order.
 
-    Each message's ``content`` is a string in which every :data:`IMAGE_TAG` marks where the next media item goes,
-    in order across the conversation; adapters guarantee the number of tags equals ``len(media)``.
+    Each message's ``content`` is a string in which every tag of :data:`MEDIA_TAGS` marks where the next media item
+    goes, in order across the conversation: the kinds of the tags, read in order, are the kinds of ``media``
+    (the encoder checks this for every adapter).
     """
 
     #: ``[{"role": "system"|"user"|"assistant", "content": str}, ...]``
@@ -35,5 +48,14 @@ class Conversation:
     media: list[Media] = field(default_factory=list)
 
 
-#: The placeholder adapters leave in message text where an image goes.
-IMAGE_TAG = "<image>"
+#: The placeholders adapters leave in message text where an image, a video or an audio clip goes.
+IMAGE_TAG, VIDEO_TAG, AUDIO_TAG = "<image>", "<video>", "<audio>"
+MEDIA_TAGS: dict[MediaKind, str] = {"image": IMAGE_TAG, "video": VIDEO_TAG, "audio": AUDIO_TAG}
+#: Any media tag.
+TAG_PATTERN = re.compile("|".join(re.escape(t) for t in MEDIA_TAGS.values()))
+_KIND_OF_TAG = {t: k for k, t in MEDIA_TAGS.items()}
+
+
+def tag_kinds(text: str) -> list[MediaKind]:
+    """Kinds of the media tags in ``text``, in order."""
+    return [_KIND_OF_TAG[m.group(0)] for m in TAG_PATTERN.finditer(text)]

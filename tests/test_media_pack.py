@@ -1,0 +1,273 @@
+"""Media of every kind through ``pack`` and the ledger: no sample is ever packed without a media item it references
+or carries. Videos, audio and images are generated offline (PyAV, numpy, PIL); the shards are real tars and the
+ledger is read back from parquet."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+pytest.importorskip("av")
+
+import demo
+import mediafixture as mf
+from packtool.pipeline import pack
+from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+from packtool.sources.conversation import member_kind
+
+PACK_SIZE = 4096
+
+
+def chat(user, reply: str = "a short answer", **extra) -> bytes:
+    """A ShareGPT chat; ``user`` is text or a list of OpenAI-style content parts (then ChatML roles)."""
+    if isinstance(user, str):
+        turns = [{"from": "human", "value": user}, {"from": "gpt", "value": reply}]
+    else:
+        turns = [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+    return json.dumps({"conversations": turns, **extra}).encode()
+
+
+def video(frames: int = 6, ext: str = "mp4") -> bytes:
+    return mf.make_video(ext, width=64, height=48, frames=frames, fps=4)
+
+
+def wav() -> bytes:
+    return mf.make_audio("wav", samples=8000, rate=16000)
+
+
+def png(seed: int = 0) -> bytes:
+    return mf.make_image(40, 30, seed=seed)
+
+
+#: key -> (members, expected ledger status, a piece of the reason). Statuses of kinds the demo model folder takes
+#: are ``packed``; every other sample is an error with its reason.
+def cases() -> dict[str, tuple[dict[str, bytes], str, str]]:
+    return {
+        "image_tag": ({"json": chat("<image>Describe it."), "jpg": png()}, "packed", ""),
+        "image_parts_named": ({"json": chat([{"type": "image", "image": "b.png"}, {"type": "text", "text": "Then"},
+                                             {"type": "image_url", "image_url": {"url": "a.png"}}]),
+                               "a.png": png(1), "b.png": png(2)}, "packed", ""),
+        "text_only": ({"json": chat("Just text.")}, "packed", ""),
+        "video_tag": ({"json": chat("<video>What happens?"), "mp4": video()}, "packed", ""),
+        "video_untagged": ({"json": chat("What happens?"), "clip.webm": video(ext="webm")}, "packed", ""),
+        "video_part": ({"json": chat([{"type": "video", "video": "clip.mov"}, {"type": "text", "text": "Why?"}]),
+                        "clip.mov": video(ext="mov")}, "packed", ""),
+        "video_frames": ({"json": chat("<video>Frames."), **{f"video.{i}.png": png(i) for i in range(4)}},
+                         "packed", ""),
+        "audio_tag": ({"json": chat("<audio>Transcribe."), "wav": wav()}, "error", "no rule for audio"),
+        "audio_part": ({"json": chat([{"type": "input_audio"}, {"type": "text", "text": "Say?"}]), "flac":
+                        mf.make_audio("flac", samples=4000, rate=8000)}, "error", "no rule for audio"),
+        "two_tags_one_video": ({"json": chat("<video><video>Both?"), "mp4": video()}, "error",
+                               "2 <video> tags but 1 videos"),
+        "video_tag_no_member": ({"json": chat("<video>Where?")}, "error", "1 <video> tags but 0 videos"),
+        "audio_tag_image_member": ({"json": chat("<audio>Hear?"), "jpg": png()}, "error",
+                                   "1 <audio> tags but 0 audio clips"),
+        "unreadable_video": ({"json": chat("<video>Bad."), "mp4": b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64},
+                             "error", "unreadable video"),
+        "unreadable_audio": ({"json": chat("Bad."), "wav": b"RIFF\x10\x00\x00\x00WAVEjunk"}, "error",
+                             "unreadable audio"),
+        "unsupported_format": ({"json": chat("<image>Photo."), "heic": b"\x00\x00\x00\x18ftypheic"}, "error",
+                               "media format packtool cannot read"),
+        "inline_audio": ({"json": chat([{"type": "input_audio", "input_audio": {
+            "data": base64.b64encode(wav()).decode(), "format": "wav"}}, {"type": "text", "text": "Hm?"}])},
+                         "error", "carries its data inline"),
+        "unreferenced_member": ({"json": chat("<image>One.", image="0.jpg"), "0.jpg": png(0), "1.jpg": png(1)},
+                                "error", "image member '1.jpg' is not referenced"),
+        "frame_gap": ({"json": chat("<video>Gap."), "video.0.png": png(0), "video.2.png": png(2)}, "error",
+                      "not numbered 0..1 without gaps"),
+        "frame_sizes": ({"json": chat("<video>Sizes."), "video.0.png": png(0),
+                         "video.1.png": mf.make_image(20, 20)}, "error", "frames differ in size"),
+        "video_in_reply": ({"json": chat("Look.", reply="<video>here"), "mp4": video()}, "error",
+                           "tag <video> lies in assistant turn"),
+    }
+
+
+def write_source(root: Path, samples: dict[str, dict[str, bytes]]) -> None:
+    demo.write_shard(root / "shards/media.tar", samples.items())
+    meta = root / ".nv-meta"
+    meta.mkdir(parents=True)
+    (meta / "split.yaml").write_text(yaml.safe_dump({"split_parts": {"train": ["shards/media.tar"]}}))
+    (meta / "dataset.yaml").write_text(yaml.safe_dump({"__module__": "megatron.energon",
+                                                       "__class__": "CrudeWebdataset"}))
+    (meta / ".info.json").write_text(json.dumps({"shard_counts": {"shards/media.tar": len(samples)}}))
+
+
+def packed_media(out: Path) -> dict[str, list[tuple[str, bytes]]]:
+    """Segment key -> its media as (kind, bytes of each member: one, or a frame list's frames), read from the
+    packed tars."""
+    found = {}
+    for shard in sorted(out.glob("train/*.tar")):
+        records: dict[str, dict[str, bytes]] = {}
+        with tarfile.open(shard) as tar:
+            for m in tar:
+                key, _, part = m.name.partition(".")
+                records.setdefault(key, {})[part] = tar.extractfile(m).read()
+        for parts in records.values():
+            for seg in json.loads(parts["json"])["segments"]:
+                found[seg["key"]] = [(m["kind"], [parts[n] for n in m.get("frames") or [m["member"]]])
+                                     for m in seg["media"]]
+    return found
+
+
+@pytest.fixture(scope="module")
+def media_run(demo_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("media")
+    expected = cases()
+    write_source(root / "src", {k: v[0] for k, v in expected.items()})
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=PACK_SIZE),
+                            PlanSettings(shard_size="4"))
+    pack(root / "src", root / "out", settings, workers=1, progress=False, max_error_rate=1.0)
+    ledger = {r["key"]: r for r in pq.read_table(root / "out/ledger.parquet").to_pylist()}
+    return expected, ledger, packed_media(root / "out")
+
+
+def test_every_media_sample_has_its_ledger_fate(media_run):
+    expected, ledger, _ = media_run
+    assert set(ledger) == set(expected)
+    for key, (_, status, reason) in expected.items():
+        row = ledger[key]
+        assert row["status"] == status, (key, row["reason"])
+        assert reason in row["reason"], (key, row["reason"])
+
+
+def test_no_sample_is_packed_without_its_media(media_run):
+    """Every kept sample holds, byte for byte, every media member of its source sample (frames of a frame list
+    count as one video), and the ledger counts them."""
+    expected, ledger, packed = media_run
+    kept = [k for k, r in ledger.items() if r["status"] in ("packed", "truncated")]
+    assert set(kept) == set(packed) and kept
+    for key in kept:
+        members = expected[key][0]
+        source = sorted(data for part, data in members.items() if member_kind(part) is not None)
+        assert sorted(data for _, members in packed[key] for data in members) == source, key
+        assert ledger[key]["images"] == len(packed[key]), key
+
+
+def test_named_content_parts_set_the_media_order(media_run):
+    expected, _, packed = media_run
+    members = expected["image_parts_named"][0]
+    assert [data for _, (data,) in packed["image_parts_named"]] == [members["b.png"], members["a.png"]]
+    assert [kind for kind, _ in packed["video_frames"]] == ["video"]
+
+
+# -- Qwen2.5-VL video: tokens and reader tensors equal transformers' processor ------------------------------------
+QWEN_VIDEOS = {  # key -> (user text, videos (ext, width, height, frames, fps), images (w, h), frame lists (n, w, h))
+    "short_mp4": ("<video>What happens?", [("mp4", 64, 48, 6, 4)], [], []),
+    "long_webm": ("Describe <video> please.", [("webm", 90, 60, 31, 10)], [], []),
+    "two_videos": ("<video> then <video>?", [("mkv", 57, 41, 9, 8), ("avi", 112, 84, 12, 24)], [], []),
+    "video_image": ("<image><video>Same?", [("mov", 72, 40, 10, 5)], [(50, 70)], []),
+    "frames": ("<video>Frames.", [], [], [(6, 44, 36)]),
+}
+
+
+def qwen_sample(user, videos, images, frame_lists):
+    members = {"json": chat(user)}
+    for i, (ext, w, h, n, fps) in enumerate(videos):
+        members[f"{i}.{ext}"] = mf.make_video(ext, width=w, height=h, frames=n, fps=fps)
+    for i, (w, h) in enumerate(images):
+        members[f"{i}.png"] = mf.make_image(w, h, seed=i)
+    for n, w, h in frame_lists:
+        members.update({f"video.{i}.png": mf.make_image(w, h, seed=10 + i) for i in range(n)})
+    return members
+
+
+@pytest.fixture(scope="module")
+def torchvision():
+    try:
+        import torchvision  # noqa: F401
+    except Exception as exc:
+        pytest.skip(f"transformers' video processor needs torchvision: {type(exc).__name__}: {exc}")
+
+
+@pytest.fixture(scope="module", params=["plain", "sampling"])
+def qwen_run(request, demo_dir, tmp_path_factory):
+    """The demo folder as is (no video config: every frame, image pixel bounds), or with a video config sampling 2
+    frames a second and the flags overriding it to 3 fps; each sample packed alone (one per pack)."""
+    import shutil
+
+    root = tmp_path_factory.mktemp(f"qwen-{request.param}")
+    folder = root / "model"
+    shutil.copytree(demo_dir / "tokenizer", folder)
+    overrides = {}
+    if request.param == "sampling":
+        (folder / "video_preprocessor_config.json").write_text(json.dumps({
+            "video_processor_type": "Qwen2VLVideoProcessor", "do_sample_frames": True, "fps": 2.0, "min_frames": 2,
+            "max_frames": 16, "size": {"shortest_edge": 3136, "longest_edge": 56 * 56 * 4}}))
+        overrides = {"video_fps": 3.0}
+    samples = {k: qwen_sample(*v[:1], *v[1:]) for k, v in QWEN_VIDEOS.items()}
+    write_source(root / "src", samples)
+    settings = PackSettings(EncodeSettings(tokenizer=str(folder), pack_size=PACK_SIZE, **overrides),
+                            PlanSettings(shard_size="4", max_segments=1))
+    pack(root / "src", root / "out", settings, workers=1, progress=False, max_error_rate=1.0)
+    ledger = {r["key"]: r for r in pq.read_table(root / "out/ledger.parquet").to_pylist()}
+    if request.param == "sampling":  # a frame list has no rate to sample by (the processor refuses it too)
+        assert ledger["frames"]["status"] == "error" and "no frame rate" in ledger["frames"]["reason"]
+        del samples["frames"]
+    assert all(ledger[k]["status"] == "packed" for k in samples), ledger
+    return folder, samples, root / "out", overrides
+
+
+def test_qwen_video_tokens_and_tensors_equal_the_processor(torchvision, qwen_run):
+    from PIL import Image
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from packtool.format import load_manifest
+    from packtool.media import decode_frames, decode_video, probe_frames, probe_video
+    from packtool.read import read_packs
+
+    folder, samples, out, overrides = qwen_run
+    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(folder),
+                                    tokenizer=AutoTokenizer.from_pretrained(folder),
+                                    video_processor=Qwen2VLVideoProcessor.from_pretrained(folder))
+    manifest = load_manifest(out)
+    assert manifest.video_processor["fps"] == overrides.get("video_fps", manifest.video_processor["fps"])
+    batches = {b["keys"][0]: b for b in read_packs(out, "train")}
+    assert set(batches) == set(samples)
+    for key, members in samples.items():
+        user, videos, images, frame_lists = QWEN_VIDEOS[key][0], *QWEN_VIDEOS[key][1:]
+        arrays, metas = [], []
+        for i, (ext, *_rest) in enumerate(videos):
+            facts = probe_video(members[f"{i}.{ext}"], max_pixels=10**8)
+            arrays.append(decode_video(members[f"{i}.{ext}"], range(facts.frames)))
+            metas.append(VideoMetadata(**facts.metadata()))
+        for n, _, _ in frame_lists:
+            frames = [members[f"video.{i}.png"] for i in range(n)]
+            arrays.append(decode_frames(frames, range(n)))
+            metas.append(VideoMetadata(**probe_frames(frames, max_pixels=10**8).metadata()))
+        content = []
+        for piece in user.replace("<image>", "\0image\0").replace("<video>", "\0video\0").split("\0"):
+            if piece in ("image", "video"):
+                content.append({"type": piece})
+            elif piece:
+                content.append({"type": "text", "text": piece})
+        text = processor.tokenizer.apply_chat_template([{"role": "user", "content": content},
+                                              {"role": "assistant", "content": "a short answer"}], tokenize=False)
+        call = {}
+        video_settings = processor.video_processor
+        if manifest.video_processor["do_sample_frames"]:
+            call = {"do_sample_frames": True, "fps": manifest.video_processor["fps"],
+                    "min_frames": video_settings.min_frames, "max_frames": video_settings.max_frames}
+        if images:
+            call["images"] = [Image.open(io.BytesIO(members[f"{i}.png"])) for i in range(len(images))]
+        expected = processor(text=[text], videos=arrays, video_metadata=metas, return_tensors="pt", **call)
+        batch = batches[key]
+        n = int(batch["cu_seqlens_unpadded"][1])
+        assert batch["tokens"][0, :n].tolist() == expected["input_ids"][0].tolist(), key
+        assert batch["video_grid_thw"].tolist() == expected["video_grid_thw"].tolist(), key
+        assert batch["second_per_grid_ts"].tolist() == pytest.approx(expected["second_per_grid_ts"].tolist(),
+                                                                     rel=1e-6), key
+        assert batch["pixel_values_videos"].dtype == expected["pixel_values_videos"].dtype
+        assert (batch["pixel_values_videos"] == expected["pixel_values_videos"]).all(), key
+        if images:
+            assert (batch["pixel_values"] == expected["pixel_values"]).all(), key
