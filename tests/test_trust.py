@@ -362,7 +362,9 @@ def test_a_10mb_reply_packs_truncated_in_bounded_memory_with_exact_tokens(tok, t
     out = tmp_path / "out"
     proc, peak = cli_peak_rss(*pack_args(src, out, tok))
     ok(proc)
-    assert peak < 600 * 2**20, f"peak RSS {peak / 2**20:.0f} MiB"
+    # About 210 MiB alone; the tokenizer's threads may keep more in malloc arenas on a busy machine (611 MiB seen
+    # once under the full parallel suite). Before the per-sample bound it was 1.8 GiB.
+    assert peak < 1024 * 2**20, f"peak RSS {peak / 2**20:.0f} MiB"
     rows, packed = ledger(out), segments(out)
     for key in ("x0huge", "x1big"):
         assert rows[key]["status"] == "truncated", rows[key]
