@@ -389,16 +389,15 @@ class Encoder:
             encoding = batch[j]
             j += 1
             with self._guard(raw, strict, out):
-                if isinstance(encoding, Exception):
-                    raise encoding
-                ids, offsets = encoding
-                if len(texts[j - 1]) < len(text) and len(ids) <= self.settings.max_tokens + _STABLE_TOKENS:
-                    whole = self._tokenize([text])[0]  # the cut left too few tokens: tokenize the whole text
-                    if isinstance(whole, Exception):
-                        raise whole
-                    ids, offsets = whole
-                    texts[j - 1] = text
-                out.append(self._finish(raw, ids, offsets, spans, media, cut=len(texts[j - 1]) < len(text)))
+                tokenized = texts[j - 1]
+                while True:
+                    if isinstance(encoding, Exception):
+                        raise encoding
+                    if len(tokenized) == len(text) or len(encoding) > self.settings.max_tokens + _STABLE_TOKENS:
+                        break
+                    tokenized = text[:len(tokenized) * 8]  # the cut left too few tokens: cut further out
+                    encoding = self._tokenize([tokenized])[0]
+                out.append(self._finish(raw, encoding, len(tokenized), spans, media, cut=len(tokenized) < len(text)))
         return out
 
     @contextmanager
@@ -420,20 +419,19 @@ class Encoder:
         limit = max(_CHARS_PER_TOKEN * (self.settings.max_tokens + _STABLE_TOKENS), 1 << 16)
         return text if len(text) <= limit else text[:limit]
 
-    def _tokenize(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]] | Exception]:
-        """``(ids, offsets)`` of each text, batched; a text the tokenizer refuses gets its exception instead (the
-        batch call fails as a whole, so it is retried one text at a time)."""
+    def _tokenize(self, texts: list[str]) -> list[Any]:
+        """The tokenizer's ``Encoding`` of each text, batched; a text the tokenizer refuses gets a
+        :class:`SampleError` instead (the batch call fails as a whole, so it is retried one text at a time)."""
         if not texts:
             return []
         backend = self.tok.backend_tokenizer
         try:
-            return [(e.ids, e.offsets) for e in backend.encode_batch(texts, add_special_tokens=False)]
+            return list(backend.encode_batch(texts, add_special_tokens=False))
         except Exception:
-            out: list[tuple[list[int], list[tuple[int, int]]] | Exception] = []
+            out: list[Any] = []
             for t in texts:
                 try:
-                    e = backend.encode(t, add_special_tokens=False)
-                    out.append((e.ids, e.offsets))
+                    out.append(backend.encode(t, add_special_tokens=False))
                 except Exception as exc:
                     out.append(SampleError(f"the tokenizer cannot encode the text: {type(exc).__name__}: {exc}"))
             return out
@@ -460,20 +458,22 @@ class Encoder:
                 raise SampleError(f"{m['role']} text of turn {i} is not valid Unicode "
                                   f"({exc.reason} at character {exc.start})") from None
 
-    def _finish(self, raw: RawSample, ids, offsets, spans, media: list[dict], cut: bool) -> Encoded:
-        """Targets from the reply spans, placeholders expanded, limits applied. ``cut``: the text was cut before
-        tokenizing (its last tokens are dropped as unsettled, and so are the media past the cut)."""
-        ids = np.asarray(ids, dtype=np.int64)
-        starts = np.asarray([o[0] for o in offsets], dtype=np.int64)
+    def _finish(self, raw: RawSample, encoding: Any, text_len: int, spans, media: list[dict],
+                 cut: bool) -> Encoded:
+        """Targets from the reply spans, placeholders expanded, limits applied. ``encoding`` is the tokenizer's
+        of a text of ``text_len`` characters; ``cut``: the text was cut before tokenizing (its last tokens are
+        dropped as unsettled, and so are the media past the cut)."""
+        ids = np.asarray(encoding.ids, dtype=np.int64)
         if cut:
-            ids, starts = ids[:-_STABLE_TOKENS], starts[:-_STABLE_TOKENS]
-        targets = np.zeros(len(ids), dtype=np.uint8)
-        for s, e in spans:
-            targets[(starts >= s) & (starts < e)] = 1
+            ids = ids[:-_STABLE_TOKENS]
+        n = len(ids)
+        targets = np.zeros(n, dtype=np.uint8)
+        for s, e in spans:  # the tokens that start inside the reply (their offsets looked up, not all converted)
+            first, end = _token_at(encoding, s, n, text_len), _token_at(encoding, e, n, text_len)
+            targets[first:end] = 1
             if not self.generation_tags:  # reply found by prefix rendering: add the end-of-turn token after it
-                after = np.flatnonzero(starts >= e)
-                if after.size and int(ids[after[0]]) in self.special_ids:
-                    targets[after[0]] = 1
+                if end < n and int(ids[end]) in self.special_ids:
+                    targets[end] = 1
         if self.settings.target_newline_after_eot:
             self._target_newlines(ids, targets)
         # Expand each media placeholder to its exact token count.
@@ -551,6 +551,19 @@ class Encoder:
         kept = [m for m in enc.media if m["token_offset"] + m["tokens"] <= cut]
         return Encoded(enc.key, enc.shard, enc.index, "truncated", f"truncated to {cut}: {reason}",
                        enc.tokens[:cut].copy(), enc.targets[:cut].copy(), kept, enc.source_tokens)
+
+
+def _token_at(encoding: Any, pos: int, n: int, text_len: int) -> int:
+    """Index of the first token that starts at character ``pos`` or later (``n`` if none among the first ``n``)."""
+    probe, token = pos, encoding.char_to_token(pos)
+    while token is None:  # a character no token covers: the next one that is covered
+        probe += 1
+        if probe >= text_len:
+            return n
+        token = encoding.char_to_token(probe)
+    if encoding.token_to_chars(token)[0] < pos:
+        token += 1
+    return min(token, n)
 
 
 def model_facts(settings: EncodeSettings, dataset_yaml: dict | None = None) -> dict:
