@@ -179,13 +179,16 @@ def verify(
     workers: int | None = typer.Option(None, help="Worker processes (default: all cores)."),
     engine: str = typer.Option(default(R, "engine"), help="local or ray."),
     ray_address: str | None = typer.Option(None, help="Ray cluster address host:port (with --engine ray)."),
+    retokenize: bool = typer.Option(False, help="Also encode every segment's text again where the pack's array "
+                                                "digest already proves its tokens intact."),
 ) -> None:
     """Check OUTPUT: every pack well-formed, every source sample accounted for, metadata consistent."""
     from packtool.engine import default_workers
     from packtool.verify import verify_output
 
-    problems = _one_line(lambda: verify_output(output, source=source, workers=workers or default_workers(),
-                                               engine=engine, ray_address=ray_address))  # type: ignore[arg-type]  # Engine checks it
+    problems = _one_line(lambda: verify_output(
+        output, source=source, workers=workers or default_workers(), engine=engine,  # type: ignore[arg-type]
+        ray_address=ray_address, retokenize=retokenize))
     if problems:
         for p in problems:
             typer.echo(p, err=True)

@@ -173,15 +173,22 @@ class PackRecord:
     media: dict[str, bytes] = field(default_factory=dict)
     #: packtool version that wrote the record.
     packtool: str = ""
+    #: SHA-256 of the three array members as written (``tokens.npy``, ``targets.npy``, ``seqlens.npy``, in that
+    #: order), recorded in ``json`` as ``arrays_sha256``: ``verify`` proves the token arrays intact without
+    #: tokenizing again. Empty for records written before it existed.
+    arrays_sha256: str = ""
 
     def to_members(self) -> list[tuple[str, bytes]]:
         """``[(part, bytes)]`` in member order (arrays, json, media)."""
-        meta = {"pack_size": self.pack_size, "align": self.align, "packtool": self.packtool,
-                "segments": [asdict(s) for s in self.segments]}
-        return [
+        arrays = [
             ("tokens.npy", npy_bytes(np.asarray(self.tokens, dtype=np.int32))),
             ("targets.npy", npy_bytes(np.asarray(self.targets, dtype=np.uint8))),
             ("seqlens.npy", npy_bytes(np.asarray(self.seqlens, dtype=np.int32))),
+        ]
+        meta = {"pack_size": self.pack_size, "align": self.align, "packtool": self.packtool,
+                "arrays_sha256": arrays_digest(dict(arrays)), "segments": [asdict(s) for s in self.segments]}
+        return [
+            *arrays,
             ("json", json.dumps(meta, separators=(",", ":")).encode()),
             *self.media.items(),
         ]
@@ -210,7 +217,8 @@ class PackRecord:
             if name not in members:
                 raise FormatError(f"pack {key}: media member {name} missing")
             media[name] = members[name]
-        return cls(key, tokens, targets, seqlens, pack_size, align, segments, media, str(meta.get("packtool", "")))
+        return cls(key, tokens, targets, seqlens, pack_size, align, segments, media, str(meta.get("packtool", "")),
+                   str(meta.get("arrays_sha256", "")))
 
     @property
     def media_refs(self) -> list[MediaRef]:
@@ -220,6 +228,14 @@ class PackRecord:
     def segment_starts(self) -> np.ndarray:
         """Token index of each segment's first token, then the total."""
         return np.concatenate([[0], np.cumsum(self.seqlens.astype(np.int64))])
+
+
+def arrays_digest(members: Mapping[str, bytes]) -> str:
+    """SHA-256 over a record's array members, in :data:`ARRAYS` order (see ``PackRecord.arrays_sha256``)."""
+    h = hashlib.sha256()
+    for name in ARRAYS:
+        h.update(members[name])
+    return h.hexdigest()
 
 
 def npy_bytes(array: np.ndarray) -> bytes:

@@ -46,6 +46,7 @@ from packtool.format import (
     MediaRef,
     PackRecord,
     SplitYaml,
+    arrays_digest,
     safe_relative,
     sha256,
 )
@@ -96,12 +97,13 @@ class TokenCheck:
         self.exact = isinstance(self.tok.decoder, decoders.ByteLevel)
         self.pre_tokenizer = self.tok.pre_tokenizer
 
-    def problems(self, segments: list[tuple[str, np.ndarray, list[MediaRef], bool]]) -> list[str]:
-        """Problems of ``(where, tokens, media, truncated)`` segments (checked as one batch)."""
+    def problems(self, segments: list[tuple[str, np.ndarray, list[MediaRef], bool, bool]]) -> list[str]:
+        """Problems of ``(where, tokens, media, truncated, roundtrip)`` segments (checked as one batch): every id
+        in the vocabulary, and, where ``roundtrip``, equal to the tokenizer's encoding of its own text."""
         problems: list[str] = []
         whole: list[tuple[str, np.ndarray]] = []
         cut: list[tuple[str, np.ndarray]] = []
-        for where, tokens, media, truncated in segments:
+        for where, tokens, media, truncated, roundtrip in segments:
             inside = (tokens >= 0) & (tokens < len(self.known))
             bad = np.flatnonzero(~inside)
             if not bad.size:
@@ -109,7 +111,7 @@ class TokenCheck:
             if bad.size:
                 problems.append(f"{where}: token id {int(tokens[bad[0]])} at {int(bad[0])} is outside the "
                                 f"vocabulary of {self.size}")
-            elif self.exact:
+            elif self.exact and roundtrip:
                 (cut if truncated else whole).append((where, self._collapse(tokens, media)))
         if whole:
             texts = self.tok.decode_batch([ids.tolist() for _, ids in whole], skip_special_tokens=False)
@@ -271,8 +273,11 @@ def segment_facts(record: PackRecord) -> list[tuple[str, str, str, tuple[int, in
             for s, a, b in zip(record.segments, starts[:-1], starts[1:])]
 
 
-def check_shard(output: str, split: str, shard: str, fid: int, count: int | None, manifest: Manifest) -> ShardReport:
-    """Check one output shard (see the module docstring); the task :func:`verify_output` runs per shard."""
+def check_shard(output: str, split: str, shard: str, fid: int, count: int | None, manifest: Manifest,
+                retokenize: bool = False) -> ShardReport:
+    """Check one output shard (see the module docstring); the task :func:`verify_output` runs per shard. The
+    token arrays of a record that carries their SHA-256 are proven by it; the others, and all with
+    ``retokenize``, are also encoded again from their own text."""
     out = Path(output)
     report = ShardReport()
     problems = report.problems
@@ -314,6 +319,8 @@ def check_shard(output: str, split: str, shard: str, fid: int, count: int | None
             problems.append(f"{shard}: {exc}")
             continue
         problems += check_pack(where, record, members, manifest)
+        if record.arrays_sha256 and arrays_digest(members) != record.arrays_sha256:
+            problems.append(f"{where}: token arrays differ from the SHA-256 written with the pack")
         for m in record.media_refs:
             problems += check_media(f"{where} member {m.member}", m, record.media[m.member], rule, pixel_limit)
         for src_split, src_shard, src_key, held in segment_facts(record):
@@ -322,7 +329,8 @@ def check_shard(output: str, split: str, shard: str, fid: int, count: int | None
             ordinal.append(i)
         if tokens is not None:
             starts = record.segment_starts()
-            staged += [(f"{where} segment {s.key}", record.tokens[a:b], s.media, s.truncated)
+            roundtrip = retokenize or not record.arrays_sha256
+            staged += [(f"{where} segment {s.key}", record.tokens[a:b], s.media, s.truncated, roundtrip)
                        for s, a, b in zip(record.segments, starts[:-1], starts[1:])]
             if len(staged) >= TOKEN_BATCH:
                 problems += tokens.problems(staged)
@@ -386,14 +394,15 @@ def _check_sqlite_extent(path: Path, n_shards: int) -> list[str]:
 
 # -- the whole output -----------------------------------------------------------------------------------------
 def verify_output(output: str | Path, *, source: str | Path | None = None, workers: int = 1,
-                  engine: EngineKind = "local", ray_address: str | None = None) -> list[str]:
+                  engine: EngineKind = "local", ray_address: str | None = None, retokenize: bool = False) -> list[str]:
     """Every check (see the module docstring); ``workers``, ``engine`` and ``ray_address`` as for ``pack``
-    (the shards, and with ``source`` the source shards, are checked in parallel on one engine)."""
+    (the shards, and with ``source`` the source shards, are checked in parallel on one engine). ``retokenize``
+    also encodes every segment's text again even where the pack's array digest proves its tokens intact."""
     with Engine(engine, workers, ray_address) as runner:
-        return _verify(Path(output), None if source is None else Path(source), runner)
+        return _verify(Path(output), None if source is None else Path(source), runner, retokenize)
 
 
-def _verify(out: Path, source: Path | None, runner: Engine) -> list[str]:
+def _verify(out: Path, source: Path | None, runner: Engine, retokenize: bool = False) -> list[str]:
     try:
         manifest = Manifest.read(out)
     except FormatError as exc:
@@ -412,7 +421,7 @@ def _verify(out: Path, source: Path | None, runner: Engine) -> list[str]:
         tok_dir = out / (manifest.tokenizer or {}).get("dir", f"{META}/tokenizer")
         if not (tok_dir / "tokenizer.json").is_file():
             problems.append(f"{tok_dir.relative_to(out)}: no tokenizer.json (readers need it; token ids unchecked)")
-        tasks = [(str(out), split, shard, fid, info.shard_counts.get(shard), manifest)
+        tasks = [(str(out), split, shard, fid, info.shard_counts.get(shard), manifest, retokenize)
                  for fid, (split, shard) in enumerate(shards)]
         done = runner.map(check_shard, tasks, desc="verify", unit="shard", progress=False)
         reports = [(split, shard, r) for (split, shard), r in zip(shards, done)]

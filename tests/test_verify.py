@@ -158,11 +158,11 @@ def test_token_check_accepts_every_cut_and_catches_a_changed_token(demo_dir, tai
     text = ("<|im_start|>assistant\nThe quick brown fox 你好，世界！ 👨‍👩‍👧 jumps over naïve café résumé "
             "Привет 1234567 tomorrow<|im_end|>\n")
     ids = np.asarray(check.tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
-    cuts = [(f"cut{k}", ids[:k], [], True) for k in range(1, len(ids) + 1)]
-    assert check.problems(cuts + [("whole", ids, [], False)]) == []
+    cuts = [(f"cut{k}", ids[:k], [], True, True) for k in range(1, len(ids) + 1)]
+    assert check.problems(cuts + [("whole", ids, [], False, True)]) == []
     changed = ids.copy()
     changed[len(ids) // 3] = ids[len(ids) // 3 + 1]
-    assert len(check.problems([("changed", changed[:-5], [], True), ("whole", changed, [], False)])) == 2
+    assert len(check.problems([("changed", changed[:-5], [], True, True), ("whole", changed, [], False, True)])) == 2
 
 
 def test_caps_from_the_manifest_are_checked(copy):
@@ -268,3 +268,19 @@ def test_ledger_is_streamed_in_batches(copy, monkeypatch):
     pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), copy / "ledger.parquet", row_group_size=5)
     problems = verify_output(copy)
     assert len(problems) == 1 and rows[i]["pack"] in problems[0] and rows[i]["key"] in problems[0], problems
+
+
+def test_token_arrays_are_proven_by_their_digest_and_retokenize_checks_the_text(copy):
+    """A record rewritten with a changed token and its array digest recomputed (as an encoder bug would write
+    it) passes the digest; encoding its text again shows the ids are not the tokenizer's. (The same change under
+    the old digest is caught by the digest alone: test_flipped_token_byte_is_caught_without_source.)"""
+
+    def change_token(record: PackRecord) -> bool:
+        tokens = record.tokens
+        i = int(np.flatnonzero(tokens > 20)[len(tokens) // 3 % max(1, int((tokens > 20).sum()))])
+        tokens[i] ^= 1
+        return True
+
+    key = rewrite_first(copy, change_token)
+    assert not any("token" in p and key in p for p in verify_output(copy))
+    assert any(key in p and "encoding of their own text" in p for p in verify_output(copy, retokenize=True))
