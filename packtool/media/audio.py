@@ -20,6 +20,8 @@ from typing import Literal
 
 import numpy as np
 
+from packtool.media.video import open_container
+
 #: Part-name endings treated as audio.
 AUDIO_EXTENSIONS = frozenset({"wav", "flac", "mp3", "ogg", "m4a"})
 
@@ -55,15 +57,7 @@ def probe_audio(data: bytes, *, decode: bool = False) -> AudioFacts:
 
     PCM and FLAC sample counts come from the header unless ``decode``, which decodes the clip once to prove it whole.
     """
-    import av
-
-    if not data:
-        raise ValueError("empty audio member")
-    try:
-        container = av.open(io.BytesIO(data), mode="r")
-    except Exception as exc:  # PyAV raises its own error types (and others) for bytes it cannot parse
-        raise ValueError(f"unreadable audio: {type(exc).__name__}: {exc}") from None
-    with container:
+    with open_container(data, "audio") as container:
         if not container.streams.audio:
             raise ValueError("no audio stream in the container")
         stream = container.streams.audio[0]

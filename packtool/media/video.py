@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -62,6 +62,18 @@ class VideoFacts:
         }
 
 
+def open_container(data: bytes, what: str) -> Any:
+    """The PyAV container of a media member; ValueError with a ledger reason for empty or unparsable bytes."""
+    import av
+
+    if not data:
+        raise ValueError(f"empty {what} member")
+    try:
+        return av.open(io.BytesIO(data), mode="r")
+    except Exception as exc:  # PyAV raises its own error types (and others) for bytes it cannot parse
+        raise ValueError(f"unreadable {what}: {type(exc).__name__}: {exc}") from None
+
+
 def probe_video(data: bytes, *, max_pixels: int, decode: bool = False) -> VideoFacts:
     """Facts of an encoded video; raises ``ValueError`` with a reason when it is unusable.
 
@@ -69,15 +81,7 @@ def probe_video(data: bytes, *, max_pixels: int, decode: bool = False) -> VideoF
     packets. With ``decode`` every frame is decoded once, which proves the stream whole and makes the decoded count
     the count; a header that disagrees with it is an error. ``max_pixels`` bounds one frame, checked before decoding.
     """
-    import av
-
-    if not data:
-        raise ValueError("empty video member")
-    try:
-        container = av.open(io.BytesIO(data), mode="r")
-    except Exception as exc:  # PyAV raises its own error types (and others) for bytes it cannot parse
-        raise ValueError(f"unreadable video: {type(exc).__name__}: {exc}") from None
-    with container:
+    with open_container(data, "video") as container:
         if not container.streams.video:
             raise ValueError("no video stream in the container")
         stream = container.streams.video[0]
