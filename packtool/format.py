@@ -8,7 +8,7 @@ OUTPUT layout::
     .nv-meta/dataset.yaml    DatasetYaml   CrudeWebdataset with subflavors {packtool: 1}
     .nv-meta/split.yaml      SplitYaml     split -> shard paths (also read from the source dataset)
     .nv-meta/.info.json      InfoJson      shard -> record count (+ .info.yaml for Energon <= 6)
-    .nv-meta/index.sqlite    Energon's sample index (written with Energon's own writer) + index.uuid
+    .nv-meta/index.sqlite    Energon's sample index (Energon's schema) + index.uuid
     .nv-meta/packtool.json   Manifest      written last: an OUTPUT with a manifest is complete
     .nv-meta/tokenizer/      the model folder's tokenizer files, so readers need nothing but OUTPUT
     <split>/pack-NNNNNN.tar  one PackRecord per pack (+ .tar.idx)
