@@ -23,13 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import packfixture as fx  # noqa: E402
-from packtool.read import (  # noqa: E402
-    image_processor_from_manifest,
-    iter_records,
-    load_manifest,
-    read_packs,
-    split_shards,
-)
+from packtool.format import load_manifest, split_shard_paths  # noqa: E402
+from packtool.read import image_processor_from_manifest, read_packs  # noqa: E402
+from packtool.shards import iter_records  # noqa: E402
 
 PROCESSOR = {**fx.QWEN_PROCESSOR, "min_pixels": 3136, "max_pixels": 1003520}
 
@@ -90,7 +86,7 @@ def baseline(path: Path, split: str) -> int:
 
     processor = image_processor_from_manifest(load_manifest(path))
     images = 0
-    for shard in split_shards(path, split):
+    for shard in split_shard_paths(path, split):
         for _, members in iter_records(shard):
             media = [m for s in json.loads(members["json"])["segments"] for m in s["media"]]
             if media:
@@ -103,7 +99,7 @@ def count(path: Path, split: str, **kw) -> tuple[int, int, int]:
     packs = tokens = images = 0
     for b in read_packs(path, split, **kw):
         packs += 1
-        tokens += int(b["cu_seqlens"][-1])
+        tokens += int(b["cu_seqlens_unpadded"][-1])
         images += len(b.get("image_grid_thw", ()))
     return packs, tokens, images
 
