@@ -63,26 +63,31 @@ def idx_path(shard: Path) -> Path:
     return shard.with_name(shard.name + ".idx")
 
 
+def _grouped(tar: tarfile.TarFile) -> Iterator[tuple[str, list[tuple[str, tarfile.TarInfo]]]]:
+    """The file members of a tar grouped by record: ``(key, [(part, member), ...])`` in on-disk order."""
+    key: str | None = None
+    group: list[tuple[str, tarfile.TarInfo]] = []
+    for m in tar:
+        if not m.isfile():
+            continue
+        k, part = split_member(m.name)
+        if k != key:
+            if key is not None:
+                yield key, group
+            key, group = k, []
+        group.append((part, m))
+    if key is not None:
+        yield key, group
+
+
 def index_tar(path: Path) -> list[IndexedRecord]:
     """The record index of a tar, from its headers (data is not read)."""
-    records: list[IndexedRecord] = []
-    cur_key: str | None = None
-    cur_start, end = 0, 0
-    cur_parts: list[tuple[str, int, int]] = []
     with tarfile.open(path, "r:") as tar:
-        for m in tar:
-            if not m.isfile():
-                continue
-            key, part = split_member(m.name)
-            if key != cur_key:
-                if cur_key is not None:
-                    records.append(IndexedRecord(cur_key, cur_start, end - cur_start, tuple(cur_parts)))
-                cur_key, cur_start, cur_parts = key, m.offset, []
-            cur_parts.append((part, m.offset_data, m.size))
-            end = m.offset_data + m.size + (-m.size % BLOCK)
-    if cur_key is not None:
-        records.append(IndexedRecord(cur_key, cur_start, end - cur_start, tuple(cur_parts)))
-    return records
+        return [IndexedRecord(key, group[0][1].offset,
+                              group[-1][1].offset_data + group[-1][1].size + (-group[-1][1].size % BLOCK)
+                              - group[0][1].offset,
+                              tuple((part, m.offset_data, m.size) for part, m in group))
+                for key, group in _grouped(tar)]
 
 
 def record_offsets(shard: str | Path) -> np.ndarray:
@@ -138,16 +143,5 @@ def scan_records(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
     """Records of a tar read front to back from its headers alone (no ``.tar.idx``): what ``verify`` uses to
     check the index against."""
     with tarfile.open(path, "r:") as tar:
-        key: str | None = None
-        parts: dict[str, bytes] = {}
-        for m in tar:
-            if not m.isfile():
-                continue
-            k, part = split_member(m.name)
-            if k != key:
-                if key is not None:
-                    yield key, parts
-                key, parts = k, {}
-            parts[part] = _member_data(tar, m)
-        if key is not None:
-            yield key, parts
+        for key, group in _grouped(tar):
+            yield key, {part: _member_data(tar, m) for part, m in group}
