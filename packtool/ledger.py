@@ -17,10 +17,10 @@ if TYPE_CHECKING:
     from packtool.planning import SplitPlan
 
 
-def read_ledger(path: str | Path) -> pa.Table:
-    """The ledger of a packed output folder, or a ledger file itself."""
+def read_ledger(path: str | Path, columns: list[str] | None = None) -> pa.Table:
+    """The ledger of a packed output folder, or a ledger file itself (only ``columns``, when given)."""
     p = Path(path)
-    return pq.read_table(p / LEDGER if p.is_dir() else p)
+    return pq.read_table(p / LEDGER if p.is_dir() else p, columns=columns)
 
 
 def ledger_table(split: str, plan: SplitPlan) -> pa.Table:

@@ -9,12 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
 from packtool.errors import FormatError
 from packtool.format import MANIFEST, STATUSES
 from packtool.ledger import read_ledger
 
+#: The ledger columns the report reads (keys and shards are never needed: they are most of its bytes).
+STATS_COLUMNS = ["split", "status", "reason", "tokens", "images", "image_tokens", "pack"]
 _NUMBER = re.compile(r"\d+")
 
 
@@ -37,7 +40,8 @@ def _settings(path: Path, pack_size: int | None = None) -> dict:
 def split_arrays(ledger, split: str) -> dict:
     """Per-split numpy views of the packed rows: lengths, images, image tokens and pack numbers."""
     t = ledger.filter(pc.and_(pc.equal(ledger.column("split"), split), pc.is_valid(ledger.column("pack"))))
-    packs = np.asarray([int(p.rsplit("-", 1)[1]) for p in t.column("pack").to_pylist()], dtype=np.int64)
+    # Pack keys end in their 9-digit number (format.pack_key): parsed by Arrow, no Python string per row.
+    packs = pc.cast(pc.utf8_slice_codeunits(t.column("pack"), start=-9), pa.int64()).to_numpy()
     return {
         "lengths": t.column("tokens").to_numpy().astype(np.int64),
         "images": t.column("images").to_numpy().astype(np.int64),
@@ -52,7 +56,7 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
     from packtool.plan import dp_imbalance
 
     path = Path(path)
-    ledger = read_ledger(path)
+    ledger = read_ledger(path, STATS_COLUMNS)
     st = _settings(path, pack_size)
     size, align = int(st["pack_size"]), int(st["align"])
     groups = balance_dp or st.get("balance_dp")
@@ -110,7 +114,7 @@ def compare(path: str | Path, algorithms: list[str], *, pack_size: int | None = 
     from packtool.plan import compare as plan_compare
 
     path = Path(path)
-    ledger = read_ledger(path)
+    ledger = read_ledger(path, STATS_COLUMNS)
     st = _settings(path, pack_size)
     out = {}
     for split in sorted(set(ledger.column("split").to_pylist())):
@@ -159,7 +163,7 @@ def plot(path: str | Path, png: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    ledger = read_ledger(path)
+    ledger = read_ledger(path, STATS_COLUMNS)
     size = int(_settings(path)["pack_size"])
     splits = sorted(set(ledger.column("split").to_pylist()))
     fig, axes = plt.subplots(len(splits) or 1, 3, figsize=(13, 3.2 * max(1, len(splits))), squeeze=False)
