@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +27,10 @@ from packtool.format import (
     pack_key,
     sha256,
     shard_path,
+    split_shard_paths,
     write_energon_metadata,
 )
-from packtool.shards import write_tar
+from packtool.shards import scan_records, write_tar
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
 PAD_ID, IM_START_ID, IM_END_ID, VISION_START_ID, VISION_END_ID, IMAGE_PAD_ID = range(256, 262)
@@ -182,3 +184,14 @@ def write_packs(
     )
     (out / MANIFEST).write_bytes(manifest.to_bytes())
     return out
+
+
+def packed_segments(output: Path, split: str = "train") -> Iterator[tuple[Segment, np.ndarray, np.ndarray, dict]]:
+    """``(segment, tokens, targets, media members of its pack)`` of every pack of a split, in on-disk order, read
+    from the tars themselves (their headers, not ``.tar.idx``) through the format's own record rules."""
+    for shard in split_shard_paths(output, split):
+        for key, members in scan_records(shard):
+            record = PackRecord.from_members(key, members)
+            starts = record.segment_starts()
+            for seg, a, b in zip(record.segments, starts[:-1], starts[1:]):
+                yield seg, record.tokens[a:b], record.targets[a:b], record.media

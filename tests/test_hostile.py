@@ -20,6 +20,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 import demo
+import packfixture as fx
 from packtool.cli import app
 from packtool.pipeline import pack
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
@@ -200,24 +201,11 @@ def packed_pair(built, demo_dir, tmp_path_factory) -> tuple[Path, Path]:
 
 def segments(output: Path) -> dict[str, dict]:
     """Segment key -> its tokens, targets and media bytes, read from the packed tars."""
-    out = {}
-    shards = yaml.safe_load((output / ".nv-meta/split.yaml").read_text())["split_parts"]["train"]
-    for shard in shards:
-        with tarfile.open(output / shard) as tar:
-            records: dict[str, dict[str, bytes]] = {}
-            for m in tar:
-                key, _, part = m.name.partition(".")
-                records.setdefault(key, {})[part] = tar.extractfile(m).read()
-        for parts in records.values():
-            tokens, targets, seqlens = (np.load(io.BytesIO(parts[p])) for p in
-                                        ("tokens.npy", "targets.npy", "seqlens.npy"))
-            start = 0
-            for seg, n in zip(json.loads(parts["json"])["segments"], seqlens):
-                assert seg["key"] not in out, f"{seg['key']} packed twice"
-                out[seg["key"]] = {"tokens": tokens[start:start + n].tolist(),
-                                   "targets": targets[start:start + n].tolist(),
-                                   "media": [parts[m["member"]] for m in seg["media"]]}
-                start += n
+    out: dict[str, dict] = {}
+    for seg, tokens, targets, media in fx.packed_segments(output):
+        assert seg.key not in out, f"{seg.key} packed twice"
+        out[seg.key] = {"tokens": tokens.tolist(), "targets": targets.tolist(),
+                        "media": [media[m.member] for m in seg.media]}
     return out
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import tarfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -18,6 +17,7 @@ pytest.importorskip("av")
 
 import demo
 import mediafixture as mf
+import packfixture as fx
 from packtool.pipeline import pack
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from packtool.sources.conversation import member_kind
@@ -102,18 +102,8 @@ def write_source(root: Path, samples: dict[str, dict[str, bytes]]) -> None:
 def packed_media(out: Path) -> dict[str, list[tuple[str, bytes]]]:
     """Segment key -> its media as (kind, bytes of each member: one, or a frame list's frames), read from the
     packed tars."""
-    found = {}
-    for shard in sorted(out.glob("train/*.tar")):
-        records: dict[str, dict[str, bytes]] = {}
-        with tarfile.open(shard) as tar:
-            for m in tar:
-                key, _, part = m.name.partition(".")
-                records.setdefault(key, {})[part] = tar.extractfile(m).read()
-        for parts in records.values():
-            for seg in json.loads(parts["json"])["segments"]:
-                found[seg["key"]] = [(m["kind"], [parts[n] for n in m.get("frames") or [m["member"]]])
-                                     for m in seg["media"]]
-    return found
+    return {seg.key: [(m.kind, [media[n] for n in m.members]) for m in seg.media]
+            for seg, _, _, media in fx.packed_segments(out)}
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ injected) on small datasets written here: real tar shards, the demo's trained to
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -24,6 +25,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 import demo
+import packfixture as fx
 from packtool.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,22 +146,9 @@ def ledger(output: Path) -> dict[str, dict]:
 
 def segments(output: Path, split: str = "train") -> dict[str, dict]:
     """Segment key -> its tokens, targets, media bytes and media entries, read from the packed tars."""
-    out = {}
-    for shard in yaml.safe_load((output / ".nv-meta/split.yaml").read_text())["split_parts"][split]:
-        with tarfile.open(output / shard) as tar:
-            records: dict[str, dict[str, bytes]] = {}
-            for m in tar:
-                key, _, part = m.name.partition(".")
-                records.setdefault(key, {})[part] = tar.extractfile(m).read()
-        for parts in records.values():
-            tokens, targets, seqlens = (np.load(io.BytesIO(parts[p])) for p in
-                                        ("tokens.npy", "targets.npy", "seqlens.npy"))
-            start = 0
-            for seg, n in zip(json.loads(parts["json"])["segments"], seqlens):
-                out[seg["key"]] = {"tokens": tokens[start:start + n], "targets": targets[start:start + n],
-                                   "media": [parts[m["member"]] for m in seg["media"]], "refs": seg["media"]}
-                start += n
-    return out
+    return {seg.key: {"tokens": tokens, "targets": targets, "media": [media[m.member] for m in seg.media],
+                      "refs": [dataclasses.asdict(m) for m in seg.media]}
+            for seg, tokens, targets, media in fx.packed_segments(output, split)}
 
 
 # -- 1. one sample never kills the job; a packtool bug always does ----------------------------------------------
