@@ -381,7 +381,12 @@ class Manifest(Mapping[str, Any]):
     @classmethod
     def read(cls, root: str | Path) -> Manifest:
         path = Path(root) / MANIFEST
-        data = read_mapping(path, "manifest")
+        return cls.parse(read_mapping(path, "manifest"), str(path))
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any], path: str) -> Manifest:
+        """The manifest in ``data`` (read from ``path``, named in errors): unknown fields are ignored, a format
+        newer than this packtool reads is refused."""
         names = {f.name for f in fields(cls)}
         try:
             manifest = cls(**{k: v for k, v in data.items() if k in names})

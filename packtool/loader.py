@@ -26,7 +26,7 @@ from megatron.energon.edataclass import edataclass
 from megatron.energon.epathlib import EPath
 from megatron.energon.errors import FatalSampleError
 
-from packtool.format import load_manifest, split_shard_paths
+from packtool.format import MANIFEST, Manifest, load_manifest, split_shard_paths
 from packtool.megatron_batch import megatron_bridge_batch
 from packtool.read import IGNORE_INDEX, PAD_TO, ROW_KEYS, image_processor_from_manifest, pack_to_batch
 from packtool.shards import iter_records, record_offsets
@@ -132,8 +132,10 @@ class PackDataset(torch.utils.data.IterableDataset):
 
 
 @functools.lru_cache(maxsize=16)
-def _manifest(dataset_path: str) -> dict:
-    return json.loads((EPath(dataset_path) / ".nv-meta" / "packtool.json").read_text())
+def _manifest(dataset_path: str) -> Manifest:
+    """The manifest of a dataset Energon opened (its path may be remote: read through Energon's own paths)."""
+    path = EPath(dataset_path) / MANIFEST
+    return Manifest.parse(json.loads(path.read_text()), str(path))
 
 
 @edataclass
