@@ -142,7 +142,8 @@ def assemble_record(key: str, split: str, group: list[tuple[Any, ...]], sources:
             video = {k: m[k] for k in VIDEO_FIELDS} if m["kind"] == "video" else {}
             refs.append(MediaRef(member=member, kind=m["kind"], token_offset=m["token_offset"], tokens=m["tokens"],
                                  grid_thw=m["grid_thw"], width=m["width"], height=m["height"], size=len(data),
-                                 sha256=sha256(data), frames=names, **video))
+                                 sha256=sha256(data), frames=names, span=m.get("span", []),
+                                 samples=m.get("samples", 0), **video))
         segs.append(Segment(sample_key, split, shard, bool(truncated), refs))
     return PackRecord(key, np.concatenate(toks), np.concatenate(tgts), np.asarray(seqlens, dtype=np.int32),
                       pack_size, align, segs, media, __version__)

@@ -75,11 +75,11 @@ class Encoded:
     reason: str = ""
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     targets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
-    #: Media kept, in placeholder order: part, item, kind, ext, token_offset, tokens, grid_thw, width, height,
+    #: Media kept, in placeholder order: part, item, kind, ext, token_offset, tokens, span, grid_thw, width, height,
     #: offset, size (where the member lies in the source shard; for an item of a pickled list, the list's member);
     #: videos add frames (``[part, offset, size]`` of each frame of a frame list), total_frames, fps, duration,
     #: frame_indices, second_per_grid_ts and sha256 (of the bytes measured, checked again when the pack is
-    #: written).
+    #: written); audio adds samples.
     media: list[dict] = field(default_factory=list)
     #: Length before truncation (0 if encoding failed).
     source_tokens: int = 0
@@ -494,6 +494,8 @@ class Encoder:
             m["token_offset"] = int(new_start[p])
         tokens = np.repeat(ids, repeat).astype(np.int32)
         targets = np.repeat(targets, repeat)
+        for m in media:
+            m["span"] = list(self._media_span(tokens, m))
         enc = Encoded(raw.key, raw.shard, raw.index, "packed", "", tokens, targets, media, len(tokens), not cut)
         if not targets.any():
             raise SampleError("no training targets")

@@ -120,6 +120,13 @@ class MediaRef:
     frame_indices: list[int] = field(default_factory=list)
     #: Qwen2-VL video: seconds one temporal patch spans (``second_per_grid_ts``, for mRoPE).
     second_per_grid_ts: float | None = None
+    #: Tokens of the item's whole expansion, ``[start, end)`` relative to the segment start: its placeholder
+    #: tokens plus the markers and text the processor writes around them (``<|vision_start|>`` ...
+    #: ``<|vision_end|>``; Nemotron Omni's ``<img>`` ... ``</img>``, frame labels, ``<so_start>`` ... ``<so_end>``).
+    #: Truncation never cuts inside it. Empty in packs written before it was recorded.
+    span: list[int] = field(default_factory=list)
+    #: Audio: samples of the waveform the processor is given (at its sampling rate, after any length cap).
+    samples: int = 0
 
     @property
     def members(self) -> list[str]:
