@@ -26,9 +26,10 @@ from megatron.energon.edataclass import edataclass
 from megatron.energon.epathlib import EPath
 from megatron.energon.errors import FatalSampleError
 
-from packtool.format import MANIFEST, Manifest, load_manifest, split_shard_paths
+from packtool.format import MANIFEST, TOKENIZER_DIR, Manifest, load_manifest, split_shard_paths
 from packtool.megatron_batch import megatron_bridge_batch
-from packtool.read import IGNORE_INDEX, PAD_TO, ROW_KEYS, image_processor_from_manifest, pack_to_batch
+from packtool.read import IGNORE_INDEX, PAD_TO, ROW_KEYS, pack_to_batch, processor_for_output
+from packtool.read_nemotron import is_nemotron, nemotron_processors, settings_from_manifest
 from packtool.shards import iter_records, record_offsets
 
 log = logging.getLogger(__name__)
@@ -69,10 +70,28 @@ def collate_packs(rows: list[dict], pad_token_id: int) -> dict:
     out["max_seqlen"] = max(r["max_seqlen"] for r in rows)
     out["keys"] = [k for r in rows for k in r["keys"]]
     out["pack_key"] = [r["pack_key"] for r in rows]
-    for key in ("image_grid_thw", "pixel_values"):  # rows of a text-only dataset (blending) have none
+    for key in MEDIA_KEYS:  # rows of a text-only dataset (blending) have none
         if any(key in r for r in rows):
             out[key] = torch.cat([r[key] for r in rows if key in r])
+    for key in ("input_features", "input_features_mask"):  # audio clips: padded to the longest of the batch
+        if any(key in r for r in rows):
+            width = max(r[key].shape[1] for r in rows if key in r)
+            out[key] = torch.cat([_pad_frames(r[key], width) for r in rows if key in r])
+    if any("media_kinds" in r for r in rows):
+        out["media_kinds"] = [k for r in rows for k in r.get("media_kinds", [])]
     return out
+
+
+#: Media tensors of reader rows that stack along their first dimension.
+MEDIA_KEYS = ("image_grid_thw", "pixel_values", "image_grid_hw", "pixel_values_videos", "video_grid_thw",
+              "second_per_grid_ts")
+
+
+def _pad_frames(features: torch.Tensor, width: int) -> torch.Tensor:
+    """Audio features or their mask `[clips, frames, ...]` padded with zeros (False) to `width` frames, as the
+    feature extractor pads the shorter clips of one call."""
+    pad = features.new_zeros((features.shape[0], width - features.shape[1], *features.shape[2:]))
+    return torch.cat([features, pad], dim=1)
 
 
 class PackDataset(torch.utils.data.IterableDataset):
@@ -124,7 +143,7 @@ class PackDataset(torch.utils.data.IterableDataset):
             mine = mine[info.id::info.num_workers]
         processor = self.image_processor
         if processor is None and self.images:
-            processor = image_processor_from_manifest(self.manifest)
+            processor = processor_for_output(self.path, self.manifest)
         for shard, index in mine:
             key, members = next(iter_records(self.shards[shard], iter([index])))
             yield pack_to_batch({**members, "__key__": key}, self.manifest, pad_to=self.pad_to, images=self.images,
@@ -136,6 +155,23 @@ def _manifest(dataset_path: str) -> Manifest:
     """The manifest of a dataset Energon opened (its path may be remote: read through Energon's own paths)."""
     path = EPath(dataset_path) / MANIFEST
     return Manifest.parse(json.loads(path.read_text()), str(path))
+
+
+@functools.lru_cache(maxsize=16)
+def _nemotron_processors(dataset_path: str):
+    """Nemotron Omni processors of a dataset Energon opened, from its copy of the model folder; a remote one's
+    settings files are copied to a local temporary folder first (transformers' processors read local files)."""
+    folder = EPath(dataset_path) / TOKENIZER_DIR
+    if not folder.is_local():
+        import tempfile
+
+        local = EPath(tempfile.mkdtemp(prefix="packtool-model-"))
+        for name in ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+                     "tokenizer_config.json"):
+            if (folder / name).is_file():
+                (folder / name).copy(local / name)
+        folder = local
+    return nemotron_processors(_manifest(dataset_path), folder.local_path())
 
 
 @edataclass
@@ -189,8 +225,11 @@ class PackTaskEncoder(DefaultTaskEncoder):
         manifest = _manifest(str(info.dataset_path))
         where = f"{info.dataset_path}/{info.shard_name}"
         try:
+            processor = self.image_processor
+            if processor is None and self.images and is_nemotron(manifest):
+                processor = _nemotron_processors(str(info.dataset_path))
             batch = pack_to_batch({**sample.members, "__key__": sample.__key__}, manifest, pad_to=self.pad_to,
-                                  images=self.images, image_processor=self.image_processor, source=where)
+                                  images=self.images, image_processor=processor, source=where)
         except Exception as exc:
             self._failed(exc, where, sample.__key__)
         return PackRow.derive_from(sample, batch=batch)
@@ -206,14 +245,14 @@ class PackTaskEncoder(DefaultTaskEncoder):
         log.warning("packtool skipped pack %d in this process: %s", self.skipped, message)
         raise SkipSample()
 
-    def finish(self, batch: dict) -> dict:
+    def finish(self, batch: dict, manifest: Manifest) -> dict:
         """The collated batch as this encoder yields it."""
         return batch
 
     @stateless
     def batch(self, samples: list[PackRow]) -> dict:
         manifest = _manifest(str(samples[0].__sources__[0].dataset_path))
-        return self.finish(collate_packs([s.batch for s in samples], manifest["pad_token_id"]))
+        return self.finish(collate_packs([s.batch for s in samples], manifest["pad_token_id"]), manifest)
 
 
 class MegatronBridgeTaskEncoder(PackTaskEncoder):
@@ -222,5 +261,8 @@ class MegatronBridgeTaskEncoder(PackTaskEncoder):
     `packtool.megatron_batch`). Name it as the dataset's task encoder with micro batch size 1 and the model's
     `seq_length` equal to the pack size. Arguments as `PackTaskEncoder`."""
 
-    def finish(self, batch: dict) -> dict:
+    def finish(self, batch: dict, manifest: Manifest) -> dict:
+        if is_nemotron(manifest):
+            step = settings_from_manifest(manifest).video_temporal_patch_dim
+            return megatron_bridge_batch(batch, temporal_patch_dim=step)
         return megatron_bridge_batch(batch)

@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from packtool.errors import FormatError
-from packtool.format import PackRecord, load_manifest, split_shard_paths
+from packtool.format import TOKENIZER_DIR, PackRecord, load_manifest, split_shard_paths
+from packtool.read_nemotron import is_nemotron, nemotron_media, nemotron_processors, placeholder_tokens
 from packtool.shards import iter_records
 
 IGNORE_INDEX = -100
@@ -57,10 +58,11 @@ def _cached_processor(settings_json: str):
 
 def image_processor_from_manifest(manifest: Mapping):
     """The Qwen2-VL image processor (PIL backend: the same numbers with or without torchvision) the manifest
-    describes; None for a text-only dataset or a fixed-count (`"type": "fixed"`) one, whose model's own processor
-    the caller must pass. Cached: one per process and settings."""
+    describes; None for a text-only dataset, a fixed-count (`"type": "fixed"`) one, whose model's own processor
+    the caller must pass, or a Nemotron Omni one (see `processor_for_output`). Cached: one per process and
+    settings."""
     settings = manifest.get("image_processor")
-    if settings is None or settings.get("type") == "fixed":
+    if settings is None or settings.get("type") == "fixed" or is_nemotron(manifest):
         return None
     if settings.get("type") != "qwen2_vl":
         raise ValueError(f"unsupported image processor type {settings.get('type')!r}")
@@ -150,17 +152,44 @@ def pack_to_batch(
 
 
 def _check_spans(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str) -> None:
-    """Each media item's span must hold its kind's placeholder token, and each segment no other such token."""
+    """Each media item's placeholders must lie where the record says, and each segment hold no other placeholder.
+
+    An item with a recorded ``span`` must hold exactly ``tokens`` of its kind's placeholder inside the span, the
+    first at ``token_offset`` (Nemotron Omni's video chunks are separated by frame labels, so placeholders need not
+    be contiguous); spans lie in order inside their segment. Without a span (older packs) the ``tokens``
+    placeholders from ``token_offset`` on must be contiguous."""
     tokens = record.tokens
-    for kind, key in (("image", "image_token_id"), ("video", "video_token_id")):
-        token = manifest.get(key)
-        if token is None:
-            continue
-        for seg, start, end in zip(record.segments, cu[:-1], cu[1:]):
-            spans = [(start + m.token_offset, m.tokens) for m in seg.media if m.kind == kind]
-            inside = all(a + n <= end and (tokens[a:a + n] == token).all() for a, n in spans)
-            if not inside or int((tokens[start:end] == token).sum()) != sum(n for _, n in spans):
-                raise FormatError(f"{where}: media spans of segment {seg.key} do not match its {kind} tokens")
+    ids = _placeholder_tokens(manifest)
+    for seg, start, end in zip(record.segments, cu[:-1], cu[1:]):
+        text = tokens[start:end]
+        last = 0
+        for m in seg.media:
+            token = ids.get(m.kind)
+            if token is None:
+                continue
+            a, n = m.token_offset, m.tokens
+            if m.span:
+                s0, s1 = m.span
+                ok = (last <= s0 <= a < s1 <= len(text) and text[a] == token
+                      and int((text[s0:s1] == token).sum()) == n)
+                last = s1
+            else:
+                ok = a + n <= len(text) and bool((text[a:a + n] == token).all())
+            if not ok:
+                raise FormatError(f"{where}: {m.member} of segment {seg.key} does not match its {m.kind} tokens "
+                                  f"(offset {a}, {n} tokens, span {m.span})")
+        for token in set(ids.values()) - {None}:
+            want = sum(m.tokens for m in seg.media if ids.get(m.kind) == token)
+            if int((text == token).sum()) != want:
+                raise FormatError(f"{where}: segment {seg.key} holds {int((text == token).sum())} placeholder "
+                                  f"tokens {token}, its media {want}")
+
+
+def _placeholder_tokens(manifest: Mapping) -> dict[str, int | None]:
+    """Placeholder token id of each media kind the dataset's model family uses."""
+    if is_nemotron(manifest):
+        return placeholder_tokens(manifest)
+    return {"image": manifest.get("image_token_id"), "video": manifest.get("video_token_id")}
 
 
 def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, images: bool,
@@ -172,6 +201,8 @@ def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, im
     if not everything and processor is None:
         return {}
     _check_spans(record, manifest, cu, where)
+    if is_nemotron(manifest):
+        return nemotron_media(record, image_processor, where, images)
     for m in everything:
         if m.kind not in ("image", "video"):
             raise FormatError(f"{where}: media kind {m.kind!r} (member {m.member}) is not supported by the reader "
@@ -195,7 +226,7 @@ def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, im
             dim = 3 * proc.temporal_patch_size * proc.patch_size ** 2
             out["pixel_values"] = torch.zeros((0, dim), dtype=torch.float32)
         return out
-    pil = [_open_image(record.media[m.member], f"{where}, member {m.member}") for m in media]
+    pil = [open_stored_image(record.media[m.member], f"{where}, member {m.member}") for m in media]
     try:
         result = proc(images=pil, return_tensors="np")
     except (ValueError, TypeError, OSError) as exc:
@@ -276,7 +307,7 @@ def _videos(record: PackRecord, manifest: Mapping, where: str, decode: bool) -> 
     return out
 
 
-def _open_image(data: bytes, where: str):
+def open_stored_image(data: bytes, where: str):
     """The decoded image (as stored: no EXIF rotation, the same pixels the grid was computed from)."""
     from PIL import Image
 
@@ -288,6 +319,15 @@ def _open_image(data: bytes, where: str):
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise FormatError(f"{where}: media does not decode ({type(exc).__name__}: {exc})") from None
     return image
+
+
+def processor_for_output(path: str | Path, manifest: Mapping):
+    """The processor a reader of the packed dataset at `path` uses for its media: Qwen2-VL's image processor
+    (`image_processor_from_manifest`), Nemotron Omni's processors built from the model folder copied into the
+    output (`packtool.read_nemotron.nemotron_processors`), or None."""
+    if is_nemotron(manifest):
+        return nemotron_processors(manifest, Path(path) / TOKENIZER_DIR)
+    return image_processor_from_manifest(manifest)
 
 
 def batch_to(batch: dict, device) -> dict:
@@ -308,7 +348,7 @@ def read_packs(
     manifest = load_manifest(path)
     processor = image_processor
     if processor is None and images:
-        processor = image_processor_from_manifest(manifest)
+        processor = processor_for_output(path, manifest)
     for shard in split_shard_paths(path, split):
         for key, members in iter_records(shard):
             batch = pack_to_batch({**members, "__key__": key}, manifest, pad_to=pad_to, images=images,

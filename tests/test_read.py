@@ -150,7 +150,7 @@ def test_bad_packs_raise():
     pack_to_batch(members(), manifest)
     with pytest.raises(ValueError, match="processes to grid"):
         pack_to_batch(members(grid_thw=[1, 4, 6]), manifest)
-    with pytest.raises(ValueError, match="media spans"):
+    with pytest.raises(ValueError, match="m0.jpg of segment v does not match its image tokens"):
         pack_to_batch(members(token_offset=seg["media"][0]["token_offset"] + 1), manifest)
     with pytest.raises(ValueError, match="do not agree"):
         pack_to_batch({**members(), "seqlens.npy": fx.npy(np.array([3], np.int32))}, manifest)
