@@ -29,7 +29,7 @@ from megatron.energon.errors import FatalSampleError
 from packtool.format import MANIFEST, TOKENIZER_DIR, Manifest, load_manifest, split_shard_paths
 from packtool.megatron_batch import megatron_bridge_batch
 from packtool.read import IGNORE_INDEX, PAD_TO, ROW_KEYS, pack_to_batch, processor_for_output
-from packtool.read_nemotron import is_nemotron, nemotron_processors, settings_from_manifest
+from packtool.read_nemotron import is_nemotron, nemotron_processors, pad_frames, settings_from_manifest
 from packtool.shards import iter_records, record_offsets
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def collate_packs(rows: list[dict], pad_token_id: int) -> dict:
     for key in ("input_features", "input_features_mask"):  # audio clips: padded to the longest of the batch
         if any(key in r for r in rows):
             width = max(r[key].shape[1] for r in rows if key in r)
-            out[key] = torch.cat([_pad_frames(r[key], width) for r in rows if key in r])
+            out[key] = torch.cat([pad_frames(r[key], width) for r in rows if key in r])
     if any("media_kinds" in r for r in rows):
         out["media_kinds"] = [k for r in rows for k in r.get("media_kinds", [])]
     return out
@@ -85,13 +85,6 @@ def collate_packs(rows: list[dict], pad_token_id: int) -> dict:
 #: Media tensors of reader rows that stack along their first dimension.
 MEDIA_KEYS = ("image_grid_thw", "pixel_values", "image_grid_hw", "pixel_values_videos", "video_grid_thw",
               "second_per_grid_ts")
-
-
-def _pad_frames(features: torch.Tensor, width: int) -> torch.Tensor:
-    """Audio features or their mask `[clips, frames, ...]` padded with zeros (False) to `width` frames, as the
-    feature extractor pads the shorter clips of one call."""
-    pad = features.new_zeros((features.shape[0], width - features.shape[1], *features.shape[2:]))
-    return torch.cat([features, pad], dim=1)
 
 
 class PackDataset(torch.utils.data.IterableDataset):

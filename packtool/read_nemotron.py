@@ -17,9 +17,9 @@ Per pack, in media order (the processor's own order within one sample):
   (``[frames·h·w, 3·p·p]``, row-major patches, channel-major inside a patch: transformers'
   ``convert_image_to_patches``), so videos of different tiles share one tensor; ``video_grid_thw`` int64
   ``[n, 3]`` = (frames, tile height, tile width) in patches;
-* audio: every clip of the pack through the feature extractor in one call: ``input_features`` float32
-  ``[clips, mel frames, mel bins]`` and ``input_features_mask`` bool ``[clips, mel frames]`` (clips padded to the
-  longest of the pack; a clip's valid frames do not depend on the others).
+* audio: each sample's clips through the feature extractor in one call, as the processor does: ``input_features``
+  float32 ``[clips, mel frames, mel bins]`` and ``input_features_mask`` bool ``[clips, mel frames]``, the
+  processor's values padded with zeros (False) to the longest clip of the pack.
 
 ``media_kinds`` lists every item's kind in placeholder order, so images and video chunks (both ``<image>``
 placeholders) can be interleaved back in token order. Each stored grid, frame count, sample count and token count
@@ -119,7 +119,6 @@ def nemotron_media(record: PackRecord, processors: NemotronOmniProcessors | None
             raise FormatError(f"{where}: media kind {m.kind!r} (member {m.member}) is not a Nemotron Omni kind")
     images = [m for m in refs if m.kind == "image"]
     videos = [m for m in refs if m.kind == "video"]
-    clips = [m for m in refs if m.kind == "audio"]
     out: dict[str, Any] = {
         "media_kinds": [m.kind for m in refs],
         "image_grid_hw": _grids(images, where, 2),
@@ -135,7 +134,7 @@ def nemotron_media(record: PackRecord, processors: NemotronOmniProcessors | None
         return out
     out.update(_images(record, processors, where))
     out.update(_videos(record, videos, processors, where))
-    out.update(_audio(record, clips, processors, where))
+    out.update(_audio(record, processors, where))
     return out
 
 
@@ -213,29 +212,45 @@ def _patches(frames: torch.Tensor, patch: int) -> torch.Tensor:
     return x.reshape(n * (h // patch) * (w // patch), c * patch * patch).contiguous()
 
 
-def _audio(record: PackRecord, clips: Sequence[MediaRef], p: NemotronOmniProcessors, where: str) -> dict:
-    """Every clip of the pack through the feature extractor at the settings' rate and length cap."""
+def _audio(record: PackRecord, p: NemotronOmniProcessors, where: str) -> dict:
+    """Each segment's clips through the feature extractor in one call, as the processor does per sample (so the
+    features are the processor's to the bit), padded with zeros to the pack's longest clip."""
     from packtool.media import decode_audio
 
     s = p.settings
-    bins = int(p.audio.feature_size)
-    if not clips:
-        return {"input_features": torch.zeros((0, 0, bins), dtype=torch.float32),
+    features, masks = [], []
+    for seg in record.segments:
+        clips = [m for m in seg.media if m.kind == "audio"]
+        if not clips:
+            continue
+        waves = []
+        for m in clips:
+            try:
+                wave = decode_audio(record.media[m.member], rate=s.audio_sampling_rate,
+                                    max_samples=s.max_audio_samples)
+            except (ValueError, OSError, IndexError) as exc:
+                raise FormatError(f"{where}, member {m.member}: audio does not decode ({exc})") from None
+            tokens = s.audio_tokens(AudioFacts(len(wave), s.audio_sampling_rate, 1, "decode")) if len(wave) else 0
+            if (m.samples and len(wave) != m.samples) or tokens != m.tokens:
+                raise FormatError(f"{where}: {m.member} decodes to {len(wave)} samples ({tokens} tokens), "
+                                  f"stored {m.samples} samples ({m.tokens} tokens)")
+            waves.append(wave)
+        result = p.audio(waves, sampling_rate=s.audio_sampling_rate, return_tensors="pt")
+        features.append(result["input_features"].to(torch.float32))
+        masks.append(result["attention_mask"].to(torch.bool))
+    if not features:
+        return {"input_features": torch.zeros((0, 0, int(p.audio.feature_size)), dtype=torch.float32),
                 "input_features_mask": torch.zeros((0, 0), dtype=torch.bool)}
-    waves = []
-    for m in clips:
-        try:
-            wave = decode_audio(record.media[m.member], rate=s.audio_sampling_rate, max_samples=s.max_audio_samples)
-        except (ValueError, OSError, IndexError) as exc:
-            raise FormatError(f"{where}, member {m.member}: audio does not decode ({exc})") from None
-        tokens = s.audio_tokens(AudioFacts(len(wave), s.audio_sampling_rate, 1, "decode")) if len(wave) else 0
-        if (m.samples and len(wave) != m.samples) or tokens != m.tokens:
-            raise FormatError(f"{where}: {m.member} decodes to {len(wave)} samples ({tokens} tokens), "
-                              f"stored {m.samples} samples ({m.tokens} tokens)")
-        waves.append(wave)
-    result = p.audio(waves, sampling_rate=s.audio_sampling_rate, return_tensors="pt")
-    return {"input_features": result["input_features"].to(torch.float32),
-            "input_features_mask": result["attention_mask"].to(torch.bool)}
+    width = max(f.shape[1] for f in features)
+    return {"input_features": torch.cat([pad_frames(f, width) for f in features]),
+            "input_features_mask": torch.cat([pad_frames(m, width) for m in masks])}
+
+
+def pad_frames(features: torch.Tensor, width: int) -> torch.Tensor:
+    """Audio features or their mask ``[clips, frames, ...]`` padded with zeros (False) to ``width`` frames, as the
+    feature extractor pads the shorter clips of one call."""
+    pad = features.new_zeros((features.shape[0], width - features.shape[1], *features.shape[2:]))
+    return torch.cat([features, pad], dim=1)
 
 
 def placeholder_tokens(manifest: Mapping) -> dict[str, int | None]:
