@@ -367,3 +367,99 @@ def test_recipe_settings_follow_the_output(tmp_path):
     assert got == {"seq_length": next(read_packs(tmp_path))["tokens"].shape[1], "micro_batch_size": 1}
     with pytest.raises(ValueError, match="needs a multiple of 8"):
         recipe.packed_settings(tmp_path, context_parallel=4)
+
+
+# -- Qwen2.5-VL videos ------------------------------------------------------------------------------------------
+def qwen_video_records(folder):
+    """Two packs as the encoder writes them for the demo Qwen folder: [video, image + video] and [image]."""
+    from transformers import AutoTokenizer
+
+    import mediafixture as mf
+    from packtool.format import MediaRef, PackRecord, Segment, sha256
+    from packtool.media import Qwen2VLSettings, probe_video
+    from packtool.media.folder import read_folder
+
+    settings = Qwen2VLSettings.from_folder(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    start, end, video_pad = (tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>",
+                                                                    "<|video_pad|>"))
+
+    def segment(key, items):
+        tokens, refs, media = tok.encode("<|im_start|>user\n", add_special_tokens=False), [], {}
+        for kind, data in items:
+            member = f"{key}-m{len(refs)}.{'mp4' if kind == 'video' else 'png'}"
+            media[member] = data
+            begin = len(tokens)
+            if kind == "video":
+                facts = probe_video(data, max_pixels=10**8)
+                plan = settings.video(facts)
+                tokens += [start] + [video_pad] * plan.tokens + [end]
+                refs.append(MediaRef(member, "video", begin + 1, plan.tokens, list(plan.grid_thw), facts.width,
+                                     facts.height, len(data), sha256(data), total_frames=facts.frames, fps=facts.fps,
+                                     duration=facts.duration, frame_indices=list(plan.indices),
+                                     second_per_grid_ts=plan.second_per_grid_ts, span=[begin, begin + plan.tokens + 2]))
+            else:
+                w, h = Image.open(io.BytesIO(data)).size
+                n = settings.image.tokens(w, h)
+                tokens += [start] + [tok.convert_tokens_to_ids("<|image_pad|>")] * n
+                tokens += [end]
+                refs.append(MediaRef(member, "image", begin + 1, n, list(settings.image.grid(w, h)), w, h, len(data),
+                                     sha256(data), span=[begin, begin + n + 2]))
+        tokens += tok.encode("What?<|im_end|>\n<|im_start|>assistant\nThis.<|im_end|>\n", add_special_tokens=False)
+        return tokens, Segment(key, "train", "src/train-0.tar", False, refs), media
+
+    clips = [mf.make_video("mp4", width=64, height=48, frames=6, fps=4),
+             mf.make_video("webm", width=90, height=60, frames=9, fps=6)]
+    image = mf.make_image(50, 70)
+    packs = [[("v", [("video", clips[0])]), ("iv", [("image", image), ("video", clips[1])])],
+             [("i", [("image", image)])]]
+    records = []
+    for number, pack in enumerate(packs):
+        built = [segment(key, items) for key, items in pack]
+        tokens = np.concatenate([np.asarray(t, np.int32) for t, _, _ in built])
+        seqlens = np.array([len(t) for t, _, _ in built], np.int32)
+        media = {k: v for _, _, m in built for k, v in m.items()}
+        records.append(PackRecord(f"train-{number:09d}", tokens, np.ones(len(tokens), np.uint8), seqlens, 1024, 8,
+                                  [s for _, s, _ in built], media, "0.1.0"))
+    manifest = {"pad_token_id": 0, "image_token_id": tok.convert_tokens_to_ids("<|image_pad|>"),
+                "video_token_id": video_pad, "image_processor": settings.image.manifest(),
+                "video_processor": {**settings.manifest(), "config": read_folder(folder).video}}
+    return records, manifest
+
+
+def test_qwen_videos_reach_the_megatron_bridge_batch(demo_dir):
+    """`visual_inputs` carries the reader's video tensors the way Qwen2.5-VL's forward takes them
+    (`pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts` through `normalized_for_model()`), alone or beside
+    images, also for several packs collated into one row; a batch without videos leaves those fields None."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as exc:
+        pytest.skip(f"transformers' video processor needs torchvision: {type(exc).__name__}: {exc}")
+    from packtool.read import pack_to_batch
+
+    records, manifest = qwen_video_records(demo_dir / "tokenizer")
+    batches = [pack_to_batch({**dict(r.to_members()), "__key__": r.key}, manifest) for r in records]
+    video_pad, merge = manifest["video_token_id"], 4
+    for batch, record in zip(batches, records):
+        mb = megatron_bridge_batch(batch)
+        kwargs = mb["visual_inputs"].normalized_for_model()
+        videos = [m for m in record.media_refs if m.kind == "video"]
+        if not videos:
+            assert set(kwargs) == {"pixel_values", "image_grid_thw"}
+            continue
+        assert {"pixel_values_videos", "video_grid_thw", "second_per_grid_ts"} <= set(kwargs)
+        assert kwargs["pixel_values_videos"] is batch["pixel_values_videos"]
+        grid = kwargs["video_grid_thw"]
+        assert grid.dtype == torch.int64 and grid.tolist() == [m.grid_thw for m in videos]
+        assert kwargs["pixel_values_videos"].shape == (int(grid.prod(-1).sum()), 3 * 2 * 14 * 14)
+        assert kwargs["second_per_grid_ts"].tolist() == pytest.approx([m.second_per_grid_ts for m in videos])
+        assert int((mb["tokens"] == video_pad).sum()) == int(grid.prod(-1).sum()) // merge
+        assert ("pixel_values" in kwargs) == any(m.kind == "image" for m in record.media_refs)
+    both = megatron_bridge_batch(collate_packs(batches, 0))
+    kwargs = both["visual_inputs"].normalized_for_model()
+    assert torch.equal(kwargs["pixel_values_videos"], torch.cat([b["pixel_values_videos"] for b in batches]))
+    assert kwargs["video_grid_thw"].tolist() == [m.grid_thw for r in records for m in r.media_refs
+                                                 if m.kind == "video"]
+    assert kwargs["image_grid_thw"].shape == (2, 3) and kwargs["second_per_grid_ts"].shape == (2,)
+    assert int((both["tokens"] == video_pad).sum()) == int(kwargs["video_grid_thw"].prod(-1).sum()) // merge
+    assert megatron_bridge_batch(batches[1])["visual_inputs"].pixel_values_videos is None
