@@ -120,8 +120,7 @@ def _nemotron_inputs(batch: dict, temporal_patch_dim: int) -> dict:
                  "sound_length": None}
     kinds = [k for k in batch["media_kinds"] if k != "audio"]
     if kinds and batch.get("pixel_values") is not None:
-        dim = batch["pixel_values"].shape[-1]
-        patch = round((dim // 3) ** 0.5)
+        patch = {key: round((batch[key].shape[-1] // 3) ** 0.5) for key in ("pixel_values", "pixel_values_videos")}
         images = _split(batch["pixel_values"], batch["image_grid_hw"].prod(-1))
         videos = _split(batch["pixel_values_videos"], batch["video_grid_thw"].prod(-1))
         image_grids, video_grids = iter(batch["image_grid_hw"].tolist()), iter(batch["video_grid_thw"].tolist())
@@ -130,7 +129,7 @@ def _nemotron_inputs(batch: dict, temporal_patch_dim: int) -> dict:
             if kind == "image":
                 h, w = next(image_grids)
                 patches.append(next(images))
-                sizes.append([h * patch, w * patch])
+                sizes.append([h * patch["pixel_values"], w * patch["pixel_values"]])
                 frames.append(1)
             else:
                 n, h, w = next(video_grids)
@@ -138,7 +137,7 @@ def _nemotron_inputs(batch: dict, temporal_patch_dim: int) -> dict:
                 if n == 1 and temporal_patch_dim > 1:  # one frame: repeated, or the model takes it for an image
                     video, n = video.repeat(temporal_patch_dim, 1), temporal_patch_dim
                 patches.append(video)
-                sizes += [[h * patch, w * patch]] * n
+                sizes += [[h * patch["pixel_values_videos"], w * patch["pixel_values_videos"]]] * n
                 frames.append(n)
         out.update(visual_inputs=VisualInputs(pixel_values=torch.cat(patches)[None]),
                    imgs_sizes=torch.tensor(sizes, dtype=torch.int64),
