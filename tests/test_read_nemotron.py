@@ -102,11 +102,13 @@ def clip(ext: str, rate: int, channels: int, seconds: float) -> bytes:
     return mf.make_audio(ext, samples=round(seconds * rate), rate=rate, channels=channels)
 
 
+#: 0.64 s at 16 kHz is 64 mel hops: a length where counting from the mask's frames (64) instead of transformers'
+#: frames + 1 (65) gives one audio token less, so the Megatron-Bridge lengths are tested where it matters.
 #: Pack -> samples -> pieces: text, ("image", w, h), ("video", bytes), ("frames", [png bytes]), ("audio", bytes).
 def samples() -> list[list[list]]:
     return [
         [
-            ["Look:\n", ("image", 50, 70), ("image", 640, 480), "\nand hear:\n", ("audio", clip("wav", 16000, 1, 0.6)),
+            ["Look:\n", ("image", 50, 70), ("image", 640, 480), "\nand hear:\n", ("audio", clip("wav", 16000, 1, 0.64)),
              "\nWhat is it?"],
             ["Watch:\n", ("video", video_bytes()), "\nthen:\n", ("image", 33, 300), "\nWhy?"],
             ["Listen:\n", ("audio", clip("flac", 44100, 2, 1.3)), "\nand\n", ("audio", clip("wav", 8000, 1, 0.25)),
