@@ -7,10 +7,13 @@ bytes' content (the codecs themselves are deterministic for these settings) and 
 from __future__ import annotations
 
 import io
+import json
 import math
+from pathlib import Path
 
 import av
 import numpy as np
+import yaml
 from PIL import Image
 
 #: Container name and video codec for each video extension (codecs PyAV's bundled FFmpeg can write).
@@ -100,6 +103,20 @@ def make_image(width: int, height: int, *, seed: int = 0, fmt: str = "PNG") -> b
     buf = io.BytesIO()
     Image.fromarray(frame_pixels(seed, width, height)).save(buf, format=fmt)
     return buf.getvalue()
+
+
+def write_source(root: Path, samples: dict[str, dict[str, bytes]], *, dataset_yaml: dict | None = None) -> Path:
+    """A one-shard Energon source (``shards/media.tar``, split ``train``) holding ``samples`` (key -> members)."""
+    import demo
+
+    demo.write_shard(root / "shards/media.tar", samples.items())
+    meta = root / ".nv-meta"
+    meta.mkdir(parents=True)
+    (meta / "split.yaml").write_text(yaml.safe_dump({"split_parts": {"train": ["shards/media.tar"]}}))
+    (meta / "dataset.yaml").write_text(yaml.safe_dump(dataset_yaml or {"__module__": "megatron.energon",
+                                                                       "__class__": "CrudeWebdataset"}))
+    (meta / ".info.json").write_text(json.dumps({"shard_counts": {"shards/media.tar": len(samples)}}))
+    return root
 
 
 def _encode_audio(out: av.container.OutputContainer, stream: av.audio.stream.AudioStream, wave: np.ndarray) -> None:

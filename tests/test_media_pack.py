@@ -13,13 +13,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import yaml
 
 pytest.importorskip("av")
 
-import demo
 import mediafixture as mf
 import packfixture as fx
+from mediafixture import write_source
 from packtool.pipeline import pack
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from packtool.sources.conversation import member_kind
@@ -91,16 +90,6 @@ def cases() -> dict[str, tuple[dict[str, bytes], str, str]]:
         "pickled_video": ({"json": chat("<video>Frames."), "videos": pickle.dumps([[png(0), png(1)]])}, "error",
                           "pickled member 'videos' refused"),
     }
-
-
-def write_source(root: Path, samples: dict[str, dict[str, bytes]]) -> None:
-    demo.write_shard(root / "shards/media.tar", samples.items())
-    meta = root / ".nv-meta"
-    meta.mkdir(parents=True)
-    (meta / "split.yaml").write_text(yaml.safe_dump({"split_parts": {"train": ["shards/media.tar"]}}))
-    (meta / "dataset.yaml").write_text(yaml.safe_dump({"__module__": "megatron.energon",
-                                                       "__class__": "CrudeWebdataset"}))
-    (meta / ".info.json").write_text(json.dumps({"shard_counts": {"shards/media.tar": len(samples)}}))
 
 
 def packed_media(out: Path) -> dict[str, list[tuple[str, bytes]]]:
