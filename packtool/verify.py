@@ -230,7 +230,7 @@ def check_media(where: str, ref: MediaRef, members: list[bytes], rule: ImageRule
                 pixel_limit: int) -> list[str]:
     """Problems of one media item (``members``: its member's bytes, or its frames'): bytes against its recorded
     size and SHA-256; an image's full decode, and its size, grid and token count against the image rule; a video's
-    pixel size and frame count from its container (or its frames' full decode)."""
+    full decode, its pixel size and frame count (of a frame list: each frame's full decode)."""
     data = b"".join(members)
     if ref.size or ref.sha256:  # recorded since format 2's first writer; older records have neither
         if len(data) != ref.size:
@@ -262,7 +262,7 @@ def check_media(where: str, ref: MediaRef, members: list[bytes], rule: ImageRule
 def _check_video(where: str, ref: MediaRef, members: list[bytes], pixel_limit: int) -> list[str]:
     try:
         facts = probe_frames(members, max_pixels=pixel_limit, decode=True) if ref.frames else \
-            probe_video(members[0], max_pixels=pixel_limit)
+            probe_video(members[0], max_pixels=pixel_limit, decode=True)
     except ValueError as exc:
         return [f"{where}: {exc}"]
     if (facts.width, facts.height, facts.frames) != (ref.width, ref.height, ref.total_frames):

@@ -375,3 +375,24 @@ def test_swapped_video_member_is_reported(video_pack, tmp_path, replace, keep_di
         assert len(without) == 1 and key in without[0] and "recorded" in without[0], without  # size or SHA-256
     found = [p for p in verify_output(copy, source=source) if p not in without]
     assert len(found) == 1 and key in found[0] and member in found[0] and "differs" in found[0], found
+
+
+@pytest.mark.parametrize("form", ["member", "frames"])
+def test_video_whose_frame_count_is_not_the_recorded_one_is_caught(video_pack, tmp_path, form):
+    _, out = video_pack
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns(".packtool"))
+    changed = {}
+
+    def recount(record: PackRecord) -> bool:
+        for ref in record.media_refs:
+            if ref.kind == "video" and bool(ref.frames) == (form == "frames"):
+                ref.total_frames += 1
+                changed["member"] = ref.member
+                return True
+        return False
+
+    key = rewrite_first(copy, recount)
+    problems = verify_output(copy)
+    assert len(problems) == 1 and key in problems[0] and changed["member"] in problems[0], problems
+    assert "frames, recorded" in problems[0], problems
