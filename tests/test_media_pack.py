@@ -311,3 +311,27 @@ def test_pickled_frame_lists_that_cannot_pack_are_quarantined(pickled_run):
     assert "pickled video 0 has no frames" in ledger["no_frames"]["reason"]
     assert "undecodable image" in ledger["not_image"]["reason"]
     assert "1 <video> tags but 2 videos" in ledger["tag_count"]["reason"]
+
+
+def test_bridge_dataset_with_pickled_videos_packs_them(pickled_run, demo_dir, tmp_path):
+    """Megatron-Bridge's layout (``ChatMLWebdataset``, ``field_map`` with ``jpgs`` and ``videos``): the videos of
+    encoded frames pack as frame lists, bytes as stored, with the tokens of the same sample in members."""
+    _, (first, second), _, segments = pickled_run
+    fields = {"imgs": "jpgs", "videos": "videos", "conversation": "json"}
+    samples = {
+        "bridge": {"json": chat("<video>Frames."), "jpgs": pickle.dumps([]), "videos": pickle.dumps([first])},
+        "bridge_mixed": {"json": chat("<image><video>Both?"), "jpgs": pickle.dumps([png(5)]),
+                         "videos": pickle.dumps([second])},
+    }
+    write_source(tmp_path / "src", samples, dataset_yaml={"__class__": "ChatMLWebdataset", "field_map": fields,
+                                                          "__module__": "megatron.bridge.data.energon"})
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=PACK_SIZE,
+                                           allow_pickle=True), PlanSettings(shard_size="4"))
+    pack(tmp_path / "src", tmp_path / "out", settings, workers=1, progress=False)
+    packed = {seg.key: (seg, tokens, media) for seg, tokens, _, media in fx.packed_segments(tmp_path / "out")}
+    assert set(packed) == set(samples)
+    seg, tokens, media = packed["bridge"]
+    assert tokens.tolist() == segments["numbered"][1].tolist()
+    assert [[media[n] for n in m.members] for m in seg.media] == [first]
+    seg, _, media = packed["bridge_mixed"]
+    assert [(m.kind, [media[n] for n in m.members]) for m in seg.media] == [("image", [png(5)]), ("video", second)]
