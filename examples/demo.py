@@ -7,6 +7,9 @@ Everything here is generated offline and deterministically from a seed: no hub, 
 * :func:`build_dataset` writes a crude Energon dataset of WebDataset shards with conversation samples in the
   input styles packtool accepts (ShareGPT, ChatML, bare list of turns; single, numbered or no images; `<image>`
   tags or none; tiny / large / odd-shaped images; long multi-turn samples that need truncation).
+  With ``video_fraction`` / ``audio_fraction`` it also holds samples with a short generated video (mp4, webm, mkv
+  or a frame list) or audio clip (wav, flac); :func:`build_omni_dataset` is such a dataset with audio, video and
+  images for a model folder that takes all three (``examples/nemotron_omni_model.py``).
 * :func:`build_vqa_dataset` and :func:`build_captioning_dataset` write small typed Energon datasets.
 
 Used by ``make run`` (``python examples/demo.py OUTDIR``), by the test suite and by the benchmarks.
@@ -19,6 +22,7 @@ import contextlib
 import hashlib
 import io
 import json
+import math
 import multiprocessing
 import random
 import re
@@ -397,6 +401,156 @@ def make_image(rng: random.Random, fmt: str) -> tuple[bytes, int, int]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Videos and audio (PyAV: the ``media`` extra)
+# ---------------------------------------------------------------------------------------------------------------
+
+#: Container name and video codec for each video extension (codecs PyAV's bundled FFmpeg can write).
+VIDEO_FORMATS = {
+    "mp4": ("mp4", "libx264"),
+    "mov": ("mov", "mpeg4"),
+    "mkv": ("matroska", "ffv1"),
+    "webm": ("webm", "libvpx"),
+    "avi": ("avi", "mjpeg"),
+}
+
+#: Container name and audio codec for each audio extension.
+AUDIO_FORMATS = {
+    "wav": ("wav", "pcm_s16le"),
+    "flac": ("flac", "flac"),
+    "mp3": ("mp3", "libmp3lame"),
+    "ogg": ("ogg", "libopus"),
+    "m4a": ("ipod", "aac"),
+}
+
+
+def frame_pixels(index: int, width: int, height: int) -> np.ndarray:
+    """RGB frame ``index``: smooth gradients that move with the frame number (compresses well, decodes stably)."""
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    r = 127 + 100 * np.sin((x + 3 * index) / max(width, 1) * 2 * math.pi)
+    g = 127 + 100 * np.cos((y + 2 * index) / max(height, 1) * 2 * math.pi)
+    b = np.full_like(r, (40 + 9 * index) % 256)
+    return np.stack([r, g, b], axis=-1).clip(0, 255).astype(np.uint8)
+
+
+def waveform(samples: int, rate: int, channels: int, *, freq: float = 440.0) -> np.ndarray:
+    """``(channels, samples)`` float32 tones in [-0.5, 0.5]; each channel a different pitch."""
+    t = np.arange(samples, dtype=np.float64) / rate
+    return np.stack([0.5 * np.sin(2 * math.pi * freq * (c + 1) * t) for c in range(channels)]).astype(np.float32)
+
+
+def make_video(
+    ext: str,
+    *,
+    width: int,
+    height: int,
+    frames: int,
+    fps: int | float = 24,
+    audio_rate: int | None = None,
+    codec: str | None = None,
+) -> bytes:
+    """Encode ``frames`` frames of :func:`frame_pixels` at ``fps`` into a container for ``ext``; with
+    ``audio_rate`` also a mono AAC/Opus/PCM track of the same duration."""
+    import av
+
+    container_format, default_codec = VIDEO_FORMATS[ext]
+    codec = codec or default_codec
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=container_format) as out:
+        stream = out.add_stream(codec, rate=_rate(fps))
+        stream.width, stream.height = width, height
+        stream.pix_fmt = {"ffv1": "yuv444p", "mjpeg": "yuvj420p"}.get(codec, "yuv420p")
+        if codec == "libx264":
+            stream.options = {"preset": "ultrafast", "threads": "1"}
+        audio = None
+        if audio_rate is not None:
+            audio_codec = {"webm": "libopus", "mkv": "flac", "avi": "pcm_s16le"}.get(ext, "aac")
+            audio = out.add_stream(audio_codec, rate=audio_rate, layout="mono")
+        out.start_encoding()  # writes the header even when no frame follows
+        for i in range(frames):
+            frame = av.VideoFrame.from_ndarray(frame_pixels(i, width, height), format="rgb24")
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+        if audio is not None:
+            _encode_audio(out, audio, waveform(round(frames / fps * audio_rate), audio_rate, 1))
+    return buf.getvalue()
+
+
+def make_audio(ext: str, *, samples: int, rate: int, channels: int = 1) -> bytes:
+    """Encode ``samples`` samples per channel of :func:`waveform` at ``rate`` into a file of type ``ext``."""
+    import av
+
+    container_format, codec = AUDIO_FORMATS[ext]
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=container_format) as out:
+        layout = {1: "mono", 2: "stereo"}[channels]
+        stream = out.add_stream(codec, rate=rate, layout=layout)
+        _encode_audio(out, stream, waveform(samples, rate, channels))
+    return buf.getvalue()
+
+
+def _encode_audio(out: Any, stream: Any, wave: np.ndarray) -> None:
+    """Feed ``wave`` (channels, samples) to ``stream`` (a PyAV audio stream of ``out``) in 1024-sample frames,
+    converted to the codec's format."""
+    import av
+
+    channels = wave.shape[0]
+    layout = {1: "mono", 2: "stereo"}[channels]
+    resampler = av.AudioResampler(format=stream.codec_context.format, layout=layout, rate=stream.codec_context.rate)
+    pts = 0
+    for start in range(0, wave.shape[1], 1024):
+        chunk = np.ascontiguousarray(wave[:, start:start + 1024])
+        frame = av.AudioFrame.from_ndarray(chunk, format="fltp", layout=layout)
+        frame.sample_rate = stream.codec_context.rate
+        frame.pts = pts
+        pts += chunk.shape[1]
+        for converted in resampler.resample(frame):
+            for packet in stream.encode(converted):
+                out.mux(packet)
+    for converted in resampler.resample(None):
+        for packet in stream.encode(converted):
+            out.mux(packet)
+    for packet in stream.encode():
+        out.mux(packet)
+
+
+def _rate(fps: int | float):
+    """``fps`` as the exact fraction PyAV wants for a stream rate."""
+    from fractions import Fraction
+
+    return Fraction(fps).limit_denominator(1001)
+
+
+#: Forms of the demo's videos: containers, and a list of JPEG frames (``clip.0.jpg``, ``clip.1.jpg``, ...).
+DEMO_VIDEO_FORMS = ("mp4", "webm", "mkv", "frames")
+#: Formats of the demo's audio clips.
+DEMO_AUDIO_FORMATS = ("wav", "flac")
+
+
+def make_demo_video(rng: random.Random) -> tuple[dict[str, bytes], dict]:
+    """A short video (4-12 frames, 48-128 pixels a side, 2-12 fps) as members: one container member (``mp4``,
+    ``webm`` or ``mkv``) or a frame list of JPEGs; and its facts."""
+    form = rng.choice(DEMO_VIDEO_FORMS)
+    width, height = 2 * rng.randint(24, 64), 2 * rng.randint(24, 64)  # even: 4:2:0 codecs need it
+    frames, fps = rng.randint(4, 12), rng.choice((2, 4, 8, 12))
+    if form == "frames":
+        members = {f"clip.{i}.jpg": encode_image(Image.fromarray(frame_pixels(i, width, height)), "jpg")
+                   for i in range(frames)}
+    else:
+        members = {form: make_video(form, width=width, height=height, frames=frames, fps=fps)}
+    return members, {"form": form, "width": width, "height": height, "frames": frames,
+                     "fps": None if form == "frames" else fps}
+
+
+def make_demo_audio(rng: random.Random) -> tuple[dict[str, bytes], dict]:
+    """A short mono clip (0.5-2 s of tones at 16 or 22.05 kHz) as one ``wav`` or ``flac`` member; and its facts."""
+    fmt, rate = rng.choice(DEMO_AUDIO_FORMATS), rng.choice((16000, 22050))
+    samples = rate * rng.randint(2, 8) // 4
+    return {fmt: make_audio(fmt, samples=samples, rate=rate)}, {"format": fmt, "rate": rate, "samples": samples}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Conversation samples
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -404,10 +558,10 @@ _ROLE_TO_SHAREGPT = {"system": "system", "user": "human", "assistant": "gpt"}
 IMAGE_FORMATS = ("jpg", "png", "webp")
 
 
-def _insert_tags(text: str, n: int, rng: random.Random) -> str:
-    """Put ``n`` ``<image>`` tags at the start, the end or between the sentences of ``text``."""
+def _insert_tags(text: str, n: int, rng: random.Random, tag: str = "<image>") -> str:
+    """Put ``n`` ``tag`` tags at the start, the end or between the sentences of ``text``."""
     where = rng.random()
-    tags = "<image>" * n if rng.random() < 0.5 else "\n".join(["<image>"] * n)
+    tags = tag * n if rng.random() < 0.5 else "\n".join([tag] * n)
     if where < 0.6:
         return tags + "\n" + text
     if where < 0.8:
@@ -459,7 +613,8 @@ def _pick_style(rng: random.Random) -> str:
 
 
 def make_sample(index: int, kind: str, seed: int, text_scale: float) -> tuple[dict[str, bytes], dict]:
-    """Members ``{part: bytes}`` and a ground-truth record for one sample of ``kind`` text | image | long."""
+    """Members ``{part: bytes}`` and a ground-truth record for one sample of ``kind`` text | image | long | video
+    (one short video, some with an image too) | audio (one short clip, some with an image too)."""
     rng = random.Random(seed * 1_000_003 + index)
     style = _pick_style(rng)
     system = rng.random() < 0.3
@@ -480,11 +635,20 @@ def make_sample(index: int, kind: str, seed: int, text_scale: float) -> tuple[di
         images = 0
         if kind == "image":
             images = rng.choices((1, 2, 3, 4), weights=(60, 25, 10, 5))[0]
-    tagged = images > 0 and rng.random() < 0.8
+        elif kind in ("video", "audio") and rng.random() < 0.3:
+            images = 1
+    tagged = (images > 0 or kind in ("video", "audio")) and rng.random() < 0.8
     turns, tag_rounds = make_turns(
         rng, rounds=rounds, user_words=user_words, reply_words=reply_words,
         system=system, images=images, tagged=tagged,
     )
+    av_members: dict[str, bytes] = {}
+    av_facts: dict = {}
+    if kind in ("video", "audio"):
+        av_members, av_facts = make_demo_video(rng) if kind == "video" else make_demo_audio(rng)
+        if tagged:  # the clip's tag goes in the first user turn, as the images' do
+            first_user = next(i for i, (role, _) in enumerate(turns) if role == "user")
+            turns[first_user] = ("user", _insert_tags(turns[first_user][1], 1, rng, f"<{kind}>"))
     members: dict[str, bytes] = {"json": json.dumps(conversation_json(turns, style)).encode()}
 
     naming = "single"
@@ -497,21 +661,27 @@ def make_sample(index: int, kind: str, seed: int, text_scale: float) -> tuple[di
         part = {"single": fmt, "img": f"img{i}.{fmt}", "digit": f"{i}.{fmt}"}[naming]
         members[part] = data
         sizes.append([width, height])
+    members.update(av_members)
     record = {
         "kind": kind, "style": style, "system": system, "rounds": rounds, "images": images,
         "tagged": tagged, "tag_rounds": tag_rounds if tagged else [], "naming": naming,
         "image_sizes": sizes, "parts": list(members),
     }
+    if av_facts:
+        record[kind] = av_facts
     return members, record
 
 
-def sample_kinds(n: int, *, long_fraction: float, image_fraction: float, rng: random.Random) -> list[str]:
-    """Exact quotas of kinds (long, image, text) for ``n`` samples, in a seeded random order."""
+def sample_kinds(n: int, *, long_fraction: float, image_fraction: float, rng: random.Random,
+                 video_fraction: float = 0.0, audio_fraction: float = 0.0) -> list[str]:
+    """Exact quotas of kinds (long, image, video, audio, text) for ``n`` samples, in a seeded random order."""
     n_long = min(n, round(n * long_fraction))
     if long_fraction > 0 and n_long == 0 and n >= 10:
         n_long = 1
-    n_image = min(n - n_long, round(n * image_fraction))
-    kinds = ["long"] * n_long + ["image"] * n_image + ["text"] * (n - n_long - n_image)
+    quotas = {"long": n_long}
+    for kind, fraction in (("image", image_fraction), ("video", video_fraction), ("audio", audio_fraction)):
+        quotas[kind] = min(n - sum(quotas.values()), round(n * fraction))
+    kinds = [k for k, count in quotas.items() for _ in range(count)] + ["text"] * (n - sum(quotas.values()))
     rng.shuffle(kinds)
     return kinds
 
@@ -617,6 +787,8 @@ def build_dataset(
     long_fraction: float = 0.02,
     image_fraction: float = 0.6,
     text_scale: float = 1.0,
+    video_fraction: float = 0.0,
+    audio_fraction: float = 0.0,
 ) -> Path:
     """Write the demo conversation dataset (a crude Energon dataset) to ``out_dir`` and return it.
 
@@ -628,6 +800,10 @@ def build_dataset(
     ``long_fraction`` / ``image_fraction`` are exact quotas per split (``round(n * fraction)``; at least one
     long sample per split of 10 or more when ``long_fraction > 0``); long samples are 5-7 rounds of about
     6000 demo tokens in all, half of them with one image. ``text_scale`` multiplies every text length.
+    ``video_fraction`` / ``audio_fraction`` are quotas of samples with one short generated video (an ``mp4``,
+    ``webm`` or ``mkv`` member, or a frame list ``clip.0.jpg`` …) or audio clip (``wav`` or ``flac``), 30 % of
+    them with an image too; they need PyAV (the ``media`` extra). With both at 0 (the default) the bytes are those
+    of a dataset without them.
     """
     out = Path(out_dir)
     if (out / "shards").exists():
@@ -640,7 +816,8 @@ def build_dataset(
     records: list[dict] = []
     offset = 0
     for split, n in split_sizes.items():
-        kinds = sample_kinds(n, long_fraction=long_fraction, image_fraction=image_fraction, rng=plan_rng)
+        kinds = sample_kinds(n, long_fraction=long_fraction, image_fraction=image_fraction, rng=plan_rng,
+                             video_fraction=video_fraction, audio_fraction=audio_fraction)
         splits[split] = []
         for shard_no, rows in enumerate(_shard_ranges(n, samples_per_shard)):
             name = f"shards/{split}-{shard_no:04d}.tar"
@@ -668,6 +845,13 @@ def build_dataset(
     )
     (out / MANIFEST_NAME).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
     return out
+
+
+def build_omni_dataset(out_dir: str | Path, *, n: int = 40, seed: int = 0) -> Path:
+    """The audio, video and image demo (one ``train`` shard): :func:`build_dataset` with 30 % video samples, 30 %
+    audio samples, 20 % image samples and the rest text; for a model folder with rules for all three kinds."""
+    return build_dataset(out_dir, n_train=n, n_val=0, seed=seed, samples_per_shard=max(n, 1), long_fraction=0.0,
+                         image_fraction=0.2, video_fraction=0.3, audio_fraction=0.3)
 
 
 def _build_typed(
@@ -745,6 +929,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--long-fraction", type=float, default=0.02)
     parser.add_argument("--image-fraction", type=float, default=0.6)
     parser.add_argument("--text-scale", type=float, default=1.0)
+    parser.add_argument("--video-fraction", type=float, default=0.05)
+    parser.add_argument("--n-omni", type=int, default=40)
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
@@ -754,12 +940,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     build_dataset(
         out / "dataset", n_train=args.n_train, n_val=args.n_val, seed=args.seed,
         samples_per_shard=args.samples_per_shard, long_fraction=args.long_fraction,
-        image_fraction=args.image_fraction, text_scale=args.text_scale,
+        image_fraction=args.image_fraction, text_scale=args.text_scale, video_fraction=args.video_fraction,
     )
+    build_omni_dataset(out / "omni", n=args.n_omni, seed=args.seed)
     build_vqa_dataset(out / "vqa", seed=args.seed)
     build_captioning_dataset(out / "captioning", seed=args.seed)
     print(f"demo built in {out} ({time.perf_counter() - start:.1f} s): "
-          "dataset, tokenizer, tokenizer-gen, vqa, captioning")
+          "dataset, omni, tokenizer, tokenizer-gen, vqa, captioning")
     return 0
 
 

@@ -21,7 +21,7 @@ from packtool.encoded import NpyReader, SourceStamp
 from packtool.errors import SourceError
 from packtool.format import IndexedRecord, MediaRef, PackRecord, Segment, pack_key, sha256
 from packtool.shards import idx_path, index_tar, write_tar
-from packtool.sources.safepickle import load_bytes_list
+from packtool.sources.safepickle import load_bytes_list, video_frames
 
 #: Columns of a write task's segment table (``pack`` first), sorted by pack, then source order.
 SEGMENT_COLUMNS = ("pack", "src", "row", "key", "shard", "truncated", "tok_offset", "tokens", "media")
@@ -72,7 +72,11 @@ class _Sources:
         return data if m["item"] is None else load_bytes_list(data)[m["item"]]
 
     def frames(self, shard: str, m: dict) -> list[bytes]:
-        """The bytes of each frame of a video given as a list of images."""
+        """The bytes of each frame of a video given as a list of images (members, or a video of a pickled list)."""
+        if m["item"] is not None:
+            _, offset, size = m["frames"][0]
+            data = self.media(shard, {"part": m["part"], "offset": offset, "size": size, "item": None})
+            return [frame for _, frame in video_frames(data, m["part"], m["item"])]
         return [self.media(shard, {"part": part, "offset": offset, "size": size, "item": None})
                 for part, offset, size in m["frames"]]
 

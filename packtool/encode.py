@@ -41,7 +41,7 @@ from packtool.sources import Conversation, RawSample
 from packtool.sources.conversation import conversation_adapter
 from packtool.sources.custom import custom_adapter, load_function
 from packtool.sources.mbridge import chatml_adapter, chatml_fields
-from packtool.sources.safepickle import load_bytes_list
+from packtool.sources.safepickle import load_bytes_list, video_frames
 from packtool.sources.sample import IMAGE_TAG, MEDIA_TAGS, TAG_PATTERN, VIDEO_TAG, Media, tag_kinds
 from packtool.sources.typed import sample_type, typed_adapter
 
@@ -337,8 +337,12 @@ class Encoder:
         """A video's plan from its container facts (or its frames' headers): the frames the processor is given,
         the grid, the tokens and ``second_per_grid_ts``."""
         decode = self.settings.media_check == "decode"
-        if m.frames:
-            data = [raw.parts[f] for f in m.frames]
+        if m.item is not None:  # a video of a pickled list: its encoded frames as stored, named by format
+            named = video_frames(raw.parts[m.part], m.part, m.item)
+        else:
+            named = [(f, raw.parts[f]) for f in m.frames]
+        if named:
+            data = [d for _, d in named]
             facts = probe_frames(data, max_pixels=self.settings.pixel_limit, decode=decode)
         else:
             data = [raw.parts[m.part]]
@@ -348,10 +352,11 @@ class Encoder:
                               f"for videos")
         plan = self.video_rule.video(facts)
         offset, size = raw.ranges[m.part]
-        return {"part": m.part, "item": None, "kind": "video", "ext": m.part.rsplit(".", 1)[-1].lower(),
+        return {"part": m.part, "item": m.item, "kind": "video", "ext": m.part.rsplit(".", 1)[-1].lower(),
                 "tokens": plan.tokens, "grid_thw": list(plan.grid_thw), "width": facts.width, "height": facts.height,
                 "offset": offset, "size": sum(len(d) for d in data), "sha256": sha256(b"".join(data)),
-                "frames": [[f, *raw.ranges[f]] for f in m.frames], "total_frames": facts.frames, "fps": facts.fps,
+                "frames": [[f, *raw.ranges[f if m.item is None else m.part]] for f, _ in named],
+                "total_frames": facts.frames, "fps": facts.fps,
                 "duration": facts.duration, "frame_indices": list(plan.indices),
                 "second_per_grid_ts": plan.second_per_grid_ts}
 

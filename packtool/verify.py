@@ -50,7 +50,7 @@ from packtool.format import (
     safe_relative,
     sha256,
 )
-from packtool.media import ImageRule, image_size
+from packtool.media import ImageRule, image_size, probe_frames, probe_video
 from packtool.settings import EngineKind
 from packtool.shards import idx_path, index_tar, parse_record, record_offsets, scan_records
 
@@ -190,7 +190,7 @@ def check_pack(where: str, record: PackRecord, members: dict[str, bytes], manife
     starts = record.segment_starts()
     for seg, a, b in zip(record.segments, starts[:-1], starts[1:]):
         problems += _check_segment(f"{where} segment {seg.key}", record.tokens[a:b], record.targets[a:b], seg.media,
-                                   manifest.image_token_id)
+                                   {"image": manifest.image_token_id, "video": manifest.video_token_id})
     refs = record.media_refs
     caps = (("max_segments", len(record.segments), "segments"), ("max_images", len(refs), "images"),
             ("max_image_tokens", sum(m.tokens for m in refs), "image tokens"))
@@ -203,33 +203,42 @@ def check_pack(where: str, record: PackRecord, members: dict[str, bytes], manife
     return problems
 
 
-def _check_segment(where: str, t: np.ndarray, g: np.ndarray, media: list[MediaRef], image_id: int | None) -> list[str]:
+def _check_segment(where: str, t: np.ndarray, g: np.ndarray, media: list[MediaRef],
+                   token_ids: dict[str, int | None]) -> list[str]:
+    """``token_ids``: the placeholder token of each media kind (None where the manifest names none)."""
     problems = []
     if g[0]:
         problems.append(f"{where}: first token is a target")
     if not g.any():
         problems.append(f"{where}: no targets")
-    media_tokens = 0
+    media_tokens = dict.fromkeys(token_ids, 0)
     for m in media:
-        off, cnt = m.token_offset, m.tokens
-        if off < 0 or off + cnt > len(t) or (image_id is not None and not (t[off:off + cnt] == image_id).all()):
-            problems.append(f"{where}: media {m.member} does not cover image tokens at {off}+{cnt}")
+        off, cnt, token_id = m.token_offset, m.tokens, token_ids.get(m.kind)
+        if off < 0 or off + cnt > len(t) or (token_id is not None and not (t[off:off + cnt] == token_id).all()):
+            problems.append(f"{where}: media {m.member} does not cover {m.kind} tokens at {off}+{cnt}")
         elif g[off:off + cnt].any():
             problems.append(f"{where}: media {m.member} tokens marked as targets")
-        media_tokens += cnt
-    if image_id is not None and int((t == image_id).sum()) != media_tokens:
-        problems.append(f"{where}: {int((t == image_id).sum())} image tokens, media account for {media_tokens}")
+        media_tokens[m.kind] = media_tokens.get(m.kind, 0) + cnt
+    for kind, token_id in token_ids.items():
+        if token_id is not None and int((t == token_id).sum()) != media_tokens[kind]:
+            problems.append(f"{where}: {int((t == token_id).sum())} {kind} tokens, media account for "
+                            f"{media_tokens[kind]}")
     return problems
 
 
-def check_media(where: str, ref: MediaRef, data: bytes, rule: ImageRule | None, pixel_limit: int) -> list[str]:
-    """Problems of one media member: bytes against its recorded size and SHA-256, a full decode, and its size, grid
-    and token count against the image rule."""
+def check_media(where: str, ref: MediaRef, members: list[bytes], rule: ImageRule | None,
+                pixel_limit: int) -> list[str]:
+    """Problems of one media item (``members``: its member's bytes, or its frames'): bytes against its recorded
+    size and SHA-256; an image's full decode, and its size, grid and token count against the image rule; a video's
+    full decode, its pixel size and frame count (of a frame list: each frame's full decode)."""
+    data = b"".join(members)
     if ref.size or ref.sha256:  # recorded since format 2's first writer; older records have neither
         if len(data) != ref.size:
             return [f"{where}: {len(data)} bytes, recorded {ref.size}"]
         if sha256(data) != ref.sha256:
             return [f"{where}: SHA-256 differs from the recorded one (member changed or swapped)"]
+    if ref.kind == "video":
+        return _check_video(where, ref, members, pixel_limit)
     if ref.kind != "image":
         return [f"{where}: unsupported media kind {ref.kind!r}"]
     try:
@@ -247,6 +256,18 @@ def check_media(where: str, ref: MediaRef, data: bytes, rule: ImageRule | None, 
     if grid != list(ref.grid_thw) or tokens != ref.tokens:
         return [f"{where}: the image rule gives grid {grid} and {tokens} tokens, recorded {list(ref.grid_thw)} "
                 f"and {ref.tokens}"]
+    return []
+
+
+def _check_video(where: str, ref: MediaRef, members: list[bytes], pixel_limit: int) -> list[str]:
+    try:
+        facts = probe_frames(members, max_pixels=pixel_limit, decode=True) if ref.frames else \
+            probe_video(members[0], max_pixels=pixel_limit, decode=True)
+    except ValueError as exc:
+        return [f"{where}: {exc}"]
+    if (facts.width, facts.height, facts.frames) != (ref.width, ref.height, ref.total_frames):
+        return [f"{where}: {facts.width}x{facts.height}, {facts.frames} frames, recorded {ref.width}x{ref.height}, "
+                f"{ref.total_frames} frames"]
     return []
 
 
@@ -322,7 +343,8 @@ def check_shard(output: str, split: str, shard: str, fid: int, count: int | None
         if record.arrays_sha256 and arrays_digest(members) != record.arrays_sha256:
             problems.append(f"{where}: token arrays differ from the SHA-256 written with the pack")
         for m in record.media_refs:
-            problems += check_media(f"{where} member {m.member}", m, record.media[m.member], rule, pixel_limit)
+            problems += check_media(f"{where} member {m.member}", m, [record.media[n] for n in m.members], rule,
+                                    pixel_limit)
         for src_split, src_shard, src_key, held in segment_facts(record):
             ident.append(_digest(src_split, src_shard, src_key))
             facts.append(_digest(key, *held))

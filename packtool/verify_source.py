@@ -27,7 +27,7 @@ from packtool.format import KEPT, LEDGER, META, TOKENIZER_DIR, InfoJson, Manifes
 from packtool.settings import EncodeSettings
 from packtool.sources import open_source
 from packtool.sources.energon import ShardScan
-from packtool.sources.safepickle import load_bytes_list
+from packtool.sources.safepickle import load_bytes_list, video_frames
 
 CHUNK = 256
 MAX_PER_SHARD = 200
@@ -176,10 +176,20 @@ def _compare_segment(where: str, raw, enc, record: PackRecord) -> list[str]:
         if len(seg.media) != len(enc.media):
             problems.append(f"{where}: {len(seg.media)} media in the pack, {len(enc.media)} in the source")
         for m, e in zip(seg.media, enc.media):
-            data = raw.parts[e["part"]]
-            if e["item"] is not None:
-                data = load_bytes_list(data)[e["item"]]
-            if record.media.get(m.member) != data:
-                problems.append(f"{where}: media {m.member} differs from source member {e['part']}")
+            packed, source = [record.media.get(n) for n in m.members], _source_members(raw, e)
+            if packed != source:
+                member = next((n for n, a, b in zip(m.members, packed, source) if a != b), m.member)
+                problems.append(f"{where}: media {member} differs from source member {e['part']}")
         return problems
     return [f"{where}: not found in its pack"]
+
+
+def _source_members(raw, e: dict) -> list[bytes]:
+    """The source bytes of each pack member of one encoded media item: the member (or the item of a pickled image
+    list), or each frame of a frame list (numbered members, or a video of a pickled list)."""
+    if e.get("frames") and e["item"] is not None:
+        return [frame for _, frame in video_frames(raw.parts[e["part"]], e["part"], e["item"])]
+    if e.get("frames"):
+        return [raw.parts[f] for f, _, _ in e["frames"]]
+    data = raw.parts[e["part"]]
+    return [data if e["item"] is None else load_bytes_list(data)[e["item"]]]

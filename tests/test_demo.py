@@ -211,3 +211,93 @@ def test_energon_reads_typed_datasets(tmp_path):
         assert len(loaded) == n and all(isinstance(s, sample_type) for s in loaded)
         assert loaded[0].image.ndim == 3
     assert isinstance(loaded[0].caption, str)
+
+
+# -- videos and audio ------------------------------------------------------------------------------------------------
+VIDEO_SMALL = dict(n_train=60, n_val=10, samples_per_shard=30, seed=3, video_fraction=0.3)
+
+
+@pytest.fixture(scope="module")
+def video_dataset(tmp_path_factory):
+    pytest.importorskip("av")
+    return demo.build_dataset(tmp_path_factory.mktemp("vds") / "dataset", **VIDEO_SMALL)
+
+
+def _members(dataset: Path, record: dict) -> dict[str, bytes]:
+    with tarfile.open(dataset / record["shard"]) as tar:
+        return {p: tar.extractfile(f"{record['key']}.{p}").read() for p in record["parts"]}
+
+
+def test_video_samples_hold_every_form_and_read(video_dataset):
+    from packtool.media import probe_frames, probe_video
+
+    records = demo.read_manifest(video_dataset)
+    videos = [r for r in records if r["kind"] == "video"]
+    assert collections.Counter(r["split"] for r in videos) == {"train": 18, "val": 3}
+    assert {r["video"]["form"] for r in videos} == set(demo.DEMO_VIDEO_FORMS)
+    assert any(r["images"] for r in videos) and any(r["tagged"] for r in videos) and \
+        any(not r["tagged"] for r in videos)
+    for r in videos:
+        members, facts = _members(video_dataset, r), r["video"]
+        if facts["form"] == "frames":
+            frames = [members[f"clip.{i}.jpg"] for i in range(facts["frames"])]
+            got = probe_frames(frames, max_pixels=10**8, decode=True)
+        else:
+            got = probe_video(members[facts["form"]], max_pixels=10**8)
+            assert got.fps == pytest.approx(facts["fps"])
+        assert (got.width, got.height, got.frames) == (facts["width"], facts["height"], facts["frames"]), r["key"]
+        assert members["json"].decode().count("<video>") == (1 if r["tagged"] else 0)
+
+
+def test_video_fraction_zero_is_the_dataset_without_videos(dataset, tmp_path):
+    again = demo.build_dataset(tmp_path / "again", **SMALL, video_fraction=0.0, audio_fraction=0.0)
+    assert (again / "shards/train-0001.tar").read_bytes() == (dataset / "shards/train-0001.tar").read_bytes()
+    assert not any(r["kind"] in ("video", "audio") for r in demo.read_manifest(dataset))
+
+
+def test_omni_dataset_holds_audio_video_and_images(tmp_path):
+    pytest.importorskip("av")
+    from packtool.media import probe_audio
+
+    omni = demo.build_omni_dataset(tmp_path / "omni", n=20, seed=1)
+    records = demo.read_manifest(omni)
+    assert collections.Counter(r["kind"] for r in records) == {"audio": 6, "video": 6, "image": 4, "text": 4}
+    audio = [r for r in records if r["kind"] == "audio"]
+    assert {r["audio"]["format"] for r in audio} == set(demo.DEMO_AUDIO_FORMATS)
+    for r in audio:
+        members, facts = _members(omni, r), r["audio"]
+        got = probe_audio(members[facts["format"]], decode=True)
+        assert (got.sample_rate, got.samples) == (facts["rate"], facts["samples"]), r["key"]
+        assert members["json"].decode().count("<audio>") == (1 if r["tagged"] else 0)
+    assert sum(p.stat().st_size for p in omni.rglob("*") if p.is_file()) < 2_000_000
+
+
+def test_video_demo_packs_for_the_qwen_folder(video_dataset, tok_dirs, tmp_path):
+    """What ``make run`` does with the demo's videos: every sample is kept (none quarantined), each video sample
+    with its video, byte for byte."""
+    import pyarrow.parquet as pq
+
+    from packfixture import packed_segments
+    from packtool.pipeline import pack
+    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+
+    out = tmp_path / "packed"
+    pack(video_dataset, out, PackSettings(EncodeSettings(tokenizer=str(tok_dirs[0]), pack_size=2048),
+                                          PlanSettings()), workers=1, progress=False)
+    ledger = {r["key"]: r for r in pq.read_table(out / "ledger.parquet").to_pylist()}
+    assert {r["status"] for r in ledger.values()} <= {"packed", "truncated"}
+    records = {r["key"]: r for r in demo.read_manifest(video_dataset) if not r["excluded"]}
+    assert set(ledger) == set(records)
+    videos = {r["key"]: r for r in records.values() if r["kind"] == "video"}
+    seen = {}
+    for split in ("train", "val"):
+        for seg, _, _, media in packed_segments(out, split):
+            if seg.key in videos:
+                (ref,) = [m for m in seg.media if m.kind == "video"]
+                seen[seg.key] = [media[n] for n in ref.members]
+    assert set(seen) == set(videos)
+    for key, data in seen.items():
+        members, facts = _members(video_dataset, videos[key]), videos[key]["video"]
+        expected = [members[f"clip.{i}.jpg"] for i in range(facts["frames"])] if facts["form"] == "frames" \
+            else [members[facts["form"]]]
+        assert data == expected, key

@@ -138,8 +138,8 @@ def test_converter_output_packs_without_an_adapter(converted, packed_mbridge):
     assert {k: r["status"] for k, r in ledger.items()} == {
         "s0": "packed", "s1": "packed", "s2": "packed", "s3": "error", "s4": "packed", "s5": "packed",
         "s6": "error"}
-    assert "1 pickled video(s), the first of 4 frames of 3x28x28 float32" in ledger["s3"]["reason"]
-    assert "videos are not supported yet" in ledger["s3"]["reason"]
+    assert "pickled video 0 holds 4 frames of 3x28x28 float32: videos of decoded frames are not supported" in \
+        ledger["s3"]["reason"]
     assert "refers to posix.system" in ledger["s6"]["reason"] or "refers to os.system" in ledger["s6"]["reason"]
     assert not (converted.parent / "pwned").exists()
     packed = segments(packed_mbridge)
@@ -197,14 +197,22 @@ def test_adapter_reads_the_bridge_formats():
                "json": chat("<image> what", "x")}
     conv = chatml_adapter(encoded, fields=FIELDS, allow_pickle=True)
     assert [(m.part, m.item) for m in conv.media] == [("jpgs", 0)]
+    frames = [png_bytes(picture(28, 28, i)) for i in range(2)]
+    with_videos = {**encoded, "videos": pickle.dumps([frames, frames]), "json": chat("<video><image><video>", "x")}
+    conv = chatml_adapter(with_videos, fields=FIELDS, allow_pickle=True)
+    assert [(m.kind, m.part, m.item) for m in conv.media] == [("video", "videos", 0), ("image", "jpgs", 0),
+                                                              ("video", "videos", 1)]
+    one_file = {"json": chat("<video> what", "x"), "video.mp4": b"\0"}
+    conv = chatml_adapter(one_file, fields=ChatMLFields(conversation="json", videos="video.mp4"))
+    assert [(m.kind, m.part, m.item) for m in conv.media] == [("video", "video.mp4", None)]
 
 
 @pytest.mark.parametrize("parts, fields, reason", [
     ({"json": chat("hi", "x"), "videos": pickle.dumps([])}, FIELDS, "member 'jpgs' (field_map.imgs) is missing"),
     ({"json": chat("<video> hi", "x"), "jpgs": pickle.dumps([]), "videos": pickle.dumps([])}, FIELDS,
-     "<video> tag: videos are not supported yet"),
-    ({"json": chat("hi", "x"), "video.mp4": b"\0"}, ChatMLFields(conversation="json", videos="video.mp4"),
-     "video member 'video.mp4': videos are not supported yet"),
+     "1 <video> tags but 0 videos"),
+    ({"json": chat("hi", "x"), "video.txt": b"\0"}, ChatMLFields(conversation="json", videos="video.txt"),
+     "videos member 'video.txt' is neither a video nor a pickled video list"),
     ({"json": chat("hi", "x"), "audio.wav": b"\0"}, ChatMLFields(conversation="json", audio="audio.wav"),
      "audio is not supported yet"),
     ({"json": chat("hi", "x"), "txt": b"\0"}, ChatMLFields(conversation="json", imgs="txt"),
@@ -355,12 +363,12 @@ def test_png_of_an_image_array_is_fixed_and_lossless():
 
 def test_converter_samples_without_their_dataset_yaml_read_the_same(tmp_path):
     """Without ``ChatMLWebdataset`` in ``dataset.yaml`` the chat JSON adapter takes the sample: same media, and a
-    video still quarantines it rather than leaving its ``<video>`` tag as text."""
+    video of decoded frames still quarantines it rather than leaving its ``<video>`` tag as text."""
     from packtool.sources.conversation import conversation_adapter
 
     samples = converter_samples(tmp_path / "pwned")
     for key in ("s0", "s1", "s2", "s4", "s5"):
         with_yaml = chatml_adapter(samples[key], fields=FIELDS, allow_pickle=True)
         assert conversation_adapter(samples[key], allow_pickle=True) == with_yaml, key
-    with pytest.raises(SampleError, match="videos are not supported yet"):
+    with pytest.raises(SampleError, match="videos of decoded frames are not supported"):
         conversation_adapter(samples["s3"], allow_pickle=True)

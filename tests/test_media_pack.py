@@ -7,17 +7,18 @@ from __future__ import annotations
 import base64
 import io
 import json
+import pickle
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import yaml
 
 pytest.importorskip("av")
 
-import demo
 import mediafixture as mf
 import packfixture as fx
+from mediafixture import write_source
 from packtool.pipeline import pack
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from packtool.sources.conversation import member_kind
@@ -86,17 +87,9 @@ def cases() -> dict[str, tuple[dict[str, bytes], str, str]]:
                          "video.1.png": mf.make_image(20, 20)}, "error", "frames differ in size"),
         "video_in_reply": ({"json": chat("Look.", reply="<video>here"), "mp4": video()}, "error",
                            "tag <video> lies in assistant turn"),
+        "pickled_video": ({"json": chat("<video>Frames."), "videos": pickle.dumps([[png(0), png(1)]])}, "error",
+                          "pickled member 'videos' refused"),
     }
-
-
-def write_source(root: Path, samples: dict[str, dict[str, bytes]]) -> None:
-    demo.write_shard(root / "shards/media.tar", samples.items())
-    meta = root / ".nv-meta"
-    meta.mkdir(parents=True)
-    (meta / "split.yaml").write_text(yaml.safe_dump({"split_parts": {"train": ["shards/media.tar"]}}))
-    (meta / "dataset.yaml").write_text(yaml.safe_dump({"__module__": "megatron.energon",
-                                                       "__class__": "CrudeWebdataset"}))
-    (meta / ".info.json").write_text(json.dumps({"shard_counts": {"shards/media.tar": len(samples)}}))
 
 
 def packed_media(out: Path) -> dict[str, list[tuple[str, bytes]]]:
@@ -261,3 +254,84 @@ def test_qwen_video_tokens_and_tensors_equal_the_processor(torchvision, qwen_run
         assert (batch["pixel_values_videos"] == expected["pixel_values_videos"]).all(), key
         if images:
             assert (batch["pixel_values"] == expected["pixel_values"]).all(), key
+
+
+# -- Megatron-Bridge's pickled video frame lists -------------------------------------------------------------------
+def jpeg(seed: int) -> bytes:
+    return mf.make_image(44, 36, seed=seed, fmt="JPEG")
+
+
+@pytest.fixture(scope="module")
+def pickled_run(demo_dir, tmp_path_factory):
+    """The same video as numbered members and as one video of a pickled ``videos`` list (next to a second one),
+    packed for the Qwen demo folder with ``allow_pickle``; plus the quarantined forms of a pickled list."""
+    root = tmp_path_factory.mktemp("pickled")
+    first, second = [jpeg(i) for i in range(5)], [png(i) for i in range(3)]
+    samples = {
+        "numbered": {"json": chat("<video>Frames."), **{f"clip.{i}.jpg": f for i, f in enumerate(first)}},
+        "pickled": {"json": chat("<video>Frames."), "videos": pickle.dumps([first])},
+        "pickled_two": {"json": chat("<video> and <video>?"), "videos": pickle.dumps([first, second], protocol=2)},
+        "decoded": {"json": chat("<video>Arrays."), "videos": pickle.dumps([[np.zeros((3, 28, 28), np.float32)]])},
+        "no_frames": {"json": chat("<video>None."), "videos": pickle.dumps([[]])},
+        "not_image": {"json": chat("<video>Junk."), "videos": pickle.dumps([[b"not an image"]])},
+        "tag_count": {"json": chat("<video>One?"), "videos": pickle.dumps([first, second])},
+    }
+    write_source(root / "src", samples)
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=PACK_SIZE,
+                                           allow_pickle=True), PlanSettings(shard_size="4"))
+    pack(root / "src", root / "out", settings, workers=1, progress=False, max_error_rate=1.0)
+    ledger = {r["key"]: r for r in pq.read_table(root / "out/ledger.parquet").to_pylist()}
+    segments = {seg.key: (seg, tokens, media) for seg, tokens, _, media in fx.packed_segments(root / "out")}
+    return samples, (first, second), ledger, segments
+
+
+def test_pickled_frame_list_packs_like_numbered_members(pickled_run):
+    samples, (first, second), ledger, segments = pickled_run
+    assert {k: r["status"] for k, r in ledger.items()} == {
+        "numbered": "packed", "pickled": "packed", "pickled_two": "packed", "decoded": "error", "no_frames": "error",
+        "not_image": "error", "tag_count": "error"}
+    (numbered, numbered_tokens, numbered_media), (pickled, pickled_tokens, pickled_media) = (
+        segments["numbered"], segments["pickled"])
+    assert pickled_tokens.tolist() == numbered_tokens.tolist()
+    (ref,), (want,) = pickled.media, numbered.media
+    assert (ref.kind, ref.tokens, ref.grid_thw, ref.total_frames, ref.frame_indices, ref.sha256) == (
+        want.kind, want.tokens, want.grid_thw, want.total_frames, want.frame_indices, want.sha256)
+    assert [pickled_media[n] for n in ref.frames] == first == [numbered_media[n] for n in want.frames]
+    assert all(n.endswith(".jpg") for n in ref.frames) and len(ref.frames) == 5
+    two, _, media = segments["pickled_two"]
+    assert [[media[n] for n in m.frames] for m in two.media] == [first, second]
+    assert [m.frames[0].rsplit(".", 1)[-1] for m in two.media] == ["jpg", "png"]
+    assert ledger["pickled_two"]["images"] == 2
+
+
+def test_pickled_frame_lists_that_cannot_pack_are_quarantined(pickled_run):
+    _, _, ledger, _ = pickled_run
+    assert "pickled video 0 holds 1 frames of 3x28x28 float32: videos of decoded frames are not supported" in \
+        ledger["decoded"]["reason"]
+    assert "pickled video 0 has no frames" in ledger["no_frames"]["reason"]
+    assert "undecodable image" in ledger["not_image"]["reason"]
+    assert "1 <video> tags but 2 videos" in ledger["tag_count"]["reason"]
+
+
+def test_bridge_dataset_with_pickled_videos_packs_them(pickled_run, demo_dir, tmp_path):
+    """Megatron-Bridge's layout (``ChatMLWebdataset``, ``field_map`` with ``jpgs`` and ``videos``): the videos of
+    encoded frames pack as frame lists, bytes as stored, with the tokens of the same sample in members."""
+    _, (first, second), _, segments = pickled_run
+    fields = {"imgs": "jpgs", "videos": "videos", "conversation": "json"}
+    samples = {
+        "bridge": {"json": chat("<video>Frames."), "jpgs": pickle.dumps([]), "videos": pickle.dumps([first])},
+        "bridge_mixed": {"json": chat("<image><video>Both?"), "jpgs": pickle.dumps([png(5)]),
+                         "videos": pickle.dumps([second])},
+    }
+    write_source(tmp_path / "src", samples, dataset_yaml={"__class__": "ChatMLWebdataset", "field_map": fields,
+                                                          "__module__": "megatron.bridge.data.energon"})
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=PACK_SIZE,
+                                           allow_pickle=True), PlanSettings(shard_size="4"))
+    pack(tmp_path / "src", tmp_path / "out", settings, workers=1, progress=False)
+    packed = {seg.key: (seg, tokens, media) for seg, tokens, _, media in fx.packed_segments(tmp_path / "out")}
+    assert set(packed) == set(samples)
+    seg, tokens, media = packed["bridge"]
+    assert tokens.tolist() == segments["numbered"][1].tolist()
+    assert [[media[n] for n in m.members] for m in seg.media] == [first]
+    seg, _, media = packed["bridge_mixed"]
+    assert [(m.kind, [media[n] for n in m.members]) for m in seg.media] == [("image", [png(5)]), ("video", second)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import shutil
@@ -284,3 +285,114 @@ def test_token_arrays_are_proven_by_their_digest_and_retokenize_checks_the_text(
     key = rewrite_first(copy, change_token)
     assert not any("token" in p and key in p for p in verify_output(copy))
     assert any(key in p and "encoding of their own text" in p for p in verify_output(copy, retokenize=True))
+
+
+# -- outputs with videos ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def video_pack(demo_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """A source with videos of every form (mp4 and webm members, numbered frame members, a pickled list of encoded
+    frames) and an image, packed for the Qwen demo folder: (source, output)."""
+    import pickle
+
+    mf = pytest.importorskip("mediafixture")
+    from packtool.pipeline import pack
+    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+
+    def chat(user: str) -> bytes:
+        return json.dumps([{"from": "human", "value": user}, {"from": "gpt", "value": "It moves."}]).encode()
+
+    frames = [mf.make_image(40, 32, seed=i, fmt="JPEG") for i in range(4)]
+    samples = {
+        "mp4": {"json": chat("<video>What happens?"), "mp4": mf.make_video("mp4", width=64, height=48, frames=6,
+                                                                            fps=4)},
+        "webm_image": {"json": chat("<image><video>Same?"), "png": mf.make_image(30, 40),
+                       "webm": mf.make_video("webm", width=48, height=40, frames=5, fps=5)},
+        "numbered": {"json": chat("<video>Frames."), **{f"clip.{i}.jpg": f for i, f in enumerate(frames)}},
+        "pickled": {"json": chat("<video>Frames."), "videos": pickle.dumps([frames[::-1]])},
+    }
+    root = tmp_path_factory.mktemp("video-verify")
+    mf.write_source(root / "src", samples)
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048, allow_pickle=True),
+                            PlanSettings(shard_size="2"))
+    pack(root / "src", root / "out", settings, workers=1, progress=False)
+    statuses = {r["key"]: r["status"] for r in pq.read_table(root / "out/ledger.parquet").to_pylist()}
+    assert statuses == dict.fromkeys(samples, "packed")
+    return root / "src", root / "out"
+
+
+def test_output_with_videos_passes_verify_with_source(video_pack):
+    source, out = video_pack
+    assert verify_output(out) == []
+    assert verify_output(out, source=source, retokenize=True) == []
+
+
+def _swap_video_member(out: Path, tmp_path: Path, replace, *, keep_digest: bool) -> tuple[Path, str, str]:
+    """A copy of ``out`` whose first video member for which ``replace(ref, record)`` gives ``(member, bytes)`` holds
+    those bytes instead; with ``keep_digest`` the record's size and SHA-256 are recomputed (as a packing bug would
+    write them), so only the source can tell. Returns the copy, the pack key and the member changed."""
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns(".packtool"))
+    changed = {}
+
+    def swap(record: PackRecord) -> bool:
+        for ref in record.media_refs:
+            found = replace(ref, record) if ref.kind == "video" else None
+            if found is None:
+                continue
+            changed["member"], record.media[found[0]] = found
+            if keep_digest:
+                data = b"".join(record.media[n] for n in ref.members)
+                ref.size, ref.sha256 = len(data), hashlib.sha256(data).hexdigest()
+            return True
+        return False
+
+    key = rewrite_first(copy, swap)
+    return copy, key, changed["member"]
+
+
+def other_mp4(ref, record):
+    """The mp4 video encoded again with another codec: same size, frames and rate, other bytes."""
+    if not ref.member.endswith(".mp4"):
+        return None
+    mf = pytest.importorskip("mediafixture")
+    return ref.member, mf.make_video("mp4", width=64, height=48, frames=6, fps=4, codec="mpeg4")
+
+
+def repeated_frame(ref, record):
+    """The second frame of a frame list replaced by its first (same size, other bytes)."""
+    return (ref.frames[1], record.media[ref.frames[0]]) if ref.frames else None
+
+
+@pytest.mark.parametrize("replace", [other_mp4, repeated_frame])
+@pytest.mark.parametrize("keep_digest", [False, True])
+def test_swapped_video_member_is_reported(video_pack, tmp_path, replace, keep_digest):
+    source, out = video_pack
+    copy, key, member = _swap_video_member(out, tmp_path, replace, keep_digest=keep_digest)
+    without = verify_output(copy)
+    if keep_digest:
+        assert without == [], without
+    else:
+        assert len(without) == 1 and key in without[0] and "recorded" in without[0], without  # size or SHA-256
+    found = [p for p in verify_output(copy, source=source) if p not in without]
+    assert len(found) == 1 and key in found[0] and member in found[0] and "differs" in found[0], found
+
+
+@pytest.mark.parametrize("form", ["member", "frames"])
+def test_video_whose_frame_count_is_not_the_recorded_one_is_caught(video_pack, tmp_path, form):
+    _, out = video_pack
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns(".packtool"))
+    changed = {}
+
+    def recount(record: PackRecord) -> bool:
+        for ref in record.media_refs:
+            if ref.kind == "video" and bool(ref.frames) == (form == "frames"):
+                ref.total_frames += 1
+                changed["member"] = ref.member
+                return True
+        return False
+
+    key = rewrite_first(copy, recount)
+    problems = verify_output(copy)
+    assert len(problems) == 1 and key in problems[0] and changed["member"] in problems[0], problems
+    assert "frames, recorded" in problems[0], problems

@@ -6,7 +6,8 @@ Media members are found by extension: images (``jpg``, ``img0.png``, ``1.webp``)
 ``mkv``, ``mov``, ``avi``), audio (``wav``, ``flac``, ``mp3``, ``ogg``, ``m4a``); numbered ones in number order. A
 video may also be a list of frames: image members ``<name>.<n>.<ext>`` (``video.0.jpg``, ``video.1.jpg``, ...)
 sharing a name, numbered from 0 without gaps. With ``allow_pickle``, a ``jpgs`` member holds a pickled list of
-images (a pickled ``videos`` member holding any video quarantines the sample).
+images and a ``videos`` member a pickled list of videos, each a list of encoded frames (Megatron-Bridge's layout;
+they follow the member media of their kind).
 
 The JSON may name the members of a kind instead (``"image"``/``"images"``, ``"video"``/``"videos"`` where an
 entry may be a list of frame members, ``"audio"``/``"audios"``), and so may OpenAI-style content parts
@@ -24,7 +25,7 @@ import re
 
 from packtool.format import MediaKind
 from packtool.media import AUDIO_EXTENSIONS, IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
-from packtool.sources.safepickle import load_bytes_list, refuse_videos
+from packtool.sources.safepickle import encoded_videos, load_bytes_list
 from packtool.sources.sample import MEDIA_TAGS, Conversation, Media, SampleError, tag_kinds
 
 ROLES = {
@@ -234,7 +235,7 @@ def conversation_adapter(parts: dict[str, bytes], *, allow_pickle: bool = False)
     if "videos" in parts:  # Megatron-Bridge's convert_to_qwenvl_wds.py writes one to every sample
         if not allow_pickle:
             raise SampleError("pickled member 'videos' refused (pickled members are read only when allowed)")
-        refuse_videos(parts["videos"])
+        media += [Media(part="videos", kind="video", item=i) for i in range(len(encoded_videos(parts["videos"])))]
     _check_all_used(found, media)
     messages, ordered = place_media(messages, media)
     return Conversation(messages=messages, media=ordered)

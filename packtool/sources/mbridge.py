@@ -14,8 +14,9 @@ Each ``field_map`` value is the member that fills that field. ``conversation`` h
 ``from``/``value`` or ``role``/``content`` turns, or an object with ``conversation``, ``conversations`` or
 ``messages``). ``imgs`` is either one encoded image member or a pickled list (a ``jpgs`` member: encoded image
 bytes, or decoded ``HxWx3`` uint8 arrays from ``convert_to_qwenvl_wds.py``, re-encoded as PNG, see
-:mod:`packtool.sources.safepickle`). ``videos`` and ``audio`` are parsed and then refused per sample: packtool
-packs no video or audio yet.
+:mod:`packtool.sources.safepickle`). ``videos`` is one video member (``video.mp4``) or a pickled list of videos
+(``videos``/``mp4s``), each a list of encoded frames; a video of decoded frames (``convert_to_qwenvl_wds.py``'s
+arrays) is refused per sample, and so is ``audio``.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import json
 from dataclasses import dataclass
 
 from packtool.errors import SourceError
-from packtool.media import IMAGE_EXTENSIONS
+from packtool.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 from packtool.sources.conversation import parse_turns, place_media
-from packtool.sources.safepickle import load_bytes_list, refuse_videos
+from packtool.sources.safepickle import encoded_videos, load_bytes_list
 from packtool.sources.sample import Conversation, Media, SampleError
 
 #: ``dataset.yaml`` ``__class__`` of Bridge's multi-turn chat samples.
@@ -92,11 +93,14 @@ def _refuse_pickle(member: str, allow_pickle: bool) -> None:
 def chatml_adapter(parts: dict[str, bytes], *, fields: ChatMLFields, allow_pickle: bool = False) -> Conversation:
     """The conversation of one raw sample (``{part: bytes}``) of a ``ChatMLWebdataset``."""
     videos = _member(parts, fields, "videos")
-    if videos is not None:
-        if _ext(videos) not in PICKLED_VIDEOS:
-            raise SampleError(f"video member {videos!r}: videos are not supported yet")
+    video_media: list[Media] = []
+    if videos is not None and _ext(videos) in PICKLED_VIDEOS:
         _refuse_pickle(videos, allow_pickle)
-        refuse_videos(parts[videos])
+        video_media = [Media(part=videos, kind="video", item=i) for i in range(len(encoded_videos(parts[videos])))]
+    elif videos is not None and _ext(videos) in VIDEO_EXTENSIONS:
+        video_media = [Media(part=videos, kind="video")]
+    elif videos is not None:
+        raise SampleError(f"videos member {videos!r} is neither a video nor a pickled video list")
     if _member(parts, fields, "audio") is not None:
         raise SampleError(f"audio member {fields.audio!r}: audio is not supported yet")
     _member(parts, fields, "conversation")  # always mapped; raises when this sample lacks it
@@ -106,8 +110,6 @@ def chatml_adapter(parts: dict[str, bytes], *, fields: ChatMLFields, allow_pickl
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SampleError(f"invalid json in {name!r}: {exc}") from None
     messages = parse_turns(doc)
-    if any("<video>" in m["content"] for m in messages):
-        raise SampleError("conversation has a <video> tag: videos are not supported yet")
     media: list[Media] = []
     imgs = _member(parts, fields, "imgs")
     if imgs is not None and _ext(imgs) in PICKLED_IMAGES:
@@ -117,5 +119,5 @@ def chatml_adapter(parts: dict[str, bytes], *, fields: ChatMLFields, allow_pickl
         media = [Media(part=imgs)]
     elif imgs is not None:
         raise SampleError(f"imgs member {imgs!r} is neither an image nor a pickled image list")
-    messages, media = place_media(messages, media)
+    messages, media = place_media(messages, media + video_media)
     return Conversation(messages=messages, media=media)

@@ -16,7 +16,9 @@ scalar, ...) is refused by name. The numpy names accepted, for numpy 1.x (``nump
 - ``numpy[._]core.numeric._frombuffer`` (protocol 5): buffer, dtype, shape, order.
 
 An image given as an array becomes media packtool handles by being re-encoded as PNG (:func:`png_bytes`): the
-image's pixels are kept exactly; the bytes written to a pack are derived, not a copy of a source member.
+image's pixels are kept exactly; the bytes written to a pack are derived, not a copy of a source member. A video
+given as a list of encoded frames (:func:`video_frames`) is packed as a frame list, each frame's bytes as stored;
+a video of decoded frames is refused (:func:`encoded_videos` says why).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from packtool.media.image import open_image
 from packtool.sources.sample import SampleError
 
 #: Type codes numpy pickles plain numeric dtypes with: bool, ints and uints of 1-8 bytes, floats of 2-8 bytes.
@@ -307,12 +310,38 @@ def load_videos(data: bytes) -> list[PickledVideo]:
     return videos
 
 
-def refuse_videos(data: bytes) -> None:
-    """Raise :class:`SampleError` if a pickled ``videos`` member holds any video: packtool packs no video yet.
+def encoded_videos(data: bytes) -> list[PickledVideo]:
+    """The videos of a pickled ``videos`` member, each a list of encoded frames; raises :class:`SampleError` for a
+    video with no frames or with decoded frames.
 
-    The member is parsed in full first (an empty list, the converters' "no video", passes), so a hostile pickle
-    is refused for what it is and the video work only has to replace this refusal.
+    Decoded frames (``convert_to_qwenvl_wds.py``'s float arrays) were already resampled and resized by the
+    converter, at a rate it does not record: the model's frame sampling cannot be re-derived from them.
     """
     videos = load_videos(data)
-    if videos:
-        raise SampleError(f"{len(videos)} pickled video(s), the first of {videos[0]}: videos are not supported yet")
+    for i, video in enumerate(videos):
+        if not video.frames:
+            raise SampleError(f"pickled video {i} has no frames")
+        if not all(isinstance(f, bytes) for f in video.frames):
+            raise SampleError(f"pickled video {i} holds {video}: videos of decoded frames are not supported, only "
+                              "lists of encoded images")
+    return videos
+
+
+def video_frames(data: bytes, part: str, video: int) -> list[tuple[str, bytes]]:
+    """The frames of video ``video`` of the pickled member ``part``, as stored, each with the name
+    ``<part>.<video>.<frame>.<ext>`` (``ext`` from the image format): a pack keeps them, byte for byte, as the
+    members of a frame list."""
+    videos = encoded_videos(data)
+    if not 0 <= video < len(videos):
+        raise SampleError(f"media {part}[{video}] referenced but missing")
+    return [(f"{part}.{video}.{i}.{_image_ext(frame)}", frame) for i, frame in enumerate(videos[video].frames)]
+
+
+def _image_ext(data: bytes) -> str:
+    """The member extension of an encoded image's format (``bin`` when it is none packtool reads: the frame is
+    then quarantined by its measurement)."""
+    try:
+        fmt = (open_image(data).format or "").lower()
+    except Exception:  # PIL raises many types for bad data; the frame's probe gives the reason
+        return "bin"
+    return {"jpeg": "jpg", "tiff": "tif"}.get(fmt, fmt or "bin")

@@ -21,7 +21,8 @@ class Media:
     part: str
     #: ``image``, ``video`` or ``audio``.
     kind: MediaKind = "image"
-    #: Position inside a part that holds a list of media (a pickled ``jpgs`` list), else ``None``.
+    #: Position inside a part that holds a list of media (a pickled ``jpgs`` list of images, a pickled ``videos``
+    #: list of frame lists), else ``None``.
     item: int | None = None
     #: The frame members of a video given as a list of images, in frame order (``part`` is the first); else empty.
     frames: tuple[str, ...] = ()
@@ -29,7 +30,7 @@ class Media:
     def __post_init__(self) -> None:
         if self.kind not in MEDIA_TAGS:
             raise SampleError(f"unknown media kind {self.kind!r} for member {self.part!r}")
-        if self.frames and (self.kind != "video" or self.frames[0] != self.part):
+        if self.frames and (self.kind != "video" or self.frames[0] != self.part or self.item is not None):
             raise SampleError(f"frame list of {self.part!r} must be a video starting at that member")
 
 
