@@ -69,6 +69,8 @@ def pack(
                                                    help="Override the video processor's min pixels per frame."),
     video_max_pixels: int | None = typer.Option(default(E, "video_max_pixels"),
                                                    help="Override the video processor's max pixels per frame."),
+    audio_max_seconds: float | None = typer.Option(default(E, "audio_max_seconds"),
+                                                   help="Cut audio clips to this many seconds (Nemotron Omni)."),
     overlong: str = typer.Option(default(E, "overlong"), help="truncate (cut at a safe boundary) or drop."),
     min_pixels: int | None = typer.Option(None, help="Override the processor's min_pixels."),
     max_pixels: int | None = typer.Option(None, help="Override the processor's max_pixels."),
@@ -118,7 +120,7 @@ def pack(
             max_sample_bytes=max_sample_bytes, target_newline_after_eot=target_newline_after_eot,
             media_first=media_first, preset=preset, video_fps=video_fps, video_frames=video_frames,  # type: ignore[arg-type]
             video_min_frames=video_min_frames, video_max_frames=video_max_frames, video_min_pixels=video_min_pixels,
-            video_max_pixels=video_max_pixels,
+            video_max_pixels=video_max_pixels, audio_max_seconds=audio_max_seconds,
         )
         plan = PlanSettings(algorithm=algorithm, balanced_delta=balanced_delta, max_segments=max_segments,  # type: ignore[arg-type]
                             seed=seed, shard_size=shard_size, balance_dp=balance_dp)  # type: ignore[arg-type]

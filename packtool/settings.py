@@ -150,6 +150,9 @@ class EncodeSettings:
     #: Override the video processor's pixel bounds per frame.
     video_min_pixels: int | None = None
     video_max_pixels: int | None = None
+    #: Audio clips longer than this many seconds are cut to it before their tokens are counted and their features
+    #: extracted (Nemotron Omni); ``None``: no limit.
+    audio_max_seconds: float | None = None
     #: ``module:function`` turning a raw sample into a conversation.
     adapter: str | None = None
     #: Read pickled media lists through the restricted unpickler.
@@ -193,6 +196,10 @@ class EncodeSettings:
                 raise ConfigError(f"video_fps must be a positive number, not {self.video_fps!r}")
             if self.video_frames is not None:
                 raise ConfigError("give video_fps or video_frames, not both")
+        if self.audio_max_seconds is not None and (
+                isinstance(self.audio_max_seconds, bool) or not isinstance(self.audio_max_seconds, (int, float))
+                or not 0 < self.audio_max_seconds < math.inf):
+            raise ConfigError(f"audio_max_seconds must be a positive number, not {self.audio_max_seconds!r}")
         _check_int(self.pixel_limit, "pixel_limit")
         _check_int(self.max_sample_bytes, "max_sample_bytes")
         if self.adapter is not None and not re.fullmatch(r"[\w.]+:\w+", self.adapter):
