@@ -31,6 +31,9 @@ from packtool.media import (
     ImageRule,
     NemotronOmniSettings,
     Qwen2VLSettings,
+    decode_audio,
+    decode_frames,
+    decode_video,
     image_size,
     is_nemotron_omni,
     load_image_rule,
@@ -39,6 +42,7 @@ from packtool.media import (
     probe_video,
     read_folder,
 )
+from packtool.processor_mode import align, load_processor, media_token_ids, open_pil, processor_ids
 from packtool.settings import EncodeSettings
 from packtool.sources import Conversation, RawSample
 from packtool.sources.conversation import conversation_adapter
@@ -197,8 +201,12 @@ class Encoder:
             self.video_text = n.video_token
             self.audio_token_id = vocab[n.audio_token]
             self.audio_start_id, self.audio_end_id = vocab[n.audio_start_token], vocab[n.audio_end_token]
-        elif settings.audio_max_seconds is not None:
-            raise ConfigError(f"{settings.tokenizer}: audio_max_seconds applies to Nemotron Omni model folders only")
+        #: Processor mode: the folder's own processor expands the placeholders (:mod:`packtool.processor_mode`).
+        self.processor = load_processor(settings.tokenizer) if settings.media_tokens == "processor" else None
+        self.processor_media_ids = media_token_ids(self.processor) if self.processor is not None else frozenset()
+        if self.nemotron is None and self.processor is None and settings.audio_max_seconds is not None:
+            raise ConfigError(f"{settings.tokenizer}: audio_max_seconds applies to Nemotron Omni model folders (or "
+                              f"the processor mode) only")
         self.special_ids = frozenset(self.tok.all_special_ids) | frozenset(self.tok.added_tokens_encoder.values())
         self.control_tokens = tuple(t for t in self.tok.added_tokens_encoder if t not in MEDIA_TAGS.values())
         self.structured = self._template_takes_image_parts()
@@ -372,13 +380,17 @@ class Encoder:
             ext = {"jpeg": "jpg"}.get(fmt, fmt or "bin")
         item = {"part": m.part, "item": m.item, "kind": m.kind, "ext": ext, "width": width, "height": height,
                 "offset": offset, "size": size}
+        if self.processor is not None:
+            item["input"] = open_pil(data)
         if self.nemotron is not None:
             gh, gw = self.nemotron.image_grid(width, height, n_images=n_images)
             return {**item, "tokens": self.nemotron.image_tokens(width, height, n_images=n_images),
                     "grid_thw": [1, gh, gw], "text": self.nemotron.image_text(width, height, n_images=n_images)}
         if self.rule is None:
-            raise SampleError("sample has images but the model folder has no preprocessor_config.json "
-                              "(set image_tokens for a fixed count per image)")
+            if self.processor is not None:  # its tokens come from the processor's ids
+                return {**item, "tokens": 0, "grid_thw": []}
+            raise SampleError("sample has images but the model folder has no preprocessor_config.json (set "
+                              "image_tokens for a fixed count per image, or use the processor mode)")
         grid, n = self.rule.grid(width, height), self.rule.tokens(width, height)
         return {**item, "tokens": n, "grid_thw": list(grid)}
 
@@ -393,18 +405,26 @@ class Encoder:
             data = [raw.parts[m.part]]
             facts = probe_video(data[0], max_pixels=self.settings.pixel_limit, decode=decode)
         offset, _ = raw.ranges[m.part]
-        item = {"part": m.part, "item": None, "kind": "video", "ext": m.part.rsplit(".", 1)[-1].lower(),
-                "width": facts.width, "height": facts.height, "offset": offset, "size": sum(len(d) for d in data),
-                "sha256": sha256(b"".join(data)), "frames": [[f, *raw.ranges[f]] for f in m.frames],
-                "total_frames": facts.frames, "fps": facts.fps, "duration": facts.duration}
+        item: dict[str, Any] = {
+            "part": m.part, "item": None, "kind": "video", "ext": m.part.rsplit(".", 1)[-1].lower(),
+            "width": facts.width, "height": facts.height, "offset": offset, "size": sum(len(d) for d in data),
+            "sha256": sha256(b"".join(data)), "frames": [[f, *raw.ranges[f]] for f in m.frames],
+            "total_frames": facts.frames, "fps": facts.fps, "duration": facts.duration}
+        if self.processor is not None:  # every frame, with the metadata transformers' own video loader gives
+            every = list(range(facts.frames))
+            frames = decode_frames(data, every) if m.frames else decode_video(data[0], every)
+            item["input"] = (frames, {**facts.metadata(), "frames_indices": every})
         if self.nemotron is not None:  # grid: frames given to the processor, and the tile in patches
             nplan = self.nemotron.video(facts)
             return {**item, "tokens": nplan.tokens, "grid_thw": [len(nplan.indices), *nplan.tile],
                     "frame_indices": list(nplan.indices), "second_per_grid_ts": None,
                     "text": self.nemotron.plan_text(nplan)}
         if self.video_rule is None:
+            if self.processor is not None:  # its tokens come from the processor's ids
+                return {**item, "tokens": 0, "grid_thw": [], "frame_indices": list(range(facts.frames)),
+                        "second_per_grid_ts": None}
             raise SampleError(f"media {m.part!r}: the model folder {Path(self.settings.tokenizer).name} has no rule "
-                              f"for videos")
+                              f"for videos (the processor mode has)")
         plan = self.video_rule.video(facts)
         return {**item, "tokens": plan.tokens, "grid_thw": list(plan.grid_thw), "frame_indices": list(plan.indices),
                 "second_per_grid_ts": plan.second_per_grid_ts}
@@ -412,15 +432,23 @@ class Encoder:
     def _audio_facts(self, raw: RawSample, m: Media) -> dict:
         """An audio clip's tokens and the length of the waveform its processor is given (``samples``, at the
         processor's rate after any length cap); no grid, no pixels."""
-        facts = probe_audio(raw.parts[m.part], decode=self.settings.media_check == "decode")
-        if self.nemotron is None:
-            raise SampleError(f"media {m.part!r}: the model folder {Path(self.settings.tokenizer).name} has no "
-                              f"rule for audio")
+        data = raw.parts[m.part]
+        facts = probe_audio(data, decode=self.settings.media_check == "decode")
         offset, size = raw.ranges[m.part]
-        return {"part": m.part, "item": None, "kind": "audio", "ext": m.part.rsplit(".", 1)[-1].lower(),
-                "tokens": self.nemotron.audio_tokens(facts), "grid_thw": [], "width": 0, "height": 0,
-                "offset": offset, "size": size, "samples": self.nemotron.audio_samples(facts),
-                "text": self.nemotron.audio_text(facts)}
+        item: dict[str, Any] = {"part": m.part, "item": None, "kind": "audio", "ext": m.part.rsplit(".", 1)[-1].lower(),
+                                "grid_thw": [], "width": 0, "height": 0, "offset": offset, "size": size}
+        if self.processor is not None:  # the waveform at the feature extractor's rate, cut to the limit
+            rate = int(self.processor.feature_extractor.sampling_rate)
+            limit = self.settings.audio_max_seconds
+            wave = decode_audio(data, rate=rate, max_samples=None if limit is None else int(limit * rate))
+            item.update(input=wave, samples=len(wave))
+        if self.nemotron is not None:
+            return {**item, "tokens": self.nemotron.audio_tokens(facts), "samples": self.nemotron.audio_samples(facts),
+                    "text": self.nemotron.audio_text(facts)}
+        if self.processor is None:
+            raise SampleError(f"media {m.part!r}: the model folder {Path(self.settings.tokenizer).name} has no "
+                              f"rule for audio (the processor mode has)")
+        return {**item, "tokens": 0}
 
     # -- encoding --------------------------------------------------------------------------------------------
     def encode_many(self, raws: list[RawSample], strict: bool = False) -> list[Encoded]:
@@ -539,7 +567,9 @@ class Encoder:
                     targets[end] = 1
         if self.settings.target_newline_after_eot:
             self._target_newlines(ids, targets)
-        if self.nemotron is not None:  # the placeholders were expanded in the text (see _expand_in_text)
+        if self.processor is not None and media:  # the processor expanded them (see _call_processor)
+            tokens, targets, media = self._processor_tokens(ids, targets, media, cut)
+        elif self.nemotron is not None:  # the placeholders were expanded in the text (see _expand_in_text)
             tokens, media = ids.astype(np.int32), self._locate_in_text(encoding, ids, targets, media, text_len)
         else:
             tokens, targets, media = self._expand_ids(ids, targets, media, cut)
@@ -579,8 +609,11 @@ class Encoder:
         (Nemotron Omni), the same: each placeholder of the rendered text replaced by the next expansion of its
         kind (``media[i]["text"]``, as the processor does it kind by kind), the reply spans shifted to match, and
         each item's characters recorded as ``media[i]["chars"]`` (start, its first embedding placeholder, end).
-        Expanding the ids instead would not be exact: a frame label merges with its neighbours under BPE. Other
-        families: unchanged."""
+        Expanding the ids instead would not be exact: a frame label merges with its neighbours under BPE. In the
+        processor mode the processor does it (:meth:`_call_processor`). Other families: unchanged."""
+        if self.processor is not None and media:
+            self._call_processor(text, media)
+            return text, spans
         if self.nemotron is None or not media:
             return text, spans
         n = self.nemotron
@@ -623,6 +656,59 @@ class Encoder:
             delta = shifts[before - 1] if before else 0
             moved.append((s + delta, e + delta))
         return "".join(pieces), moved
+
+    def _call_processor(self, text: str, media: list[dict]) -> None:
+        """Processor mode: the processor's ids for the rendered text and the decoded media, kept with the media
+        (``processor_ids``, one array shared by the sample's items) until :meth:`_processor_tokens`."""
+        inputs: dict[str, list] = {"image": [], "video": [], "audio": []}
+        for m in media:
+            m.pop("text", None)
+            inputs[m["kind"]].append(m["input"])
+        ids = processor_ids(self.processor, text, inputs["image"], inputs["video"], inputs["audio"])
+        placeholders = np.fromiter(self.processor_media_ids, np.int64)
+        for m in media:
+            item = m.pop("input")
+            placeholder = getattr(self.processor, f"{m['kind']}_token", None)
+            if len(media) > 1 and m["tokens"] <= 0 and isinstance(placeholder, str):
+                # Its count alone tells it from a neighbour it shares a region with (see _processor_tokens).
+                alone = processor_ids(self.processor, placeholder, *([item] if k == m["kind"] else []
+                                                                     for k in ("image", "video", "audio")))
+                m["tokens"] = int(np.isin(alone, placeholders).sum())
+            m["processor_ids"] = ids
+
+    def _processor_tokens(self, ids: np.ndarray, targets: np.ndarray, media: list[dict],
+                          cut: bool) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+        """Processor mode: the processor's ids as the tokens, targets aligned onto them from the tokenizer's ids of
+        the unexpanded text (``ids``), and each item's tokens and span from the aligned media regions."""
+        expanded = media[0]["processor_ids"]
+        for m in media:
+            del m["processor_ids"]
+        if cut:
+            raise SampleError("processor mode: the text is too long to align with the processor's tokens")
+        aligned, regions = align(ids, targets, expanded, self.processor_media_ids, self.special_ids)
+        tokens = expanded.astype(np.int32)
+        placeholders = np.isin(expanded, np.fromiter(self.processor_media_ids, np.int64))
+        if len(regions) == len(media):  # one region per item: its placeholders are the region's
+            for m, (s, e) in zip(media, regions):
+                at = s + np.flatnonzero(placeholders[s:e])
+                m["token_offset"], m["tokens"] = int(at[0]), len(at)
+                m["span"] = list(self._media_span(tokens, {"token_offset": s, "tokens": e - s}))
+            return tokens, aligned, media
+        # Items with only spaces between them share a region: a rule's counts tell their placeholders apart, and
+        # each item's span is the whole region (truncation never cuts inside it).
+        at = np.flatnonzero(placeholders)
+        if any(m["tokens"] <= 0 for m in media) or sum(m["tokens"] for m in media) != len(at):
+            raise SampleError(f"processor mode: the processor's tokens hold {len(regions)} media regions for "
+                              f"{len(media)} media items (items with no text between them cannot be told apart)")
+        first = 0
+        for m in media:
+            start, last = int(at[first]), int(at[first + m["tokens"] - 1])
+            s, e = next(r for r in regions if r[0] <= start < r[1])
+            if last >= e:
+                raise SampleError("processor mode: a media item's placeholders differ from the rule's count")
+            m["token_offset"], m["span"] = start, list(self._media_span(tokens, {"token_offset": s, "tokens": e - s}))
+            first += m["tokens"]
+        return tokens, aligned, media
 
     def _locate_in_text(self, encoding: Any, ids: np.ndarray, targets: np.ndarray, media: list[dict],
                         text_len: int) -> list[dict]:
@@ -745,7 +831,8 @@ def model_facts(settings: EncodeSettings, dataset_yaml: dict | None = None) -> d
     return {"pad_token_id": pad, "eos_token_id": tok.eos_token_id, "image_token_id": encoder.image_token_id,
             "vision_start_token_id": encoder.vision_start_id, "vision_end_token_id": encoder.vision_end_id,
             "image_processor": encoder.nemotron.manifest() if encoder.nemotron else
-            encoder.rule.manifest() if encoder.rule else None,
+            encoder.rule.manifest() if encoder.rule else
+            {"family": "processor", "processor_class": type(encoder.processor).__name__} if encoder.processor else None,
             "video_token_id": encoder.video_token_id if encoder.video_rule else None,
             "video_processor": {**encoder.video_rule.manifest(),
                                 "config": read_folder(settings.tokenizer).video} if encoder.video_rule else None,

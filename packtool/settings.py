@@ -30,6 +30,7 @@ from packtool.errors import ConfigError
 
 Overlong = Literal["truncate", "drop"]
 MediaCheck = Literal["decode", "header"]
+MediaTokens = Literal["rule", "processor"]
 Algorithm = Literal["auto", "bfd", "ffd", "greedy_knapsack", "balanced_greedy_knapsack", "first_fit_shuffle",
                     "sequential"]
 EngineKind = Literal["local", "ray"]
@@ -159,6 +160,11 @@ class EncodeSettings:
     allow_pickle: bool = False
     #: Images with more pixels are quarantined (decompression bombs).
     pixel_limit: int = DEFAULT_PIXEL_LIMIT
+    #: How media placeholders become tokens: ``rule`` counts them from the media's headers with packtool's exact rules
+    #: (Qwen2-VL / Qwen2.5-VL, Nemotron Omni, or a fixed image count); ``processor`` calls the model folder's own
+    #: transformers processor on every sample with media (any family; exact by construction, slower: every media
+    #: item is decoded).
+    media_tokens: MediaTokens = "rule"
     #: ``decode`` proves every image decodes; ``header`` reads sizes only.
     media_check: MediaCheck = "decode"
     #: User text of captioning samples.
@@ -183,6 +189,7 @@ class EncodeSettings:
             raise ConfigError(f"pack_size {self.pack_size} is smaller than the alignment {self.align}")
         _check_choice(self.overlong, Overlong, "overlong")
         _check_choice(self.media_check, MediaCheck, "media_check")
+        _check_choice(self.media_tokens, MediaTokens, "media_tokens")
         for name in ("min_pixels", "max_pixels", "image_tokens", "max_images", "max_image_tokens", "video_frames",
                      "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels"):
             _check_int(getattr(self, name), name, optional=True)

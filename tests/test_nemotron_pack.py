@@ -239,11 +239,15 @@ def test_manifest_describes_the_family(nemotron_run, nemotron_folder):
     assert manifest.video_token_id is None and manifest.video_processor is None
 
 
-def test_qwen_settings_do_not_apply(nemotron_folder, tmp_path):
+def test_settings_of_another_family_do_not_apply(nemotron_folder, demo_dir):
     from packtool.encode import Encoder
 
     with pytest.raises(ConfigError, match="video_min_pixels do not apply to a Nemotron Omni"):
         Encoder(EncodeSettings(tokenizer=str(nemotron_folder), pack_size=1024, video_min_pixels=100))
+    with pytest.raises(ConfigError, match="audio_max_seconds applies to Nemotron Omni model folders"):
+        Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=1024, audio_max_seconds=3))
+    with pytest.raises(ConfigError, match="has no processor"):
+        Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=1024, media_tokens="processor"))
 
 
 def encode(folder: Path, turns: list[str], specs: list[tuple], **settings):
@@ -290,3 +294,18 @@ def test_a_text_cut_before_tokenizing_keeps_the_media_exact(nemotron_folder):
     assert cut.status == "truncated" and "at least" in cut.reason
     assert cut.tokens.tolist() == full.tokens[:512].tolist()
     assert cut.media == full.media[:1]
+
+
+@pytest.mark.parametrize("sample", ["image_audio", "mkv_image_mp3", "second_turn_audio", "text_only"])
+def test_processor_mode_equals_the_rules(torchvision, nemotron_folder, sample):
+    """The folder's own processor on every sample gives the tokens, targets and media spans of the fast rules."""
+    rule = encode(nemotron_folder, *SAMPLES[sample], pack_size=PACK_SIZE)
+    processor = encode(nemotron_folder, *SAMPLES[sample], pack_size=PACK_SIZE, media_tokens="processor")
+    assert rule.status == processor.status == "packed"
+    assert processor.tokens.tolist() == rule.tokens.tolist()
+    assert processor.targets.tolist() == rule.targets.tolist()
+    keys = ("kind", "token_offset", "tokens", "grid_thw", "samples")
+    assert [{k: m.get(k) for k in keys} for m in processor.media] == [{k: m.get(k) for k in keys} for m in rule.media]
+    for p, r in zip(processor.media, rule.media):  # items with only a space between them share their span
+        assert p["span"] == r["span"] or (sample == "mkv_image_mp3" and p["span"][0] <= r["span"][0]
+                                          and r["span"][1] <= p["span"][1])
