@@ -46,8 +46,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "megatron-bridge-nemotron-omni": {},
 }
 #: Presets named but not available yet, with the reason.
-UNSUPPORTED_PRESETS = {"megatron-bridge-nemotron-omni": "it needs video and audio support, which packtool does not "
-                                                         "have yet"}
+UNSUPPORTED_PRESETS = {"megatron-bridge-nemotron-omni": "Megatron-Bridge's Nemotron Omni collate path writes other "
+                                                         "frame labels and canvases than transformers' processor, "
+                                                         "which packtool follows (no preset needed for that)"}
 
 #: Largest pack: boundaries (``cu_seqlens``) are int32.
 MAX_PACK_SIZE = 2**31 - 1
