@@ -694,20 +694,25 @@ class Encoder:
                 m["token_offset"], m["tokens"] = int(at[0]), len(at)
                 m["span"] = list(self._media_span(tokens, {"token_offset": s, "tokens": e - s}))
             return tokens, aligned, media
-        # Items with only spaces between them share a region: a rule's counts tell their placeholders apart, and
-        # each item's span is the whole region (truncation never cuts inside it).
+        # Items with only spaces between them share a region: their counts (a rule's, else the processor's on each
+        # item alone) tell their placeholders apart, and the region is split between them right after an item's
+        # end marker (a special token after its last placeholder), so the spans stay disjoint and in order.
         at = np.flatnonzero(placeholders)
         if any(m["tokens"] <= 0 for m in media) or sum(m["tokens"] for m in media) != len(at):
             raise SampleError(f"processor mode: the processor's tokens hold {len(regions)} media regions for "
                               f"{len(media)} media items (items with no text between them cannot be told apart)")
         first = 0
-        for m in media:
+        for k, m in enumerate(media):
             start, last = int(at[first]), int(at[first + m["tokens"] - 1])
             s, e = next(r for r in regions if r[0] <= start < r[1])
             if last >= e:
-                raise SampleError("processor mode: a media item's placeholders differ from the rule's count")
-            m["token_offset"], m["span"] = start, list(self._media_span(tokens, {"token_offset": s, "tokens": e - s}))
+                raise SampleError("processor mode: a media item's placeholders differ from its count")
             first += m["tokens"]
+            if k and media[k - 1]["span"][1] > s:  # shares the region with the item before it
+                s = media[k - 1]["span"][1]
+            if first < len(at) and at[first] < e:  # the next item shares it: end after this item's end marker
+                e = last + 1 + int(int(tokens[last + 1]) in self.special_ids and last + 2 < at[first])
+            m["token_offset"], m["span"] = start, list(self._media_span(tokens, {"token_offset": s, "tokens": e - s}))
         return tokens, aligned, media
 
     def _locate_in_text(self, encoding: Any, ids: np.ndarray, targets: np.ndarray, media: list[dict],

@@ -330,9 +330,12 @@ def test_processor_mode_packs_another_family_exactly(llava_run):
         assert tokens.tolist() == expected, key
         assert tok.decode(tokens[targets.astype(bool)].tolist()) == "".join(t + "<|im_end|>" for t in turns[1::2])
         assert [media[m.member] for m in seg.media] == [samples[key][f"{i}.png"] for i in range(len(sizes))]
-        for m in seg.media:
+        last = 0
+        for m in seg.media:  # each span holds its item's placeholders and no other; spans disjoint, in order
             assert m.tokens == 16 and (tokens[m.token_offset:m.token_offset + 16] == image_id).all(), key
-            assert m.span[0] <= m.token_offset and m.token_offset + m.tokens <= m.span[1]
+            assert last <= m.span[0] <= m.token_offset and m.token_offset + m.tokens <= m.span[1], key
+            assert int((tokens[m.span[0]:m.span[1]] == image_id).sum()) == 16, key
+            last = m.span[1]
         assert int((tokens == image_id).sum()) == 16 * len(sizes)
     manifest = Manifest.read(root / "out")
     assert manifest.image_processor == {"family": "processor", "processor_class": "LlavaProcessor"}
