@@ -69,6 +69,8 @@ def pack(
                                                    help="Override the video processor's min pixels per frame."),
     video_max_pixels: int | None = typer.Option(default(E, "video_max_pixels"),
                                                    help="Override the video processor's max pixels per frame."),
+    audio_max_seconds: float | None = typer.Option(default(E, "audio_max_seconds"),
+                                                   help="Cut audio clips to this many seconds (Nemotron Omni)."),
     overlong: str = typer.Option(default(E, "overlong"), help="truncate (cut at a safe boundary) or drop."),
     min_pixels: int | None = typer.Option(None, help="Override the processor's min_pixels."),
     max_pixels: int | None = typer.Option(None, help="Override the processor's max_pixels."),
@@ -79,6 +81,10 @@ def pack(
     pixel_limit: int = typer.Option(default(E, "pixel_limit"), help="Images with more pixels are quarantined."),
     max_sample_bytes: int = typer.Option(default(E, "max_sample_bytes"),
                                          help="Samples with more bytes are quarantined."),
+    media_tokens: str = typer.Option(default(E, "media_tokens"), help="rule (packtool's exact rules from media "
+                                                                      "headers) or processor (the model folder's "
+                                                                      "own processor on every sample; any family, "
+                                                                      "slower)."),
     media_check: str = typer.Option(default(E, "media_check"), help="decode (prove every image decodes) or "
                                                                     "header (size only)."),
     caption_prompt: str = typer.Option(default(E, "caption_prompt"), help="User text for captioning datasets."),
@@ -118,7 +124,8 @@ def pack(
             max_sample_bytes=max_sample_bytes, target_newline_after_eot=target_newline_after_eot,
             media_first=media_first, preset=preset, video_fps=video_fps, video_frames=video_frames,  # type: ignore[arg-type]
             video_min_frames=video_min_frames, video_max_frames=video_max_frames, video_min_pixels=video_min_pixels,
-            video_max_pixels=video_max_pixels,
+            video_max_pixels=video_max_pixels, audio_max_seconds=audio_max_seconds,
+            media_tokens=media_tokens,  # type: ignore[arg-type]
         )
         plan = PlanSettings(algorithm=algorithm, balanced_delta=balanced_delta, max_segments=max_segments,  # type: ignore[arg-type]
                             seed=seed, shard_size=shard_size, balance_dp=balance_dp)  # type: ignore[arg-type]

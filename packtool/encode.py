@@ -11,6 +11,7 @@ the model folder has no rule for, quarantines the sample, so no sample is packed
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import json
 import re
@@ -28,14 +29,20 @@ from packtool.errors import ConfigError, FatalSampleError, SampleError, is_data_
 from packtool.format import sha256
 from packtool.media import (
     ImageRule,
+    NemotronOmniSettings,
     Qwen2VLSettings,
+    decode_audio,
+    decode_frames,
+    decode_video,
     image_size,
+    is_nemotron_omni,
     load_image_rule,
     probe_audio,
     probe_frames,
     probe_video,
     read_folder,
 )
+from packtool.processor_mode import align, load_processor, media_token_ids, open_pil, processor_ids
 from packtool.settings import EncodeSettings
 from packtool.sources import Conversation, RawSample
 from packtool.sources.conversation import conversation_adapter
@@ -57,6 +64,10 @@ TOKENIZER_FILES = (
     "video_preprocessor_config.json",
     "processor_config.json",
 )
+
+#: Settings that only Qwen2-VL's rules (or a fixed image count) read: an error with a Nemotron Omni folder.
+_QWEN_SETTINGS = ("min_pixels", "max_pixels", "image_tokens", "video_min_frames", "video_max_frames",
+                  "video_min_pixels", "video_max_pixels")
 
 #: Texts longer than this many characters per kept token are cut before tokenizing (see ``Encoder._bounded``).
 _CHARS_PER_TOKEN = 64
@@ -179,6 +190,23 @@ class Encoder:
         self.video_rule = self._video_rule()
         self.video_text = ("<|vision_start|><|video_pad|><|vision_end|>" if self.vision_start_id is not None
                            else "<|video_pad|>")
+        #: Nemotron Omni: its processor expands every placeholder in the text before tokenizing, so this encoder
+        #: does too (:meth:`_expand_in_text`); images, videos and audio all have exact rules.
+        self.nemotron = self._nemotron_rule()
+        self.audio_token_id = self.audio_start_id = self.audio_end_id = None
+        if self.nemotron is not None:
+            n = self.nemotron
+            self.image_token, self.image_token_id = n.image_token, vocab[n.image_token]
+            self.vision_start_id, self.vision_end_id = vocab[n.image_start_token], vocab[n.image_end_token]
+            self.video_text = n.video_token
+            self.audio_token_id = vocab[n.audio_token]
+            self.audio_start_id, self.audio_end_id = vocab[n.audio_start_token], vocab[n.audio_end_token]
+        #: Processor mode: the folder's own processor expands the placeholders (:mod:`packtool.processor_mode`).
+        self.processor = load_processor(settings.tokenizer) if settings.media_tokens == "processor" else None
+        self.processor_media_ids = media_token_ids(self.processor) if self.processor is not None else frozenset()
+        if self.nemotron is None and self.processor is None and settings.audio_max_seconds is not None:
+            raise ConfigError(f"{settings.tokenizer}: audio_max_seconds applies to Nemotron Omni model folders (or "
+                              f"the processor mode) only")
         self.special_ids = frozenset(self.tok.all_special_ids) | frozenset(self.tok.added_tokens_encoder.values())
         self.control_tokens = tuple(t for t in self.tok.added_tokens_encoder if t not in MEDIA_TAGS.values())
         self.structured = self._template_takes_image_parts()
@@ -232,6 +260,27 @@ class Encoder:
                 min_frames=st.video_min_frames, max_frames=st.video_max_frames)
         except (ValueError, OSError) as exc:
             raise ConfigError(f"{st.tokenizer}: unreadable video settings ({exc})") from None
+
+    def _nemotron_rule(self) -> NemotronOmniSettings | None:
+        """Nemotron Omni's rules for a ``nemotron_h_omni`` folder, with the video and audio settings applied;
+        None for any other folder. Its tokenizer must hold the media tokens as added tokens (each one token)."""
+        st = self.settings
+        if not is_nemotron_omni(st.tokenizer):
+            return None
+        given = [name for name in _QWEN_SETTINGS if getattr(st, name) is not None]
+        if given:
+            raise ConfigError(f"{st.tokenizer}: {', '.join(given)} do not apply to a Nemotron Omni model folder")
+        try:
+            rule = NemotronOmniSettings.from_folder(st.tokenizer, fps=st.video_fps, num_frames=st.video_frames,
+                                                    audio_max_seconds=st.audio_max_seconds)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"{st.tokenizer}: unreadable Nemotron Omni processor settings ({exc})") from None
+        tokens = (rule.image_token, rule.image_start_token, rule.image_end_token, rule.audio_token,
+                  rule.audio_start_token, rule.audio_end_token)
+        missing = [t for t in tokens if t not in self.tok.added_tokens_encoder]
+        if missing:
+            raise ConfigError(f"{st.tokenizer}: the tokenizer lacks the Nemotron Omni media tokens {missing}")
+        return rule
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self.template.render(
@@ -295,10 +344,11 @@ class Encoder:
         folder has no rule for, raises :class:`SampleError` naming the member."""
         facts = []
         lists: dict[str, Sequence[bytes]] = {}
+        n_images = sum(m.kind == "image" for m in conv.media)
         for m in conv.media:
             try:
                 if m.kind == "image":
-                    facts.append(self._image_facts(raw, m, lists))
+                    facts.append(self._image_facts(raw, m, lists, n_images))
                 elif m.kind == "video":
                     facts.append(self._video_facts(raw, m))
                 else:
@@ -309,7 +359,9 @@ class Encoder:
                 raise SampleError(f"media {m.part!r}: {exc}") from None
         return facts
 
-    def _image_facts(self, raw: RawSample, m: Media, lists: dict[str, Sequence[bytes]]) -> dict:
+    def _image_facts(self, raw: RawSample, m: Media, lists: dict[str, Sequence[bytes]], n_images: int) -> dict:
+        """An image's size, grid and tokens; ``n_images``: images of the sample (Nemotron Omni's patch budget
+        depends on how many images its processor is given at once)."""
         if m.item is None:
             data = raw.parts[m.part]
             offset, size = raw.ranges[m.part]
@@ -326,12 +378,21 @@ class Encoder:
                                         decode=self.settings.media_check == "decode")
         if not ext or len(ext) > 8 or not ext.isalnum():
             ext = {"jpeg": "jpg"}.get(fmt, fmt or "bin")
+        item = {"part": m.part, "item": m.item, "kind": m.kind, "ext": ext, "width": width, "height": height,
+                "offset": offset, "size": size}
+        if self.processor is not None:
+            item["input"] = open_pil(data)
+        if self.nemotron is not None:
+            gh, gw = self.nemotron.image_grid(width, height, n_images=n_images)
+            return {**item, "tokens": self.nemotron.image_tokens(width, height, n_images=n_images),
+                    "grid_thw": [1, gh, gw], "text": self.nemotron.image_text(width, height, n_images=n_images)}
         if self.rule is None:
-            raise SampleError("sample has images but the model folder has no preprocessor_config.json "
-                              "(set image_tokens for a fixed count per image)")
+            if self.processor is not None:  # its tokens come from the processor's ids
+                return {**item, "tokens": 0, "grid_thw": []}
+            raise SampleError("sample has images but the model folder has no preprocessor_config.json (set "
+                              "image_tokens for a fixed count per image, or use the processor mode)")
         grid, n = self.rule.grid(width, height), self.rule.tokens(width, height)
-        return {"part": m.part, "item": m.item, "kind": m.kind, "ext": ext, "tokens": n, "grid_thw": list(grid),
-                "width": width, "height": height, "offset": offset, "size": size}
+        return {**item, "tokens": n, "grid_thw": list(grid)}
 
     def _video_facts(self, raw: RawSample, m: Media) -> dict:
         """A video's plan from its container facts (or its frames' headers): the frames the processor is given,
@@ -347,23 +408,52 @@ class Encoder:
         else:
             data = [raw.parts[m.part]]
             facts = probe_video(data[0], max_pixels=self.settings.pixel_limit, decode=decode)
+        offset, _ = raw.ranges[m.part]
+        item: dict[str, Any] = {
+            "part": m.part, "item": m.item, "kind": "video", "ext": m.part.rsplit(".", 1)[-1].lower(),
+            "width": facts.width, "height": facts.height, "offset": offset, "size": sum(len(d) for d in data),
+            "sha256": sha256(b"".join(data)),
+            "frames": [[f, *raw.ranges[f if m.item is None else m.part]] for f, _ in named],
+            "total_frames": facts.frames, "fps": facts.fps, "duration": facts.duration}
+        if self.processor is not None:  # every frame, with the metadata transformers' own video loader gives
+            every = list(range(facts.frames))
+            frames = decode_frames(data, every) if named else decode_video(data[0], every)
+            item["input"] = (frames, {**facts.metadata(), "frames_indices": every})
+        if self.nemotron is not None:  # grid: frames given to the processor, and the tile in patches
+            nplan = self.nemotron.video(facts)
+            return {**item, "tokens": nplan.tokens, "grid_thw": [len(nplan.indices), *nplan.tile],
+                    "frame_indices": list(nplan.indices), "second_per_grid_ts": None,
+                    "text": self.nemotron.plan_text(nplan)}
         if self.video_rule is None:
+            if self.processor is not None:  # its tokens come from the processor's ids
+                return {**item, "tokens": 0, "grid_thw": [], "frame_indices": list(range(facts.frames)),
+                        "second_per_grid_ts": None}
             raise SampleError(f"media {m.part!r}: the model folder {Path(self.settings.tokenizer).name} has no rule "
-                              f"for videos")
+                              f"for videos (the processor mode has)")
         plan = self.video_rule.video(facts)
-        offset, size = raw.ranges[m.part]
-        return {"part": m.part, "item": m.item, "kind": "video", "ext": m.part.rsplit(".", 1)[-1].lower(),
-                "tokens": plan.tokens, "grid_thw": list(plan.grid_thw), "width": facts.width, "height": facts.height,
-                "offset": offset, "size": sum(len(d) for d in data), "sha256": sha256(b"".join(data)),
-                "frames": [[f, *raw.ranges[f if m.item is None else m.part]] for f, _ in named],
-                "total_frames": facts.frames, "fps": facts.fps,
-                "duration": facts.duration, "frame_indices": list(plan.indices),
+        return {**item, "tokens": plan.tokens, "grid_thw": list(plan.grid_thw), "frame_indices": list(plan.indices),
                 "second_per_grid_ts": plan.second_per_grid_ts}
 
     def _audio_facts(self, raw: RawSample, m: Media) -> dict:
-        probe_audio(raw.parts[m.part], decode=self.settings.media_check == "decode")
-        raise SampleError(f"media {m.part!r}: the model folder {Path(self.settings.tokenizer).name} has no rule "
-                          f"for audio")
+        """An audio clip's tokens and the length of the waveform its processor is given (``samples``, at the
+        processor's rate after any length cap); no grid, no pixels."""
+        data = raw.parts[m.part]
+        facts = probe_audio(data, decode=self.settings.media_check == "decode")
+        offset, size = raw.ranges[m.part]
+        item: dict[str, Any] = {"part": m.part, "item": None, "kind": "audio", "ext": m.part.rsplit(".", 1)[-1].lower(),
+                                "grid_thw": [], "width": 0, "height": 0, "offset": offset, "size": size}
+        if self.processor is not None:  # the waveform at the feature extractor's rate, cut to the limit
+            rate = int(self.processor.feature_extractor.sampling_rate)
+            limit = self.settings.audio_max_seconds
+            wave = decode_audio(data, rate=rate, max_samples=None if limit is None else int(limit * rate))
+            item.update(input=wave, samples=len(wave))
+        if self.nemotron is not None:
+            return {**item, "tokens": self.nemotron.audio_tokens(facts), "samples": self.nemotron.audio_samples(facts),
+                    "text": self.nemotron.audio_text(facts)}
+        if self.processor is None:
+            raise SampleError(f"media {m.part!r}: the model folder {Path(self.settings.tokenizer).name} has no "
+                              f"rule for audio (the processor mode has)")
+        return {**item, "tokens": 0}
 
     # -- encoding --------------------------------------------------------------------------------------------
     def encode_many(self, raws: list[RawSample], strict: bool = False) -> list[Encoded]:
@@ -381,6 +471,7 @@ class Encoder:
                     raise SampleError("sample has images but the tokenizer has no image token")
                 media = self._media_facts(raw, conv)
                 text, spans = self.target_spans(conv.messages)
+                text, spans = self._expand_in_text(text, spans, media)
                 staged.append((raw, text, spans, media))
         texts = [self._bounded(s[1]) for s in staged if not isinstance(s, Encoded)]
         batch = self._tokenize(texts)
@@ -481,7 +572,21 @@ class Encoder:
                     targets[end] = 1
         if self.settings.target_newline_after_eot:
             self._target_newlines(ids, targets)
-        # Expand each media placeholder to its exact token count.
+        if self.processor is not None and media:  # the processor expanded them (see _call_processor)
+            tokens, targets, media = self._processor_tokens(ids, targets, media, cut)
+        elif self.nemotron is not None:  # the placeholders were expanded in the text (see _expand_in_text)
+            tokens, media = ids.astype(np.int32), self._locate_in_text(encoding, ids, targets, media, text_len)
+        else:
+            tokens, targets, media = self._expand_ids(ids, targets, media, cut)
+        enc = Encoded(raw.key, raw.shard, raw.index, "packed", "", tokens, targets, media, len(tokens), not cut)
+        if not targets.any():
+            raise SampleError("no training targets")
+        return self._fit(enc)
+
+    def _expand_ids(self, ids: np.ndarray, targets: np.ndarray, media: list[dict],
+                    cut: bool) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+        """Tokens and targets with each media placeholder token repeated to its item's exact token count (Qwen2-VL
+        style), and the media past a cut left out; each item gets its ``token_offset`` and ``span``."""
         placeholder = {"image": self.image_token_id, "video": self.video_token_id}
         pads = np.flatnonzero(np.isin(ids, [t for t in placeholder.values() if t is not None]))
         if cut:
@@ -501,10 +606,150 @@ class Encoder:
         targets = np.repeat(targets, repeat)
         for m in media:
             m["span"] = list(self._media_span(tokens, m))
-        enc = Encoded(raw.key, raw.shard, raw.index, "packed", "", tokens, targets, media, len(tokens), not cut)
-        if not targets.any():
-            raise SampleError("no training targets")
-        return self._fit(enc)
+        return tokens, targets, media
+
+    def _expand_in_text(self, text: str, spans: list[tuple[int, int]],
+                        media: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """For a family whose processor expands its placeholders in the text and then tokenizes the whole text
+        (Nemotron Omni), the same: each placeholder of the rendered text replaced by the next expansion of its
+        kind (``media[i]["text"]``, as the processor does it kind by kind), the reply spans shifted to match, and
+        each item's characters recorded as ``media[i]["chars"]`` (start, its first embedding placeholder, end).
+        Expanding the ids instead would not be exact: a frame label merges with its neighbours under BPE. In the
+        processor mode the processor does it (:meth:`_call_processor`). Other families: unchanged."""
+        if self.processor is not None and media:
+            self._call_processor(text, media)
+            return text, spans
+        if self.nemotron is None or not media:
+            return text, spans
+        n = self.nemotron
+        placeholder = {"image": n.image_token, "video": n.video_token, "audio": n.audio_token}
+        embed = {"image": n.image_token, "video": n.image_token, "audio": n.audio_token}
+        queues: dict[str, list[dict]] = {}
+        for m in media:
+            queues.setdefault(placeholder[m["kind"]], []).append(m)
+        pattern = re.compile("|".join(re.escape(t) for t in sorted(queues, key=len, reverse=True)))
+        pieces: list[str] = []
+        starts: list[int] = []  # where each placeholder starts and ends in the rendered text
+        ends: list[int] = []
+        shifts: list[int] = []  # how far the text after it moved
+        last = shift = 0
+        for found in pattern.finditer(text):
+            queue = queues[found.group()]
+            if not queue:
+                raise SampleError(f"the chat template renders more {found.group()} placeholders than the sample "
+                                  f"has media of that kind")
+            m = queue.pop(0)
+            expansion = m.pop("text")
+            start = found.start() + shift
+            m["chars"] = [start, start + expansion.index(embed[m["kind"]]), start + len(expansion)]
+            pieces += [text[last:found.start()], expansion]
+            last = found.end()
+            shift += len(expansion) - len(found.group())
+            starts.append(found.start())
+            ends.append(found.end())
+            shifts.append(shift)
+        left = {tok: len(q) for tok, q in queues.items() if q}
+        if left:
+            raise SampleError("the chat template renders no placeholder for " + ", ".join(
+                f"{k} {tok} item(s)" for tok, k in left.items()))
+        pieces.append(text[last:])
+        moved = []
+        for s, e in spans:
+            before = bisect.bisect_right(ends, s)  # placeholders that end before the reply starts
+            if bisect.bisect_left(starts, e) > before:
+                raise SampleError("a media placeholder lies inside an assistant reply")
+            delta = shifts[before - 1] if before else 0
+            moved.append((s + delta, e + delta))
+        return "".join(pieces), moved
+
+    def _call_processor(self, text: str, media: list[dict]) -> None:
+        """Processor mode: the processor's ids for the rendered text and the decoded media, kept with the media
+        (``processor_ids``, one array shared by the sample's items) until :meth:`_processor_tokens`."""
+        inputs: dict[str, list] = {"image": [], "video": [], "audio": []}
+        for m in media:
+            m.pop("text", None)
+            inputs[m["kind"]].append(m["input"])
+        ids = processor_ids(self.processor, text, inputs["image"], inputs["video"], inputs["audio"])
+        placeholders = np.fromiter(self.processor_media_ids, np.int64)
+        for m in media:
+            item = m.pop("input")
+            placeholder = getattr(self.processor, f"{m['kind']}_token", None)
+            if len(media) > 1 and m["tokens"] <= 0 and isinstance(placeholder, str):
+                # Its count alone tells it from a neighbour it shares a region with (see _processor_tokens).
+                alone = processor_ids(self.processor, placeholder, *([item] if k == m["kind"] else []
+                                                                     for k in ("image", "video", "audio")))
+                m["tokens"] = int(np.isin(alone, placeholders).sum())
+            m["processor_ids"] = ids
+
+    def _processor_tokens(self, ids: np.ndarray, targets: np.ndarray, media: list[dict],
+                          cut: bool) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+        """Processor mode: the processor's ids as the tokens, targets aligned onto them from the tokenizer's ids of
+        the unexpanded text (``ids``), and each item's tokens and span from the aligned media regions."""
+        expanded = media[0]["processor_ids"]
+        for m in media:
+            del m["processor_ids"]
+        if cut:
+            raise SampleError("processor mode: the text is too long to align with the processor's tokens")
+        aligned, regions = align(ids, targets, expanded, self.processor_media_ids, self.special_ids)
+        tokens = expanded.astype(np.int32)
+        placeholders = np.isin(expanded, np.fromiter(self.processor_media_ids, np.int64))
+        if len(regions) == len(media):  # one region per item: its placeholders are the region's
+            for m, (s, e) in zip(media, regions):
+                at = s + np.flatnonzero(placeholders[s:e])
+                m["token_offset"], m["tokens"] = int(at[0]), len(at)
+                m["span"] = list(self._media_span(tokens, {"token_offset": s, "tokens": e - s}))
+            return tokens, aligned, media
+        # Items with only spaces between them share a region: their counts (a rule's, else the processor's on each
+        # item alone) tell their placeholders apart, and the region is split between them right after an item's
+        # end marker (a special token after its last placeholder), so the spans stay disjoint and in order.
+        at = np.flatnonzero(placeholders)
+        if any(m["tokens"] <= 0 for m in media) or sum(m["tokens"] for m in media) != len(at):
+            raise SampleError(f"processor mode: the processor's tokens hold {len(regions)} media regions for "
+                              f"{len(media)} media items (items with no text between them cannot be told apart)")
+        first = 0
+        for k, m in enumerate(media):
+            start, last = int(at[first]), int(at[first + m["tokens"] - 1])
+            s, e = next(r for r in regions if r[0] <= start < r[1])
+            if last >= e:
+                raise SampleError("processor mode: a media item's placeholders differ from its count")
+            first += m["tokens"]
+            if k and media[k - 1]["span"][1] > s:  # shares the region with the item before it
+                s = media[k - 1]["span"][1]
+            if first < len(at) and at[first] < e:  # the next item shares it: end after this item's end marker
+                e = last + 1 + int(int(tokens[last + 1]) in self.special_ids and last + 2 < at[first])
+            m["token_offset"], m["span"] = start, list(self._media_span(tokens, {"token_offset": s, "tokens": e - s}))
+        return tokens, aligned, media
+
+    def _locate_in_text(self, encoding: Any, ids: np.ndarray, targets: np.ndarray, media: list[dict],
+                        text_len: int) -> list[dict]:
+        """Each item's ``token_offset`` (its first embedding placeholder) and ``span`` (its whole expansion) from
+        the characters :meth:`_expand_in_text` recorded; items past a cut text are left out (one that runs past
+        it ends at the last token: the sample is longer than a pack, and truncation never keeps it)."""
+        n = len(ids)
+        embed = {"image": self.image_token_id, "video": self.image_token_id, "audio": self.audio_token_id}
+        kept: list[dict] = []
+        previous_end = 0
+        for m in media:
+            start, first, end = m.pop("chars")
+            if start < previous_end:
+                raise SampleError("the chat template renders the media placeholders in another order than the "
+                                  "sample's media")
+            previous_end = end
+            if start >= text_len:
+                continue
+            a = _covering_token(encoding, start, n)
+            b = n if end > text_len else _covering_token(encoding, end - 1, n) + 1
+            if a >= n:
+                continue
+            count = int((ids[a:b] == embed[m["kind"]]).sum())
+            if b < n and count != m["tokens"]:
+                raise SampleError(f"the tokenizer splits the placeholders of {m['kind']} {len(kept) + 1}: "
+                                  f"{count} tokens for {m['tokens']}")
+            if targets[a:b].any():
+                raise SampleError("a media placeholder lies inside an assistant reply")
+            m["token_offset"], m["span"] = (_covering_token(encoding, first, n) if first < text_len else n), [a, b]
+            kept.append(m)
+        return kept
 
     def _target_newlines(self, ids: np.ndarray, targets: np.ndarray) -> None:
         """Mark the newline token right after each reply's end-of-turn token as a target (in place): the token
@@ -515,6 +760,10 @@ class Encoder:
         targets[after[ends_on_eot & (ids[after] == self.newline_id)]] = 1
 
     def _media_span(self, tokens: np.ndarray, m: dict) -> tuple[int, int]:
+        """``[start, end)`` of an item's whole expansion: recorded (``span``), else its placeholder tokens widened
+        by the vision markers around them."""
+        if m.get("span"):
+            return m["span"][0], m["span"][1]
         s, e = m["token_offset"], m["token_offset"] + m["tokens"]
         if s > 0 and self.vision_start_id is not None and tokens[s - 1] == self.vision_start_id:
             s -= 1
@@ -555,7 +804,7 @@ class Encoder:
             return Encoded(enc.key, enc.shard, enc.index, "dropped",
                            f"no training target fits before a safe cut at {cut} tokens ({reason})",
                            source_tokens=enc.source_tokens)
-        kept = [m for m in enc.media if m["token_offset"] + m["tokens"] <= cut]
+        kept = [m for m in enc.media if self._media_span(enc.tokens, m)[1] <= cut]
         return Encoded(enc.key, enc.shard, enc.index, "truncated", f"truncated to {cut}: {reason}",
                        enc.tokens[:cut].copy(), enc.targets[:cut].copy(), kept, enc.source_tokens)
 
@@ -573,6 +822,15 @@ def _token_at(encoding: Any, pos: int, n: int, text_len: int) -> int:
     return min(token, n)
 
 
+def _covering_token(encoding: Any, pos: int, n: int) -> int:
+    """Index of the token covering character ``pos`` (at most ``n``); a character no token covers is a
+    :class:`SampleError` (media expansions start and end on marker tokens, which always cover their characters)."""
+    token = encoding.char_to_token(pos)
+    if token is None:
+        raise SampleError(f"no token covers character {pos} of a media expansion")
+    return min(token, n)
+
+
 def model_facts(settings: EncodeSettings, dataset_yaml: dict | None = None) -> dict:
     """What the manifest records of the model folder (token ids, image rule), from this process's encoder: the
     pipeline runs it as its first task, so a model folder that cannot encode fails before OUTPUT is touched, and
@@ -582,10 +840,14 @@ def model_facts(settings: EncodeSettings, dataset_yaml: dict | None = None) -> d
     pad = next((int(c) for c in (tok.pad_token_id, tok.eos_token_id) if c is not None), 0)
     return {"pad_token_id": pad, "eos_token_id": tok.eos_token_id, "image_token_id": encoder.image_token_id,
             "vision_start_token_id": encoder.vision_start_id, "vision_end_token_id": encoder.vision_end_id,
-            "image_processor": encoder.rule.manifest() if encoder.rule else None,
+            "image_processor": encoder.nemotron.manifest() if encoder.nemotron else
+            encoder.rule.manifest() if encoder.rule else
+            {"family": "processor", "processor_class": type(encoder.processor).__name__} if encoder.processor else None,
             "video_token_id": encoder.video_token_id if encoder.video_rule else None,
             "video_processor": {**encoder.video_rule.manifest(),
-                                "config": read_folder(settings.tokenizer).video} if encoder.video_rule else None}
+                                "config": read_folder(settings.tokenizer).video} if encoder.video_rule else None,
+            "audio_token_id": encoder.audio_token_id, "audio_start_token_id": encoder.audio_start_id,
+            "audio_end_token_id": encoder.audio_end_id}
 
 
 def media_first(text: str) -> str:

@@ -371,7 +371,9 @@ class Manifest(Mapping[str, Any]):
     image_token_id: int | None
     vision_start_token_id: int | None
     vision_end_token_id: int | None
-    #: Settings of the image processor a reader builds (``type``: ``qwen2_vl`` or ``fixed``), or None.
+    #: Settings of the image processor a reader builds (``type``: ``qwen2_vl`` or ``fixed``), or None; for a
+    #: Nemotron Omni folder the settings of its whole processor (``family``: ``nemotron_omni``: images, video
+    #: and audio), with ``image_token_id`` its ``<image>`` and the vision start/end tokens its ``<img>``/``</img>``.
     image_processor: dict | None
     seed: int
     #: Split -> ``{"samples": n, "packed": n, "truncated": n, "dropped": n, "error": n}``.
@@ -384,6 +386,11 @@ class Manifest(Mapping[str, Any]):
     #: frame sampling and pixel bounds the tokens were counted with), or None when the model folder takes no video.
     video_token_id: int | None = None
     video_processor: dict | None = None
+    #: Audio clips (Nemotron Omni): the embedding placeholder token and the markers around each clip's
+    #: placeholders; None when the model folder takes no audio.
+    audio_token_id: int | None = None
+    audio_start_token_id: int | None = None
+    audio_end_token_id: int | None = None
 
     @classmethod
     def read(cls, root: str | Path) -> Manifest:

@@ -30,6 +30,7 @@ from packtool.errors import ConfigError
 
 Overlong = Literal["truncate", "drop"]
 MediaCheck = Literal["decode", "header"]
+MediaTokens = Literal["rule", "processor"]
 Algorithm = Literal["auto", "bfd", "ffd", "greedy_knapsack", "balanced_greedy_knapsack", "first_fit_shuffle",
                     "sequential"]
 EngineKind = Literal["local", "ray"]
@@ -45,8 +46,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "megatron-bridge-nemotron-omni": {},
 }
 #: Presets named but not available yet, with the reason.
-UNSUPPORTED_PRESETS = {"megatron-bridge-nemotron-omni": "it needs video and audio support, which packtool does not "
-                                                         "have yet"}
+UNSUPPORTED_PRESETS = {"megatron-bridge-nemotron-omni": "Megatron-Bridge's Nemotron Omni collate path writes other "
+                                                         "frame labels and canvases than transformers' processor, "
+                                                         "which packtool follows (no preset needed for that)"}
 
 #: Largest pack: boundaries (``cu_seqlens``) are int32.
 MAX_PACK_SIZE = 2**31 - 1
@@ -150,12 +152,20 @@ class EncodeSettings:
     #: Override the video processor's pixel bounds per frame.
     video_min_pixels: int | None = None
     video_max_pixels: int | None = None
+    #: Audio clips longer than this many seconds are cut to it before their tokens are counted and their features
+    #: extracted (Nemotron Omni); ``None``: no limit.
+    audio_max_seconds: float | None = None
     #: ``module:function`` turning a raw sample into a conversation.
     adapter: str | None = None
     #: Read pickled media lists through the restricted unpickler.
     allow_pickle: bool = False
     #: Images with more pixels are quarantined (decompression bombs).
     pixel_limit: int = DEFAULT_PIXEL_LIMIT
+    #: How media placeholders become tokens: ``rule`` counts them from the media's headers with packtool's exact rules
+    #: (Qwen2-VL / Qwen2.5-VL, Nemotron Omni, or a fixed image count); ``processor`` calls the model folder's own
+    #: transformers processor on every sample with media (any family; exact by construction, slower: every media
+    #: item is decoded).
+    media_tokens: MediaTokens = "rule"
     #: ``decode`` proves every image decodes; ``header`` reads sizes only.
     media_check: MediaCheck = "decode"
     #: User text of captioning samples.
@@ -180,6 +190,7 @@ class EncodeSettings:
             raise ConfigError(f"pack_size {self.pack_size} is smaller than the alignment {self.align}")
         _check_choice(self.overlong, Overlong, "overlong")
         _check_choice(self.media_check, MediaCheck, "media_check")
+        _check_choice(self.media_tokens, MediaTokens, "media_tokens")
         for name in ("min_pixels", "max_pixels", "image_tokens", "max_images", "max_image_tokens", "video_frames",
                      "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels"):
             _check_int(getattr(self, name), name, optional=True)
@@ -193,6 +204,10 @@ class EncodeSettings:
                 raise ConfigError(f"video_fps must be a positive number, not {self.video_fps!r}")
             if self.video_frames is not None:
                 raise ConfigError("give video_fps or video_frames, not both")
+        if self.audio_max_seconds is not None and (
+                isinstance(self.audio_max_seconds, bool) or not isinstance(self.audio_max_seconds, (int, float))
+                or not 0 < self.audio_max_seconds < math.inf):
+            raise ConfigError(f"audio_max_seconds must be a positive number, not {self.audio_max_seconds!r}")
         _check_int(self.pixel_limit, "pixel_limit")
         _check_int(self.max_sample_bytes, "max_sample_bytes")
         if self.adapter is not None and not re.fullmatch(r"[\w.]+:\w+", self.adapter):

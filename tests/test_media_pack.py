@@ -19,6 +19,7 @@ pytest.importorskip("av")
 import mediafixture as mf
 import packfixture as fx
 from mediafixture import write_source
+from packtool.format import Manifest
 from packtool.pipeline import pack
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from packtool.sources.conversation import member_kind
@@ -335,3 +336,115 @@ def test_bridge_dataset_with_pickled_videos_packs_them(pickled_run, demo_dir, tm
     assert [[media[n] for n in m.members] for m in seg.media] == [first]
     seg, _, media = packed["bridge_mixed"]
     assert [(m.kind, [media[n] for n in m.members]) for m in seg.media] == [("image", [png(5)]), ("video", second)]
+
+
+# -- Processor mode: the model folder's own processor expands the placeholders ------------------------------------
+def llava_folder(root: Path, tokenizer_dir: Path) -> Path:
+    """A LLaVA processor folder made offline: a tokenizer with ``<image>`` as an added token, ChatML, and a CLIP
+    image processor at 56 pixels (16 patches of 14: 16 ``<image>`` tokens per image)."""
+    from transformers import AutoTokenizer, CLIPImageProcessor, LlavaProcessor
+
+    import nemotron_omni_model
+
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}),
+        tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir), patch_size=14, image_token="<image>",
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        chat_template=nemotron_omni_model.chat_template())
+    processor.save_pretrained(root)
+    return root
+
+
+LLAVA = {  # key -> (turns, image sizes)
+    "one": (["<image>What is it?", "a picture"], [(40, 30)]),
+    "two_lines": (["<image>\n<image>\nSame?", "no"], [(40, 30), (90, 20)]),
+    "adjacent": (["<image><image>Which?", "the left one"], [(64, 64), (20, 50)]),
+    "second_turn": (["Hello.", "hi", "And <image> now?", "a gradient"], [(33, 77)]),
+    "text": (["Just text.", "fine"], []),
+}
+
+
+@pytest.fixture(scope="module")
+def llava_run(torchvision, tmp_path_factory):
+    import nemotron_omni_model
+
+    root = tmp_path_factory.mktemp("llava")
+    folder = llava_folder(root / "model", nemotron_omni_model.write_model_folder(root / "nemotron"))
+    samples = {}
+    for key, (turns, sizes) in LLAVA.items():
+        roles = ["human", "gpt"] * len(turns)
+        members = {"json": json.dumps({"conversations": [{"from": r, "value": t}
+                                                         for r, t in zip(roles, turns)]}).encode()}
+        members.update({f"{i}.png": mf.make_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)})
+        samples[key] = members
+    write_source(root / "src", samples)
+    settings = PackSettings(EncodeSettings(tokenizer=str(folder), pack_size=PACK_SIZE, media_tokens="processor"),
+                            PlanSettings(shard_size="4"))
+    pack(root / "src", root / "out", settings, workers=1, progress=False, max_error_rate=1.0)
+    ledger = {r["key"]: r for r in pq.read_table(root / "out/ledger.parquet").to_pylist()}
+    return folder, samples, ledger, root
+
+
+def test_processor_mode_packs_another_family_exactly(llava_run):
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    folder, samples, ledger, root = llava_run
+    assert {k: r["status"] for k, r in ledger.items()} == dict.fromkeys(LLAVA, "packed"), ledger
+    processor = AutoProcessor.from_pretrained(folder)
+    tok, image_id = processor.tokenizer, processor.image_token_id
+    segments = {seg.key: (seg, tokens, targets, media) for seg, tokens, targets, media in fx.packed_segments(
+        root / "out")}
+    for key, (turns, sizes) in LLAVA.items():
+        seg, tokens, targets, media = segments[key]
+        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+        rendered = tok.apply_chat_template(messages, tokenize=False)
+        images = [Image.open(io.BytesIO(samples[key][f"{i}.png"])) for i in range(len(sizes))]
+        expected = processor(text=rendered, images=images or None)["input_ids"][0]
+        assert tokens.tolist() == expected, key
+        assert tok.decode(tokens[targets.astype(bool)].tolist()) == "".join(t + "<|im_end|>" for t in turns[1::2])
+        assert [media[m.member] for m in seg.media] == [samples[key][f"{i}.png"] for i in range(len(sizes))]
+        last = 0
+        for m in seg.media:  # each span holds its item's placeholders and no other; spans disjoint, in order
+            assert m.tokens == 16 and (tokens[m.token_offset:m.token_offset + 16] == image_id).all(), key
+            assert last <= m.span[0] <= m.token_offset and m.token_offset + m.tokens <= m.span[1], key
+            assert int((tokens[m.span[0]:m.span[1]] == image_id).sum()) == 16, key
+            last = m.span[1]
+        assert int((tokens == image_id).sum()) == 16 * len(sizes)
+    manifest = Manifest.read(root / "out")
+    assert manifest.image_processor == {"family": "processor", "processor_class": "LlavaProcessor"}
+    assert manifest.image_token_id == image_id and manifest.settings["media_tokens"] == "processor"
+
+
+def test_without_a_rule_media_need_the_processor_mode(llava_run, tmp_path):
+    folder, samples, _, root = llava_run
+    settings = PackSettings(EncodeSettings(tokenizer=str(folder), pack_size=PACK_SIZE), PlanSettings(shard_size="4"))
+    pack(root / "src", tmp_path / "out", settings, workers=1, progress=False, max_error_rate=1.0)
+    ledger = {r["key"]: r for r in pq.read_table(tmp_path / "out/ledger.parquet").to_pylist()}
+    for key, (_, sizes) in LLAVA.items():
+        assert ledger[key]["status"] == ("error" if sizes else "packed"), key
+        if sizes:
+            assert "processor mode" in ledger[key]["reason"]
+
+
+def test_processor_mode_equals_the_qwen_rules(torchvision, demo_dir, tmp_path):
+    """The Qwen2.5-VL processor of the demo folder gives, sample for sample, the tokens, targets and media of the
+    fast rules (images, videos, frame lists)."""
+    import shutil
+
+    from packtool.encode import Encoder
+    from packtool.sources import RawSample
+
+    folder = tmp_path / "model"
+    shutil.copytree(demo_dir / "tokenizer", folder)
+    (folder / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
+    raws = [RawSample(key, "s.tar", i, members, {p: (0, len(d)) for p, d in members.items()})
+            for i, (key, members) in enumerate((k, qwen_sample(*v)) for k, v in QWEN_VIDEOS.items())]
+    rule = Encoder(EncodeSettings(tokenizer=str(folder), pack_size=PACK_SIZE)).encode_many(raws)
+    proc = Encoder(EncodeSettings(tokenizer=str(folder), pack_size=PACK_SIZE,
+                                  media_tokens="processor")).encode_many(raws)
+    keys = ("kind", "token_offset", "tokens", "span", "grid_thw", "frame_indices")
+    for r, p in zip(rule, proc):
+        assert r.status == p.status == "packed", (r.key, r.reason, p.reason)
+        assert p.tokens.tolist() == r.tokens.tolist() and p.targets.tolist() == r.targets.tolist(), r.key
+        assert [{k: m.get(k) for k in keys} for m in p.media] == [{k: m.get(k) for k in keys} for m in r.media], r.key

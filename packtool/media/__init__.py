@@ -5,7 +5,12 @@ gives its processors (:mod:`.folder`), and the token rules of each model family 
 from packtool.media.audio import AUDIO_EXTENSIONS, AudioFacts, decode_audio, probe_audio, resampled_length
 from packtool.media.folder import FolderConfigs, read_folder
 from packtool.media.image import IMAGE_EXTENSIONS, image_size
-from packtool.media.nemotron_omni import NemotronOmniSettings, NemotronVideoPlan, expand_placeholders
+from packtool.media.nemotron_omni import (
+    NemotronOmniSettings,
+    NemotronVideoPlan,
+    expand_placeholders,
+    is_nemotron_omni,
+)
 from packtool.media.qwen2_vl import (
     ImageRule,
     Qwen2VLSettings,
@@ -39,6 +44,7 @@ __all__ = [
     "decode_video",
     "expand_placeholders",
     "image_size",
+    "is_nemotron_omni",
     "load_image_rule",
     "probe_audio",
     "probe_frames",

@@ -239,7 +239,10 @@ class NemotronOmniSettings:
 
     def video_text(self, facts: VideoFacts) -> str:
         """What the processor writes in place of one ``<video>``."""
-        plan = self.video(facts)
+        return self.plan_text(self.video(facts))
+
+    def plan_text(self, plan: NemotronVideoPlan) -> str:
+        """What the processor writes in place of the ``<video>`` of a video planned as ``plan``."""
         chunk = self.image_start_token + self.image_token * plan.tokens_per_tubelet + self.image_end_token
         return "\n".join(label + chunk for label in plan.labels)
 
@@ -293,6 +296,15 @@ class NemotronOmniSettings:
     def manifest(self) -> dict:
         """The settings, for the pack manifest and the reader."""
         return {"family": "nemotron_omni", **asdict(self)}
+
+
+def is_nemotron_omni(folder: str | Path) -> bool:
+    """Whether a model folder is transformers' ``nemotron_h_omni`` processor folder: its processor, image
+    processor or video processor class says so."""
+    c = read_folder(folder)
+    names = (c.processor.get("processor_class"), c.image.get("image_processor_type"),
+             c.video.get("video_processor_type"))
+    return any(isinstance(n, str) and n.startswith("NemotronH_Omni") for n in names)
 
 
 def expand_placeholders(text: str, expansions: dict[str, Sequence[str]]) -> str:
