@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from packtool import hfcompat
+from packtool.chatshape import ShapeRenderer
 from packtool.errors import ConfigError, FatalSampleError, SampleError, is_data_error, sample_reason
 from packtool.format import sha256
 from packtool.media import (
@@ -164,6 +165,11 @@ class Encoder:
         today = datetime.date.fromisoformat(settings.template_date)  # checked by EncodeSettings
         self.template_kwargs["strftime_now"] = today.strftime  # shadows the global that reads the clock
         self.generation_tags = re.search(r"\{%-?\s*generation\s*-?%\}", self.template_source) is not None
+        #: Renders by conversation shape where the template provably copies message text verbatim (no
+        #: generation tags: those spans come from the rendering itself).
+        self.shapes = None if self.generation_tags else ShapeRenderer(
+            self.template.environment.parse(self.template_source), self.template_source,
+            self.template_kwargs.values(), lambda m, prompt: self.render(m, add_generation_prompt=prompt))
         self.rule: ImageRule | None = load_image_rule(
             Path(settings.tokenizer),
             min_pixels=settings.min_pixels,
@@ -256,21 +262,25 @@ class Encoder:
         tm = self._template_messages(messages)
         if self.generation_tags:
             return hfcompat.render_with_spans(self.template, tm, **self.template_kwargs)
-        text = self.render(tm)
+        shaped = self.shapes.render(tm) if self.shapes is not None else None
+        text = shaped[0] if shaped is not None else self.render(tm)
         spans = []
         for i, m in enumerate(tm):
             if m["role"] != "assistant":
                 continue
-            prefix = self.render(tm[:i], add_generation_prompt=True)
-            if not text.startswith(prefix):
-                if not any(m["role"] == "user" for m in tm[:i]):
-                    raise SampleError(f"the conversation starts with an assistant turn (turn {i}); the chat "
-                                      f"template renders it differently without a user turn before it")
-                raise SampleError(f"the chat template renders the conversation up to assistant turn {i} "
-                                  f"differently from its start in the whole conversation, so the reply cannot "
-                                  f"be located; a template with {{% generation %}} tags avoids this")
+            if shaped is not None:  # the length of the prefix rendering, proven a prefix of the text
+                start = shaped[1][i]
+            else:
+                prefix = self.render(tm[:i], add_generation_prompt=True)
+                if not text.startswith(prefix):
+                    if not any(m["role"] == "user" for m in tm[:i]):
+                        raise SampleError(f"the conversation starts with an assistant turn (turn {i}); the chat "
+                                          f"template renders it differently without a user turn before it")
+                    raise SampleError(f"the chat template renders the conversation up to assistant turn {i} "
+                                      f"differently from its start in the whole conversation, so the reply "
+                                      f"cannot be located; a template with {{% generation %}} tags avoids this")
+                start = len(prefix)
             reply = m["content"] if isinstance(m["content"], str) else ""
-            start = len(prefix)
             for candidate in (reply, reply.strip(), reply.lstrip()):
                 if text.startswith(candidate, start):
                     spans.append((start, start + len(candidate)))
