@@ -88,6 +88,8 @@ class Engine:
             self._pool = ProcessPoolExecutor(
                 max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
                 initializer=_worker_init, initargs=(os.getpid(), self.initializer, self.initargs))
+            for _ in range(self.workers):  # a spawn pool starts a worker per task submitted while none is idle:
+                self._pool.submit(_started)  # start them all now, so their start-ups (imports, initializer) overlap
         elif self.initializer is not None:
             self.initializer(*self.initargs)
         self._install_signal_handlers()
@@ -234,6 +236,10 @@ def _worker_init(parent: int, initializer: Callable[..., None] | None, initargs:
     _die_with_parent(parent)
     if initializer is not None:
         initializer(*initargs)
+
+
+def _started() -> None:
+    """The task that starts a worker."""
 
 
 def _die_with_parent(parent: int) -> None:
