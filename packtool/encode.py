@@ -495,6 +495,8 @@ class Encoder:
             media = media[:len(pads)]
         if len(pads) != len(media):
             raise SampleError(f"template produced {len(pads)} media placeholders for {len(media)} media items")
+        if not media:  # text only: nothing to expand
+            return self._packed(raw, ids.astype(np.int32), targets, media, cut)
         if any(int(ids[p]) != placeholder.get(m["kind"]) for p, m in zip(pads, media)):
             raise SampleError("the template's media placeholders are not in the order of the media kinds")
         if np.any(targets[pads]):
@@ -508,10 +510,15 @@ class Encoder:
         targets = np.repeat(targets, repeat)
         for m in media:
             m["span"] = list(self._media_span(tokens, m))
-        enc = Encoded(raw.key, raw.shard, raw.index, "packed", "", tokens, targets, media, len(tokens), not cut)
+        return self._packed(raw, tokens, targets, media, cut)
+
+    def _packed(self, raw: RawSample, tokens: np.ndarray, targets: np.ndarray, media: list[dict],
+                cut: bool) -> Encoded:
+        """The encoded sample, with the per-pack limits applied."""
         if not targets.any():
             raise SampleError("no training targets")
-        return self._fit(enc)
+        return self._fit(Encoded(raw.key, raw.shard, raw.index, "packed", "", tokens, targets, media, len(tokens),
+                                 not cut))
 
     def _target_newlines(self, ids: np.ndarray, targets: np.ndarray) -> None:
         """Mark the newline token right after each reply's end-of-turn token as a target (in place): the token
