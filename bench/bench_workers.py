@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # this checkout's packtool, also in the floor's processes
 
 import demo  # noqa: E402
 
