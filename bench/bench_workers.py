@@ -70,7 +70,7 @@ def run_pack(root: Path, tok: Path, out: Path, workers: int) -> tuple[float, flo
            "--pack-size", "8192", "--split", "train", "--workers", str(workers), "--no-progress",
            "--media-check", "header"]
     start, cpu = time.perf_counter(), _children_cpu()
-    subprocess.run(cmd, check=True, capture_output=True)
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)  # this checkout's packtool
     return time.perf_counter() - start, _children_cpu() - cpu
 
 

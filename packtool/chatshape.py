@@ -23,8 +23,9 @@ from typing import Any
 
 from jinja2 import nodes
 
-#: Placeholders are characters of Unicode's Supplementary Private Use Area-A, one per text of a conversation.
-_BASE = 0xF0000
+#: Placeholders are private-use characters, one per text of a conversation: from Unicode's Supplementary Private
+#: Use Area-A, and again from Area-B.
+_BASES = (0xF0000, 0x100000)
 _HOLES = 0xFFFE
 #: Distinct shapes remembered (a shape costs a few hundred characters).
 _CACHE_SHAPES = 4096
@@ -76,7 +77,10 @@ class _Proof:
 
     def __init__(self, tree: nodes.Template, lists: bool):
         self.tree, self.lists = tree, lists
-        self.macros = {m.name: m for m in tree.find_all(nodes.Macro)}
+        macros = list(tree.find_all(nodes.Macro))
+        self.macros = {m.name: m for m in macros}
+        if len(self.macros) < len(macros):
+            raise _Unproven("a macro is defined twice")
         self.calls: dict[tuple, str] = {}
         self.active: set[tuple] = set()
         self.text_output = False
@@ -410,10 +414,8 @@ class ShapeRenderer:
     """Renders conversations (as the template wants its messages) through a cache of shapes. ``render(messages,
     add_generation_prompt)`` is the template's own rendering."""
 
-    def __init__(self, tree: nodes.Template, source: str, constants: Iterable[Any],
-                 render: Callable[[list[dict], bool], str]):
-        clean = not _has_holes(source) and not any(isinstance(c, str) and _has_holes(c) for c in constants)
-        self.proven = {lists: clean and copies_text_verbatim(tree, lists) for lists in (False, True)}
+    def __init__(self, tree: nodes.Template, render: Callable[[list[dict], bool], str]):
+        self.proven = {lists: copies_text_verbatim(tree, lists) for lists in (False, True)}
         self._render = render
         self._cache: dict[tuple, _Layout | None] = {}
 
@@ -451,32 +453,36 @@ class ShapeRenderer:
         return text, {i: fixed + sum(len(texts[h]) for h in holes) for i, (fixed, holes) in zip(turns, layout.starts)}
 
     def _layout(self, messages: list[dict], n_texts: int) -> _Layout | None:
-        if n_texts > _HOLES or any(_has_holes(str(m["role"])) for m in messages):
+        """The shape's layout, from holed renderings with placeholders of two private-use planes: both must agree,
+        so no placeholder character the template itself prints (whatever its source) is taken for a text."""
+        if n_texts > _HOLES:
             return None
+        try:
+            layouts = {self._holed_layout(messages, n_texts, base) for base in _BASES}
+        except Exception:
+            return None  # the real rendering raises the template's own error
+        return layouts.pop() if len(layouts) == 1 else None
+
+    def _holed_layout(self, messages: list[dict], n_texts: int, base: int) -> _Layout | None:
         holed, hole = [], iter(range(n_texts))
         for m in messages:
             content = m["content"]
             if isinstance(content, str):
-                holed.append({**m, "content": chr(_BASE + next(hole)) if content else ""})
+                holed.append({**m, "content": chr(base + next(hole)) if content else ""})
             else:
-                parts = [{**p, "text": chr(_BASE + next(hole))} if p.get("text") else p for p in content]
+                parts = [{**p, "text": chr(base + next(hole))} if p.get("text") else p for p in content]
                 holed.append({**m, "content": parts})
-        try:
-            full = self._render(holed, False)
-            starts = []
-            for i, m in enumerate(holed):
-                if m["role"] == "assistant":
-                    prefix = self._render(holed[:i], True)
-                    if not full.startswith(prefix):
-                        return None  # the prefix renderings decide (and name the failure)
-                    holes = tuple(ord(c) - _BASE for c in prefix if _BASE <= ord(c) < _BASE + n_texts)
-                    starts.append((len(prefix) - len(holes), holes))
-        except Exception:
-            return None  # the real rendering raises the template's own error
-        split = re.split(f"([{chr(_BASE)}-{chr(_BASE + max(n_texts - 1, 0))}])", full) if n_texts else [full]
-        pieces = (ord(p) - _BASE if i % 2 else p for i, p in enumerate(split))
+        full = self._render(holed, False)
+        starts = []
+        for i, m in enumerate(holed):
+            if m["role"] == "assistant":
+                prefix = self._render(holed[:i], True)
+                if not full.startswith(prefix):
+                    return None  # the prefix renderings decide (and name the failure)
+                holes = tuple(ord(c) - base for c in prefix if base <= ord(c) < base + n_texts)
+                starts.append((len(prefix) - len(holes), holes))
+        split = re.split(f"([{chr(base)}-{chr(base + n_texts - 1)}])", full) if n_texts else [full]
+        pieces = (ord(p) - base if i % 2 else p for i, p in enumerate(split))
         return _Layout(tuple(p for p in pieces if p != ""), tuple(starts))
 
 
-def _has_holes(text: str) -> bool:
-    return any(_BASE <= ord(c) < _BASE + _HOLES + 2 for c in text)

@@ -168,8 +168,8 @@ class Encoder:
         #: Renders by conversation shape where the template provably copies message text verbatim (no
         #: generation tags: those spans come from the rendering itself).
         self.shapes = None if self.generation_tags else ShapeRenderer(
-            self.template.environment.parse(self.template_source), self.template_source,
-            self.template_kwargs.values(), lambda m, prompt: self.render(m, add_generation_prompt=prompt))
+            self.template.environment.parse(self.template_source),
+            lambda m, prompt: self.render(m, add_generation_prompt=prompt))
         self.rule: ImageRule | None = load_image_rule(
             Path(settings.tokenizer),
             min_pixels=settings.min_pixels,

@@ -71,6 +71,11 @@ BARE = """{%- for message in messages -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"""
 
+#: Prints a placeholder character of its own (an escape in a literal, and a formatted one) around each turn.
+PRIVATE_USE = ("{%- for message in messages -%}{{- '\\U000f0000' + message['role'] + '\\n' -}}"
+               "{{- message['content'] + ('%c' % 1048576) + '<|im_end|>\\n' -}}{%- endfor -%}"
+               "{%- if add_generation_prompt -%}{{- '\\U000f0000assistant\\n' -}}{%- endif -%}")
+
 #: Qwen3 style: the reply is cut at a reasoning marker before it is printed.
 QWEN3 = """{%- for message in messages -%}
 {%- if message.role == 'assistant' -%}
@@ -125,6 +130,8 @@ TRANSFORMING = {
     "set block": _loop("{%- set body -%}{{- message.content -}}{%- endset -%}{{- body | trim -}}"),
     "filter block": _loop("{%- filter upper -%}{{- message.content -}}{%- endfilter -%}"),
     "list content printed": _loop("{{- message.content -}}"),  # refused only where contents are lists
+    "macro defined twice": "{%- macro show(t) -%}{{- t -}}{%- endmacro -%}{%- macro show(t) -%}{{- t | trim -}}"
+                           "{%- endmacro -%}" + _loop("{{- show(message.content) -}}"),
 }
 
 
@@ -135,7 +142,7 @@ def _tree(source: str):
 
 
 def test_proof_accepts_templates_that_copy_text():
-    for source in (QWEN25, QWEN25_VL, ODD_PROMPT, BARE):
+    for source in (QWEN25, QWEN25_VL, ODD_PROMPT, BARE, PRIVATE_USE):
         assert copies_text_verbatim(_tree(source), lists=False)
     assert copies_text_verbatim(_tree(QWEN25_VL), lists=True)
 
@@ -193,12 +200,13 @@ CONVERSATIONS = [
 ]
 
 
-@pytest.mark.parametrize("name", ["demo", "qwen25", "qwen25_vl", "odd_prompt", "bare", "qwen3", "trimmed"])
+@pytest.mark.parametrize("name", ["demo", "qwen25", "qwen25_vl", "odd_prompt", "bare", "private_use", "qwen3",
+                                  "trimmed"])
 def test_shape_rendering_equals_prefix_rendering(demo_dir, tmp_path, name):
     """Text and reply spans (or the error) by shape are exactly those of rendering every prefix; each conversation
     is encoded twice (the second time from the shape cache) next to a same-shaped one with other texts."""
     source = {"demo": None, "qwen25": QWEN25, "qwen25_vl": QWEN25_VL, "odd_prompt": ODD_PROMPT, "bare": BARE,
-              "qwen3": QWEN3, "trimmed": TRIMMED}[name]
+              "private_use": PRIVATE_USE, "qwen3": QWEN3, "trimmed": TRIMMED}[name]
     folder = demo_dir / "tokenizer" if source is None else _folder(demo_dir, tmp_path, name, source)
     shaped = Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048))
     prefixed = Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048))
@@ -210,7 +218,10 @@ def test_shape_rendering_equals_prefix_rendering(demo_dir, tmp_path, name):
     for conv in CONVERSATIONS + renamed + CONVERSATIONS:
         assert _outcome(shaped, conv) == _outcome(prefixed, conv), conv
     used = [layout for layout in shaped.shapes._cache.values() if layout is not None]
-    assert len(used) >= (4 if proven and name != "odd_prompt" else 0)  # shapes rendered once, then reused
+    # shapes rendered once, then reused; none where the template prints placeholder characters itself
+    assert len(used) >= (4 if proven and name not in ("odd_prompt", "private_use") else 0)
+    if name == "private_use":
+        assert proven and not used
     if name == "odd_prompt":
         assert _outcome(shaped, CONVERSATIONS[0])[0] == "SampleError"
 
