@@ -3,7 +3,9 @@
 The tokenizer's own chat template renders each sample. Targets are each assistant reply plus the end-of-turn
 token the template emits after it: from ``{% generation %}`` spans when the template has them, otherwise by
 rendering the conversation up to each assistant turn (with the generation prompt) and taking the reply that
-follows that prefix. Each image placeholder token is expanded to the image's exact token count.
+follows that prefix. A template proven to copy message text verbatim renders each conversation *shape* once
+instead, with the same text and reply positions (:mod:`packtool.chatshape`). Each image placeholder token is
+expanded to the image's exact token count.
 
 Media of every kind (image, video, audio) are measured before tokenizing: a member that does not read, or a kind
 the model folder has no rule for, quarantines the sample, so no sample is packed without its media.
