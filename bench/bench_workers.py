@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]  # this checkout's packtool, also in the floor's processes
 
 import demo  # noqa: E402
 
@@ -70,7 +70,7 @@ def run_pack(root: Path, tok: Path, out: Path, workers: int) -> tuple[float, flo
            "--pack-size", "8192", "--split", "train", "--workers", str(workers), "--no-progress",
            "--media-check", "header"]
     start, cpu = time.perf_counter(), _children_cpu()
-    subprocess.run(cmd, check=True, capture_output=True)
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)  # this checkout's packtool
     return time.perf_counter() - start, _children_cpu() - cpu
 
 

@@ -3,7 +3,9 @@
 The tokenizer's own chat template renders each sample. Targets are each assistant reply plus the end-of-turn
 token the template emits after it: from ``{% generation %}`` spans when the template has them, otherwise by
 rendering the conversation up to each assistant turn (with the generation prompt) and taking the reply that
-follows that prefix. Each image placeholder token is expanded to the image's exact token count.
+follows that prefix. A template proven to copy message text verbatim renders each conversation *shape* once
+instead, with the same text and reply positions (:mod:`packtool.chatshape`). Each image placeholder token is
+expanded to the image's exact token count.
 
 Media of every kind (image, video, audio) are measured before tokenizing: a member that does not read, or a kind
 the model folder has no rule for, quarantines the sample, so no sample is packed without its media.
@@ -25,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from packtool import hfcompat
+from packtool.chatshape import ShapeRenderer
 from packtool.errors import ConfigError, FatalSampleError, SampleError, is_data_error, sample_reason
 from packtool.format import sha256
 from packtool.media import (
@@ -175,6 +178,11 @@ class Encoder:
         today = datetime.date.fromisoformat(settings.template_date)  # checked by EncodeSettings
         self.template_kwargs["strftime_now"] = today.strftime  # shadows the global that reads the clock
         self.generation_tags = re.search(r"\{%-?\s*generation\s*-?%\}", self.template_source) is not None
+        #: Renders by conversation shape where the template provably copies message text verbatim (no
+        #: generation tags: those spans come from the rendering itself).
+        self.shapes = None if self.generation_tags else ShapeRenderer(
+            self.template.environment.parse(self.template_source),
+            lambda m, prompt: self.render(m, add_generation_prompt=prompt))
         self.rule: ImageRule | None = load_image_rule(
             Path(settings.tokenizer),
             min_pixels=settings.min_pixels,
@@ -208,6 +216,7 @@ class Encoder:
             raise ConfigError(f"{settings.tokenizer}: audio_max_seconds applies to Nemotron Omni model folders (or "
                               f"the processor mode) only")
         self.special_ids = frozenset(self.tok.all_special_ids) | frozenset(self.tok.added_tokens_encoder.values())
+        self.special_array = np.array(sorted(self.special_ids), dtype=np.int64)
         self.control_tokens = tuple(t for t in self.tok.added_tokens_encoder if t not in MEDIA_TAGS.values())
         self.structured = self._template_takes_image_parts()
         if self.structured or self.vision_start_id is None or self.image_token != "<|image_pad|>":
@@ -305,21 +314,25 @@ class Encoder:
         tm = self._template_messages(messages)
         if self.generation_tags:
             return hfcompat.render_with_spans(self.template, tm, **self.template_kwargs)
-        text = self.render(tm)
+        shaped = self.shapes.render(tm) if self.shapes is not None else None
+        text = shaped[0] if shaped is not None else self.render(tm)
         spans = []
         for i, m in enumerate(tm):
             if m["role"] != "assistant":
                 continue
-            prefix = self.render(tm[:i], add_generation_prompt=True)
-            if not text.startswith(prefix):
-                if not any(m["role"] == "user" for m in tm[:i]):
-                    raise SampleError(f"the conversation starts with an assistant turn (turn {i}); the chat "
-                                      f"template renders it differently without a user turn before it")
-                raise SampleError(f"the chat template renders the conversation up to assistant turn {i} "
-                                  f"differently from its start in the whole conversation, so the reply cannot "
-                                  f"be located; a template with {{% generation %}} tags avoids this")
+            if shaped is not None:  # the length of the prefix rendering, proven a prefix of the text
+                start = shaped[1][i]
+            else:
+                prefix = self.render(tm[:i], add_generation_prompt=True)
+                if not text.startswith(prefix):
+                    if not any(m["role"] == "user" for m in tm[:i]):
+                        raise SampleError(f"the conversation starts with an assistant turn (turn {i}); the chat "
+                                          f"template renders it differently without a user turn before it")
+                    raise SampleError(f"the chat template renders the conversation up to assistant turn {i} "
+                                      f"differently from its start in the whole conversation, so the reply "
+                                      f"cannot be located; a template with {{% generation %}} tags avoids this")
+                start = len(prefix)
             reply = m["content"] if isinstance(m["content"], str) else ""
-            start = len(prefix)
             for candidate in (reply, reply.strip(), reply.lstrip()):
                 if text.startswith(candidate, start):
                     spans.append((start, start + len(candidate)))
@@ -535,15 +548,16 @@ class Encoder:
     def _check_conversation(self, conv: Conversation) -> None:
         """Reasons a conversation cannot be trained on, found before rendering (so the reason says what is wrong,
         not how the template failed). Whatever the adapter, the media tags must name the media, kind for kind."""
-        tags = [k for m in conv.messages for k in tag_kinds(m["content"])]
+        kinds = [tag_kinds(m["content"]) for m in conv.messages]
+        tags = [k for turn in kinds for k in turn]
         if tags != [m.kind for m in conv.media]:
             raise SampleError(f"media tags in the text ({', '.join(tags) or 'none'}) do not match the sample's "
                               f"media ({', '.join(m.kind for m in conv.media) or 'none'})")
-        for i, m in enumerate(conv.messages):
+        for i, (m, turn) in enumerate(zip(conv.messages, kinds)):
             if m["role"] == "assistant" and not m["content"].strip():
                 raise SampleError(f"assistant reply in turn {i} is empty")
-            if m["role"] == "assistant" and tag_kinds(m["content"]):
-                tag = MEDIA_TAGS[tag_kinds(m["content"])[0]]
+            if m["role"] == "assistant" and turn:
+                tag = MEDIA_TAGS[turn[0]]
                 raise SampleError(f"a media tag {tag} lies in assistant turn {i}; media belong in user turns")
             for t in self.control_tokens:
                 if t in m["content"]:
@@ -588,11 +602,13 @@ class Encoder:
         """Tokens and targets with each media placeholder token repeated to its item's exact token count (Qwen2-VL
         style), and the media past a cut left out; each item gets its ``token_offset`` and ``span``."""
         placeholder = {"image": self.image_token_id, "video": self.video_token_id}
-        pads = np.flatnonzero(np.isin(ids, [t for t in placeholder.values() if t is not None]))
+        pads = _positions(ids, [t for t in placeholder.values() if t is not None])
         if cut:
             media = media[:len(pads)]
         if len(pads) != len(media):
             raise SampleError(f"template produced {len(pads)} media placeholders for {len(media)} media items")
+        if not media:  # text only: nothing to expand
+            return ids.astype(np.int32), targets, media
         if any(int(ids[p]) != placeholder.get(m["kind"]) for p, m in zip(pads, media)):
             raise SampleError("the template's media placeholders are not in the order of the media kinds")
         if np.any(targets[pads]):
@@ -756,7 +772,7 @@ class Encoder:
         after a run of targets that ends on a special token."""
         t = targets.astype(bool)
         after = np.flatnonzero(t[:-1] & ~t[1:]) + 1
-        ends_on_eot = np.isin(ids[after - 1], np.fromiter(self.special_ids, dtype=np.int64))
+        ends_on_eot = np.isin(ids[after - 1], self.special_array)
         targets[after[ends_on_eot & (ids[after] == self.newline_id)]] = 1
 
     def _media_span(self, tokens: np.ndarray, m: dict) -> tuple[int, int]:
@@ -807,6 +823,14 @@ class Encoder:
         kept = [m for m in enc.media if self._media_span(enc.tokens, m)[1] <= cut]
         return Encoded(enc.key, enc.shard, enc.index, "truncated", f"truncated to {cut}: {reason}",
                        enc.tokens[:cut].copy(), enc.targets[:cut].copy(), kept, enc.source_tokens)
+
+
+def _positions(ids: np.ndarray, values: list[int]) -> np.ndarray:
+    """Indices of the ids equal to one of a few ``values`` (``np.isin`` costs several times more on a sample)."""
+    hit = np.zeros(len(ids), dtype=bool)
+    for v in values:
+        hit |= ids == v
+    return np.flatnonzero(hit)
 
 
 def _token_at(encoding: Any, pos: int, n: int, text_len: int) -> int:

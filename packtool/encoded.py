@@ -136,10 +136,10 @@ def _row(e: Encoded, offset: int) -> dict:
     keep = e.status in KEPT
     return {"key": e.key, "shard": e.shard, "status": e.status, "reason": e.reason,
             "tokens": len(e.tokens) if keep else 0, "source_tokens": e.source_tokens,
-            "targets": int(e.targets.sum()) if keep else 0, "images": len(e.media) if keep else 0,
+            "targets": int(np.count_nonzero(e.targets)) if keep else 0, "images": len(e.media) if keep else 0,
             "image_tokens": sum(m["tokens"] for m in e.media) if keep else 0,
             "truncated": e.status == "truncated", "tok_offset": offset if keep else -1,
-            "media": json.dumps(e.media if keep else [], separators=(",", ":"))}
+            "media": json.dumps(e.media, separators=(",", ":")) if keep and e.media else "[]"}
 
 
 def _error_row(key: str, shard: str, reason: str) -> dict:

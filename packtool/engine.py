@@ -10,6 +10,7 @@ the exception it raises reaches the caller (so a lock the caller holds is releas
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import multiprocessing
@@ -88,6 +89,8 @@ class Engine:
             self._pool = ProcessPoolExecutor(
                 max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
                 initializer=_worker_init, initargs=(os.getpid(), self.initializer, self.initargs))
+            for _ in range(self.workers):  # a spawn pool starts a worker per task submitted while none is idle:
+                self._pool.submit(_started)  # start them all now, so their start-ups (imports, initializer) overlap
         elif self.initializer is not None:
             self.initializer(*self.initargs)
         self._install_signal_handlers()
@@ -232,8 +235,21 @@ def _worker_init(parent: int, initializer: Callable[..., None] | None, initargs:
     """Tie this pool worker's life to its parent's, leave SIGINT to the parent, then run the user's hook."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the whole group: the parent decides
     _die_with_parent(parent)
+    atexit.register(_exit_now)  # runs before the exit handlers registered earlier (multiprocessing's own)
     if initializer is not None:
         initializer(*initargs)
+
+
+def _exit_now() -> None:
+    """A pool worker's last act: its results went out through the pool's pipe as each task ended, so it ends
+    without the interpreter's teardown of every module it loaded (a tenth of a second the parent waits for)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _started() -> None:
+    """The task that starts a worker."""
 
 
 def _die_with_parent(parent: int) -> None:

@@ -19,7 +19,7 @@ import pyarrow as pa
 from packtool import __version__
 from packtool.assemble import SEGMENT_COLUMNS, write_shard
 from packtool.commit import commit_bytes
-from packtool.encode import TOKENIZER_FILES, model_facts, tokenizer_fingerprint
+from packtool.encode import TOKENIZER_FILES, get_encoder, model_facts, tokenizer_fingerprint
 from packtool.encoded import SAMPLES_PER_RANGE, SourceStamp, encode_range
 from packtool.engine import Engine
 from packtool.errors import ConfigError, FormatError
@@ -36,7 +36,7 @@ from packtool.format import (
 from packtool.ledger import write_ledger
 from packtool.output import OutputDir, check_paths
 from packtool.planning import SplitPlan, load_encoded, plan_split
-from packtool.settings import PackSettings, RunOptions
+from packtool.settings import EncodeSettings, PackSettings, RunOptions
 from packtool.sources import SourceDataset, open_source
 from packtool.sources.energon import shard_layout
 
@@ -82,12 +82,22 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, run: Ru
         except FormatError as exc:
             raise ConfigError(str(exc)) from None
     fingerprints = settings.fingerprints(source, tokenizer_fingerprint(settings.encode.tokenizer))
-    engine = Engine(run.engine, run.workers, run.ray_address)
+    engine = Engine(run.engine, run.workers, run.ray_address, initializer=_warm,
+                    initargs=(settings.encode, src.dataset_yaml))
     # The engine is up (Ray reached) and the model folder proven by a worker before OUTPUT is touched; the OUTPUT
     # lock outlives every worker.
     with engine:
         facts = engine.map(model_facts, [(settings.encode, src.dataset_yaml)], progress=False)[0]
         return _pack(engine, src, output, settings, run, fingerprints, facts, clock)
+
+
+def _warm(settings: EncodeSettings, dataset_yaml: dict) -> None:
+    """Build this worker's encoder as it starts (the workers' start-ups overlap). A model folder that does not
+    encode is left to the first task to report, as its own error."""
+    try:
+        get_encoder(settings, dataset_yaml)
+    except Exception:
+        pass
 
 
 def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettings, run: RunOptions,
