@@ -799,14 +799,15 @@ class Encoder:
         reason = "; ".join(why)
         if st.overlong == "drop":
             return Encoded(enc.key, enc.shard, enc.index, "dropped", f"over limit: {reason}",
-                           source_tokens=enc.source_tokens)
+                           source_tokens=enc.source_tokens, length_known=enc.length_known)
         if not enc.targets[:cut].any():
             return Encoded(enc.key, enc.shard, enc.index, "dropped",
                            f"no training target fits before a safe cut at {cut} tokens ({reason})",
-                           source_tokens=enc.source_tokens)
+                           source_tokens=enc.source_tokens, length_known=enc.length_known)
         kept = [m for m in enc.media if self._media_span(enc.tokens, m)[1] <= cut]
         return Encoded(enc.key, enc.shard, enc.index, "truncated", f"truncated to {cut}: {reason}",
-                       enc.tokens[:cut].copy(), enc.targets[:cut].copy(), kept, enc.source_tokens)
+                       enc.tokens[:cut].copy(), enc.targets[:cut].copy(), kept, enc.source_tokens,
+                       enc.length_known)
 
 
 def _token_at(encoding: Any, pos: int, n: int, text_len: int) -> int:

@@ -217,3 +217,17 @@ def test_template_date_is_fixed_by_a_setting(demo_dir, tmp_path):
     assert text("2026-01-01").startswith("Today 01 Jan 2026")
     with pytest.raises(ValueError, match="YYYY-MM-DD"):
         Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048, template_date="yesterday"))
+
+
+def test_a_text_cut_before_tokenizing_keeps_its_length_a_lower_bound(demo_dir):
+    """A reply far longer than a pack is cut before tokenizing: its length is then only a lower bound, and the
+    truncated (or dropped) row says so both in its reason and in ``length_known``."""
+    turns = [{"from": "human", "value": "Why?"}, {"from": "gpt", "value": "word " * 40_000}]
+    r = raw({"json": {"conversations": turns}})
+    short = raw({"json": {"conversations": [turns[0], {"from": "gpt", "value": "word " * 600}]}}, key="k1")
+    for overlong, status in (("truncate", "truncated"), ("drop", "dropped")):
+        enc = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=512, overlong=overlong))
+        cut, whole = enc.encode_many([r, short])
+        assert (cut.status, whole.status) == (status, status)
+        assert "at least" in cut.reason and cut.length_known is False
+        assert "at least" not in whole.reason and whole.length_known is True
