@@ -180,6 +180,7 @@ class Encoder:
             min_pixels=settings.min_pixels,
             max_pixels=settings.max_pixels,
             image_tokens=settings.image_tokens,
+            processor_mode=settings.media_tokens == "processor",
         )
         vocab = self.tok.get_vocab()
         self.image_token = next((t for t in ("<|image_pad|>", "<image>") if t in vocab), None)

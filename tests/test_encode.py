@@ -231,3 +231,29 @@ def test_a_text_cut_before_tokenizing_keeps_its_length_a_lower_bound(demo_dir):
         assert (cut.status, whole.status) == (status, status)
         assert "at least" in cut.reason and cut.length_known is False
         assert "at least" not in whole.reason and whole.length_known is True
+
+
+def test_another_familys_image_processor_is_no_qwen_rule(demo_dir, tmp_path):
+    """A preprocessor_config.json of another family (here CLIP's) is not read as Qwen2-VL's: a clear error naming
+    the ways out, unless a fixed image count is given; Qwen2.5-VL's name for the processor is the same rule."""
+    import shutil
+
+    from packtool.errors import ConfigError
+
+    folders = {}
+    for kind in ("CLIPImageProcessor", "Qwen2_5_VLImageProcessor"):
+        folder = folders[kind] = tmp_path / kind
+        shutil.copytree(demo_dir / "tokenizer", folder)
+        config = json.loads((folder / "preprocessor_config.json").read_text())
+        (folder / "preprocessor_config.json").write_text(json.dumps({**config, "image_processor_type": kind}))
+    with pytest.raises(ConfigError, match="'CLIPImageProcessor' is no Qwen2-VL one.*processor mode.*image_tokens"):
+        Encoder(EncodeSettings(tokenizer=str(folders["CLIPImageProcessor"]), pack_size=2048))
+    fixed = Encoder(EncodeSettings(tokenizer=str(folders["CLIPImageProcessor"]), pack_size=2048, image_tokens=9))
+    r = raw({"json": {"conversations": [{"from": "human", "value": "<image> what?"}, {"from": "gpt", "value": "a"}]},
+             "png": png(300, 200)})
+    assert [m["tokens"] for m in fixed.encode_many([r])[0].media] == [9]
+    qwen25 = Encoder(EncodeSettings(tokenizer=str(folders["Qwen2_5_VLImageProcessor"]), pack_size=2048))
+    qwen2 = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048))
+    assert qwen25.rule == qwen2.rule and qwen25.rule is not None
+    assert qwen25.encode_many([r])[0].tokens.tolist() == qwen2.encode_many([r])[0].tokens.tolist()
+
