@@ -42,7 +42,14 @@ from packtool.media import (
     probe_video,
     read_folder,
 )
-from packtool.processor_mode import align, load_processor, media_token_ids, open_pil, processor_ids
+from packtool.processor_mode import (
+    align,
+    load_processor,
+    media_token_ids,
+    open_pil,
+    placeholder_token_ids,
+    processor_ids,
+)
 from packtool.settings import EncodeSettings
 from packtool.sources import Conversation, RawSample
 from packtool.sources.conversation import conversation_adapter
@@ -205,6 +212,11 @@ class Encoder:
         #: Processor mode: the folder's own processor expands the placeholders (:mod:`packtool.processor_mode`).
         self.processor = load_processor(settings.tokenizer) if settings.media_tokens == "processor" else None
         self.processor_media_ids = media_token_ids(self.processor) if self.processor is not None else frozenset()
+        self.processor_placeholder_ids = placeholder_token_ids(self.processor) if self.processor else frozenset()
+        placeholder = getattr(self.processor, "image_token", None)  # the processor's own (Gemma 3: <start_of_image>)
+        if self.processor is not None and isinstance(placeholder, str) and placeholder in vocab:
+            filled = [i for i in getattr(self.processor, "image_token_ids", []) if isinstance(i, int)]  # the model's
+            self.image_token, self.image_token_id = placeholder, filled[0] if filled else vocab[placeholder]
         if self.nemotron is None and self.processor is None and settings.audio_max_seconds is not None:
             raise ConfigError(f"{settings.tokenizer}: audio_max_seconds applies to Nemotron Omni model folders (or "
                               f"the processor mode) only")
@@ -468,7 +480,8 @@ class Encoder:
                     raise SampleError(raw.problem)
                 conv = self.conversation(raw)
                 self._check_conversation(conv)
-                if any(m.kind == "image" for m in conv.media) and self.image_token_id is None:
+                if self.processor is None and self.image_token_id is None and \
+                        any(m.kind == "image" for m in conv.media):  # the processor mode checks its own
                     raise SampleError("sample has images but the tokenizer has no image token")
                 media = self._media_facts(raw, conv)
                 text, spans = self.target_spans(conv.messages)
@@ -691,7 +704,8 @@ class Encoder:
             del m["processor_ids"]
         if cut:
             raise SampleError("processor mode: the text is too long to align with the processor's tokens")
-        aligned, regions = align(ids, targets, expanded, self.processor_media_ids, self.special_ids)
+        aligned, regions = align(ids, targets, expanded, self.processor_media_ids | self.processor_placeholder_ids,
+                                 self.special_ids)
         tokens = expanded.astype(np.int32)
         placeholders = np.isin(expanded, np.fromiter(self.processor_media_ids, np.int64))
         if len(regions) == len(media):  # one region per item: its placeholders are the region's
