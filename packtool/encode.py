@@ -56,7 +56,7 @@ from packtool.sources.conversation import conversation_adapter
 from packtool.sources.custom import custom_adapter, load_function
 from packtool.sources.mbridge import chatml_adapter, chatml_fields
 from packtool.sources.safepickle import load_bytes_list, video_frames
-from packtool.sources.sample import IMAGE_TAG, MEDIA_TAGS, TAG_PATTERN, VIDEO_TAG, Media, tag_kinds
+from packtool.sources.sample import AUDIO_TAG, IMAGE_TAG, MEDIA_TAGS, TAG_PATTERN, VIDEO_TAG, Media, tag_kinds
 from packtool.sources.typed import sample_type, typed_adapter
 
 #: Files of a model folder that decide the encoding (their bytes form the tokenizer fingerprint).
@@ -202,12 +202,15 @@ class Encoder:
         #: does too (:meth:`_expand_in_text`); images, videos and audio all have exact rules.
         self.nemotron = self._nemotron_rule()
         self.audio_token_id = self.audio_start_id = self.audio_end_id = None
+        #: What an ``<audio>`` tag becomes in a template that renders text only (Nemotron Omni: ``<so_embedding>``).
+        self.audio_text = AUDIO_TAG
         if self.nemotron is not None:
             n = self.nemotron
             self.image_token, self.image_token_id = n.image_token, vocab[n.image_token]
             self.vision_start_id, self.vision_end_id = vocab[n.image_start_token], vocab[n.image_end_token]
             self.video_text = n.video_token
             self.audio_token_id = vocab[n.audio_token]
+            self.audio_text = n.audio_token
             self.audio_start_id, self.audio_end_id = vocab[n.audio_start_token], vocab[n.audio_end_token]
         #: Processor mode: the folder's own processor expands the placeholders (:mod:`packtool.processor_mode`).
         self.processor = load_processor(settings.tokenizer) if settings.media_tokens == "processor" else None
@@ -257,7 +260,8 @@ class Encoder:
                 out.append({"role": m["role"], "content": content})
             else:
                 out.append({"role": m["role"],
-                            "content": text.replace(IMAGE_TAG, self.image_text).replace(VIDEO_TAG, self.video_text)})
+                            "content": text.replace(IMAGE_TAG, self.image_text).replace(VIDEO_TAG, self.video_text)
+                            .replace(AUDIO_TAG, self.audio_text)})
         return out
 
     def _video_rule(self) -> Qwen2VLSettings | None:
