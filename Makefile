@@ -18,22 +18,21 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip download -q --no-deps qwen-agent==0.0.34 -d $(VENV)/wheels
 	touch $(STAMP)
 
-# Pending: set to 1 once pack takes the Nemotron Omni folder's image, video and audio rules; until then it would
-# quarantine those samples.
-OMNI_DEMO ?= 0
+# The Nemotron Omni demo (audio, video, images) packs too; `make run OMNI_DEMO=0` skips it.
+OMNI_DEMO ?= 1
 
 $(DEMO)/.built: $(STAMP) examples/demo.py examples/nemotron_omni_model.py
 	$(BIN)/python examples/demo.py $(DEMO)
 	$(BIN)/python examples/nemotron_omni_model.py $(DEMO)/nemotron-omni
 	touch $@
 
-# Text, images and videos (mp4, webm, mkv, frame lists) for the Qwen2.5-VL-style folder; with OMNI_DEMO=1 also
-# audio, video and images for the Nemotron Omni folder, into a second output.
+# Text, images and videos (mp4, webm, mkv, frame lists) for the Qwen2.5-VL-style folder; then audio, video and
+# images for the Nemotron Omni folder into a second output (4,096 tokens: its largest sample takes about 2,400).
 run: $(DEMO)/.built
 	$(BIN)/packtool pack $(DEMO)/dataset $(DEMO)/packed --tokenizer $(DEMO)/tokenizer --pack-size 2048
 	$(BIN)/packtool stats $(DEMO)/packed
 ifeq ($(OMNI_DEMO),1)
-	$(BIN)/packtool pack $(DEMO)/omni $(DEMO)/packed-omni --tokenizer $(DEMO)/nemotron-omni --pack-size 8192
+	$(BIN)/packtool pack $(DEMO)/omni $(DEMO)/packed-omni --tokenizer $(DEMO)/nemotron-omni --pack-size 4096
 	$(BIN)/packtool stats $(DEMO)/packed-omni
 endif
 

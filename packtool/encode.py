@@ -45,14 +45,21 @@ from packtool.media import (
     probe_video,
     read_folder,
 )
-from packtool.processor_mode import align, load_processor, media_token_ids, open_pil, processor_ids
+from packtool.processor_mode import (
+    align,
+    load_processor,
+    media_token_ids,
+    open_pil,
+    placeholder_token_ids,
+    processor_ids,
+)
 from packtool.settings import EncodeSettings
 from packtool.sources import Conversation, RawSample
 from packtool.sources.conversation import conversation_adapter
 from packtool.sources.custom import custom_adapter, load_function
 from packtool.sources.mbridge import chatml_adapter, chatml_fields
 from packtool.sources.safepickle import load_bytes_list, video_frames
-from packtool.sources.sample import IMAGE_TAG, MEDIA_TAGS, TAG_PATTERN, VIDEO_TAG, Media, tag_kinds
+from packtool.sources.sample import AUDIO_TAG, IMAGE_TAG, MEDIA_TAGS, TAG_PATTERN, VIDEO_TAG, Media, tag_kinds
 from packtool.sources.typed import sample_type, typed_adapter
 
 #: Files of a model folder that decide the encoding (their bytes form the tokenizer fingerprint).
@@ -188,6 +195,7 @@ class Encoder:
             min_pixels=settings.min_pixels,
             max_pixels=settings.max_pixels,
             image_tokens=settings.image_tokens,
+            processor_mode=settings.media_tokens == "processor",
         )
         vocab = self.tok.get_vocab()
         self.image_token = next((t for t in ("<|image_pad|>", "<image>") if t in vocab), None)
@@ -202,16 +210,24 @@ class Encoder:
         #: does too (:meth:`_expand_in_text`); images, videos and audio all have exact rules.
         self.nemotron = self._nemotron_rule()
         self.audio_token_id = self.audio_start_id = self.audio_end_id = None
+        #: What an ``<audio>`` tag becomes in a template that renders text only (Nemotron Omni: ``<so_embedding>``).
+        self.audio_text = AUDIO_TAG
         if self.nemotron is not None:
             n = self.nemotron
             self.image_token, self.image_token_id = n.image_token, vocab[n.image_token]
             self.vision_start_id, self.vision_end_id = vocab[n.image_start_token], vocab[n.image_end_token]
             self.video_text = n.video_token
             self.audio_token_id = vocab[n.audio_token]
+            self.audio_text = n.audio_token
             self.audio_start_id, self.audio_end_id = vocab[n.audio_start_token], vocab[n.audio_end_token]
         #: Processor mode: the folder's own processor expands the placeholders (:mod:`packtool.processor_mode`).
         self.processor = load_processor(settings.tokenizer) if settings.media_tokens == "processor" else None
         self.processor_media_ids = media_token_ids(self.processor) if self.processor is not None else frozenset()
+        self.processor_placeholder_ids = placeholder_token_ids(self.processor) if self.processor else frozenset()
+        placeholder = getattr(self.processor, "image_token", None)  # the processor's own (Gemma 3: <start_of_image>)
+        if self.processor is not None and isinstance(placeholder, str) and placeholder in vocab:
+            filled = [i for i in getattr(self.processor, "image_token_ids", []) if isinstance(i, int)]  # the model's
+            self.image_token, self.image_token_id = placeholder, filled[0] if filled else vocab[placeholder]
         if self.nemotron is None and self.processor is None and settings.audio_max_seconds is not None:
             raise ConfigError(f"{settings.tokenizer}: audio_max_seconds applies to Nemotron Omni model folders (or "
                               f"the processor mode) only")
@@ -253,7 +269,8 @@ class Encoder:
                 out.append({"role": m["role"], "content": content})
             else:
                 out.append({"role": m["role"],
-                            "content": text.replace(IMAGE_TAG, self.image_text).replace(VIDEO_TAG, self.video_text)})
+                            "content": text.replace(IMAGE_TAG, self.image_text).replace(VIDEO_TAG, self.video_text)
+                            .replace(AUDIO_TAG, self.audio_text)})
         return out
 
     def _video_rule(self) -> Qwen2VLSettings | None:
@@ -480,7 +497,8 @@ class Encoder:
                     raise SampleError(raw.problem)
                 conv = self.conversation(raw)
                 self._check_conversation(conv)
-                if any(m.kind == "image" for m in conv.media) and self.image_token_id is None:
+                if self.processor is None and self.image_token_id is None and \
+                        any(m.kind == "image" for m in conv.media):  # the processor mode checks its own
                     raise SampleError("sample has images but the tokenizer has no image token")
                 media = self._media_facts(raw, conv)
                 text, spans = self.target_spans(conv.messages)
@@ -706,7 +724,8 @@ class Encoder:
             del m["processor_ids"]
         if cut:
             raise SampleError("processor mode: the text is too long to align with the processor's tokens")
-        aligned, regions = align(ids, targets, expanded, self.processor_media_ids, self.special_ids)
+        aligned, regions = align(ids, targets, expanded, self.processor_media_ids | self.processor_placeholder_ids,
+                                 self.special_ids)
         tokens = expanded.astype(np.int32)
         placeholders = np.isin(expanded, np.fromiter(self.processor_media_ids, np.int64))
         if len(regions) == len(media):  # one region per item: its placeholders are the region's
@@ -815,14 +834,15 @@ class Encoder:
         reason = "; ".join(why)
         if st.overlong == "drop":
             return Encoded(enc.key, enc.shard, enc.index, "dropped", f"over limit: {reason}",
-                           source_tokens=enc.source_tokens)
+                           source_tokens=enc.source_tokens, length_known=enc.length_known)
         if not enc.targets[:cut].any():
             return Encoded(enc.key, enc.shard, enc.index, "dropped",
                            f"no training target fits before a safe cut at {cut} tokens ({reason})",
-                           source_tokens=enc.source_tokens)
+                           source_tokens=enc.source_tokens, length_known=enc.length_known)
         kept = [m for m in enc.media if self._media_span(enc.tokens, m)[1] <= cut]
         return Encoded(enc.key, enc.shard, enc.index, "truncated", f"truncated to {cut}: {reason}",
-                       enc.tokens[:cut].copy(), enc.targets[:cut].copy(), kept, enc.source_tokens)
+                       enc.tokens[:cut].copy(), enc.targets[:cut].copy(), kept, enc.source_tokens,
+                       enc.length_known)
 
 
 def _positions(ids: np.ndarray, values: list[int]) -> np.ndarray:

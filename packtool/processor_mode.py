@@ -51,19 +51,26 @@ def load_processor(folder: str) -> Any:
 
 
 def media_token_ids(processor: Any) -> frozenset[int]:
-    """Ids of the processor's media placeholder tokens (image, video, audio; those it has)."""
-    tok = processor.tokenizer
+    """Ids of the tokens the model fills with media (image, video, audio; those the processor has): its
+    ``{kind}_token_ids``, else the id of its text placeholder. They differ from the placeholder where the expansion
+    wraps other tokens around them: Gemma 3 writes ``<start_of_image>`` in the text and fills
+    ``<image_soft_token>``."""
     ids: set[int] = set()
     for kind in ("image", "video", "audio"):
-        value = getattr(processor, f"{kind}_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        token = getattr(processor, f"{kind}_token", None)
-        if isinstance(token, str) and token in tok.get_vocab():
-            ids.add(tok.convert_tokens_to_ids(token))
+        values = getattr(processor, f"{kind}_token_ids", None) or [getattr(processor, f"{kind}_token_id", None)]
+        filled = {v for v in values if isinstance(v, int)}
+        ids |= filled or placeholder_token_ids(processor, kinds=(kind,))
     if not ids:
         raise ConfigError("the model folder's processor names no media placeholder token")
     return frozenset(ids)
+
+
+def placeholder_token_ids(processor: Any, kinds: Sequence[str] = ("image", "video", "audio")) -> frozenset[int]:
+    """Ids of the processor's text placeholders (``{kind}_token``) that are tokens of its tokenizer."""
+    tok = processor.tokenizer
+    vocab = tok.get_vocab()
+    tokens = (getattr(processor, f"{kind}_token", None) for kind in kinds)
+    return frozenset(vocab[t] for t in tokens if isinstance(t, str) and t in vocab)
 
 
 def processor_ids(processor: Any, text: str, images: Sequence[Any], videos: Sequence[tuple[np.ndarray, dict]],

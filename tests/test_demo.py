@@ -301,3 +301,36 @@ def test_video_demo_packs_for_the_qwen_folder(video_dataset, tok_dirs, tmp_path)
         expected = [members[f"clip.{i}.jpg"] for i in range(facts["frames"])] if facts["form"] == "frames" \
             else [members[facts["form"]]]
         assert data == expected, key
+
+
+def test_omni_demo_packs_for_the_nemotron_folder(tmp_path):
+    """What ``make run`` does with the omni demo: at its pack size every sample is kept whole for the Nemotron Omni
+    folder (no sample quarantined or cut), and each sample's pack carries all its media members, byte for byte."""
+    pytest.importorskip("av")
+    import pyarrow.parquet as pq
+
+    import nemotron_omni_model
+    from packfixture import packed_segments
+    from packtool.pipeline import pack
+    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+
+    omni = demo.build_omni_dataset(tmp_path / "omni", n=20, seed=1)
+    folder = nemotron_omni_model.write_model_folder(tmp_path / "nemotron-omni")
+    out = tmp_path / "packed-omni"
+    pack(omni, out, PackSettings(EncodeSettings(tokenizer=str(folder), pack_size=4096), PlanSettings()),
+         workers=1, progress=False)
+    ledger = {r["key"]: r for r in pq.read_table(out / "ledger.parquet").to_pylist()}
+    records = {r["key"]: r for r in demo.read_manifest(omni) if not r["excluded"]}
+    assert set(ledger) == set(records)
+    assert {(r["status"], r["reason"]) for r in ledger.values()} == {("packed", "")}
+    carried = {}
+    for seg, _, _, media in packed_segments(out):
+        carried[seg.key] = (sorted(m.kind for m in seg.media), sorted(media[n] for m in seg.media for n in m.members))
+    assert set(carried) == set(records)
+    kinds = collections.Counter()
+    for key, (media_kinds, data) in carried.items():
+        members = _members(omni, records[key])
+        assert data == sorted(v for p, v in members.items() if p != "json"), key
+        kinds.update(media_kinds)
+        assert ledger[key]["images"] == len(media_kinds), key
+    assert set(kinds) == {"image", "video", "audio"}

@@ -217,3 +217,89 @@ def test_template_date_is_fixed_by_a_setting(demo_dir, tmp_path):
     assert text("2026-01-01").startswith("Today 01 Jan 2026")
     with pytest.raises(ValueError, match="YYYY-MM-DD"):
         Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048, template_date="yesterday"))
+
+
+def test_a_text_cut_before_tokenizing_keeps_its_length_a_lower_bound(demo_dir):
+    """A reply far longer than a pack is cut before tokenizing: its length is then only a lower bound, and the
+    truncated (or dropped) row says so both in its reason and in ``length_known``."""
+    turns = [{"from": "human", "value": "Why?"}, {"from": "gpt", "value": "word " * 40_000}]
+    r = raw({"json": {"conversations": turns}})
+    short = raw({"json": {"conversations": [turns[0], {"from": "gpt", "value": "word " * 600}]}}, key="k1")
+    for overlong, status in (("truncate", "truncated"), ("drop", "dropped")):
+        enc = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=512, overlong=overlong))
+        cut, whole = enc.encode_many([r, short])
+        assert (cut.status, whole.status) == (status, status)
+        assert "at least" in cut.reason and cut.length_known is False
+        assert "at least" not in whole.reason and whole.length_known is True
+
+
+def test_another_familys_image_processor_is_no_qwen_rule(demo_dir, tmp_path):
+    """A preprocessor_config.json of another family (here CLIP's) is not read as Qwen2-VL's: a clear error naming
+    the ways out, unless a fixed image count is given; Qwen2.5-VL's name for the processor is the same rule."""
+    import shutil
+
+    from packtool.errors import ConfigError
+
+    folders = {}
+    for kind in ("CLIPImageProcessor", "Qwen2_5_VLImageProcessor"):
+        folder = folders[kind] = tmp_path / kind
+        shutil.copytree(demo_dir / "tokenizer", folder)
+        config = json.loads((folder / "preprocessor_config.json").read_text())
+        (folder / "preprocessor_config.json").write_text(json.dumps({**config, "image_processor_type": kind}))
+    with pytest.raises(ConfigError, match="'CLIPImageProcessor' is no Qwen2-VL one.*processor mode.*image_tokens"):
+        Encoder(EncodeSettings(tokenizer=str(folders["CLIPImageProcessor"]), pack_size=2048))
+    fixed = Encoder(EncodeSettings(tokenizer=str(folders["CLIPImageProcessor"]), pack_size=2048, image_tokens=9))
+    r = raw({"json": {"conversations": [{"from": "human", "value": "<image> what?"}, {"from": "gpt", "value": "a"}]},
+             "png": png(300, 200)})
+    assert [m["tokens"] for m in fixed.encode_many([r])[0].media] == [9]
+    qwen25 = Encoder(EncodeSettings(tokenizer=str(folders["Qwen2_5_VLImageProcessor"]), pack_size=2048))
+    qwen2 = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048))
+    assert qwen25.rule == qwen2.rule and qwen25.rule is not None
+    assert qwen25.encode_many([r])[0].tokens.tolist() == qwen2.encode_many([r])[0].tokens.tolist()
+
+
+def gemma3_folder(root, tokenizer_dir):
+    """A Gemma 3 processor folder made offline: the demo BPE plus Gemma 3's image tokens, its processor expanding
+    ``<start_of_image>`` in the text to ``\\n\\n<start_of_image>`` + 4 ``<image_soft_token>`` + ``<end_of_image>\\n\\n``
+    (the model fills the soft tokens), and a ChatML template rendering image parts as ``<start_of_image>``."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import Gemma3ImageProcessor, Gemma3Processor, PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    names = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in names.values()])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  extra_special_tokens=names)
+    template = (tokenizer_dir / "chat_template.jinja").read_text().replace(
+        "<|vision_start|><|image_pad|><|vision_end|>", "<start_of_image>")
+    Gemma3Processor(image_processor=Gemma3ImageProcessor(size={"height": 28, "width": 28}), tokenizer=tok,
+                    image_seq_length=4, chat_template=template).save_pretrained(root)
+    return root
+
+
+def test_processor_mode_takes_a_placeholder_that_is_not_the_filled_token(demo_dir, tmp_path):
+    """Gemma 3's text placeholder (``<start_of_image>``) is not the token its model fills: the processor mode
+    renders the processor's placeholder, records the filled tokens as each image's, and its tokens are the
+    processor's own; the rule mode has no rule for this folder's images."""
+    from transformers import AutoProcessor
+
+    folder = gemma3_folder(tmp_path / "gemma3", demo_dir / "tokenizer")
+    processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    soft = processor.tokenizer.convert_tokens_to_ids("<image_soft_token>")
+    turns = [{"from": "human", "value": "Look <image> here, and <image> there?"}, {"from": "gpt", "value": "a cat"}]
+    r = raw({"json": {"conversations": turns}, "img0.png": png(40, 30), "img1.png": png(20, 50)})
+    enc = Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048, media_tokens="processor"))
+    e = enc.encode_many([r])[0]
+    assert e.status == "packed", e.reason
+    text = processor.apply_chat_template([{"role": "user", "content": [
+        {"type": "text", "text": "Look "}, {"type": "image"}, {"type": "text", "text": " here, and "},
+        {"type": "image"}, {"type": "text", "text": " there?"}]}, {"role": "assistant", "content": "a cat"}],
+        tokenize=False)
+    images = [Image.open(io.BytesIO(r.parts[p])) for p in ("img0.png", "img1.png")]
+    assert e.tokens.tolist() == processor(text=[text], images=[images])["input_ids"][0]
+    soft_at = np.flatnonzero(e.tokens == soft).tolist()
+    assert [(m["token_offset"], m["tokens"]) for m in e.media] == [(soft_at[0], 4), (soft_at[4], 4)]
+    assert enc.image_token_id == soft
+    assert enc.tok.decode(e.tokens[e.targets.astype(bool)]) == "a cat<|im_end|>"
+    rule = Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048)).encode_many([r])[0]
+    assert rule.status == "error"

@@ -311,3 +311,23 @@ def test_processor_mode_equals_the_rules(torchvision, nemotron_folder, sample):
                                           and r["span"][1] <= p["span"][1] <= r["span"][1] + 1)
     spans = [m["span"] for m in processor.media]
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # disjoint, in order
+
+
+def test_a_text_only_template_gets_the_processors_placeholders(nemotron_folder, tmp_path):
+    """A chat template that renders message text only (no media parts) gets each tag as the text placeholder the
+    processor expands (``<audio>`` becomes ``<so_embedding>``): the sample encodes as with the folder's own
+    template, which renders media parts."""
+    import shutil
+
+    folder = tmp_path / "text-only"
+    shutil.copytree(nemotron_folder, folder)
+    (folder / "chat_template.jinja").write_text(
+        "{%- for message in messages -%}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+        "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+    parts = encode(nemotron_folder, *TWO_TURNS, pack_size=PACK_SIZE)
+    text = encode(folder, *TWO_TURNS, pack_size=PACK_SIZE)
+    assert parts.status == "packed" and text.status == "packed", text.reason
+    assert [m["kind"] for m in text.media] == ["image", "video", "audio"]
+    assert text.tokens.tolist() == parts.tokens.tolist() and text.targets.tolist() == parts.targets.tolist()
+    assert text.media == parts.media

@@ -83,15 +83,27 @@ def qwen_resize(height: int, width: int, factor: int, min_pixels: int, max_pixel
     return h_bar, w_bar
 
 
+#: ``image_processor_type`` values of Qwen2-VL's image processor (its backends, and Qwen2.5-VL's names for it).
+QWEN2_VL_IMAGE_PROCESSORS = frozenset({
+    "Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil",
+    "Qwen2_5_VLImageProcessor", "Qwen2_5_VLImageProcessorFast",
+})
+
+
 def load_image_rule(
     tokenizer_dir: Path,
     *,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     image_tokens: int | None = None,
+    processor_mode: bool = False,
 ) -> ImageRule | None:
     """The rule for a model folder: ``image_tokens`` wins, else ``preprocessor_config.json`` (Qwen2-VL style),
-    with ``min_pixels``/``max_pixels`` overriding it; ``None`` when the model has no image processor."""
+    with ``min_pixels``/``max_pixels`` overriding it; ``None`` when the model has no image processor.
+
+    Another family's image processor (CLIP, SigLIP, Gemma 3, ...) counts its tokens by other rules, so reading its
+    config as Qwen2-VL's would give wrong counts silently: that is a :class:`ConfigError`, or, with
+    ``processor_mode`` (the folder's own processor counts the tokens), no rule at all."""
     if image_tokens is not None:
         return ImageRule(type="fixed", fixed_tokens=int(image_tokens))
     path = Path(tokenizer_dir) / "preprocessor_config.json"
@@ -100,6 +112,13 @@ def load_image_rule(
             return ImageRule(type="qwen2_vl", min_pixels=min_pixels or 3136, max_pixels=max_pixels or 1003520)
         return None
     cfg = json.loads(path.read_text())
+    kind = cfg.get("image_processor_type")
+    if kind is not None and kind not in QWEN2_VL_IMAGE_PROCESSORS:
+        if processor_mode:
+            return None
+        raise ConfigError(f"{path}: image processor {kind!r} is no Qwen2-VL one, so packtool has no token rule for "
+                          f"its images; use the processor mode (the folder's own processor counts them) or "
+                          f"image_tokens (a fixed count per image)")
     size = cfg.get("size") or {}
     lo = cfg.get("min_pixels", size.get("shortest_edge", size.get("min_pixels", 3136)))
     hi = cfg.get("max_pixels", size.get("longest_edge", size.get("max_pixels", 1003520)))
