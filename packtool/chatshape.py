@@ -484,5 +484,3 @@ class ShapeRenderer:
         split = re.split(f"([{chr(base)}-{chr(base + n_texts - 1)}])", full) if n_texts else [full]
         pieces = (ord(p) - base if i % 2 else p for i, p in enumerate(split))
         return _Layout(tuple(p for p in pieces if p != ""), tuple(starts))
-
-
