@@ -14,6 +14,10 @@ packets counted where the container gives no frame count) and the decoding a ``d
 1-worker pack (read shards, render, tokenize, plan, write) is its time minus those. Last, ``read_packs`` on each
 packed output with the media decoded and processed, against the same read without media and a bare decode of the
 planned frames (and clips), so the reader's time splits into decode, processor and the rest.
+
+Videos are sampled at ``--fps`` (as ``--video-fps``); a frame list records no rate, so those samples are
+quarantined ("video has no frame rate") and count as handled samples of the pack run. Encoding works in ranges of
+1,024 samples, so below that a second worker adds its start-up cost without sharing the encode.
 """
 
 from __future__ import annotations
@@ -197,6 +201,7 @@ def main() -> None:
     for _ in range(args.repeat):
         for fam, (src, model) in families.items():
             for check in ("header", "decode"):
+                time.sleep(2)  # the last run's worker processes are still exiting: let them, before timing alone
                 best(times, f"{fam} probe {check}", lambda f=fam, c=check: probe(media[f], c == "decode"))
                 for w in args.workers:
                     name = f"{fam} pack w{w} {check}"
@@ -218,8 +223,8 @@ def main() -> None:
     for fam in families:
         n = counts[fam]["samples"]
         items = media[fam]
-        print(f"{fam}: {n} samples, {counts[fam].get('packed', '?')} packed, {len(items)} media items, "
-              f"{counts[fam]['read'][0]} packs read")
+        print(f"{fam}: {n} samples ({counts[fam]['packed']} packed, {counts[fam]['error']} quarantined, "
+              f"{counts[fam]['dropped']} dropped), {len(items)} media items")
         for check in ("header", "decode"):
             for w in args.workers:
                 name = f"{fam} pack w{w} {check}"
