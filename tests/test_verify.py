@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import io
@@ -591,3 +592,30 @@ def test_processor_mode_output_passes_verify_with_source(llava_pack, tmp_path):
         ref.span and changed.setdefault("member", ref.member) and ref.span.__setitem__(1, ref.span[1] - 2) is None))
     problems = verify_output(copy)
     assert len(problems) == 1 and key in problems[0] and changed["member"] in problems[0], problems
+
+
+def test_truncated_segment_image_may_keep_the_grid_of_its_whole_sample(tmp_path):
+    """Nemotron Omni's image budget depends on the sample's image count; a cut that dropped images leaves the
+    segment with fewer, so a truncated segment's image also passes with a larger count's grid, and only then."""
+    import nemotron_omni_model
+    from packtool.format import MediaRef, sha256
+    from packtool.media.nemotron_omni import NemotronOmniSettings
+
+    mf = pytest.importorskip("mediafixture")
+    folder = nemotron_omni_model.write_model_folder(tmp_path / "model")
+    # A short context: the budget is then the image count's (min_num_patches per image).
+    rule = dataclasses.replace(NemotronOmniSettings.from_folder(folder), max_model_len=260)
+    data = mf.make_image(2000, 1500, seed=0)
+    alone, of_three = rule.image_grid(2000, 1500, n_images=1), rule.image_grid(2000, 1500, n_images=3)
+    assert alone != of_three  # the budget of three images is larger
+
+    def problems(grid: tuple[int, int], truncated: bool) -> list[str]:
+        ref = MediaRef("m0.png", "image", 0, grid[0] * grid[1] // 4, [1, *grid], 2000, 1500, len(data), sha256(data))
+        return verify.check_media("m0.png", ref, [data], verify.MediaRules(nemotron=rule), 1 << 40, n_images=1,
+                                  truncated=truncated)
+
+    assert problems(alone, truncated=False) == [] and problems(alone, truncated=True) == []
+    assert problems(of_three, truncated=True) == []
+    assert "image rule gives grid" in problems(of_three, truncated=False)[0]
+    wrong = (of_three[0] + 2, of_three[1])
+    assert "image rule gives grid" in problems(wrong, truncated=True)[0]
