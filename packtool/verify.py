@@ -4,12 +4,15 @@ Without the source every output shard is read once, in parallel (one task per sh
 
 - the tar against its ``.tar.idx``, its ``.info.json`` count and its rows of ``index.sqlite``;
 - every record through :meth:`PackRecord.from_members` (the format's own parser), then its pack size, alignment,
-  targets, media spans and the manifest's per-pack caps;
+  targets, media placeholders (inside each item's span, as the reader checks them) and the manifest's per-pack caps;
 - every media member: byte size and SHA-256 against its :class:`MediaRef` (a swapped member is caught; records
-  written before these were recorded skip it), a full decode, and its width, height, patch grid and token count
-  against the image rule the manifest describes;
+  written before these were recorded skip it), a full decode, and what it decodes to (an image's size, a video's
+  size and frames, an audio clip's waveform length), then its grid, frames, samples and tokens against the rules
+  the manifest describes (Qwen2-VL images and video, Nemotron Omni images, video and audio; the processor mode has
+  no rule to re-derive them with);
 - every token id against the embedded tokenizer: in the vocabulary and, for byte-level BPE tokenizers, equal to
-  what the tokenizer makes of the segment's own decoded text.
+  what the tokenizer makes of the segment's own decoded text (Qwen's placeholder runs collapsed first; Nemotron
+  Omni and the processor mode expanded them in the text).
 
 Each shard task returns a 64-bit digest of every segment it found (its identity and its facts). The parent streams
 ``ledger.parquet`` a batch at a time and matches its kept rows against those digests, so no Python object is held
