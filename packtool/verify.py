@@ -4,12 +4,15 @@ Without the source every output shard is read once, in parallel (one task per sh
 
 - the tar against its ``.tar.idx``, its ``.info.json`` count and its rows of ``index.sqlite``;
 - every record through :meth:`PackRecord.from_members` (the format's own parser), then its pack size, alignment,
-  targets, media spans and the manifest's per-pack caps;
+  targets, media placeholders (inside each item's span, as the reader checks them) and the manifest's per-pack caps;
 - every media member: byte size and SHA-256 against its :class:`MediaRef` (a swapped member is caught; records
-  written before these were recorded skip it), a full decode, and its width, height, patch grid and token count
-  against the image rule the manifest describes;
+  written before these were recorded skip it), a full decode, and what it decodes to (an image's size, a video's
+  size and frames, an audio clip's waveform length), then its grid, frames, samples and tokens against the rules
+  the manifest describes (Qwen2-VL images and video, Nemotron Omni images, video and audio; the processor mode has
+  no rule to re-derive them with);
 - every token id against the embedded tokenizer: in the vocabulary and, for byte-level BPE tokenizers, equal to
-  what the tokenizer makes of the segment's own decoded text.
+  what the tokenizer makes of the segment's own decoded text (Qwen's placeholder runs collapsed first; Nemotron
+  Omni and the processor mode expanded them in the text).
 
 Each shard task returns a 64-bit digest of every segment it found (its identity and its facts). The parent streams
 ``ledger.parquet`` a batch at a time and matches its kept rows against those digests, so no Python object is held
@@ -50,7 +53,13 @@ from packtool.format import (
     safe_relative,
     sha256,
 )
-from packtool.media import ImageRule, image_size, probe_frames, probe_video
+from packtool.media import ImageRule, image_size, probe_audio, probe_frames, probe_video
+from packtool.media.audio import decode_audio
+from packtool.media.nemotron_omni import NemotronOmniSettings
+from packtool.media.qwen2_vl import Qwen2VLSettings
+from packtool.media.video import VideoFacts
+from packtool.read import placeholder_ids, span_problems
+from packtool.read_nemotron import settings_from_manifest
 from packtool.settings import EngineKind
 from packtool.shards import idx_path, index_tar, parse_record, record_offsets, scan_records
 
@@ -83,7 +92,7 @@ class TokenCheck:
     #: Characters at the end of a truncated segment's text pre-tokenized to find its last piece.
     TAIL = 256
 
-    def __init__(self, tokenizer_dir: Path, image_token_id: int | None):
+    def __init__(self, tokenizer_dir: Path, expanded_in_ids: bool):
         from tokenizers import decoders
 
         from packtool.encode import load_tokenizer
@@ -93,7 +102,10 @@ class TokenCheck:
         self.known = np.zeros(int(ids.max()) + 1 if ids.size else 0, dtype=bool)
         self.known[ids] = True
         self.size = int(self.known.sum())
-        self.image_token_id = image_token_id
+        #: Whether pack expanded each media placeholder in the ids (Qwen: one placeholder token repeated), so a
+        #: span collapses back to one placeholder before the round trip; Nemotron Omni's and the processor mode's
+        #: placeholders are expanded in the text, which the tokenizer encodes as it stands.
+        self.expanded_in_ids = expanded_in_ids
         self.exact = isinstance(self.tok.decoder, decoders.ByteLevel)
         self.pre_tokenizer = self.tok.pre_tokenizer
 
@@ -131,9 +143,8 @@ class TokenCheck:
                                     f"(corrupted tokens)")
         return problems
 
-    @staticmethod
-    def _collapse(tokens: np.ndarray, media: list[MediaRef]) -> np.ndarray:
-        if not media:
+    def _collapse(self, tokens: np.ndarray, media: list[MediaRef]) -> np.ndarray:
+        if not media or not self.expanded_in_ids:
             return tokens
         keep = np.ones(len(tokens), dtype=bool)
         for m in media:
@@ -154,13 +165,46 @@ class TokenCheck:
 
 
 @lru_cache(maxsize=2)
-def _token_check(tokenizer_dir: str, image_token_id: int | None) -> TokenCheck:
-    return TokenCheck(Path(tokenizer_dir), image_token_id)
+def _token_check(tokenizer_dir: str, expanded_in_ids: bool) -> TokenCheck:
+    return TokenCheck(Path(tokenizer_dir), expanded_in_ids)
 
 
-def image_rule(manifest: Manifest) -> ImageRule | None:
-    """The image rule the manifest's ``image_processor`` describes (as :meth:`ImageRule.manifest` wrote it)."""
-    settings = manifest.image_processor
+def _family(manifest: Manifest) -> str | None:
+    """The manifest's processor family: ``nemotron_omni``, ``processor`` (the processor mode), else None (an
+    :class:`ImageRule`, Qwen2-VL or fixed-count)."""
+    entry = manifest.image_processor
+    return entry.get("family") if isinstance(entry, dict) else None
+
+
+@dataclass(frozen=True)
+class MediaRules:
+    """The token rules the manifest describes, to re-derive each media item's grid and tokens from its bytes."""
+
+    #: Image rule (Qwen2-VL or fixed-count).
+    image: ImageRule | None = None
+    #: Qwen2-VL video settings.
+    video: Qwen2VLSettings | None = None
+    #: Nemotron Omni settings (images, video, audio).
+    nemotron: NemotronOmniSettings | None = None
+    #: Processor mode: the folder's processor counted the tokens, there is no rule to re-derive them with.
+    processor: bool = False
+
+
+def media_rules(manifest: Manifest) -> MediaRules:
+    """The rules of the manifest's ``image_processor`` and ``video_processor`` (as pack wrote them)."""
+    family = _family(manifest)
+    if family == "processor":
+        return MediaRules(processor=True)
+    if family == "nemotron_omni":
+        try:
+            return MediaRules(nemotron=settings_from_manifest({"image_processor": manifest.image_processor}))
+        except (TypeError, ValueError) as exc:
+            raise FormatError(f"{META}/packtool.json: malformed Nemotron Omni settings ({exc})") from None
+    return MediaRules(image=_image_rule(manifest.image_processor), video=_video_rule(manifest.video_processor))
+
+
+def _image_rule(settings: dict | None) -> ImageRule | None:
+    """The image rule ``settings`` describe (as :meth:`ImageRule.manifest` wrote them)."""
     if settings is None:
         return None
     names = {f.name for f in fields(ImageRule)}
@@ -171,6 +215,20 @@ def image_rule(manifest: Manifest) -> ImageRule | None:
         return ImageRule(**kw)  # type: ignore[arg-type]  # field types are checked by ImageRule's use below
     except TypeError as exc:
         raise FormatError(f"{META}/packtool.json: malformed image processor ({exc})") from None
+
+
+def _video_rule(settings: dict | None) -> Qwen2VLSettings | None:
+    """The Qwen2-VL video settings ``settings`` describe (as :meth:`Qwen2VLSettings.manifest` wrote them)."""
+    if settings is None:
+        return None
+    if settings.get("family") != "qwen2_vl" or not isinstance(settings.get("image"), dict):
+        raise FormatError(f"{META}/packtool.json: unsupported video processor family {settings.get('family')!r}")
+    names = {f.name for f in fields(Qwen2VLSettings)} - {"image"}
+    try:
+        return Qwen2VLSettings(image=_image_rule(settings["image"]),  # type: ignore[arg-type]  # dict given above
+                               **{k: v for k, v in settings.items() if k in names})
+    except (TypeError, ValueError) as exc:
+        raise FormatError(f"{META}/packtool.json: malformed video processor ({exc})") from None
 
 
 # -- one pack --------------------------------------------------------------------------------------------------
@@ -188,9 +246,9 @@ def check_pack(where: str, record: PackRecord, members: dict[str, bytes], manife
     if (record.targets > 1).any():
         problems.append(f"{where}: targets hold values other than 0/1")
     starts = record.segment_starts()
+    ids = placeholder_ids({f.name: getattr(manifest, f.name) for f in fields(manifest)})
     for seg, a, b in zip(record.segments, starts[:-1], starts[1:]):
-        problems += _check_segment(f"{where} segment {seg.key}", record.tokens[a:b], record.targets[a:b], seg.media,
-                                   {"image": manifest.image_token_id, "video": manifest.video_token_id})
+        problems += _check_segment(where, seg.key, record.tokens[a:b], record.targets[a:b], seg.media, ids)
     refs = record.media_refs
     caps = (("max_segments", len(record.segments), "segments"), ("max_images", len(refs), "images"),
             ("max_image_tokens", sum(m.tokens for m in refs), "image tokens"))
@@ -203,34 +261,30 @@ def check_pack(where: str, record: PackRecord, members: dict[str, bytes], manife
     return problems
 
 
-def _check_segment(where: str, t: np.ndarray, g: np.ndarray, media: list[MediaRef],
-                   token_ids: dict[str, int | None]) -> list[str]:
-    """``token_ids``: the placeholder token of each media kind (None where the manifest names none)."""
+def _check_segment(where: str, key: str, t: np.ndarray, g: np.ndarray, media: list[MediaRef],
+                   ids: dict[str, int | None]) -> list[str]:
+    """Targets and placeholders of one segment; ``ids``: the placeholder token of each media kind
+    (:func:`packtool.read.placeholder_ids`)."""
     problems = []
     if g[0]:
-        problems.append(f"{where}: first token is a target")
+        problems.append(f"{where} segment {key}: first token is a target")
     if not g.any():
-        problems.append(f"{where}: no targets")
-    media_tokens = dict.fromkeys(token_ids, 0)
+        problems.append(f"{where} segment {key}: no targets")
+    problems += [f"{where}: {p}" for p in span_problems(key, t, media, ids)]
     for m in media:
-        off, cnt, token_id = m.token_offset, m.tokens, token_ids.get(m.kind)
-        if off < 0 or off + cnt > len(t) or (token_id is not None and not (t[off:off + cnt] == token_id).all()):
-            problems.append(f"{where}: media {m.member} does not cover {m.kind} tokens at {off}+{cnt}")
-        elif g[off:off + cnt].any():
-            problems.append(f"{where}: media {m.member} tokens marked as targets")
-        media_tokens[m.kind] = media_tokens.get(m.kind, 0) + cnt
-    for kind, token_id in token_ids.items():
-        if token_id is not None and int((t == token_id).sum()) != media_tokens[kind]:
-            problems.append(f"{where}: {int((t == token_id).sum())} {kind} tokens, media account for "
-                            f"{media_tokens[kind]}")
+        s0, s1 = m.span or (m.token_offset, m.token_offset + m.tokens)
+        if 0 <= s0 <= s1 <= len(t) and g[s0:s1].any():
+            problems.append(f"{where} segment {key}: media {m.member} tokens marked as targets")
     return problems
 
 
-def check_media(where: str, ref: MediaRef, members: list[bytes], rule: ImageRule | None,
-                pixel_limit: int) -> list[str]:
+def check_media(where: str, ref: MediaRef, members: list[bytes], rules: MediaRules, pixel_limit: int, *,
+                n_images: int = 1, truncated: bool = False) -> list[str]:
     """Problems of one media item (``members``: its member's bytes, or its frames'): bytes against its recorded
-    size and SHA-256; an image's full decode, and its size, grid and token count against the image rule; a video's
-    full decode, its pixel size and frame count (of a frame list: each frame's full decode)."""
+    size and SHA-256, a full decode, and what it decodes to against the record: an image's size, a video's size
+    and frame count, an audio clip's waveform length; then its grid, frames, samples and tokens against the
+    manifest's rules (none in the processor mode). ``n_images``: images of its segment (Nemotron Omni's image
+    budget); ``truncated``: whether the segment was cut."""
     data = b"".join(members)
     if ref.size or ref.sha256:  # recorded since format 2's first writer; older records have neither
         if len(data) != ref.size:
@@ -238,7 +292,9 @@ def check_media(where: str, ref: MediaRef, members: list[bytes], rule: ImageRule
         if sha256(data) != ref.sha256:
             return [f"{where}: SHA-256 differs from the recorded one (member changed or swapped)"]
     if ref.kind == "video":
-        return _check_video(where, ref, members, pixel_limit)
+        return _check_video(where, ref, members, rules, pixel_limit)
+    if ref.kind == "audio":
+        return _check_audio(where, ref, data, rules)
     if ref.kind != "image":
         return [f"{where}: unsupported media kind {ref.kind!r}"]
     try:
@@ -247,10 +303,14 @@ def check_media(where: str, ref: MediaRef, members: list[bytes], rule: ImageRule
         return [f"{where}: {exc}"]
     if (width, height) != (ref.width, ref.height):
         return [f"{where}: decodes to {width}x{height}, recorded {ref.width}x{ref.height}"]
-    if rule is None:
+    if rules.processor:
+        return []
+    if rules.nemotron is not None:
+        return _check_nemotron_image(where, ref, rules.nemotron, n_images, truncated)
+    if rules.image is None:
         return [f"{where}: an image, but the manifest describes no image processor"]
     try:
-        grid, tokens = list(rule.grid(width, height)), rule.tokens(width, height)
+        grid, tokens = list(rules.image.grid(width, height)), rules.image.tokens(width, height)
     except ValueError as exc:
         return [f"{where}: {exc}"]
     if grid != list(ref.grid_thw) or tokens != ref.tokens:
@@ -259,7 +319,33 @@ def check_media(where: str, ref: MediaRef, members: list[bytes], rule: ImageRule
     return []
 
 
-def _check_video(where: str, ref: MediaRef, members: list[bytes], pixel_limit: int) -> list[str]:
+#: Most images past a cut considered when matching a truncated segment's Nemotron Omni image grid.
+MAX_CUT_IMAGES = 256
+
+
+def _check_nemotron_image(where: str, ref: MediaRef, rule: NemotronOmniSettings, n_images: int,
+                          truncated: bool) -> list[str]:
+    """The grid and tokens of a Nemotron Omni image (already decoded to its recorded size): the processor's patch
+    budget depends on how many images the sample gives it in one call, which is the segment's image count. A cut
+    drops the images past it from the segment but not from the count the sample was encoded with, so a truncated
+    segment's image also passes when a larger count gives its recorded grid."""
+    def derived(n: int) -> tuple[list[int], int]:
+        gh, gw = rule.image_grid(ref.width, ref.height, n_images=n)
+        return [1, gh, gw], rule.image_tokens(ref.width, ref.height, n_images=n)
+
+    try:
+        grid, tokens = derived(n_images)
+        recorded = (list(ref.grid_thw), ref.tokens)
+        if (grid, tokens) == recorded or truncated and any(
+                derived(n) == recorded for n in range(n_images + 1, n_images + 1 + MAX_CUT_IMAGES)):
+            return []
+    except ValueError as exc:
+        return [f"{where}: {exc}"]
+    return [f"{where}: the image rule gives grid {grid} and {tokens} tokens ({n_images} images), recorded "
+            f"{list(ref.grid_thw)} and {ref.tokens}"]
+
+
+def _check_video(where: str, ref: MediaRef, members: list[bytes], rules: MediaRules, pixel_limit: int) -> list[str]:
     try:
         facts = probe_frames(members, max_pixels=pixel_limit, decode=True) if ref.frames else \
             probe_video(members[0], max_pixels=pixel_limit, decode=True)
@@ -268,6 +354,60 @@ def _check_video(where: str, ref: MediaRef, members: list[bytes], pixel_limit: i
     if (facts.width, facts.height, facts.frames) != (ref.width, ref.height, ref.total_frames):
         return [f"{where}: {facts.width}x{facts.height}, {facts.frames} frames, recorded {ref.width}x{ref.height}, "
                 f"{ref.total_frames} frames"]
+    if rules.processor:
+        return []
+    try:
+        derived = _video_plan(facts, rules)
+    except ValueError as exc:
+        return [f"{where}: {exc}"]
+    if derived is None:
+        return [f"{where}: a video, but the manifest describes no video processor"]
+    recorded = (list(ref.grid_thw), ref.tokens, list(ref.frame_indices), ref.second_per_grid_ts)
+    if derived != recorded:
+        return [f"{where}: the video rule gives grid, tokens, frames, seconds per grid {derived[0]}, {derived[1]}, "
+                f"{_short(derived[2])}, {derived[3]}; recorded {recorded[0]}, {recorded[1]}, {_short(recorded[2])}, "
+                f"{recorded[3]}"]
+    return []
+
+
+def _video_plan(facts: VideoFacts, rules: MediaRules) -> tuple[list[int], int, list[int], float | None] | None:
+    """``(grid_thw, tokens, frame_indices, second_per_grid_ts)`` the manifest's video rule gives a video, as pack
+    records them (a Nemotron Omni grid: frames given to the processor, then the tile in patches)."""
+    if rules.nemotron is not None:
+        plan = rules.nemotron.video(facts)
+        return [len(plan.indices), *plan.tile], plan.tokens, list(plan.indices), None
+    if rules.video is not None:
+        qplan = rules.video.video(facts)
+        return list(qplan.grid_thw), qplan.tokens, list(qplan.indices), qplan.second_per_grid_ts
+    return None
+
+
+def _short(values: list[int]) -> str:
+    return str(values) if len(values) <= 8 else f"[{len(values)} frames from {values[0]}]"
+
+
+def _check_audio(where: str, ref: MediaRef, data: bytes, rules: MediaRules) -> list[str]:
+    """An audio clip: a full decode, then (Nemotron Omni) the waveform length at the processor's rate and the
+    tokens against the audio rule, and the decoded waveform's length against both."""
+    try:
+        facts = probe_audio(data, decode=True)
+    except ValueError as exc:
+        return [f"{where}: {exc}"]
+    if rules.processor:
+        return []
+    rule = rules.nemotron
+    if rule is None:
+        return [f"{where}: an audio clip, but the manifest describes no audio rule"]
+    samples, tokens = rule.audio_samples(facts), rule.audio_tokens(facts)
+    if (samples, tokens) != (ref.samples, ref.tokens):
+        return [f"{where}: the audio rule gives {samples} samples and {tokens} tokens, recorded {ref.samples} "
+                f"and {ref.tokens}"]
+    try:
+        wave = decode_audio(data, rate=rule.audio_sampling_rate, max_samples=rule.max_audio_samples)
+    except Exception as exc:
+        return [f"{where}: undecodable audio ({type(exc).__name__}: {exc})"]
+    if len(wave) != samples:
+        return [f"{where}: decodes to {len(wave)} samples at {rule.audio_sampling_rate} Hz, recorded {samples}"]
     return []
 
 
@@ -319,14 +459,14 @@ def check_shard(output: str, split: str, shard: str, fid: int, count: int | None
     tokens = None
     if (tok_dir / "tokenizer.json").is_file():
         try:
-            tokens = _token_check(str(tok_dir), manifest.image_token_id)
+            tokens = _token_check(str(tok_dir), _family(manifest) not in ("nemotron_omni", "processor"))
         except Exception as exc:
             problems.append(f"{tok_dir.relative_to(out)}: unreadable tokenizer ({type(exc).__name__}: {exc})")
     try:
-        rule = image_rule(manifest)
+        rules = media_rules(manifest)
     except FormatError as exc:
         problems.append(str(exc))
-        rule = None
+        rules = MediaRules()
     pixel_limit = int(manifest.settings.get("pixel_limit") or 1 << 40)
     ident, facts, ordinal, staged = [], [], [], []
     for i, (key, members) in enumerate(scan_records(path)):
@@ -342,9 +482,11 @@ def check_shard(output: str, split: str, shard: str, fid: int, count: int | None
         problems += check_pack(where, record, members, manifest)
         if record.arrays_sha256 and arrays_digest(members) != record.arrays_sha256:
             problems.append(f"{where}: token arrays differ from the SHA-256 written with the pack")
-        for m in record.media_refs:
-            problems += check_media(f"{where} member {m.member}", m, [record.media[n] for n in m.members], rule,
-                                    pixel_limit)
+        for seg in record.segments:
+            n_images = sum(m.kind == "image" for m in seg.media)
+            for m in seg.media:
+                problems += check_media(f"{where} member {m.member}", m, [record.media[n] for n in m.members],
+                                        rules, pixel_limit, n_images=n_images, truncated=seg.truncated)
         for src_split, src_shard, src_key, held in segment_facts(record):
             ident.append(_digest(src_split, src_shard, src_key))
             facts.append(_digest(key, *held))

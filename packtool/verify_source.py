@@ -31,6 +31,14 @@ from packtool.sources.safepickle import load_bytes_list, video_frames
 
 CHUNK = 256
 MAX_PER_SHARD = 200
+#: Facts of a media item compared with a fresh encoding's (those the encoding gives: ``samples`` for audio,
+#: ``frame_indices`` for video).
+RECORDED = ("token_offset", "tokens", "span", "grid_thw", "frame_indices", "samples")
+
+
+def _plain(value: object) -> object:
+    """Lists and tuples alike (a record's lists against an encoding's tuples)."""
+    return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def _settings(out: Path, manifest: Manifest) -> EncodeSettings:
@@ -180,6 +188,10 @@ def _compare_segment(where: str, raw, enc, record: PackRecord) -> list[str]:
             if packed != source:
                 member = next((n for n, a, b in zip(m.members, packed, source) if a != b), m.member)
                 problems.append(f"{where}: media {member} differs from source member {e['part']}")
+            differ = [name for name in RECORDED if name in e and _plain(getattr(m, name)) != _plain(e[name])]
+            if differ:
+                problems.append(f"{where}: media {m.member}: {', '.join(differ)} differ from a fresh encoding "
+                                f"({', '.join(f'{getattr(m, n)} vs {e[n]}' for n in differ)})")
         return problems
     return [f"{where}: not found in its pack"]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -155,7 +157,7 @@ def test_token_check_accepts_every_cut_and_catches_a_changed_token(demo_dir, tai
     """A truncated segment may end inside a word or a multi-byte character: no cut is a false alarm, while a
     changed token before the cut still is caught (the last piece found in the whole text or in a short tail)."""
     monkeypatch.setattr(TokenCheck, "TAIL", tail)
-    check = TokenCheck(demo_dir / "tokenizer", image_token_id=None)
+    check = TokenCheck(demo_dir / "tokenizer", expanded_in_ids=True)
     text = ("<|im_start|>assistant\nThe quick brown fox 你好，世界！ 👨‍👩‍👧 jumps over naïve café résumé "
             "Привет 1234567 tomorrow<|im_end|>\n")
     ids = np.asarray(check.tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
@@ -396,3 +398,224 @@ def test_video_whose_frame_count_is_not_the_recorded_one_is_caught(video_pack, t
     problems = verify_output(copy)
     assert len(problems) == 1 and key in problems[0] and changed["member"] in problems[0], problems
     assert "frames, recorded" in problems[0], problems
+
+
+@pytest.mark.parametrize("field", ["grid", "seconds"])
+def test_qwen_video_grid_that_the_video_rule_does_not_give_is_caught(video_pack, tmp_path, field):
+    """The video's grid (or its seconds per grid) re-derived from the manifest's video settings and the video."""
+    source, out = video_pack
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns(".packtool"))
+    changed = {}
+
+    def regrid(record: PackRecord) -> bool:
+        for ref in record.media_refs:
+            if ref.kind == "video":
+                if field == "grid":
+                    ref.grid_thw = [ref.grid_thw[0], ref.grid_thw[1] + 2, ref.grid_thw[2]]
+                else:
+                    ref.second_per_grid_ts = (ref.second_per_grid_ts or 1.0) * 2
+                changed["member"] = ref.member
+                return True
+        return False
+
+    key = rewrite_first(copy, regrid)
+    problems = verify_output(copy)
+    assert len(problems) == 1 and key in problems[0] and changed["member"] in problems[0], problems
+    assert "video rule gives" in problems[0], problems
+    if field == "grid":
+        fresh = [p for p in verify_output(copy, source=source) if p not in problems]
+        assert len(fresh) == 1 and "grid_thw differ from a fresh encoding" in fresh[0], fresh
+
+
+# -- Nemotron Omni and the processor mode -----------------------------------------------------------------------------
+NEMOTRON_KEYS = ("image_audio", "two_images", "mp4", "frames", "mkv_image_mp3", "second_turn_audio", "text_only")
+
+
+@pytest.fixture(scope="module")
+def nemotron_pack(tmp_path_factory) -> tuple[Path, Path]:
+    """Nemotron Omni samples with images, videos (members, a frame list) and audio (wav, mp3), alone and mixed,
+    several to a pack, packed for the offline model folder: (source, output)."""
+    import nemotron_omni_model
+    from packtool.pipeline import pack
+    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+    from test_media_pack import write_source
+    from test_nemotron_pack import SAMPLES, source_sample
+
+    root = tmp_path_factory.mktemp("nemotron-verify")
+    folder = nemotron_omni_model.write_model_folder(root / "model")
+    write_source(root / "src", {k: source_sample(*SAMPLES[k])[0] for k in NEMOTRON_KEYS})
+    settings = PackSettings(EncodeSettings(tokenizer=str(folder), pack_size=16384), PlanSettings(shard_size="2"))
+    pack(root / "src", root / "out", settings, workers=1, progress=False)
+    statuses = {r["key"]: r["status"] for r in pq.read_table(root / "out/ledger.parquet").to_pylist()}
+    assert statuses == dict.fromkeys(NEMOTRON_KEYS, "packed")
+    return root / "src", root / "out"
+
+
+def test_nemotron_output_passes_verify_with_source(nemotron_pack):
+    source, out = nemotron_pack
+    kinds = {m.kind for _, members in _records(out) for m in PackRecord.from_members("k", members).media_refs}
+    assert kinds == {"image", "video", "audio"}
+    assert verify_output(out) == []
+    assert verify_output(out, source=source, retokenize=True) == []
+    result = CliRunner().invoke(app, ["verify", str(out), "--source", str(source), "--retokenize"])
+    assert result.exit_code == 0, result.output
+
+
+def _records(out: Path):
+    for shard in (s for ss in SplitYaml.read(out).split_parts.values() for s in ss):
+        yield from scan_records(out / shard)
+
+
+def _edited(out: Path, tmp_path: Path, edit) -> tuple[Path, str, dict]:
+    """A copy of ``out`` with ``edit(ref, record, changed)`` applied to the first media item it returns True for."""
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns(".packtool"))
+    changed: dict = {}
+
+    def first(record: PackRecord) -> bool:
+        return any(edit(ref, record, changed) for ref in record.media_refs)
+
+    return copy, rewrite_first(copy, first), changed
+
+
+def swap_audio(ref, record, changed, *, keep_digest: bool) -> bool:
+    """The wav clip replaced by a longer one (another valid clip); with ``keep_digest`` its size and SHA-256 are
+    recomputed, as a packing bug would write them."""
+    if ref.kind != "audio" or not ref.member.endswith(".wav"):
+        return False
+    mf = pytest.importorskip("mediafixture")
+    record.media[ref.member] = data = mf.make_audio("wav", samples=24000, rate=16000, channels=1)
+    if keep_digest:
+        ref.size, ref.sha256 = len(data), hashlib.sha256(data).hexdigest()
+    changed["member"] = ref.member
+    return True
+
+
+def wrong_samples(ref, record, changed) -> bool:
+    if ref.kind != "audio":
+        return False
+    ref.samples += 1
+    changed["member"] = ref.member
+    return True
+
+
+def wrong_image_grid(ref, record, changed) -> bool:
+    if ref.kind != "image":
+        return False
+    ref.grid_thw = [1, ref.grid_thw[1] + 2, ref.grid_thw[2]]
+    changed["member"] = ref.member
+    return True
+
+
+def wrong_video_tile(ref, record, changed) -> bool:
+    if ref.kind != "video":
+        return False
+    ref.grid_thw = [ref.grid_thw[0], ref.grid_thw[1] + 2, ref.grid_thw[2] - 2]
+    changed["member"] = ref.member
+    return True
+
+
+@pytest.mark.parametrize(("edit", "without", "fresh"), [
+    (functools.partial(swap_audio, keep_digest=False), "bytes, recorded", "differs from source member"),
+    (functools.partial(swap_audio, keep_digest=True), "audio rule gives", "differs from source member"),
+    (wrong_samples, "audio rule gives", "samples differ from a fresh encoding"),
+    (wrong_image_grid, "image rule gives grid", "grid_thw differ from a fresh encoding"),
+    (wrong_video_tile, "video rule gives", "grid_thw differ from a fresh encoding"),
+])
+def test_broken_nemotron_media_is_caught(nemotron_pack, tmp_path, edit, without, fresh):
+    source, out = nemotron_pack
+    copy, key, changed = _edited(out, tmp_path, edit)
+    problems = verify_output(copy)
+    assert len(problems) == 1 and key in problems[0] and changed["member"] in problems[0], problems
+    assert without in problems[0], problems
+    found = [p for p in verify_output(copy, source=source) if p not in problems]
+    assert len(found) == 1 and changed["member"] in found[0] and fresh in found[0], found
+
+
+def test_nemotron_span_that_misses_a_video_chunk_is_caught(nemotron_pack, tmp_path):
+    """A video's span ending before its last chunk (frame label, ``<img>``, placeholders, ``</img>``) no longer
+    holds its placeholders, though its first placeholder and count are right."""
+    source, out = nemotron_pack
+
+    def cut_span(ref, record, changed) -> bool:
+        if ref.kind != "video" or ref.grid_thw[0] < 3:  # two chunks at least
+            return False
+        seg = next(s for s in record.segments if ref in s.media)
+        start = record.segment_starts()[record.segments.index(seg)]
+        tokens = record.tokens[start + ref.span[0]: start + ref.span[1]]
+        last = int(np.flatnonzero(tokens == tokens[ref.token_offset - ref.span[0]])[-1])
+        ref.span = [ref.span[0], ref.span[0] + last]
+        changed["member"] = ref.member
+        return True
+
+    copy, key, changed = _edited(out, tmp_path, cut_span)
+    problems = verify_output(copy)
+    assert len(problems) == 1 and key in problems[0] and changed["member"] in problems[0], problems
+    assert "does not match its video tokens" in problems[0], problems
+
+
+@pytest.fixture(scope="module")
+def llava_pack(tmp_path_factory) -> tuple[Path, Path]:
+    """The processor mode: a LLaVA folder's own processor expands ``<image>`` (two samples, one pack)."""
+    pytest.importorskip("torchvision")
+    mf = pytest.importorskip("mediafixture")
+    import nemotron_omni_model
+    from packtool.pipeline import pack
+    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+    from test_media_pack import llava_folder, write_source
+
+    root = tmp_path_factory.mktemp("llava-verify")
+    folder = llava_folder(root / "model", nemotron_omni_model.write_model_folder(root / "nemotron"))
+
+    def sample(turns: list[str], sizes: list[tuple[int, int]]) -> dict[str, bytes]:
+        roles = ["human", "gpt"] * len(turns)
+        members = {"json": json.dumps({"conversations": [{"from": r, "value": t}
+                                                         for r, t in zip(roles, turns)]}).encode()}
+        return {**members, **{f"{i}.png": mf.make_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)}}
+
+    write_source(root / "src", {"one": sample(["<image>What is it?", "a picture"], [(40, 30)]),
+                                "adjacent": sample(["<image><image>Which?", "the left one"], [(64, 64), (20, 50)])})
+    settings = PackSettings(EncodeSettings(tokenizer=str(folder), pack_size=4096, media_tokens="processor"),
+                            PlanSettings(shard_size="4"))
+    pack(root / "src", root / "out", settings, workers=1, progress=False)
+    statuses = {r["key"]: r["status"] for r in pq.read_table(root / "out/ledger.parquet").to_pylist()}
+    assert statuses == {"one": "packed", "adjacent": "packed"}
+    return root / "src", root / "out"
+
+
+def test_processor_mode_output_passes_verify_with_source(llava_pack, tmp_path):
+    source, out = llava_pack
+    assert verify_output(out) == []
+    assert verify_output(out, source=source, retokenize=True) == []
+    copy, key, changed = _edited(out, tmp_path, lambda ref, record, changed: bool(
+        ref.span and changed.setdefault("member", ref.member) and ref.span.__setitem__(1, ref.span[1] - 2) is None))
+    problems = verify_output(copy)
+    assert len(problems) == 1 and key in problems[0] and changed["member"] in problems[0], problems
+
+
+def test_truncated_segment_image_may_keep_the_grid_of_its_whole_sample(tmp_path):
+    """Nemotron Omni's image budget depends on the sample's image count; a cut that dropped images leaves the
+    segment with fewer, so a truncated segment's image also passes with a larger count's grid, and only then."""
+    import nemotron_omni_model
+    from packtool.format import MediaRef, sha256
+    from packtool.media.nemotron_omni import NemotronOmniSettings
+
+    mf = pytest.importorskip("mediafixture")
+    folder = nemotron_omni_model.write_model_folder(tmp_path / "model")
+    # A short context: the budget is then the image count's (min_num_patches per image).
+    rule = dataclasses.replace(NemotronOmniSettings.from_folder(folder), max_model_len=260)
+    data = mf.make_image(2000, 1500, seed=0)
+    alone, of_three = rule.image_grid(2000, 1500, n_images=1), rule.image_grid(2000, 1500, n_images=3)
+    assert alone != of_three  # the budget of three images is larger
+
+    def problems(grid: tuple[int, int], truncated: bool) -> list[str]:
+        ref = MediaRef("m0.png", "image", 0, grid[0] * grid[1] // 4, [1, *grid], 2000, 1500, len(data), sha256(data))
+        return verify.check_media("m0.png", ref, [data], verify.MediaRules(nemotron=rule), 1 << 40, n_images=1,
+                                  truncated=truncated)
+
+    assert problems(alone, truncated=False) == [] and problems(alone, truncated=True) == []
+    assert problems(of_three, truncated=True) == []
+    assert "image rule gives grid" in problems(of_three, truncated=False)[0]
+    wrong = (of_three[0] + 2, of_three[1])
+    assert "image rule gives grid" in problems(wrong, truncated=True)[0]
