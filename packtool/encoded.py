@@ -69,8 +69,11 @@ def is_current(folder: Path, stamp: SourceStamp) -> bool:
         return False
 
 
-#: Samples per encode task.
+#: Samples per encode task, at most.
 SAMPLES_PER_RANGE = 1024
+#: Bytes of source shard per encode task, about (a range closes at the first sample past it): a shard of videos
+#: is split into tasks of even work, whatever its sample count.
+BYTES_PER_RANGE = 32 << 20
 
 
 def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: frozenset, settings: EncodeSettings,

@@ -20,7 +20,7 @@ from packtool import __version__
 from packtool.assemble import SEGMENT_COLUMNS, write_shard
 from packtool.commit import commit_bytes
 from packtool.encode import TOKENIZER_FILES, get_encoder, model_facts, tokenizer_fingerprint
-from packtool.encoded import SAMPLES_PER_RANGE, SourceStamp, encode_range
+from packtool.encoded import BYTES_PER_RANGE, SAMPLES_PER_RANGE, SourceStamp, encode_range
 from packtool.engine import Engine
 from packtool.errors import ConfigError, FormatError
 from packtool.format import (
@@ -153,7 +153,7 @@ def _encode(engine: Engine, out: OutputDir, src: SourceDataset, settings: PackSe
     tasks: list[tuple] = []
     enc_dirs: dict[str, list[Path]] = {split: [] for split in src.splits}
     for (split, i, shard), layout in zip(shards, layouts):
-        for k, span in enumerate(layout.ranges(SAMPLES_PER_RANGE)):
+        for k, span in enumerate(layout.ranges(SAMPLES_PER_RANGE, BYTES_PER_RANGE)):
             store = out.encode_dir(split, i, k)
             enc_dirs[split].append(store)
             tasks.append((str(src.root), layout, span, src.excluded_samples, settings.encode, src.dataset_yaml,

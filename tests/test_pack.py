@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
+import pytest
 import yaml
 
 import demo
@@ -218,3 +219,46 @@ def test_rerun_is_byte_identical(packed, demo_dir, tmp_path):
     assert digest(out) == digest(packed)
     # The encode store stays (a re-plan reuses it); it is not part of the dataset.
     assert (out / ".packtool" / "encode").is_dir()
+
+
+def _digest(root: Path) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and ".packtool" not in p.parts}
+
+
+def test_encode_ranges_do_not_change_the_output(packed, demo_dir, tmp_path, monkeypatch):
+    """Source shards cut into many small encode ranges (by sample count and by bytes) give the same bytes."""
+    from packtool import pipeline
+    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+
+    monkeypatch.setattr(pipeline, "SAMPLES_PER_RANGE", 7)
+    monkeypatch.setattr(pipeline, "BYTES_PER_RANGE", 20_000)
+    out = tmp_path / "ranges"
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048),
+                            PlanSettings(shard_size="8"))
+    pipeline.pack(demo_dir / "dataset", out, settings, workers=2, progress=False)
+    stores = list((out / ".packtool" / "encode").rglob("source.json"))
+    shards = len(list((demo_dir / "dataset").rglob("*.tar")))
+    assert len(stores) > 2 * shards  # the shards were really cut into several ranges each
+    assert _digest(out) == _digest(packed)
+
+
+@pytest.mark.parametrize("per_range, max_bytes", [(1, None), (3, None), (1024, None), (1024, 1), (5, 250),
+                                                   (2, 10_000)])
+def test_shard_ranges_cover_every_sample_once(per_range, max_bytes):
+    from packtool.sources.energon import ShardLayout
+
+    rng = np.random.default_rng(per_range)
+    starts = tuple(int(x) for x in np.cumsum(rng.integers(1, 400, size=40)) - 1)
+    layout = ShardLayout("s.tar", starts, frozenset(), frozenset({3, 17}))
+    ranges = layout.ranges(per_range, max_bytes)
+    firsts = [r.first for r in ranges] + [len(starts)]
+    assert firsts[0] == 0 and all(a < b for a, b in zip(firsts, firsts[1:]))  # in order, none empty
+    assert [r.last for r in ranges] == [False] * (len(ranges) - 1) + [True]
+    for r, nxt in zip(ranges, firsts[1:]):
+        assert nxt - r.first <= per_range
+        assert r.start == starts[r.first] and r.stop == (starts[nxt] if nxt < len(starts) else None)
+        assert r.kept_before == r.first - sum(1 for e in (3, 17) if e < r.first)
+        if max_bytes is not None and nxt - r.first > 1:  # only a single sample may start past the byte budget
+            assert starts[nxt - 1] - starts[r.first] < max_bytes
+    assert ShardLayout("e.tar", (), frozenset(), frozenset()).ranges(4, 10)[0].last

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import tarfile
 from collections.abc import Iterator
@@ -119,11 +120,21 @@ class ShardLayout:
     #: Positions of samples left out by ``split.yaml``'s ``exclude``.
     excluded: frozenset[int]
 
-    def ranges(self, per_range: int) -> list[SampleRange]:
-        """Consecutive ranges of at most ``per_range`` samples covering the shard (at least one range; the last
-        reads to the end of the file, so a tail the header walk could not read is still reported)."""
+    def ranges(self, per_range: int, max_bytes: int | None = None) -> list[SampleRange]:
+        """Consecutive ranges covering the shard, each of at most ``per_range`` samples and closed at the first
+        sample that starts ``max_bytes`` or more past its own start (a shard of large videos is split into tasks
+        of even work; a single larger sample is a range of its own). At least one range; the last reads to the
+        end of the file, so a tail the header walk could not read is still reported."""
         n = len(self.starts)
-        bounds = list(range(0, n, per_range)) or [0]
+        bounds = [0]
+        while n:
+            first = bounds[-1]
+            nxt = first + per_range
+            if max_bytes is not None:
+                nxt = min(nxt, max(first + 1, bisect.bisect_left(self.starts, self.starts[first] + max_bytes)))
+            if nxt >= n:
+                break
+            bounds.append(nxt)
         out = []
         for k, first in enumerate(bounds):
             last = k == len(bounds) - 1
