@@ -534,3 +534,11 @@ def test_nemotron_two_videos_expand_one_by_one(torchvision, nemotron_folder):
         pieces.append(settings.video_text(facts))
     both = settings.expand("A <video> then B <video>.", videos=pieces)
     assert both == f"A {pieces[0]} then B {pieces[1]}."
+
+
+@pytest.mark.parametrize("width, height", [(1_000_000, 16), (16, 1_000_000)])
+def test_nemotron_grid_refuses_an_image_the_processor_cannot_grid(width, height):
+    """transformers' get_patch_grid_size divides by zero when a side scales to no patch: a clear reason instead."""
+    with pytest.raises(ValueError, match="too elongated"):
+        NemotronOmniSettings().image_grid(width, height)
+    assert NemotronOmniSettings().image_grid(300_000, 20) == (2, 11170)

@@ -340,6 +340,9 @@ def _patch_grid(height: int, width: int, patch: int, merge: int, min_patches: in
     gh, gw = round(height / patch + 0.5), round(width / patch + 0.5)
     factor = min(math.sqrt(max_patches / (gh * gw)), 1.0)
     gh, gw = math.floor(factor * gh), math.floor(factor * gw)
+    if gh == 0 or gw == 0:  # the processor divides by zero here
+        raise ValueError(f"image of {width}x{height} pixels is too elongated for the processor's patch grid (a "
+                         f"side scales to zero patches)")
     if max_patches > min_patches and gh * gw < min_patches:
         factor = math.sqrt(min_patches / (gh * gw))
         gh, gw = math.ceil(factor * gh), math.ceil(factor * gw)
