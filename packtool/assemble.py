@@ -45,7 +45,8 @@ def estimate_pack_bytes(pack: np.ndarray, lengths: np.ndarray, media_bytes: np.n
 
 def media_bytes_of(media_json: list[str]) -> np.ndarray:
     """Source bytes (plus per-member overhead) of each encoded row's media."""
-    return np.asarray([sum(m["size"] + _MEDIA_OVERHEAD for m in json.loads(s)) for s in media_json], dtype=np.int64)
+    return np.asarray([0 if s == "[]" else sum(m["size"] + _MEDIA_OVERHEAD for m in json.loads(s))
+                       for s in media_json], dtype=np.int64)
 
 
 class _Sources:
