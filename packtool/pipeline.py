@@ -182,7 +182,7 @@ def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, r
             args = (split, str(source), [str(d) for d in enc_dirs[split]], split_stamps,
                     table.take(rows[bounds[k]:bounds[k + 1]]), settings.encode.pack_size, settings.encode.align)
             shards.append((output / out_shards[split][k], args))
-    if len(shards) >= engine.workers:
+    if not shards or len(shards) >= engine.workers:
         written = engine.map(write_shard, [(str(path), *args) for path, args in shards], desc="write",
                              unit="shard", progress=run.progress)
     else:
