@@ -20,7 +20,7 @@ from packtool import __version__
 from packtool.encoded import NpyReader, SourceStamp
 from packtool.errors import SourceError
 from packtool.format import IndexedRecord, MediaRef, PackRecord, Segment, pack_key, sha256
-from packtool.shards import idx_path, index_tar, write_tar
+from packtool.shards import idx_path, index_tar, write_records, write_tar
 from packtool.sources.safepickle import load_bytes_list, video_frames
 
 #: Columns of a write task's segment table (``pack`` first), sorted by pack, then source order.
@@ -45,7 +45,8 @@ def estimate_pack_bytes(pack: np.ndarray, lengths: np.ndarray, media_bytes: np.n
 
 def media_bytes_of(media_json: list[str]) -> np.ndarray:
     """Source bytes (plus per-member overhead) of each encoded row's media."""
-    return np.asarray([sum(m["size"] + _MEDIA_OVERHEAD for m in json.loads(s)) for s in media_json], dtype=np.int64)
+    return np.asarray([0 if s == "[]" else sum(m["size"] + _MEDIA_OVERHEAD for m in json.loads(s))
+                       for s in media_json], dtype=np.int64)
 
 
 class _Sources:
@@ -104,20 +105,35 @@ def write_shard(out_path: str, split: str, root: str, enc_dirs: list[str], stamp
     if path.exists() and idx_path(path).exists():
         return index_tar(path)
     sources = _Sources(Path(root), enc_dirs, stamps)
+    try:
+        return write_tar(path, _records(split, segments, sources, pack_size, align))
+    finally:
+        sources.close()
 
+
+def write_part(part_path: str, split: str, root: str, enc_dirs: list[str], stamps: dict[str, SourceStamp],
+               segments: pa.Table, pack_size: int, align: int) -> list[IndexedRecord]:
+    """Write some consecutive packs of an output shard as a part file (see :func:`~packtool.shards.join_tar`):
+    how the packs of one shard are written by several workers. Returns the part's index."""
+    Path(part_path).parent.mkdir(parents=True, exist_ok=True)
+    sources = _Sources(Path(root), enc_dirs, stamps)
+    try:
+        with open(part_path, "wb") as f:
+            return write_records(f, _records(split, segments, sources, pack_size, align))
+    finally:
+        sources.close()
+
+
+def _records(split: str, segments: pa.Table, sources: _Sources, pack_size: int,
+             align: int) -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
+    """The tar members of each pack of ``segments``, in order."""
     def rows() -> Iterator[tuple[Any, ...]]:  # a batch of rows at a time as Python values
         for batch in segments.to_batches(max_chunksize=1024):
             yield from zip(*(batch.column(c).to_pylist() for c in SEGMENT_COLUMNS))
 
-    def records() -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
-        for p, group in itertools.groupby(rows(), key=lambda row: row[0]):
-            record = assemble_record(pack_key(split, p), split, list(group), sources, pack_size, align)
-            yield record.key, record.to_members()
-
-    try:
-        return write_tar(path, records())
-    finally:
-        sources.close()
+    for p, group in itertools.groupby(rows(), key=lambda row: row[0]):
+        record = assemble_record(pack_key(split, p), split, list(group), sources, pack_size, align)
+        yield record.key, record.to_members()
 
 
 def assemble_record(key: str, split: str, group: list[tuple[Any, ...]], sources: _Sources, pack_size: int,

@@ -148,6 +148,11 @@ class Segment:
     truncated: bool
     media: list[MediaRef] = field(default_factory=list)
 
+    def to_json(self) -> dict[str, Any]:
+        """``asdict(self)``, without its generic walk over every field (a pack holds many segments)."""
+        return {"key": self.key, "split": self.split, "shard": self.shard, "truncated": self.truncated,
+                "media": [asdict(m) for m in self.media]}
+
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Segment:
         try:
@@ -193,7 +198,7 @@ class PackRecord:
             ("seqlens.npy", npy_bytes(np.asarray(self.seqlens, dtype=np.int32))),
         ]
         meta = {"pack_size": self.pack_size, "align": self.align, "packtool": self.packtool,
-                "arrays_sha256": arrays_digest(dict(arrays)), "segments": [asdict(s) for s in self.segments]}
+                "arrays_sha256": arrays_digest(dict(arrays)), "segments": [s.to_json() for s in self.segments]}
         return [
             *arrays,
             ("json", json.dumps(meta, separators=(",", ":")).encode()),

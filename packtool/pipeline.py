@@ -17,8 +17,8 @@ import numpy as np
 import pyarrow as pa
 
 from packtool import __version__
-from packtool.assemble import SEGMENT_COLUMNS, write_shard
-from packtool.commit import commit_bytes
+from packtool.assemble import SEGMENT_COLUMNS, write_part, write_shard
+from packtool.commit import commit_bytes, temporary_name
 from packtool.encode import TOKENIZER_FILES, get_encoder, model_facts, tokenizer_fingerprint
 from packtool.encoded import BYTES_PER_RANGE, SAMPLES_PER_RANGE, SourceStamp, encode_range
 from packtool.engine import Engine
@@ -37,6 +37,7 @@ from packtool.ledger import write_ledger
 from packtool.output import OutputDir, check_paths
 from packtool.planning import SplitPlan, load_encoded, plan_split
 from packtool.settings import EncodeSettings, PackSettings, RunOptions
+from packtool.shards import idx_path, index_tar, join_tar
 from packtool.sources import SourceDataset, open_source
 from packtool.sources.energon import shard_layout
 
@@ -166,8 +167,9 @@ def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, r
            plans: dict[str, SplitPlan],
            out_shards: dict[str, list[str]], enc_dirs: dict[str, list[Path]],
            stamps: dict[str, SourceStamp]) -> dict[str, list[IndexedRecord]]:
-    """One task per output shard, each with a compact table of its own rows (no Python object per row)."""
-    tasks = []
+    """One task per output shard, each with a compact table of its own rows (no Python object per row); with
+    fewer shards than workers, each shard is written as parts by several tasks and joined (same bytes)."""
+    shards = []
     for split, plan in plans.items():
         if not plan.n_shards:
             continue
@@ -177,11 +179,39 @@ def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, r
         table = plan.table.append_column("pack", pa.array(plan.pack)).select(list(SEGMENT_COLUMNS))
         split_stamps = {s: stamps[s] for s in src_shards(plan)}
         for k in range(plan.n_shards):
-            tasks.append((str(output / out_shards[split][k]), split, str(source), [str(d) for d in enc_dirs[split]],
-                          split_stamps, table.take(rows[bounds[k]:bounds[k + 1]]), settings.encode.pack_size,
-                          settings.encode.align))
-    written = engine.map(write_shard, tasks, desc="write", unit="shard", progress=run.progress)
-    return dict(zip((s for shards in out_shards.values() for s in shards), written))  # tasks in this order
+            args = (split, str(source), [str(d) for d in enc_dirs[split]], split_stamps,
+                    table.take(rows[bounds[k]:bounds[k + 1]]), settings.encode.pack_size, settings.encode.align)
+            shards.append((output / out_shards[split][k], args))
+    if not shards or len(shards) >= engine.workers:
+        written = engine.map(write_shard, [(str(path), *args) for path, args in shards], desc="write",
+                             unit="shard", progress=run.progress)
+    else:
+        written = _write_in_parts(engine, shards, engine.workers // len(shards), run.progress)
+    return dict(zip((s for names in out_shards.values() for s in names), written))  # tasks in this order
+
+
+def _write_in_parts(engine: Engine, shards: list[tuple[Path, tuple]], parts: int,
+                    progress: bool) -> list[list[IndexedRecord]]:
+    """Write each shard as ``parts`` part files of consecutive packs (a task each), then join them in order: the
+    workers a shard task alone would leave idle share its work. A shard already committed is indexed."""
+    tasks: list[tuple] = []
+    pieces: list[list[Path]] = []  # each shard's part files, in order (none: already committed)
+    for path, (split, root, dirs, split_stamps, segments, pack_size, align) in shards:
+        pieces.append([])
+        if path.exists() and idx_path(path).exists():
+            continue
+        packs = segments.column("pack").to_numpy()
+        cuts = np.searchsorted(packs, np.linspace(packs[0], packs[-1] + 1, parts + 1)[1:-1])
+        bounds = [0, *cuts.tolist(), segments.num_rows]
+        for a, b in zip(bounds, bounds[1:]):
+            if a < b:
+                part = temporary_name(path.with_name(f"{path.name}.part{len(pieces[-1])}"))
+                pieces[-1].append(part)
+                tasks.append((str(part), split, root, dirs, split_stamps, segments.slice(a, b - a), pack_size,
+                              align))
+    indexes = iter(engine.map(write_part, tasks, desc="write", unit="part", progress=progress))
+    return [join_tar(path, [(part, next(indexes)) for part in parts_of]) if parts_of else index_tar(path)
+            for (path, _), parts_of in zip(shards, pieces)]
 
 
 def src_shards(plan: SplitPlan) -> list[str]:

@@ -7,9 +7,11 @@ A record is the adjacent members of one key (:func:`packtool.format.split_member
 from __future__ import annotations
 
 import io
+import shutil
 import tarfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -38,25 +40,57 @@ def write_tar(path: Path, records: Iterable[tuple[str, list[tuple[str, bytes]]]]
     index of every record.
     """
     path = Path(path)
+    with commit_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            index = write_records(f, records)
+            f.write(b"\0" * (2 * BLOCK))
+        _commit_idx(path, index)
+    return index
+
+
+def write_records(f: BinaryIO, records: Iterable[tuple[str, list[tuple[str, bytes]]]]) -> list[IndexedRecord]:
+    """Write records as tar members (no end-of-archive marker) to ``f``; their index, offsets from where ``f``
+    was. A tar's bytes are its records' bytes in order, so a shard may be written as parts and joined."""
+    index: list[IndexedRecord] = []
+    pos = 0
+    for key, parts in records:
+        start, placed = pos, []
+        for part, data in parts:
+            head = _header(member_name(key, part), len(data))
+            pad = -len(data) % BLOCK
+            f.write(head)
+            f.write(data)
+            f.write(b"\0" * pad)
+            placed.append((part, pos + len(head), len(data)))
+            pos += len(head) + len(data) + pad
+        index.append(IndexedRecord(key, start, pos - start, tuple(placed)))
+    return index
+
+
+def join_tar(path: Path, parts: list[tuple[Path, list[IndexedRecord]]]) -> list[IndexedRecord]:
+    """Commit the tar (and ``.tar.idx``) made of ``parts`` (files of :func:`write_records`, with their indexes)
+    in order: the bytes :func:`write_tar` writes for all their records. The parts are removed."""
+    path = Path(path)
     index: list[IndexedRecord] = []
     with commit_path(path) as tmp:
         with open(tmp, "wb") as f:
-            pos = 0
-            for key, parts in records:
-                start, placed = pos, []
-                for part, data in parts:
-                    head = _header(member_name(key, part), len(data))
-                    pad = -len(data) % BLOCK
-                    f.write(head)
-                    f.write(data)
-                    f.write(b"\0" * pad)
-                    placed.append((part, pos + len(head), len(data)))
-                    pos += len(head) + len(data) + pad
-                index.append(IndexedRecord(key, start, pos - start, tuple(placed)))
+            for part, records in parts:
+                base = f.tell()
+                with open(part, "rb") as src:
+                    shutil.copyfileobj(src, f, 1 << 22)
+                index += [IndexedRecord(r.key, r.offset + base, r.size,
+                                        tuple((name, offset + base, size) for name, offset, size in r.parts))
+                          for r in records]
             f.write(b"\0" * (2 * BLOCK))
-        offsets = [r.offset for r in index] + [pos]
-        commit_bytes(idx_path(path), np.asarray(offsets, dtype=np.uint64).tobytes())
+        _commit_idx(path, index)
+    for part, _ in parts:
+        part.unlink()
     return index
+
+
+def _commit_idx(path: Path, index: list[IndexedRecord]) -> None:
+    end = index[-1].offset + index[-1].size if index else 0
+    commit_bytes(idx_path(path), np.asarray([r.offset for r in index] + [end], dtype=np.uint64).tobytes())
 
 
 def idx_path(shard: Path) -> Path:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import os
+import re
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -163,27 +165,93 @@ class SampleRange:
 def shard_layout(root: Path, shard: str, excluded: frozenset[str] = frozenset()) -> ShardLayout:
     """Walk the member headers of ``shard``. A header that cannot be read ends the walk (the range reading to
     the end of the file then reports it)."""
+    path = Path(root) / shard
+    try:
+        members = _plain_members(path)
+    except _Unusual:
+        members = _tar_members(path)
     starts: list[int] = []
     seen: set[str] = set()
     duplicates, skipped = set(), set()
     current = None
+    for name, offset in members:
+        key, _ = split_member(name)
+        if key != current:
+            current = key
+            if key in seen:
+                duplicates.add(len(starts))
+            if f"{shard}/{key}" in excluded:
+                skipped.add(len(starts))
+            seen.add(key)
+            starts.append(offset)
+    return ShardLayout(shard, tuple(starts), frozenset(duplicates), frozenset(skipped))
+
+
+def _tar_members(path: Path) -> list[tuple[str, int]]:
+    """``(name, header offset)`` of every member but folders, as ``tarfile`` reads them (up to the first header
+    it cannot read)."""
+    members: list[tuple[str, int]] = []
     try:
-        with tarfile.open(Path(root) / shard, "r:") as tar:
-            for member in tar:
-                if member.isdir():
-                    continue
-                key, _ = split_member(member.name)
-                if key != current:
-                    current = key
-                    if key in seen:
-                        duplicates.add(len(starts))
-                    if f"{shard}/{key}" in excluded:
-                        skipped.add(len(starts))
-                    seen.add(key)
-                    starts.append(member.offset)
+        with tarfile.open(path, "r:") as tar:
+            members.extend((m.name, m.offset) for m in tar if not m.isdir())
     except (tarfile.TarError, OSError, EOFError):
         pass
-    return ShardLayout(shard, tuple(starts), frozenset(duplicates), frozenset(skipped))
+    return members
+
+
+class _Unusual(Exception):
+    """A header :func:`_plain_members` leaves to ``tarfile`` (extended headers, links, odd fields)."""
+
+
+#: A numeric header field ``tarfile`` reads as octal: digits between spaces, up to the first NUL.
+_OCTAL = re.compile(rb"[ ]*[0-7]*[ ]*(?:\x00[\s\S]*)?")
+#: Numeric fields of a USTAR header besides the checksum (mode, uid, gid, size, mtime, devmajor, devminor).
+_NUMERIC = ((100, 108), (108, 116), (116, 124), (124, 136), (136, 148), (329, 337), (337, 345))
+_ZERO_BLOCK = bytes(tarfile.BLOCKSIZE)
+
+
+def _plain_members(path: Path) -> list[tuple[str, int]]:
+    """What :func:`_tar_members` returns, read straight from the 512-byte headers (three times faster, and the
+    walk runs before any encoding starts). Covers shards of plain files and folders only: any other header,
+    and any header ``tarfile`` might read otherwise, raises :class:`_Unusual`."""
+    members: list[tuple[str, int]] = []
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return members
+    try:
+        offset = 0
+        while True:
+            head = os.pread(fd, tarfile.BLOCKSIZE, offset)
+            if len(head) < tarfile.BLOCKSIZE or head == _ZERO_BLOCK:
+                return members  # the end, or a header tarfile cannot read either: the walk ends
+            if any(_OCTAL.fullmatch(head, a, b) is None for a, b in _NUMERIC):
+                raise _Unusual
+            checksum = head[148:156]
+            if _OCTAL.fullmatch(checksum) is None or _octal(checksum) != 256 + sum(head) - sum(checksum):
+                raise _Unusual  # corrupt (or a signed-checksum header): tarfile decides
+            kind = head[156:157]
+            name = _text(head[:100])
+            if kind == tarfile.DIRTYPE or (kind == tarfile.AREGTYPE and name.endswith("/")):
+                offset += tarfile.BLOCKSIZE
+                continue
+            if kind not in (tarfile.REGTYPE, tarfile.AREGTYPE):
+                raise _Unusual
+            prefix = _text(head[345:500])
+            members.append((f"{prefix}/{name}" if prefix else name, offset))
+            offset += tarfile.BLOCKSIZE + -(-_octal(head[124:136]) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+    except OSError:
+        return members
+    finally:
+        os.close(fd)
+
+
+def _octal(field: bytes) -> int:
+    return int(field.split(b"\0", 1)[0].strip() or b"0", 8)
+
+
+def _text(field: bytes) -> str:
+    return field.split(b"\0", 1)[0].decode(tarfile.ENCODING, "surrogateescape")
 
 
 class ShardScan:

@@ -1,0 +1,53 @@
+"""An output shard written as parts by several workers and joined has the bytes of one written whole."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from packtool import pipeline
+from packtool.format import MANIFEST
+from packtool.pipeline import pack
+from packtool.settings import EncodeSettings, PackSettings
+from packtool.shards import idx_path, join_tar, write_records, write_tar
+
+RECORDS = [(f"k{i}", [("json", b"{}" * i), ("bin", bytes(range(i % 256)) * 3)]) for i in range(9)]
+
+
+def test_parts_joined_equal_one_tar(tmp_path: Path) -> None:
+    whole = write_tar(tmp_path / "whole.tar", RECORDS)
+    parts = []
+    for i, chunk in enumerate((RECORDS[:4], RECORDS[4:5], RECORDS[5:])):
+        with open(tmp_path / f"part{i}", "wb") as f:
+            parts.append((tmp_path / f"part{i}", write_records(f, chunk)))
+    assert join_tar(tmp_path / "joined.tar", parts) == whole
+    assert (tmp_path / "joined.tar").read_bytes() == (tmp_path / "whole.tar").read_bytes()
+    assert np.array_equal(np.fromfile(idx_path(tmp_path / "joined.tar"), np.uint64),
+                          np.fromfile(idx_path(tmp_path / "whole.tar"), np.uint64))
+    assert not any(p.exists() for p, _ in parts)
+
+
+def _files(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and ".packtool" not in p.relative_to(root).parts}
+
+
+def test_one_shard_two_workers_same_bytes(demo_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """One output shard, two workers: written in two parts, byte for byte what one worker writes; a rerun of a
+    run that stopped after the shard was committed indexes it instead."""
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048), splits=("train",))
+    pack(demo_dir / "dataset", tmp_path / "one", settings, workers=1, progress=False)
+    joined: list[int] = []
+    monkeypatch.setattr(pipeline, "join_tar", lambda path, parts: joined.append(len(parts)) or join_tar(path, parts))
+    pack(demo_dir / "dataset", tmp_path / "two", settings, workers=2, progress=False)
+    assert joined == [2]
+    reference = _files(tmp_path / "one")
+    assert [n for n in reference if n.endswith(".tar")] == ["train/pack-000000.tar"]
+    assert _files(tmp_path / "two") == reference
+    (tmp_path / "two" / MANIFEST).unlink()
+    shard = tmp_path / "two" / "train" / "pack-000000.tar"
+    written = shard.stat().st_mtime_ns
+    pack(demo_dir / "dataset", tmp_path / "two", settings, workers=2, progress=False)
+    assert _files(tmp_path / "two") == reference and shard.stat().st_mtime_ns == written and joined == [2]
