@@ -5,9 +5,9 @@ A shard is cut into ranges of consecutive samples (:class:`~packtool.sources.ene
 over its headers) so that tasks are even and a task's memory does not grow with its shard. ``encode_range`` (one
 task per range) reads its samples, encodes them and commits the folder atomically: ``samples.parquet`` (one
 :data:`ENCODED_SCHEMA` row per sample, on-disk order), ``tokens.npy`` and ``targets.npy`` (the kept samples'
-tokens, concatenated) and ``source.json`` (what the source shard looked like when it was read). A rerun keeps a
-folder only while its source shard still looks the same: an edited shard is encoded again, so a resumed run
-never packs stale bytes.
+tokens, concatenated) and ``source.json`` (what the source shard looked like when it was read, and which of
+its samples the range holds). A rerun keeps a folder only while its source shard still looks the same and the
+range is the same: an edited shard is encoded again, so a resumed run never packs stale bytes.
 """
 
 from __future__ import annotations
@@ -61,10 +61,16 @@ class SourceStamp:
         return cls(shard, st.st_size, st.st_mtime_ns, st.st_ctime_ns, metadata)
 
 
-def is_current(folder: Path, stamp: SourceStamp) -> bool:
-    """Whether ``folder`` holds a committed encoding of the shard as ``stamp`` describes it now."""
+def range_stamp(stamp: SourceStamp, span: SampleRange) -> dict:
+    """What a range's ``source.json`` records: the shard's stamp and which of its samples the range holds (so a
+    store made with other range bounds, e.g. by another packtool version, is never taken for this range)."""
+    return {**asdict(stamp), "range": [span.first, span.start, span.stop]}
+
+
+def is_current(folder: Path, stamp: SourceStamp, span: SampleRange) -> bool:
+    """Whether ``folder`` holds a committed encoding of this range of the shard as ``stamp`` describes it now."""
     try:
-        return json.loads((folder / "source.json").read_text()) == asdict(stamp)
+        return json.loads((folder / "source.json").read_text()) == range_stamp(stamp, span)
     except (OSError, ValueError):
         return False
 
@@ -86,7 +92,7 @@ def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: fr
     it adds an error row saying so, so no sample is lost without a ledger row.
     """
     out = Path(out_dir)
-    if is_current(out, stamp):
+    if is_current(out, stamp, span):
         return status_counts(pq.read_table(out / "samples.parquet", columns=["status"]))
     encoder = get_encoder(settings, dataset_yaml)
     encoded: list[Encoded] = []
@@ -131,7 +137,7 @@ def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: fr
         (tmp / "tokens.npy").write_bytes(npy_bytes(tokens))
         (tmp / "targets.npy").write_bytes(npy_bytes(targets))
         pq.write_table(table, tmp / "samples.parquet")
-        (tmp / "source.json").write_text(json.dumps(asdict(stamp)))
+        (tmp / "source.json").write_text(json.dumps(range_stamp(stamp, span)))
     return status_counts(table)
 
 

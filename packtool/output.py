@@ -137,6 +137,8 @@ class OutputDir:
         stale = set()
         for stamp_file in (self.path / ENCODE).glob("*/*/*/source.json"):
             recorded = _read_json(stamp_file)
+            if recorded is not None:
+                recorded.pop("range", None)  # which samples of the shard: checked by the encode task itself
             if recorded is None or recorded != asdict(stamps.get(recorded.get("shard", ""), _NO_STAMP)):
                 stale.add(stamp_file.parent.parent)
         for folder in sorted(stale):

@@ -262,3 +262,25 @@ def test_shard_ranges_cover_every_sample_once(per_range, max_bytes):
         if max_bytes is not None and nxt - r.first > 1:  # only a single sample may start past the byte budget
             assert starts[nxt - 1] - starts[r.first] < max_bytes
     assert ShardLayout("e.tar", (), frozenset(), frozenset()).ranges(4, 10)[0].last
+
+
+def test_an_encode_store_is_only_reused_for_the_same_range(demo_dir, tmp_path):
+    """A resumed run whose ranges differ from the stored ones (other range bounds, another packtool version)
+    encodes again instead of taking another range's samples for its own."""
+    import pyarrow.parquet as pq
+
+    from packtool.encoded import SourceStamp, encode_range, is_current
+    from packtool.settings import EncodeSettings
+    from packtool.sources.energon import metadata_digest, shard_layout
+
+    root = demo_dir / "dataset"
+    shard = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.tar"))[0]
+    layout = shard_layout(root, shard)
+    stamp = SourceStamp.of(root, shard, metadata_digest(root))
+    settings = EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048)
+    seven, five = layout.ranges(7)[0], layout.ranges(5)[0]
+    store = tmp_path / "store"
+    encode_range(str(root), layout, seven, frozenset(), settings, {}, None, stamp, False, str(store))
+    assert is_current(store, stamp, seven) and not is_current(store, stamp, five)
+    encode_range(str(root), layout, five, frozenset(), settings, {}, None, stamp, False, str(store))
+    assert pq.read_table(store / "samples.parquet").num_rows == 5
