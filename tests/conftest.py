@@ -33,3 +33,13 @@ def packed(demo_dir, tmp_path_factory) -> Path:
                             PlanSettings(shard_size="8"))
     pack(demo_dir / "dataset", out, settings, workers=1, progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def torchvision():
+    """transformers' video processors and Nemotron Omni's image processor import torchvision."""
+    try:
+        import torchvision
+    except Exception as exc:  # the PyPI wheel raises RuntimeError beside a CPU-only torch
+        pytest.skip(f"transformers' video and Nemotron Omni processors need torchvision: {type(exc).__name__}: {exc}")
+    return torchvision

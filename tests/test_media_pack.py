@@ -162,14 +162,6 @@ def qwen_sample(user, videos, images, frame_lists):
     return members
 
 
-@pytest.fixture(scope="module")
-def torchvision():
-    try:
-        import torchvision  # noqa: F401
-    except Exception as exc:
-        pytest.skip(f"transformers' video processor needs torchvision: {type(exc).__name__}: {exc}")
-
-
 @pytest.fixture(scope="module", params=["plain", "sampling"])
 def qwen_run(request, demo_dir, tmp_path_factory):
     """The demo folder as is (no video config: every frame, image pixel bounds), or with a video config sampling 2

@@ -9,21 +9,15 @@ import torchvision; without it these tests are skipped with that reason, and the
 from __future__ import annotations
 
 import io
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-for extra in (ROOT / "examples", ROOT / "tests"):
-    if str(extra) not in sys.path:
-        sys.path.insert(0, str(extra))
-
-import mediafixture as mf  # noqa: E402
-from packtool.errors import ConfigError  # noqa: E402
-from packtool.media import (  # noqa: E402
+import mediafixture as mf
+from packtool.errors import ConfigError
+from packtool.media import (
     NemotronOmniSettings,
     Qwen2VLSettings,
     decode_audio,
@@ -291,15 +285,6 @@ def test_nemotron_audio_rule_is_the_processors_estimate():
 # ---------------------------------------------------------------------------------------------------------------
 # Exactness against the transformers processors (torchvision needed)
 # ---------------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def torchvision():
-    try:
-        import torchvision
-    except Exception as exc:  # the PyPI wheel raises RuntimeError beside a CPU-only torch
-        pytest.skip(f"transformers' video and Nemotron image processors need torchvision: {type(exc).__name__}: {exc}")
-    return torchvision
 
 
 def _qwen_processor(folder: Path):

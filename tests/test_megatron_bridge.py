@@ -427,14 +427,10 @@ def qwen_video_records(folder):
     return records, manifest
 
 
-def test_qwen_videos_reach_the_megatron_bridge_batch(demo_dir):
+def test_qwen_videos_reach_the_megatron_bridge_batch(demo_dir, torchvision):
     """`visual_inputs` carries the reader's video tensors the way Qwen2.5-VL's forward takes them
     (`pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts` through `normalized_for_model()`), alone or beside
     images, also for several packs collated into one row; a batch without videos leaves those fields None."""
-    try:
-        import torchvision  # noqa: F401
-    except Exception as exc:
-        pytest.skip(f"transformers' video processor needs torchvision: {type(exc).__name__}: {exc}")
     from packtool.read import pack_to_batch
 
     records, manifest = qwen_video_records(demo_dir / "tokenizer")

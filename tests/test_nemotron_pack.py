@@ -81,15 +81,6 @@ def source_sample(turns: list[str], specs: list[tuple]) -> tuple[dict[str, bytes
 
 
 @pytest.fixture(scope="module")
-def torchvision():
-    try:
-        import torchvision
-    except Exception as exc:  # the PyPI wheel raises RuntimeError beside a CPU-only torch
-        pytest.skip(f"transformers' Nemotron Omni processor needs torchvision: {type(exc).__name__}: {exc}")
-    return torchvision
-
-
-@pytest.fixture(scope="module")
 def nemotron_folder(tmp_path_factory) -> Path:
     import nemotron_omni_model
 

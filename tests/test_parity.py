@@ -249,15 +249,10 @@ VIDEO_SAMPLES = {
 
 
 @pytest.fixture(scope="module")
-def video_pack(tmp_path_factory):
+def video_pack(tmp_path_factory, torchvision):
     """One pack of VIDEO_SAMPLES written by ``pack`` (demo model folder, real encoded videos), read back with
     pixel_values_videos; with the manifest and the tokenizer's vocabulary size."""
-    try:
-        import av  # noqa: F401
-        import torchvision  # noqa: F401
-    except Exception as exc:
-        pytest.skip(f"video decoding needs PyAV and transformers' video processor needs torchvision: "
-                    f"{type(exc).__name__}: {exc}")
+    pytest.importorskip("av", reason="video decoding needs PyAV")
     from tokenizers import Tokenizer
 
     import demo

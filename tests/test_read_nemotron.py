@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,14 +21,9 @@ import pytest
 import torch
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-for extra in (ROOT / "examples", ROOT / "tests"):
-    if str(extra) not in sys.path:
-        sys.path.insert(0, str(extra))
-
-import mediafixture as mf  # noqa: E402
-from packtool.errors import FormatError  # noqa: E402
-from packtool.format import (  # noqa: E402
+import mediafixture as mf
+from packtool.errors import FormatError
+from packtool.format import (
     FORMAT_VERSION,
     MANIFEST,
     TOKENIZER_DIR,
@@ -42,7 +36,7 @@ from packtool.format import (  # noqa: E402
     shard_path,
     write_energon_metadata,
 )
-from packtool.media import (  # noqa: E402
+from packtool.media import (
     NemotronOmniSettings,
     decode_audio,
     decode_frames,
@@ -51,23 +45,14 @@ from packtool.media import (  # noqa: E402
     probe_frames,
     probe_video,
 )
-from packtool.megatron_batch import megatron_bridge_batch  # noqa: E402
-from packtool.read import pack_to_batch  # noqa: E402
-from packtool.read_nemotron import nemotron_processors  # noqa: E402
-from packtool.shards import write_tar  # noqa: E402
+from packtool.megatron_batch import megatron_bridge_batch
+from packtool.read import pack_to_batch
+from packtool.read_nemotron import nemotron_processors
+from packtool.shards import write_tar
 
 MAX_PIXELS = 10**8
 # Token ids of examples/nemotron_omni_model.py's special tokens.
 PAD, IMG_START, IMG_END, IMAGE, SO_START, SO_END, SO_EMB = 0, 3, 4, 5, 6, 7, 8
-
-
-@pytest.fixture(scope="module")
-def torchvision():
-    try:
-        import torchvision
-    except Exception as exc:  # the PyPI wheel raises RuntimeError beside a CPU-only torch
-        pytest.skip(f"transformers' Nemotron Omni processors need torchvision: {type(exc).__name__}: {exc}")
-    return torchvision
 
 
 @pytest.fixture(scope="module")
