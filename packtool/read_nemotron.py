@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +55,7 @@ def is_nemotron(manifest: Mapping) -> bool:
 
 def settings_from_manifest(manifest: Mapping) -> NemotronOmniSettings:
     """The processor settings the pack's tokens were counted with."""
-    entry = manifest["image_processor"]
-    names = {f.name for f in fields(NemotronOmniSettings)}
-    return NemotronOmniSettings(**{k: v for k, v in entry.items() if k in names})
+    return NemotronOmniSettings.from_manifest(manifest["image_processor"])
 
 
 @dataclass(frozen=True)

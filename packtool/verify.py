@@ -59,7 +59,6 @@ from packtool.media.nemotron_omni import NemotronOmniSettings
 from packtool.media.qwen2_vl import Qwen2VLSettings
 from packtool.media.video import VideoFacts
 from packtool.read import placeholder_ids, span_problems
-from packtool.read_nemotron import settings_from_manifest
 from packtool.settings import EngineKind
 from packtool.shards import idx_path, index_tar, parse_record, record_offsets, scan_records
 
@@ -197,38 +196,26 @@ def media_rules(manifest: Manifest) -> MediaRules:
         return MediaRules(processor=True)
     if family == "nemotron_omni":
         try:
-            return MediaRules(nemotron=settings_from_manifest({"image_processor": manifest.image_processor}))
-        except (TypeError, ValueError) as exc:
-            raise FormatError(f"{META}/packtool.json: malformed Nemotron Omni settings ({exc})") from None
+            return MediaRules(nemotron=NemotronOmniSettings.from_manifest(manifest.image_processor or {}))
+        except ValueError as exc:
+            raise FormatError(f"{META}/packtool.json: {exc}") from None
     return MediaRules(image=_image_rule(manifest.image_processor), video=_video_rule(manifest.video_processor))
 
 
 def _image_rule(settings: dict | None) -> ImageRule | None:
     """The image rule ``settings`` describe (as :meth:`ImageRule.manifest` wrote them)."""
-    if settings is None:
-        return None
-    names = {f.name for f in fields(ImageRule)}
-    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items() if k in names}
-    if kw.get("type") not in ("qwen2_vl", "fixed"):
-        raise FormatError(f"{META}/packtool.json: unsupported image processor type {kw.get('type')!r}")
     try:
-        return ImageRule(**kw)  # type: ignore[arg-type]  # field types are checked by ImageRule's use below
-    except TypeError as exc:
-        raise FormatError(f"{META}/packtool.json: malformed image processor ({exc})") from None
+        return None if settings is None else ImageRule.from_manifest(settings)
+    except ValueError as exc:
+        raise FormatError(f"{META}/packtool.json: {exc}") from None
 
 
 def _video_rule(settings: dict | None) -> Qwen2VLSettings | None:
     """The Qwen2-VL video settings ``settings`` describe (as :meth:`Qwen2VLSettings.manifest` wrote them)."""
-    if settings is None:
-        return None
-    if settings.get("family") != "qwen2_vl" or not isinstance(settings.get("image"), dict):
-        raise FormatError(f"{META}/packtool.json: unsupported video processor family {settings.get('family')!r}")
-    names = {f.name for f in fields(Qwen2VLSettings)} - {"image"}
     try:
-        return Qwen2VLSettings(image=_image_rule(settings["image"]),  # type: ignore[arg-type]  # dict given above
-                               **{k: v for k, v in settings.items() if k in names})
-    except (TypeError, ValueError) as exc:
-        raise FormatError(f"{META}/packtool.json: malformed video processor ({exc})") from None
+        return None if settings is None else Qwen2VLSettings.from_manifest(settings)
+    except ValueError as exc:
+        raise FormatError(f"{META}/packtool.json: {exc}") from None
 
 
 # -- one pack --------------------------------------------------------------------------------------------------

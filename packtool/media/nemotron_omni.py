@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -292,6 +293,15 @@ class NemotronOmniSettings:
         return expand_placeholders(
             text, {self.image_token: images, self.video_token: videos, self.audio_token: audio}
         )
+
+    @classmethod
+    def from_manifest(cls, settings: Mapping[str, Any]) -> NemotronOmniSettings:
+        """The settings :meth:`manifest` wrote; ``ValueError`` when malformed."""
+        names = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in settings.items() if k in names})
+        except TypeError as exc:
+            raise ValueError(f"malformed Nemotron Omni settings ({exc})") from None
 
     def manifest(self) -> dict:
         """The settings, for the pack manifest and the reader."""

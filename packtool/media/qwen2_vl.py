@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,18 @@ class ImageRule:
             return self.fixed_tokens
         _, gh, gw = self.grid(width, height)
         return gh * gw // (self.merge_size**2)
+
+    @classmethod
+    def from_manifest(cls, settings: Mapping[str, Any]) -> ImageRule:
+        """The rule :meth:`manifest` wrote; ``ValueError`` for another type or malformed settings."""
+        names = {f.name for f in fields(cls)}
+        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.items() if k in names}
+        if kw.get("type") not in ("qwen2_vl", "fixed"):
+            raise ValueError(f"unsupported image processor type {kw.get('type')!r}")
+        try:
+            return cls(**kw)  # type: ignore[arg-type]  # value types are checked where the rule is used
+        except TypeError as exc:
+            raise ValueError(f"malformed image processor ({exc})") from None
 
     def manifest(self) -> dict:
         """The settings a reader needs to reproduce pixel values."""
@@ -303,6 +316,18 @@ class Qwen2VLSettings:
         the sampled frames are passed as they are, with their metadata."""
         plan = self.video(facts)
         return {"do_sample_frames": False, "video_metadata": {**facts.metadata(), "frames_indices": list(plan.indices)}}
+
+    @classmethod
+    def from_manifest(cls, settings: Mapping[str, Any]) -> Qwen2VLSettings:
+        """The settings :meth:`manifest` wrote; ``ValueError`` for another family or malformed settings."""
+        image = settings.get("image")
+        if settings.get("family") != "qwen2_vl" or not isinstance(image, Mapping):
+            raise ValueError(f"unsupported video processor family {settings.get('family')!r}")
+        names = {f.name for f in fields(cls)} - {"image"}
+        try:
+            return cls(image=ImageRule.from_manifest(image), **{k: v for k, v in settings.items() if k in names})
+        except TypeError as exc:
+            raise ValueError(f"malformed video processor ({exc})") from None
 
     def manifest(self) -> dict:
         """The settings, for the pack manifest and the reader."""
