@@ -61,6 +61,7 @@ from packtool.sources.mbridge import chatml_adapter, chatml_fields
 from packtool.sources.safepickle import load_bytes_list, video_frames
 from packtool.sources.sample import AUDIO_TAG, IMAGE_TAG, MEDIA_TAGS, TAG_PATTERN, VIDEO_TAG, Media, tag_kinds
 from packtool.sources.typed import sample_type, typed_adapter
+from packtool.tokenizing import Tokenizing, Tokens
 
 #: Files of a model folder that decide the encoding (their bytes form the tokenizer fingerprint).
 TOKENIZER_FILES = (
@@ -175,6 +176,7 @@ class Encoder:
         self.tok = load_tokenizer(settings.tokenizer)
         if not getattr(self.tok, "is_fast", False):
             raise ConfigError(f"{settings.tokenizer}: not a fast tokenizer")
+        self.tokenizing = Tokenizing(self.tok.backend_tokenizer)
         self.template_source = self.tok.chat_template or _processor_template(settings.tokenizer)
         if isinstance(self.template_source, dict):  # named templates: the default one renders conversations
             self.template_source = self.template_source.get("default")
@@ -546,22 +548,11 @@ class Encoder:
         limit = max(_CHARS_PER_TOKEN * (self.settings.max_tokens + _STABLE_TOKENS), 1 << 16)
         return text if len(text) <= limit else text[:limit]
 
-    def _tokenize(self, texts: list[str]) -> list[Any]:
-        """The tokenizer's ``Encoding`` of each text, batched; a text the tokenizer refuses gets a
-        :class:`SampleError` instead (the batch call fails as a whole, so it is retried one text at a time)."""
-        if not texts:
-            return []
-        backend = self.tok.backend_tokenizer
-        try:
-            return list(backend.encode_batch(texts, add_special_tokens=False))
-        except Exception:
-            out: list[Any] = []
-            for t in texts:
-                try:
-                    out.append(backend.encode(t, add_special_tokens=False))
-                except Exception as exc:
-                    out.append(SampleError(f"the tokenizer cannot encode the text: {type(exc).__name__}: {exc}"))
-            return out
+    def _tokenize(self, texts: list[str]) -> list[Tokens | SampleError]:
+        """Each text's :class:`~packtool.tokenizing.Tokens`, batched; a text the tokenizer refuses gets a
+        :class:`SampleError` instead."""
+        return [SampleError(f"the tokenizer cannot encode the text: {type(t).__name__}: {t}")
+                if isinstance(t, Exception) else t for t in self.tokenizing.encode(texts)]
 
     def _check_conversation(self, conv: Conversation) -> None:
         """Reasons a conversation cannot be trained on, found before rendering (so the reason says what is wrong,
@@ -586,18 +577,18 @@ class Encoder:
                 raise SampleError(f"{m['role']} text of turn {i} is not valid Unicode "
                                   f"({exc.reason} at character {exc.start})") from None
 
-    def _finish(self, raw: RawSample, encoding: Any, text_len: int, spans, media: list[dict],
+    def _finish(self, raw: RawSample, encoding: Tokens, text_len: int, spans, media: list[dict],
                  cut: bool) -> Encoded:
         """Targets from the reply spans, placeholders expanded, limits applied. ``encoding`` is the tokenizer's
         of a text of ``text_len`` characters; ``cut``: the text was cut before tokenizing (its last tokens are
         dropped as unsettled, and so are the media past the cut)."""
-        ids = np.asarray(encoding.ids, dtype=np.int64)
+        ids = encoding.ids
         if cut:
             ids = ids[:-_STABLE_TOKENS]
         n = len(ids)
         targets = np.zeros(n, dtype=np.uint8)
         for s, e in spans:  # the tokens that start inside the reply (their offsets looked up, not all converted)
-            first, end = _token_at(encoding, s, n, text_len), _token_at(encoding, e, n, text_len)
+            first, end = encoding.token_at(s, n), encoding.token_at(e, n)
             targets[first:end] = 1
             if not self.generation_tags:  # reply found by prefix rendering: add the end-of-turn token after it
                 if end < n and int(ids[end]) in self.special_ids:
@@ -755,7 +746,7 @@ class Encoder:
             m["token_offset"], m["span"] = start, list(self._media_span(tokens, {"token_offset": s, "tokens": e - s}))
         return tokens, aligned, media
 
-    def _locate_in_text(self, encoding: Any, ids: np.ndarray, targets: np.ndarray, media: list[dict],
+    def _locate_in_text(self, encoding: Tokens, ids: np.ndarray, targets: np.ndarray, media: list[dict],
                         text_len: int) -> list[dict]:
         """Each item's ``token_offset`` (its first embedding placeholder) and ``span`` (its whole expansion) from
         the characters :meth:`_expand_in_text` recorded; items past a cut text are left out (one that runs past
@@ -853,26 +844,13 @@ def _positions(ids: np.ndarray, values: list[int]) -> np.ndarray:
     return np.flatnonzero(hit)
 
 
-def _token_at(encoding: Any, pos: int, n: int, text_len: int) -> int:
-    """Index of the first token that starts at character ``pos`` or later (``n`` if none among the first ``n``)."""
-    probe, token = pos, encoding.char_to_token(pos)
-    while token is None:  # a character no token covers: the next one that is covered
-        probe += 1
-        if probe >= text_len:
-            return n
-        token = encoding.char_to_token(probe)
-    if encoding.token_to_chars(token)[0] < pos:
-        token += 1
-    return min(token, n)
-
-
-def _covering_token(encoding: Any, pos: int, n: int) -> int:
+def _covering_token(encoding: Tokens, pos: int, n: int) -> int:
     """Index of the token covering character ``pos`` (at most ``n``); a character no token covers is a
     :class:`SampleError` (media expansions start and end on marker tokens, which always cover their characters)."""
-    token = encoding.char_to_token(pos)
+    token = encoding.covering(pos, n)
     if token is None:
         raise SampleError(f"no token covers character {pos} of a media expansion")
-    return min(token, n)
+    return token
 
 
 def model_facts(settings: EncodeSettings, dataset_yaml: dict | None = None) -> dict:

@@ -1,0 +1,147 @@
+"""Token positions from byte lengths equal the tokenizer's own offsets, on every tokenizer shape: the fast path
+where it is provably exact, the tokenizer's offsets wherever it is not (and the tests say which path ran)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from packtool.tokenizing import ByteTokens, OffsetTokens, Tokenizing, _ByteTable
+
+SPECIAL = ["<|im_start|>", "<|im_end|>", "<|image_pad|>"]
+PIECES = ["hello", " world", "\n", "  ", "é", "e\u0301", "Ünïcödé", "数据", "😀", "🧑‍💻", "x", "\t", "'s", "123",
+          " ", "¡", "\u00a0", "Ω", "日本語のテキスト", *SPECIAL]
+
+
+def corpus(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choice(PIECES) for _ in range(rng.randint(0, 30))) for _ in range(n)]
+
+
+def byte_level(*, prefix_space: bool = False, normalizer=normalizers.NFC(), trim: bool = False,
+               lstrip_special: bool = False) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix_space)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=trim)
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=SPECIAL, show_progress=False)
+    tok.train_from_iterator(corpus(300, 0), trainer)
+    if lstrip_special:
+        tok.add_special_tokens([AddedToken("<|tool|>", lstrip=True, rstrip=True)])
+    else:
+        tok.add_special_tokens([AddedToken("<|tool|>")])
+    tok.add_tokens([AddedToken("αβγ", normalized=False)])  # a non-ASCII added token: matched as text
+    return tok
+
+
+def metaspace() -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", *SPECIAL], show_progress=False)
+    tok.train_from_iterator(corpus(300, 0), trainer)
+    return tok
+
+
+def assert_same_positions(tok: Tokenizer, texts: list[str]) -> list:
+    """Every text's ids, and the token at / covering every character, equal the tokenizer's offsets."""
+    got = Tokenizing(tok).encode(texts)
+    for text, tokens in zip(texts, got):
+        ref = OffsetTokens(tok.encode(text, add_special_tokens=False), len(text))
+        assert tokens.ids.tolist() == ref.ids.tolist(), text
+        n = len(ref)
+        for pos in range(len(text) + 2):
+            for cap in {n, max(n - 1, 0)}:
+                assert tokens.token_at(pos, cap) == ref.token_at(pos, cap), (text, pos, cap)
+                if pos < len(text):
+                    assert tokens.covering(pos, cap) == ref.covering(pos, cap), (text, pos, cap)
+    return got
+
+
+TEXTS = corpus(150, 1) + ["", " ", "<|im_start|>user\nhi<|im_end|>", "<|tool|>", "a <|tool|> b", "xαβγy"]
+
+
+def test_byte_level_takes_the_fast_path_and_agrees():
+    tok = byte_level()
+    got = assert_same_positions(tok, TEXTS)
+    fast = [t for t, g in zip(TEXTS, got) if isinstance(g, ByteTokens)]
+    slow = [t for t, g in zip(TEXTS, got) if isinstance(g, OffsetTokens)]
+    # only texts that NFC changes (a combining accent) need the tokenizer's offsets
+    assert slow and all("e\u0301" in t for t in slow)
+    assert len(fast) == sum("e\u0301" not in t for t in TEXTS) > 50
+
+
+@pytest.mark.parametrize("make", [
+    lambda: byte_level(prefix_space=True),  # a space is added: no text is its tokens' bytes
+    lambda: byte_level(normalizer=normalizers.Lowercase()),  # rewritten letters
+    lambda: byte_level(lstrip_special=True),  # an added token that swallows its neighbours' spaces
+    lambda: byte_level(normalizer=None),
+])
+def test_rewriting_tokenizers_fall_back_where_needed(make):
+    assert_same_positions(make(), TEXTS)
+
+
+def test_prefix_space_falls_back_where_a_space_is_added():
+    got = Tokenizing(byte_level(prefix_space=True)).encode(["hello world", " hello world"])
+    assert isinstance(got[0], OffsetTokens) and isinstance(got[1], ByteTokens)
+
+
+def test_lstrip_token_falls_back_only_beside_spaces():
+    got = Tokenizing(byte_level(lstrip_special=True)).encode(["a <|tool|> b", "a<|tool|>b"])
+    assert isinstance(got[0], OffsetTokens) and isinstance(got[1], ByteTokens)
+
+
+def test_other_tokenizers_use_offsets():
+    for tok in (metaspace(), byte_level(trim=True)):
+        assert Tokenizing(tok).table is None
+        got = assert_same_positions(tok, TEXTS[:40])
+        assert all(isinstance(g, OffsetTokens) for g in got)
+
+
+def test_the_byte_check_catches_a_wrong_table():
+    """Control: with two tokens' bytes swapped in the table, texts using them must fall back (and stay right);
+    without the check they would get wrong positions."""
+    tok = byte_level()
+    tokenizing = Tokenizing(tok)
+    table = tokenizing.table
+    assert table is not None
+    vocab = tok.get_vocab()
+    a, b = vocab["h"], vocab["x"]  # same length, so only the byte comparison can tell
+    table.start[[a, b]] = table.start[[b, a]]
+    texts = ["hhx", "xxh", "plain 123"]
+    got = tokenizing.encode(texts)
+    assert [type(g) for g in got] == [OffsetTokens, OffsetTokens, ByteTokens]
+    for text, g in zip(texts, got):
+        assert g.ids.tolist() == tok.encode(text, add_special_tokens=False).ids
+
+
+def test_unknown_and_empty():
+    tok = byte_level()
+    table = _ByteTable.of(tok)
+    assert table is not None
+    out = table.check(["", "ab"], [np.zeros(0, dtype=np.int64), np.array([10**9], dtype=np.int64)])
+    assert [i for i, _ in out] == [0]
+    assert len(out[0][1]) == 0 and out[0][1].token_at(0, 0) == 0
+
+
+def test_refused_text_comes_back_as_its_error():
+    tok = byte_level()
+    tok.enable_truncation(1)  # leaves the ids short: never the fast path's business, but still exact
+    got = Tokenizing(tok).encode(["hello world"])
+    assert isinstance(got[0], OffsetTokens) and len(got[0]) == 1
+
+
+@pytest.mark.parametrize("folder", ["tokenizer", "tokenizer-gen", "nemotron-omni"])
+def test_bundled_model_folders(folder):
+    """The model folders the demo packs with take the fast path on NFC text, with the same answers."""
+    from pathlib import Path
+
+    tok = Tokenizer.from_file(str(Path(__file__).parents[1] / "examples" / "demo" / folder / "tokenizer.json"))
+    texts = [t for t in TEXTS if "e\u0301" not in t]
+    got = assert_same_positions(tok, texts)
+    assert all(isinstance(g, ByteTokens) for g in got)
