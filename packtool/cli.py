@@ -7,13 +7,23 @@ from __future__ import annotations
 import errno
 import json
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TypeVar
 
 import typer
 
 from packtool.errors import PacktoolError
-from packtool.settings import Algorithm, EncodeSettings, PlanSettings, Preset, RunOptions, choices, default
+from packtool.settings import (
+    Algorithm,
+    EncodeSettings,
+    PlanSettings,
+    Preset,
+    RunOptions,
+    choices,
+    default,
+    derive_align,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Offline global sequence packing of Energon multimodal SFT datasets.")
@@ -110,9 +120,8 @@ def pack(
 ) -> None:
     """Pack SOURCE into OUTPUT."""
     from packtool.engine import default_workers
-    from packtool.pipeline import pack as run_pack
-    from packtool.plan import derive_align
     from packtool.settings import PackSettings
+    from packtool.workers import pack_engine
 
     def build() -> tuple[PackSettings, RunOptions]:
         aligned = align or derive_align(cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
@@ -135,7 +144,11 @@ def pack(
         return PackSettings(enc, plan, tuple(split or ())), options
 
     settings, options = _one_line(build)
-    result = _one_line(lambda: run_pack(source, output, settings, options))
+    with ExitStack() as stack:  # the workers start first: their start-ups overlap this process's imports
+        pool = _one_line(lambda: stack.enter_context(pack_engine(source, settings.encode, options)))
+        from packtool.pipeline import pack as run_pack
+
+        result = _one_line(lambda: run_pack(source, output, settings, options, started_engine=pool))
     from packtool.stats import compute
 
     fills = compute(result.output)["splits"]

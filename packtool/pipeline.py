@@ -19,7 +19,7 @@ import pyarrow as pa
 from packtool import __version__
 from packtool.assemble import SEGMENT_COLUMNS, write_part, write_shard
 from packtool.commit import commit_bytes, temporary_name
-from packtool.encode import TOKENIZER_FILES, get_encoder, model_facts, tokenizer_fingerprint
+from packtool.encode import TOKENIZER_FILES, model_facts, tokenizer_fingerprint
 from packtool.encoded import BYTES_PER_RANGE, SAMPLES_PER_RANGE, SourceStamp, encode_range
 from packtool.engine import Engine
 from packtool.errors import ConfigError, FormatError
@@ -36,10 +36,11 @@ from packtool.format import (
 from packtool.ledger import write_ledger
 from packtool.output import OutputDir, check_paths
 from packtool.planning import SplitPlan, load_encoded, plan_split
-from packtool.settings import EncodeSettings, PackSettings, RunOptions
+from packtool.settings import PackSettings, RunOptions
 from packtool.shards import idx_path, index_tar, join_tar
 from packtool.sources import SourceDataset, open_source
 from packtool.sources.energon import shard_layout
+from packtool.workers import pack_engine
 
 
 @dataclass
@@ -64,10 +65,12 @@ class _Clock:
         self.last = now
 
 
-def pack(source: str | Path, output: str | Path, settings: PackSettings, run: RunOptions | None = None,
-         **options: object) -> PackResult:
+def pack(source: str | Path, output: str | Path, settings: PackSettings, run: RunOptions | None = None, *,
+         started_engine: Engine | None = None, **options: object) -> PackResult:
     """Pack every requested split of ``source`` into ``output`` (see the module docstring). ``run`` (or its
-    fields as keyword ``options``) says how the run goes.
+    fields as keyword ``options``) says how the run goes. ``started_engine``: an entered engine from
+    :func:`packtool.workers.pack_engine` for the same source and settings, started early by the caller (by
+    default the run starts its own once the source and settings check out).
 
     >>> pack("dataset", "packed", PackSettings(EncodeSettings(tokenizer="model", pack_size=8192)),
     ...      workers=2, progress=False)  # doctest: +SKIP
@@ -83,27 +86,18 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, run: Ru
         except FormatError as exc:
             raise ConfigError(str(exc)) from None
     fingerprints = settings.fingerprints(source, tokenizer_fingerprint(settings.encode.tokenizer))
-    engine = Engine(run.engine, run.workers, run.ray_address, initializer=_warm,
-                    initargs=(settings.encode, src.dataset_yaml))
     # The engine is up (Ray reached) and the model folder proven by a worker before OUTPUT is touched; the OUTPUT
     # lock outlives every worker.
-    with engine:
-        facts = engine.map(model_facts, [(settings.encode, src.dataset_yaml)], progress=False)[0]
-        return _pack(engine, src, output, settings, run, fingerprints, facts, clock)
-
-
-def _warm(settings: EncodeSettings, dataset_yaml: dict) -> None:
-    """Build this worker's encoder as it starts (the workers' start-ups overlap). A model folder that does not
-    encode is left to the first task to report, as its own error."""
-    try:
-        get_encoder(settings, dataset_yaml)
-    except Exception:
-        pass
+    if started_engine is not None:
+        return _pack(started_engine, src, output, settings, run, fingerprints, clock)
+    with pack_engine(source, settings.encode, run) as own:
+        return _pack(own, src, output, settings, run, fingerprints, clock)
 
 
 def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettings, run: RunOptions,
-          fingerprints: dict, facts: dict, clock: _Clock) -> PackResult:
+          fingerprints: dict, clock: _Clock) -> PackResult:
     source = src.root
+    facts = engine.map(model_facts, [(settings.encode, src.dataset_yaml)], progress=False)[0]
     with OutputDir(output, fingerprints, overwrite=run.overwrite) as out:
         stamps = {s: SourceStamp.of(source, s, src.metadata) for shards in src.splits.values() for s in shards}
         if out.drop_stale_encodings(stamps):

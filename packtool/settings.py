@@ -58,6 +58,24 @@ DEFAULT_PIXEL_LIMIT = 89_478_485
 DEFAULT_MAX_SAMPLE_BYTES = 1 << 30
 
 
+def derive_align(cp_size: int = 1, tp_size: int = 1, sequence_parallel: bool = False) -> int:
+    """Segment alignment Megatron needs: lcm(2*cp if cp > 1, cp*tp if sequence parallel and tp > 1); else 1.
+
+    Context parallelism splits each sequence into ``2*cp`` chunks (load-balanced causal halves); sequence
+    parallelism splits it across the ``cp*tp`` ranks that share it.
+    """
+    for name, value in (("cp_size", cp_size), ("tp_size", tp_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    cp, tp = cp_size, tp_size
+    align = 1
+    if cp > 1:
+        align = math.lcm(align, 2 * cp)
+    if sequence_parallel and tp > 1:
+        align = math.lcm(align, cp * tp)
+    return align
+
+
 def default(cls: type, name: str) -> Any:
     """The default of field ``name`` of settings class ``cls`` (for the CLI)."""
     f = next(f for f in fields(cls) if f.name == name)

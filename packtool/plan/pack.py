@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
@@ -13,6 +12,7 @@ from packtool.plan.bestfit import best_fit_decreasing
 from packtool.plan.fill import greedy_knapsack, slot_balanced_fill
 from packtool.plan.firstfit import ffd, first_fit_shuffle
 from packtool.plan.nextfit import sequential
+from packtool.settings import derive_align  # noqa: F401 (re-exported: part of the planner's API)
 
 #: Accepted ``algorithm`` names; ``auto`` is the default.
 ALGORITHMS = ("auto", "bfd", "ffd", "greedy_knapsack", "balanced_greedy_knapsack", "first_fit_shuffle",
@@ -107,22 +107,6 @@ def _can_bind(values: np.ndarray, limit: int, max_segments: int | None) -> bool:
     if max_segments and max_segments < values.size:
         values = np.partition(values, -max_segments)[-max_segments:]
     return int(values.sum()) > limit
-
-
-def derive_align(cp_size: int = 1, tp_size: int = 1, sequence_parallel: bool = False) -> int:
-    """Segment alignment Megatron needs: lcm(2*cp if cp > 1, cp*tp if sequence parallel and tp > 1); else 1.
-
-    Context parallelism splits each sequence into ``2*cp`` chunks (load-balanced causal halves); sequence
-    parallelism splits it across the ``cp*tp`` ranks that share it.
-    """
-    cp = positive_int(cp_size, "cp_size", allow_none=False)
-    tp = positive_int(tp_size, "tp_size", allow_none=False)
-    align = 1
-    if cp > 1:
-        align = math.lcm(align, 2 * cp)
-    if sequence_parallel and tp > 1:
-        align = math.lcm(align, cp * tp)
-    return align
 
 
 def l1_bound(costs, pack_size: int) -> int:

@@ -52,6 +52,12 @@ class SourceDataset:
     metadata: str = ""
 
 
+def read_dataset_yaml(root: str | Path) -> dict:
+    """The dataset's parsed ``dataset.yaml`` ({} when it has none)."""
+    path = Path(root) / META / "dataset.yaml"
+    return read_mapping(path, "dataset file") if path.exists() else {}
+
+
 def open_source(root: str | Path, splits: list[str] | None = None) -> SourceDataset:
     """Read the dataset's metadata; ``splits`` restricts to those (each must exist). Every shard path must stay
     inside ``root`` and exist."""
@@ -61,7 +67,7 @@ def open_source(root: str | Path, splits: list[str] | None = None) -> SourceData
         raise SourceError(f"{root} is not an Energon dataset: no {META} folder")
     try:
         split_cfg = SplitYaml.read(root)
-        dataset_yaml = read_mapping(meta / "dataset.yaml", "dataset file") if (meta / "dataset.yaml").exists() else {}
+        dataset_yaml = read_dataset_yaml(root)
         info = InfoJson.read(root) if any((meta / n).exists() for n in (".info.json", ".info.yaml")) else None
     except FormatError as exc:
         raise SourceError(str(exc)) from None

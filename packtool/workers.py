@@ -1,0 +1,29 @@
+"""The worker processes of a ``pack`` run. They can be started before the parent imports anything heavy (the
+command line does), so their start-ups — an interpreter each, transformers, the tokenizer — overlap the parent's
+own imports and its reading of the source."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from packtool.engine import Engine
+from packtool.settings import EncodeSettings, RunOptions
+
+
+def pack_engine(source: str | Path, settings: EncodeSettings, run: RunOptions) -> Engine:
+    """The engine for packing ``source`` with these settings (not yet entered): every worker builds its encoder
+    as it starts (:func:`warm`)."""
+    return Engine(run.engine, run.workers, run.ray_address, initializer=warm,
+                  initargs=(settings, str(Path(source).resolve())))
+
+
+def warm(settings: EncodeSettings, source: str) -> None:
+    """Build this worker's encoder as it starts (the workers' start-ups overlap). A model folder or source that
+    does not open is left to the run to report, as its own error."""
+    try:
+        from packtool.encode import get_encoder
+        from packtool.sources.energon import read_dataset_yaml
+
+        get_encoder(settings, read_dataset_yaml(source))
+    except Exception:
+        pass
