@@ -419,3 +419,19 @@ def test_auto_under_binding_image_cap_is_no_worse_than_either_candidate():
     assert np.array_equal(alone, pack_lengths(lengths, 16384, algorithm="bfd", **kw))
     assert ids.max() <= min(shuffled.max(), alone.max())
     assert ids.max() < alone.max()  # on this image-heavy set the shuffled candidate wins
+
+
+@pytest.mark.parametrize("worst", [False, True])
+@pytest.mark.parametrize("max_segments", [None, 3])
+def test_rows_bitset_equals_tree(monkeypatch, worst, max_segments):
+    """Without extra resources, rows are found through a bitset; the tree gives the same placement."""
+    from packtool.plan import _rows
+
+    rng = np.random.default_rng(7)
+    units = rng.integers(1, 200, size=3000)
+    order = np.argsort(-units, kind="stable")
+    fast = _rows.place_by_rows(units, 256, order, max_segments, worst=worst, start=5 if worst else 0)
+    monkeypatch.setattr(_rows, "_BITSET_ROWS", 0)
+    slow = _rows.place_by_rows(units, 256, order, max_segments, worst=worst, start=5 if worst else 0)
+    assert np.array_equal(fast, slow)
+    assert len(np.unique(fast)) > 1000 // 256

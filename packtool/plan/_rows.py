@@ -17,6 +17,9 @@ from packtool.plan._common import Resource
 from packtool.plan._tree import NEG, MaxTree
 
 _CHUNK = 1 << 16
+#: Without extra resources, rows up to this many are found through a bitset of the occupied rows (a Python int:
+#: a shift and a lowest-bit test) rather than the tree; beyond it the int grows too large to copy per update.
+_BITSET_ROWS = 1 << 16
 
 
 def place_by_rows(units: np.ndarray, cap: int, order: np.ndarray, max_segments: int | None = None,
@@ -27,14 +30,19 @@ def place_by_rows(units: np.ndarray, cap: int, order: np.ndarray, max_segments: 
     K = max_segments
     limits = [lim for _, lim in resources]
     m = len(resources)
-    tree = MaxTree(cap + 1, m or 1)  #: per row: most of each resource left (or 0), NEG when empty
+    bitset = m == 0 and cap < _BITSET_ROWS
+    occupied = 0  #: bitset: bit r set while row r holds a pack
+    tree = MaxTree(1 if bitset else cap + 1, m or 1)  #: per row: most of each resource left (or 0), NEG when empty
     rows: dict[int, list[tuple[int, int]]] = {}
     row_left: list[dict[int, list[int]]] = [{} for _ in resources]  #: per resource: row -> sorted amounts left
     left: list[list[int]] = [[lim] * start for lim in limits]  #: per resource: amount each pack has left
     slots: list[int] = [K or 0] * start
 
     def refresh(r: int) -> None:
-        if r not in rows:
+        nonlocal occupied
+        if bitset:
+            occupied = occupied | (1 << r) if r in rows else occupied & ~(1 << r)
+        elif r not in rows:
             tree.set(r, [NEG] * (m or 1))
         else:
             tree.set(r, [row_left[j][r][-1] for j in range(m)] or [0])
@@ -73,7 +81,11 @@ def place_by_rows(units: np.ndarray, cap: int, order: np.ndarray, max_segments: 
             want = [d[i] for d in demand]
             need = want or [0]
             p = -1
-            r = tree.rightmost(cap, need) if worst else tree.leftmost(c, need)
+            if bitset:  # the emptiest occupied row, or the fullest one with room (-1: none)
+                above = occupied >> c
+                r = occupied.bit_length() - 1 if worst else c + (above & -above).bit_length() - 1 if above else -1
+            else:
+                r = tree.rightmost(cap, need) if worst else tree.leftmost(c, need)
             while r >= c:
                 for _, q in rows[r]:
                     if all(left[j][q] >= want[j] for j in range(m)):
