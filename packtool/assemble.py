@@ -148,7 +148,7 @@ def assemble_record(key: str, split: str, group: list[tuple[Any, ...]], sources:
         tgts.append(np.asarray(tgt[tok_offset: tok_offset + length]))
         seqlens.append(length)
         refs = []
-        for m in json.loads(media_json):
+        for m in json.loads(media_json) if media_json != "[]" else ():
             items += 1
             if m.get("frames"):  # a video given as images: one member per frame, in frame order
                 frames = sources.frames(shard, m)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import io
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -51,3 +53,30 @@ def test_one_shard_two_workers_same_bytes(demo_dir: Path, tmp_path: Path, monkey
     written = shard.stat().st_mtime_ns
     pack(demo_dir / "dataset", tmp_path / "two", settings, workers=2, progress=False)
     assert _files(tmp_path / "two") == reference and shard.stat().st_mtime_ns == written and joined == [2]
+
+
+def test_headers_equal_tarfiles():
+    """The writer's spliced USTAR headers are tarfile's bytes for every name and size (long and non-ASCII names
+    and sizes of 8 GiB or more take tarfile's own path)."""
+    import random
+
+    from packtool.shards import _header, _tar_header
+
+    rng = random.Random(0)
+    cases = [("a", 0), ("x" * 100, 8 ** 11 - 1), ("x" * 101, 3), ("é.json", 4), ("y" * 150 + "/z.npy", 9),
+             ("big", 8 ** 11), ("train-000001.tokens.npy", 32128)]
+    cases += [("".join(rng.choice("ab./_-09") for _ in range(rng.randint(1, 120))),
+               rng.choice([0, 511, 512, 513, rng.randint(0, 2 ** 36)])) for _ in range(500)]
+    for name, size in cases:
+        try:
+            want: bytes | type = _tar_header(name, size)
+        except ValueError as exc:  # a name tarfile cannot split into prefix and name
+            want = type(exc)
+        try:
+            got: bytes | type = _header(name, size)
+        except ValueError as exc:
+            got = type(exc)
+        assert got == want, (name, size)
+    with tarfile.open(fileobj=io.BytesIO(_header("k.json", 3) + b"abc" + bytes(509 + 1024))) as tar:
+        member = tar.next()
+        assert member is not None and (member.name, member.size, member.mode) == ("k.json", 3, 0o644)
