@@ -251,10 +251,22 @@ def arrays_digest(members: Mapping[str, bytes]) -> str:
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
-    """``.npy`` bytes of an array (never pickled)."""
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
-    return buf.getvalue()
+    """``.npy`` bytes of a 1-D array of plain numbers (never pickled): the NPY 1.0 header laid out as
+    ``np.save`` lays it out (a test holds them equal), then the data; several times faster than ``np.save``."""
+    array = np.ascontiguousarray(array)
+    if array.ndim != 1 or array.dtype.kind not in "biuf":
+        raise ValueError(f"npy_bytes takes 1-D numeric arrays, got {array.ndim}-D {array.dtype}")
+    n = len(array)
+    header = f"{{'descr': '{array.dtype.str}', 'fortran_order': False, 'shape': ({n},), }}"
+    header += " " * (_NPY_GROWTH_DIGITS - len(str(n)))  # numpy's room to grow the shape in place
+    pad = _NPY_ALIGN - (_NPY_PREFIX + len(header) + 1) % _NPY_ALIGN
+    return b"\x93NUMPY\x01\x00%b%b%b\n%b" % (
+        (len(header) + 1 + pad).to_bytes(2, "little"), header.encode("latin-1"), b" " * pad, array.tobytes())
+
+
+#: NPY 1.0 layout: magic + version + header length (10 bytes), data aligned to 64 bytes, and the spaces numpy
+#: leaves after the shape.
+_NPY_PREFIX, _NPY_ALIGN, _NPY_GROWTH_DIGITS = 10, 64, 21
 
 
 def load_npy(data: bytes, dtype: type, name: str) -> np.ndarray:

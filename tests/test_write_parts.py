@@ -8,6 +8,7 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from packtool import pipeline
 from packtool.format import MANIFEST
@@ -80,3 +81,18 @@ def test_headers_equal_tarfiles():
     with tarfile.open(fileobj=io.BytesIO(_header("k.json", 3) + b"abc" + bytes(509 + 1024))) as tar:
         member = tar.next()
         assert member is not None and (member.name, member.size, member.mode) == ("k.json", 3, 0o644)
+
+
+def test_npy_bytes_equal_np_save():
+    """npy_bytes lays the header out as np.save does, for every dtype and length digit count."""
+    from packtool.format import load_npy, npy_bytes
+
+    for dtype in (np.int32, np.uint8, np.int64, np.float32, np.bool_, np.dtype(">i4")):
+        for n in (0, 1, 9, 10, 99, 100, 8191, 8192, 100_003):
+            array = (np.arange(n) % 7).astype(dtype)
+            buf = io.BytesIO()
+            np.save(buf, array, allow_pickle=False)
+            assert npy_bytes(array) == buf.getvalue(), (dtype, n)
+    assert np.array_equal(load_npy(npy_bytes(np.arange(5, dtype=np.int32)), np.int32, "x"), np.arange(5))
+    with pytest.raises(ValueError):
+        npy_bytes(np.zeros((2, 2), np.int32))
