@@ -236,6 +236,7 @@ class Encoder:
         self.special_ids = frozenset(self.tok.all_special_ids) | frozenset(self.tok.added_tokens_encoder.values())
         self.special_array = np.array(sorted(self.special_ids), dtype=np.int64)
         self.control_tokens = tuple(t for t in self.tok.added_tokens_encoder if t not in MEDIA_TAGS.values())
+        self.control_starts = frozenset(t[0] for t in self.control_tokens if t)
         self.structured = self._template_takes_image_parts()
         if self.structured or self.vision_start_id is None or self.image_token != "<|image_pad|>":
             self.image_text = self.image_token or ""
@@ -568,11 +569,15 @@ class Encoder:
             if m["role"] == "assistant" and turn:
                 tag = MEDIA_TAGS[turn[0]]
                 raise SampleError(f"a media tag {tag} lies in assistant turn {i}; media belong in user turns")
-            for t in self.control_tokens:
-                if t in m["content"]:
-                    raise SampleError(f"{m['role']} text contains the control token {t!r}")
+            text = m["content"]
+            if any(c in text for c in self.control_starts):  # else no control token can be in it
+                for t in self.control_tokens:
+                    if t in text:
+                        raise SampleError(f"{m['role']} text contains the control token {t!r}")
+            if text.isascii():
+                continue
             try:
-                m["content"].encode("utf-8")
+                text.encode("utf-8")
             except UnicodeEncodeError as exc:
                 raise SampleError(f"{m['role']} text of turn {i} is not valid Unicode "
                                   f"({exc.reason} at character {exc.start})") from None

@@ -73,24 +73,24 @@ class ByteTokens:
     """:class:`Tokens` of a text whose UTF-8 bytes are exactly its tokens' bytes in order (checked by
     :class:`Tokenizing`): a token's position is where its bytes start."""
 
-    def __init__(self, ids: np.ndarray, starts: np.ndarray, text: str):
+    def __init__(self, ids: np.ndarray, starts: np.ndarray, text: str, base: int = 0):
         self.ids = ids
-        self.starts = starts  # byte offset of each token in the text, increasing
-        self.text = text
+        self.starts = starts  # byte offset of each token, increasing: ``base`` where the text begins
+        self.text, self.base = text, base
         self._char_bytes: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def _byte(self, pos: int) -> int:
-        """Byte offset of character ``pos`` (the text's byte length past its end)."""
+        """Byte offset of character ``pos`` in the terms of ``starts`` (past its end: where the text ends)."""
         if self.text.isascii():
-            return min(pos, len(self.text))
+            return self.base + min(pos, len(self.text))
         if self._char_bytes is None:  # the byte offset of every character, once
             code = np.frombuffer(self.text.encode("utf-32-le"), dtype=np.uint32)
             width = 1 + (code >= 0x80) + (code >= 0x800) + (code >= 0x10000)
             self._char_bytes = np.concatenate([[0], np.cumsum(width)])
-        return int(self._char_bytes[min(pos, len(self.text))])
+        return self.base + int(self._char_bytes[min(pos, len(self.text))])
 
     def token_at(self, pos: int, n: int) -> int:
         return min(int(self.starts.searchsorted(self._byte(pos), side="left")), n)
@@ -224,24 +224,22 @@ class _ByteTable:
         bounds = np.concatenate([[0], np.cumsum(counts)])
         summed = np.concatenate([[0], np.cumsum(length)])
         unknown = np.concatenate([[0], np.cumsum(length < 0)])
-        encoded = [t.encode("utf-8") for t in texts]
+        nbytes = [len(t) if t.isascii() else len(t.encode("utf-8")) for t in texts]
         total = summed[bounds[1:]] - summed[bounds[:-1]]
         bad = unknown[bounds[1:]] - unknown[bounds[:-1]]
-        ok = [i for i in range(len(texts)) if not bad[i] and total[i] == len(encoded[i])]
+        ok = [i for i in range(len(texts)) if not bad[i] and total[i] == nbytes[i]]
         if not ok:
             return []
-        pick = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in ok])
-        lens = length[pick]
-        ends = np.cumsum(lens)
-        at = np.repeat(self.start[every[pick]] - (ends - lens), lens) + np.arange(int(ends[-1]) if len(ends) else 0)
-        got = self.data[at]
-        want = np.frombuffer(b"".join(encoded[i] for i in ok), dtype=np.uint8)
-        text_end = np.cumsum([len(encoded[i]) for i in ok])
-        wrong = set(np.searchsorted(text_end, np.flatnonzero(got != want), side="right").tolist())
+        if len(ok) == len(texts):  # the usual case: every text's tokens, as they are
+            chosen, lens = every, length
+        else:
+            pick = np.concatenate([np.arange(bounds[i], bounds[i + 1]) for i in ok])
+            chosen, lens = every[pick], length[pick]
+        starts = np.cumsum(lens) - lens  # where each token's bytes start among the kept texts' bytes
+        got = self.data[np.repeat(self.start[chosen] - starts, lens) + np.arange(int(lens.sum()))]
+        want = np.frombuffer("".join(texts[i] for i in ok).encode("utf-8"), dtype=np.uint8)
+        text_start = np.concatenate([[0], np.cumsum([nbytes[i] for i in ok])])
+        wrong = set(np.searchsorted(text_start[1:], np.flatnonzero(got != want), side="right").tolist())
         kept = np.concatenate([[0], np.cumsum(counts[ok])])
-        out = []
-        for k, i in enumerate(ok):
-            if k not in wrong:
-                own = lens[kept[k]:kept[k + 1]]
-                out.append((i, ByteTokens(ids[i], np.cumsum(own) - own, texts[i])))
-        return out
+        return [(i, ByteTokens(ids[i], starts[kept[k]:kept[k + 1]], texts[i], int(text_start[k])))
+                for k, i in enumerate(ok) if k not in wrong]

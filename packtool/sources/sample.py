@@ -59,4 +59,6 @@ _KIND_OF_TAG = {t: k for k, t in MEDIA_TAGS.items()}
 
 def tag_kinds(text: str) -> list[MediaKind]:
     """Kinds of the media tags in ``text``, in order."""
+    if "<" not in text:  # every tag starts with it
+        return []
     return [_KIND_OF_TAG[m.group(0)] for m in TAG_PATTERN.finditer(text)]
