@@ -6,7 +6,9 @@ A record is the adjacent members of one key (:func:`packtool.format.split_member
 
 from __future__ import annotations
 
+import errno
 import io
+import os
 import shutil
 import tarfile
 from collections.abc import Iterable, Iterator
@@ -85,23 +87,54 @@ def write_records(f: BinaryIO, records: Iterable[tuple[str, list[tuple[str, byte
 
 def join_tar(path: Path, parts: list[tuple[Path, list[IndexedRecord]]]) -> list[IndexedRecord]:
     """Commit the tar (and ``.tar.idx``) made of ``parts`` (files of :func:`write_records`, with their indexes)
-    in order: the bytes :func:`write_tar` writes for all their records. The parts are removed."""
+    in order: the bytes :func:`write_tar` writes for all their records. The first part becomes the tar (only the
+    others are copied, kernel-side where the OS can); the parts are removed."""
     path = Path(path)
     index: list[IndexedRecord] = []
     with commit_path(path) as tmp:
-        with open(tmp, "wb") as f:
-            for part, records in parts:
-                base = f.tell()
-                with open(part, "rb") as src:
-                    shutil.copyfileobj(src, f, 1 << 22)
+        if parts:
+            os.replace(parts[0][0], tmp)
+        with open(tmp, "r+b" if parts else "wb") as f:
+            for k, (part, records) in enumerate(parts):
+                base = f.seek(0, os.SEEK_END) if k else 0  # the first part is the file itself
+                if k:
+                    _append(part, f)
                 index += [IndexedRecord(r.key, r.offset + base, r.size,
                                         tuple((name, offset + base, size) for name, offset, size in r.parts))
                           for r in records]
+            f.seek(0, os.SEEK_END)
             f.write(b"\0" * (2 * BLOCK))
         _commit_idx(path, index)
-    for part, _ in parts:
+    for part, _ in parts[1:]:
         part.unlink()
     return index
+
+
+#: copy_file_range errors that mean "not here" (an old kernel, a filesystem without it): copy in user space.
+_NO_KERNEL_COPY = (errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF)
+
+
+def _append(src: Path, dst: BinaryIO) -> None:
+    """Append the bytes of file ``src`` to the open file ``dst``."""
+    dst.flush()
+    end = dst.seek(0, os.SEEK_END)
+    with open(src, "rb") as s:
+        size, done = os.fstat(s.fileno()).st_size, 0
+        try:
+            while done < size:
+                n = os.copy_file_range(s.fileno(), dst.fileno(), size - done, offset_src=done, offset_dst=end + done)
+                if n == 0:
+                    break
+                done += n
+        except AttributeError:  # no copy_file_range on this platform
+            pass
+        except OSError as exc:
+            if exc.errno not in _NO_KERNEL_COPY:
+                raise
+        s.seek(done)
+        dst.seek(end + done)
+        shutil.copyfileobj(s, dst, 1 << 22)  # what the kernel did not copy
+    dst.seek(0, os.SEEK_END)
 
 
 def _commit_idx(path: Path, index: list[IndexedRecord]) -> None:

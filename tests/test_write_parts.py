@@ -19,7 +19,19 @@ from packtool.shards import idx_path, join_tar, write_records, write_tar
 RECORDS = [(f"k{i}", [("json", b"{}" * i), ("bin", bytes(range(i % 256)) * 3)]) for i in range(9)]
 
 
-def test_parts_joined_equal_one_tar(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kernel_copy", ["yes", "refused", "missing"])
+def test_parts_joined_equal_one_tar(tmp_path: Path, monkeypatch, kernel_copy: str) -> None:
+    """Joined parts equal one tar written whole, whether the kernel copies (copy_file_range), refuses to, or
+    the platform has no such call (user-space copy)."""
+    import errno
+    import os
+
+    if kernel_copy == "refused":
+        def refuse(*args, **kwargs):
+            raise OSError(errno.EXDEV, "cross-device")
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    elif kernel_copy == "missing":
+        monkeypatch.delattr(os, "copy_file_range")
     whole = write_tar(tmp_path / "whole.tar", RECORDS)
     parts = []
     for i, chunk in enumerate((RECORDS[:4], RECORDS[4:5], RECORDS[5:])):
