@@ -63,19 +63,6 @@ from packtool.sources.sample import AUDIO_TAG, IMAGE_TAG, MEDIA_TAGS, TAG_PATTER
 from packtool.sources.typed import sample_type, typed_adapter
 from packtool.tokenizing import Tokenizing, Tokens
 
-#: Files of a model folder that decide the encoding (their bytes form the tokenizer fingerprint).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "preprocessor_config.json",
-    "video_preprocessor_config.json",
-    "processor_config.json",
-)
-
 #: Settings that only Qwen2-VL's rules (or a fixed image count) read: an error with a Nemotron Omni folder.
 _QWEN_SETTINGS = ("min_pixels", "max_pixels", "image_tokens", "video_min_frames", "video_max_frames",
                   "video_min_pixels", "video_max_pixels")
@@ -107,18 +94,6 @@ class Encoded:
     source_tokens: int = 0
     #: False when a huge text was cut before tokenizing: ``source_tokens`` is then a lower bound.
     length_known: bool = True
-
-
-def tokenizer_fingerprint(tokenizer_dir: str | Path) -> str:
-    """SHA-256 over the files that decide the encoding."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name in TOKENIZER_FILES:
-        path = Path(tokenizer_dir) / name
-        if path.exists():
-            h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
 
 
 def check_tokenizer_dir(tokenizer_dir: str | Path) -> None:

@@ -16,17 +16,20 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from packtool.commit import commit_path
-from packtool.encode import Encoded, get_encoder
 from packtool.errors import SourceError
 from packtool.format import KEPT, STATUSES, npy_bytes
 from packtool.settings import EncodeSettings
 from packtool.sources.energon import SampleRange, ShardLayout, ShardScan
+
+if TYPE_CHECKING:
+    from packtool.encode import Encoded
 
 #: Raw bytes of source samples held at once by an encode task (at most 256 samples, fewer if media are large).
 CHUNK_BYTES = 64 * 2**20
@@ -94,6 +97,8 @@ def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: fr
     out = Path(out_dir)
     if is_current(out, stamp, span):
         return status_counts(pq.read_table(out / "samples.parquet", columns=["status"]))
+    from packtool.encode import get_encoder  # here, in the worker: the parent never loads the encoder
+
     encoder = get_encoder(settings, dataset_yaml)
     encoded: list[Encoded] = []
     chunk: list = []

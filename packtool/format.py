@@ -43,6 +43,19 @@ FORMAT_VERSION = 2
 META = ".nv-meta"
 MANIFEST = f"{META}/packtool.json"
 TOKENIZER_DIR = f"{META}/tokenizer"
+#: Files of a model folder that decide the encoding (their bytes form the tokenizer fingerprint); an output's
+#: ``TOKENIZER_DIR`` holds a copy of each the model folder has.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+)
 LEDGER = "ledger.parquet"
 #: Subflavor that marks a packed dataset (the Energon task encoder's cooker matches it).
 SUBFLAVOR = {"packtool": 1}
@@ -275,6 +288,16 @@ def load_npy(data: bytes, dtype: type, name: str) -> np.ndarray:
     if array.ndim != 1 or array.dtype != dtype:
         raise ValueError(f"{name}: expected 1-D {np.dtype(dtype)}, got {array.ndim}-D {array.dtype}")
     return array
+
+
+def tokenizer_fingerprint(tokenizer_dir: str | Path) -> str:
+    """SHA-256 over the files that decide the encoding."""
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        path = Path(tokenizer_dir) / name
+        if path.exists():
+            h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def sha256(data: bytes) -> str:

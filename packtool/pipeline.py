@@ -19,7 +19,6 @@ import pyarrow as pa
 from packtool import __version__
 from packtool.assemble import SEGMENT_COLUMNS, write_part, write_shard
 from packtool.commit import commit_bytes, temporary_name
-from packtool.encode import TOKENIZER_FILES, model_facts, tokenizer_fingerprint
 from packtool.encoded import BYTES_PER_RANGE, SAMPLES_PER_RANGE, SourceStamp, encode_range
 from packtool.engine import Engine
 from packtool.errors import ConfigError, FormatError
@@ -27,10 +26,12 @@ from packtool.format import (
     FORMAT_VERSION,
     MANIFEST,
     TOKENIZER_DIR,
+    TOKENIZER_FILES,
     IndexedRecord,
     Manifest,
     check_split_name,
     shard_path,
+    tokenizer_fingerprint,
     write_energon_metadata,
 )
 from packtool.ledger import write_ledger
@@ -40,7 +41,7 @@ from packtool.settings import PackSettings, RunOptions
 from packtool.shards import idx_path, index_tar, join_tar
 from packtool.sources import SourceDataset, open_source
 from packtool.sources.energon import shard_layout
-from packtool.workers import pack_engine
+from packtool.workers import model_facts, pack_engine
 
 
 @dataclass

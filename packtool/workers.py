@@ -1,6 +1,7 @@
 """The worker processes of a ``pack`` run. They can be started before the parent imports anything heavy (the
 command line does), so their start-ups — an interpreter each, transformers, the tokenizer — overlap the parent's
-own imports and its reading of the source."""
+own imports and its reading of the source. The functions here run in the workers and import the encoder there:
+the parent never needs it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,14 @@ def pack_engine(source: str | Path, settings: EncodeSettings, run: RunOptions) -
     as it starts (:func:`warm`)."""
     return Engine(run.engine, run.workers, run.ray_address, initializer=warm,
                   initargs=(settings, str(Path(source).resolve())))
+
+
+def model_facts(settings: EncodeSettings, dataset_yaml: dict) -> dict:
+    """What the manifest records of the model folder, from a worker's encoder (the parent never imports the
+    encoder: :func:`packtool.encode.model_facts`)."""
+    from packtool.encode import model_facts as facts
+
+    return facts(settings, dataset_yaml)
 
 
 def warm(settings: EncodeSettings, source: str) -> None:
