@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import json
+import os
+import sys
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -32,6 +34,11 @@ T = TypeVar("T")
 E, P, R = EncodeSettings, PlanSettings, RunOptions
 
 
+#: The errno of an OSError subclass raised without one.
+_ERRNO_OF = {FileNotFoundError: errno.ENOENT, PermissionError: errno.EACCES, IsADirectoryError: errno.EISDIR,
+             NotADirectoryError: errno.ENOTDIR, FileExistsError: errno.EEXIST}
+
+
 def _fail(message: str, code: int = 2) -> None:
     typer.echo(f"packtool: error: {message}", err=True)
     raise typer.Exit(code)
@@ -45,8 +52,12 @@ def _one_line(call: Callable[[], T]) -> T:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         _fail(message + (f"; pass --{exc.option.replace('_', '-')} to go ahead" if exc.option else ""))
     except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename else ""
-        _fail(f"{exc.strerror or errno.errorcode.get(exc.errno or 0, 'I/O error')}{where}")
+        # a library may raise e.g. FileNotFoundError(path) with neither errno nor file name set (pyarrow does)
+        bare = exc.strerror is None and len(exc.args) == 1 and isinstance(exc.args[0], str)
+        reason = exc.strerror or (os.strerror(_ERRNO_OF[type(exc)]) if type(exc) in _ERRNO_OF else None) \
+            or errno.errorcode.get(exc.errno or 0, "I/O error")
+        where = exc.filename or (exc.args[0] if bare else None)
+        _fail(f"{reason}" + (f" ({where})" if where else ""))
     raise AssertionError("unreachable")
 
 
@@ -229,7 +240,18 @@ def inspect(
 
 
 def main() -> None:
-    app()
+    """The ``packtool`` command. Once it has returned and its output is flushed, the process ends without the
+    interpreter's teardown: everything a command writes is committed (and its workers gone) by then, and tearing
+    down the modules a run loads (numpy, pyarrow, the pool's bookkeeping) adds a tenth of a second to every run."""
+    try:
+        app()
+    except SystemExit as exc:
+        code = exc.code
+        if isinstance(code, str):  # what sys.exit would print
+            print(code, file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 if __name__ == "__main__":

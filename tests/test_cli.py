@@ -39,6 +39,8 @@ def test_bad_input_gives_one_line_errors(demo_dir, tmp_path):
                                             "--split", "val", "--no-progress", check_fail=True).stderr
     assert "unknown algorithm" in run("pack", data, tmp_path / "o5", "--tokenizer", tok, "--pack-size", 2048,
                                       "--algorithm", "magic", check_fail=True).stderr
+    missing = run("stats", tmp_path / "missing", check_fail=True)  # the library raised FileNotFoundError(path)
+    assert f"No such file or directory ({tmp_path / 'missing'})" in missing.stderr and missing.returncode == 2
 
 
 def test_rerun_with_other_settings_refuses_unless_overwrite(demo_dir, tmp_path):
