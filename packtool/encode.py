@@ -151,7 +151,6 @@ class Encoder:
         self.tok = load_tokenizer(settings.tokenizer)
         if not getattr(self.tok, "is_fast", False):
             raise ConfigError(f"{settings.tokenizer}: not a fast tokenizer")
-        self.tokenizing = Tokenizing(self.tok.backend_tokenizer)
         self.template_source = self.tok.chat_template or _processor_template(settings.tokenizer)
         if isinstance(self.template_source, dict):  # named templates: the default one renders conversations
             self.template_source = self.template_source.get("default")
@@ -175,6 +174,7 @@ class Encoder:
             processor_mode=settings.media_tokens == "processor",
         )
         vocab = self.tok.get_vocab()
+        self.tokenizing = Tokenizing(self.tok.backend_tokenizer, vocab)
         self.image_token = next((t for t in ("<|image_pad|>", "<image>") if t in vocab), None)
         self.image_token_id = vocab.get(self.image_token) if self.image_token else None
         self.vision_start_id = vocab.get("<|vision_start|>")

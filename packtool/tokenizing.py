@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+#: Code points below this may be byte-level symbols (the alphabet ends at U+0143).
+_SYMBOLS = 0x200
 #: Texts per ``encode_batch_fast`` call.
 _FAST_BATCH = 64
 
@@ -105,9 +107,10 @@ class Tokenizing:
     """Tokenizes batches of texts with a ``tokenizers.Tokenizer`` (no special tokens added); see the module
     docstring. A text the tokenizer refuses comes back as the exception it raised."""
 
-    def __init__(self, backend: Any):
+    def __init__(self, backend: Any, vocab: dict[str, int] | None = None):
+        """``vocab``: the backend's ``get_vocab(with_added_tokens=True)`` when the caller has it already."""
         self.backend = backend
-        self.table = _ByteTable.of(backend)
+        self.table = _ByteTable.of(backend, vocab)
 
     def encode(self, texts: list[str]) -> list[Tokens | Exception]:
         if not texts:
@@ -187,7 +190,7 @@ class _ByteTable:
         self.data, self.start, self.length = data, start, length
 
     @classmethod
-    def of(cls, backend: Any) -> _ByteTable | None:
+    def of(cls, backend: Any, vocab: dict[str, int] | None = None) -> _ByteTable | None:
         """The table of a byte-level tokenizer whose post-processor keeps offsets; None for any other."""
         try:
             if not _has_byte_level(_state(backend.pre_tokenizer)) or \
@@ -195,25 +198,34 @@ class _ByteTable:
                 return None
         except (AttributeError, TypeError, ValueError):  # a component without a JSON state
             return None
-        byte_of = {c: b for b, c in _bytes_to_unicode().items()}
-        to_latin1 = str.maketrans({c: chr(b) for c, b in byte_of.items()})
-        vocab = backend.get_vocab(with_added_tokens=True)
+        vocab = backend.get_vocab(with_added_tokens=True) if vocab is None else vocab
         added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
         size = max([*vocab.values(), *added, -1]) + 1
-        pieces: list[bytes] = [b""] * size
-        length = np.full(size, -1, dtype=np.int64)
+        strings = [""] * size  # each vocabulary token's symbols by id (added tokens apart: matched as text)
         for token, i in vocab.items():
-            if i in added:
-                continue
-            if all(c in byte_of for c in token):
-                pieces[i] = token.translate(to_latin1).encode("latin-1")
-                length[i] = len(pieces[i])
-        for i, content in added.items():  # added tokens are matched as text, not as byte-level symbols
-            pieces[i] = content.encode("utf-8")
-            length[i] = len(pieces[i]) if pieces[i] else -1
-        sizes = np.array([len(p) for p in pieces], dtype=np.int64)
-        start = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if size else np.zeros(0, dtype=np.int64)
-        return cls(np.frombuffer(b"".join(pieces), dtype=np.uint8), start, length)
+            strings[i] = token
+        for i in added:
+            strings[i] = ""
+        # every symbol at once: its byte (-1: not a byte-level symbol), and the symbols each token has
+        symbols = np.frombuffer("".join(strings).encode("utf-32-le"), dtype=np.uint32)
+        byte_of = np.full(_SYMBOLS, -1, dtype=np.int16)
+        for b, c in _bytes_to_unicode().items():
+            byte_of[ord(c)] = b
+        values = byte_of[np.minimum(symbols, _SYMBOLS - 1)].astype(np.int64)
+        values[symbols >= _SYMBOLS] = -1
+        counts = np.array([len(t) for t in strings], dtype=np.int64)
+        ends = np.cumsum(counts)
+        bad = np.concatenate([[0], np.cumsum(values < 0)])[ends] - np.concatenate([[0], np.cumsum(values < 0)])[
+            ends - counts]
+        length = np.where((bad == 0) & (counts > 0), counts, -1)
+        extra = [content.encode("utf-8") for content in added.values()]
+        data = np.concatenate([values.astype(np.uint8), np.frombuffer(b"".join(extra), dtype=np.uint8)])
+        start = ends - counts
+        place = len(values)
+        for i, piece in zip(added, extra):
+            start[i], length[i] = place, len(piece) if piece else -1
+            place += len(piece)
+        return cls(data, start, length)
 
     def check(self, texts: list[str], ids: list[np.ndarray]) -> list[tuple[int, ByteTokens]]:
         """``(i, tokens)`` for each text whose bytes are its tokens' bytes in order."""
