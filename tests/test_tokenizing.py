@@ -145,3 +145,33 @@ def test_bundled_model_folders(folder):
     texts = [t for t in TEXTS if "e\u0301" not in t]
     got = assert_same_positions(tok, texts)
     assert all(isinstance(g, ByteTokens) for g in got)
+
+
+def test_encoder_gives_the_same_rows_on_either_path(demo_dir):
+    """The whole demo dataset plus replies that NFC rewrites or that hold wide characters: an encoder using the
+    byte positions and one using only the tokenizer's offsets give the same rows, tokens, targets and media."""
+    import json
+
+    from packtool.encode import Encoder
+    from packtool.settings import EncodeSettings
+    from packtool.sources import RawSample, open_source, read_raw_samples
+
+    src = open_source(demo_dir / "dataset")
+    raws = [r for split in src.splits.values() for shard in split
+            for r in read_raw_samples(src.root, shard, src.excluded_samples)]
+    for k, reply in enumerate(["caf\u0065\u0301 au lait", "数据 😀 ok", " leading space", "e\u0301"]):
+        sample = RawSample(key=f"extra{k}", shard="x.tar", index=k)
+        sample.parts["json"] = json.dumps({"conversations": [{"from": "human", "value": "q\u0301?"},
+                                                              {"from": "gpt", "value": reply}]}).encode()
+        sample.ranges["json"] = (0, len(sample.parts["json"]))
+        raws.append(sample)
+    fast = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048))
+    slow = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048))
+    assert fast.tokenizing.table is not None
+    slow.tokenizing.table = None  # the tokenizer's offsets for every text
+    a, b = fast.encode_many(raws), slow.encode_many(raws)
+    assert sum(e.status == "packed" for e in a) > len(raws) // 2
+    assert [e.key for e in a[-4:]] == [f"extra{k}" for k in range(4)] and all(e.targets.any() for e in a[-4:])
+    for x, y in zip(a, b):
+        assert (x.key, x.status, x.reason, x.media) == (y.key, y.status, y.reason, y.media)
+        assert np.array_equal(x.tokens, y.tokens) and np.array_equal(x.targets, y.targets)
