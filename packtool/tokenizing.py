@@ -26,6 +26,8 @@ import numpy as np
 
 #: Code points below this may be byte-level symbols (the alphabet ends at U+0143).
 _SYMBOLS = 0x200
+#: Characters of text compared with their tokens' bytes at once (the comparison holds ~10 bytes per character).
+_CHECK_CHARS = 1 << 21
 #: Texts per ``encode_batch_fast`` call.
 _FAST_BATCH = 64
 
@@ -123,8 +125,16 @@ class Tokenizing:
             except Exception:  # the batch fails as a whole: each text on its own below
                 fast = None
             if fast is not None:
-                for i, tokens in self.table.check(texts, [np.asarray(e.ids, dtype=np.int64) for e in fast]):
-                    out[i] = tokens
+                ids = [np.asarray(e.ids, dtype=np.int64) for e in fast]
+                a = 0
+                while a < len(texts):  # checked in groups of about _CHECK_CHARS characters: bounded memory
+                    b, size = a + 1, len(texts[a])
+                    while b < len(texts) and size + len(texts[b]) <= _CHECK_CHARS:
+                        size += len(texts[b])
+                        b += 1
+                    for i, tokens in self.table.check(texts[a:b], ids[a:b]):
+                        out[a + i] = tokens
+                    a = b
         slow = [i for i, t in enumerate(out) if t is None]
         if slow:
             for i, encoding in zip(slow, self._with_offsets([texts[i] for i in slow])):

@@ -179,3 +179,18 @@ def test_encoder_gives_the_same_rows_on_either_path(demo_dir):
     for x, y in zip(a, b):
         assert (x.key, x.status, x.reason, x.media) == (y.key, y.status, y.reason, y.media)
         assert np.array_equal(x.tokens, y.tokens) and np.array_equal(x.targets, y.targets)
+
+
+def test_checked_in_groups(monkeypatch):
+    """Texts are compared with their tokens in groups of bounded size; the answers do not depend on it."""
+    from packtool import tokenizing
+
+    tok = byte_level()
+    whole = Tokenizing(tok).encode(TEXTS)
+    monkeypatch.setattr(tokenizing, "_CHECK_CHARS", 40)
+    grouped = Tokenizing(tok).encode(TEXTS)
+    assert [type(g) for g in grouped] == [type(w) for w in whole]
+    for g, w, text in zip(grouped, whole, TEXTS):
+        assert g.ids.tolist() == w.ids.tolist()
+        assert [g.token_at(p, len(g)) for p in range(len(text) + 1)] == [w.token_at(p, len(w))
+                                                                         for p in range(len(text) + 1)]
