@@ -14,7 +14,7 @@ either way (tests compare both on every tokenizer packtool ships or tests with).
 
 >>> from tokenizers import Tokenizer  # doctest: +SKIP
 >>> tokens = Tokenizing(Tokenizer.from_file("tokenizer.json")).encode(["<|im_start|>user\\nhi"])[0]  # doctest: +SKIP
->>> tokens.token_at(13), tokens.covering(13)  # doctest: +SKIP
+>>> tokens.token_at(13, len(tokens)), tokens.covering(13, len(tokens))  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import numpy as np
 _SYMBOLS = 0x200
 #: Characters of text compared with their tokens' bytes at once (the comparison holds ~10 bytes per character).
 _CHECK_CHARS = 1 << 21
+#: A batch of at least this many texts, most of which fail the byte check, turns the byte path off.
+_GIVE_UP_AFTER = 32
 #: Texts per ``encode_batch_fast`` call.
 _FAST_BATCH = 64
 
@@ -136,6 +138,8 @@ class Tokenizing:
                         out[a + i] = tokens
                     a = b
         slow = [i for i, t in enumerate(out) if t is None]
+        if self.table is not None and len(texts) >= _GIVE_UP_AFTER and len(slow) * 2 > len(texts):
+            self.table = None  # this tokenizer rewrites most texts: every text would be tokenized twice
         if slow:
             for i, encoding in zip(slow, self._with_offsets([texts[i] for i in slow])):
                 out[i] = encoding if isinstance(encoding, Exception) else OffsetTokens(encoding, len(texts[i]))

@@ -194,3 +194,15 @@ def test_checked_in_groups(monkeypatch):
         assert g.ids.tolist() == w.ids.tolist()
         assert [g.token_at(p, len(g)) for p in range(len(text) + 1)] == [w.token_at(p, len(w))
                                                                          for p in range(len(text) + 1)]
+
+
+def test_a_tokenizer_that_rewrites_most_texts_turns_the_byte_path_off():
+    tok = byte_level(normalizer=normalizers.Lowercase())
+    tokenizing = Tokenizing(tok)
+    texts = [f"Hello World {i}" for i in range(40)]
+    first = tokenizing.encode(texts)
+    assert all(isinstance(t, OffsetTokens) for t in first) and tokenizing.table is None
+    assert [t.ids.tolist() for t in tokenizing.encode(texts)] == [t.ids.tolist() for t in first]
+    kept = Tokenizing(byte_level())  # NFC text: the byte path stays
+    kept.encode(texts)
+    assert kept.table is not None
