@@ -99,6 +99,58 @@ def shard_path(split: str, number: int) -> str:
     return f"{split}/pack-{number:06d}.tar"
 
 
+# -- media placeholders --------------------------------------------------------------------------------------
+#: ``image_processor.family`` of a manifest whose packs were made for a Nemotron Omni model folder.
+NEMOTRON_FAMILY = "nemotron_omni"
+
+
+def is_nemotron(manifest: Mapping) -> bool:
+    """Whether the manifest describes packs made for a Nemotron Omni model folder."""
+    entry = manifest.get("image_processor")
+    return isinstance(entry, Mapping) and entry.get("family") == NEMOTRON_FAMILY
+
+
+def placeholder_ids(manifest: Mapping) -> dict[str, int | None]:
+    """Placeholder token id of each media kind the pack's model family uses: Nemotron Omni's ``<image>`` for images
+    and video chunks and ``<so_embedding>`` for audio; elsewhere the image and video placeholders."""
+    image = manifest.get("image_token_id")
+    if is_nemotron(manifest):
+        return {"image": image, "video": image, "audio": manifest.get("audio_token_id")}
+    return {"image": image, "video": manifest.get("video_token_id")}
+
+
+def span_problems(key: str, text: np.ndarray, media: list[MediaRef], ids: Mapping[str, int | None]) -> list[str]:
+    """Problems of segment ``key``'s placeholders (``text``: its tokens; ``ids``: :func:`placeholder_ids`).
+
+    An item with a recorded ``span`` must hold exactly ``tokens`` of its kind's placeholder inside the span, the
+    first at ``token_offset`` (Nemotron Omni's video chunks are separated by frame labels, so placeholders need not
+    be contiguous); spans lie in order inside their segment. Without a span (older packs) the ``tokens``
+    placeholders from ``token_offset`` on must be contiguous. The segment holds no other placeholder."""
+    problems = []
+    last = 0
+    for m in media:
+        token = ids.get(m.kind)
+        if token is None:
+            continue
+        a, n = m.token_offset, m.tokens
+        if m.span:
+            s0, s1 = m.span
+            ok = (last <= s0 <= a < s1 <= len(text) and text[a] == token
+                  and int((text[s0:s1] == token).sum()) == n)
+            last = s1
+        else:
+            ok = 0 <= a and a + n <= len(text) and bool((text[a:a + n] == token).all())
+        if not ok:
+            problems.append(f"{m.member} of segment {key} does not match its {m.kind} tokens (offset {a}, {n} "
+                            f"tokens, span {m.span})")
+    for token in set(ids.values()) - {None}:
+        want = sum(m.tokens for m in media if ids.get(m.kind) == token)
+        if int((text == token).sum()) != want:
+            problems.append(f"segment {key} holds {int((text == token).sum())} placeholder tokens {token}, its "
+                            f"media {want}")
+    return problems
+
+
 # -- one pack record ------------------------------------------------------------------------------------------
 @dataclass
 class MediaRef:

@@ -26,10 +26,10 @@ from megatron.energon.edataclass import edataclass
 from megatron.energon.epathlib import EPath
 from megatron.energon.errors import FatalSampleError
 
-from packtool.format import MANIFEST, TOKENIZER_DIR, Manifest, load_manifest, split_shard_paths
+from packtool.format import MANIFEST, TOKENIZER_DIR, Manifest, is_nemotron, load_manifest, split_shard_paths
 from packtool.megatron_batch import megatron_bridge_batch
 from packtool.read import IGNORE_INDEX, PAD_TO, ROW_KEYS, pack_to_batch, processor_for_output
-from packtool.read_nemotron import is_nemotron, nemotron_processors, pad_frames, settings_from_manifest
+from packtool.read_nemotron import nemotron_processors, pad_frames, settings_from_manifest
 from packtool.shards import iter_records, record_offsets
 
 log = logging.getLogger(__name__)

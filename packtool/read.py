@@ -34,8 +34,16 @@ import numpy as np
 import torch
 
 from packtool.errors import FormatError
-from packtool.format import TOKENIZER_DIR, MediaRef, PackRecord, load_manifest, split_shard_paths
-from packtool.read_nemotron import is_nemotron, nemotron_media, nemotron_processors, placeholder_tokens
+from packtool.format import (
+    TOKENIZER_DIR,
+    PackRecord,
+    is_nemotron,
+    load_manifest,
+    placeholder_ids,
+    span_problems,
+    split_shard_paths,
+)
+from packtool.read_nemotron import nemotron_media, nemotron_processors
 from packtool.shards import iter_records
 
 IGNORE_INDEX = -100
@@ -158,45 +166,6 @@ def _check_spans(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: s
         problems = span_problems(seg.key, record.tokens[start:end], seg.media, ids)
         if problems:
             raise FormatError(f"{where}: {problems[0]}")
-
-
-def span_problems(key: str, text: np.ndarray, media: list[MediaRef], ids: Mapping[str, int | None]) -> list[str]:
-    """Problems of segment ``key``'s placeholders (``text``: its tokens; ``ids``: :func:`placeholder_ids`).
-
-    An item with a recorded ``span`` must hold exactly ``tokens`` of its kind's placeholder inside the span, the
-    first at ``token_offset`` (Nemotron Omni's video chunks are separated by frame labels, so placeholders need not
-    be contiguous); spans lie in order inside their segment. Without a span (older packs) the ``tokens``
-    placeholders from ``token_offset`` on must be contiguous. The segment holds no other placeholder."""
-    problems = []
-    last = 0
-    for m in media:
-        token = ids.get(m.kind)
-        if token is None:
-            continue
-        a, n = m.token_offset, m.tokens
-        if m.span:
-            s0, s1 = m.span
-            ok = (last <= s0 <= a < s1 <= len(text) and text[a] == token
-                  and int((text[s0:s1] == token).sum()) == n)
-            last = s1
-        else:
-            ok = 0 <= a and a + n <= len(text) and bool((text[a:a + n] == token).all())
-        if not ok:
-            problems.append(f"{m.member} of segment {key} does not match its {m.kind} tokens (offset {a}, {n} "
-                            f"tokens, span {m.span})")
-    for token in set(ids.values()) - {None}:
-        want = sum(m.tokens for m in media if ids.get(m.kind) == token)
-        if int((text == token).sum()) != want:
-            problems.append(f"segment {key} holds {int((text == token).sum())} placeholder tokens {token}, its "
-                            f"media {want}")
-    return problems
-
-
-def placeholder_ids(manifest: Mapping) -> dict[str, int | None]:
-    """Placeholder token id of each media kind the dataset's model family uses."""
-    if is_nemotron(manifest):
-        return placeholder_tokens(manifest)
-    return {"image": manifest.get("image_token_id"), "video": manifest.get("video_token_id")}
 
 
 def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, images: bool,

@@ -41,16 +41,9 @@ from packtool.errors import FormatError
 from packtool.format import MediaRef, PackRecord
 from packtool.media import AudioFacts, NemotronOmniSettings, read_folder
 
-FAMILY = "nemotron_omni"
 #: Keys of a sub-processor's saved settings that name its class rather than configure it.
 _CLASS_KEYS = ("image_processor_type", "video_processor_type", "feature_extractor_type", "processor_class",
                "auto_map")
-
-
-def is_nemotron(manifest: Mapping) -> bool:
-    """Whether the manifest describes a pack made for a Nemotron Omni model folder."""
-    entry = manifest.get("image_processor")
-    return isinstance(entry, Mapping) and entry.get("family") == FAMILY
 
 
 def settings_from_manifest(manifest: Mapping) -> NemotronOmniSettings:
@@ -251,8 +244,3 @@ def pad_frames(features: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([features, pad], dim=1)
 
 
-def placeholder_tokens(manifest: Mapping) -> dict[str, int | None]:
-    """Token id of each media kind's embedding placeholders: ``<image>`` for images and video chunks,
-    ``<so_embedding>`` for audio."""
-    image = manifest.get("image_token_id")
-    return {"image": image, "video": image, "audio": manifest.get("audio_token_id")}

@@ -50,15 +50,16 @@ from packtool.format import (
     PackRecord,
     SplitYaml,
     arrays_digest,
+    placeholder_ids,
     safe_relative,
     sha256,
+    span_problems,
 )
 from packtool.media import ImageRule, image_size, probe_audio, probe_frames, probe_video
 from packtool.media.audio import decode_audio
 from packtool.media.nemotron_omni import NemotronOmniSettings
 from packtool.media.qwen2_vl import Qwen2VLSettings
 from packtool.media.video import VideoFacts
-from packtool.read import placeholder_ids, span_problems
 from packtool.settings import EngineKind
 from packtool.shards import idx_path, index_tar, parse_record, record_offsets, scan_records
 
@@ -251,7 +252,7 @@ def check_pack(where: str, record: PackRecord, members: dict[str, bytes], manife
 def _check_segment(where: str, key: str, t: np.ndarray, g: np.ndarray, media: list[MediaRef],
                    ids: dict[str, int | None]) -> list[str]:
     """Targets and placeholders of one segment; ``ids``: the placeholder token of each media kind
-    (:func:`packtool.read.placeholder_ids`)."""
+    (:func:`packtool.format.placeholder_ids`)."""
     problems = []
     if g[0]:
         problems.append(f"{where} segment {key}: first token is a target")

@@ -152,3 +152,12 @@ def test_failed_start_does_not_block_a_corrected_rerun(demo_dir, tmp_path):
     (out / ".packtool").mkdir(parents=True)  # a run killed right after stamping its settings
     (out / ".packtool" / "settings.json").write_text('{"other": 1}')
     assert run(*base, "--tokenizer", demo_dir / "tokenizer").returncode == 0
+
+
+def test_light_imports():
+    """verify never loads torch (its memory would dominate verify's), and pack's parent never loads the encoder or
+    transformers (its workers do): each costs start-up time and hundreds of MB."""
+    code = ("import sys, packtool.cli, packtool.pipeline, packtool.verify; "
+            "print(sorted(m for m in ('torch', 'transformers', 'packtool.encode') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
