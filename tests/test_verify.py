@@ -193,6 +193,18 @@ def rewrite_first(out: Path, edit) -> str:
     raise AssertionError("no record to edit")
 
 
+def _edited(out: Path, tmp_path: Path, edit) -> tuple[Path, str, dict]:
+    """A copy of ``out`` with ``edit(ref, record, changed)`` applied to the first media item it returns True for."""
+    copy = tmp_path / "out"
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns(".packtool"))
+    changed: dict = {}
+
+    def first(record: PackRecord) -> bool:
+        return any(edit(ref, record, changed) for ref in record.media_refs)
+
+    return copy, rewrite_first(copy, first), changed
+
+
 def test_swapped_image_of_the_same_size_is_caught_by_sha256(copy):
     """Another valid picture of the same pixel size and byte length: only the recorded SHA-256 tells."""
     shard, key, offset, size = part_location(copy, "m0.jpg")
@@ -332,23 +344,17 @@ def _swap_video_member(out: Path, tmp_path: Path, replace, *, keep_digest: bool)
     """A copy of ``out`` whose first video member for which ``replace(ref, record)`` gives ``(member, bytes)`` holds
     those bytes instead; with ``keep_digest`` the record's size and SHA-256 are recomputed (as a packing bug would
     write them), so only the source can tell. Returns the copy, the pack key and the member changed."""
-    copy = tmp_path / "out"
-    shutil.copytree(out, copy, ignore=shutil.ignore_patterns(".packtool"))
-    changed = {}
+    def swap(ref, record: PackRecord, changed: dict) -> bool:
+        found = replace(ref, record) if ref.kind == "video" else None
+        if found is None:
+            return False
+        changed["member"], record.media[found[0]] = found
+        if keep_digest:
+            data = b"".join(record.media[n] for n in ref.members)
+            ref.size, ref.sha256 = len(data), hashlib.sha256(data).hexdigest()
+        return True
 
-    def swap(record: PackRecord) -> bool:
-        for ref in record.media_refs:
-            found = replace(ref, record) if ref.kind == "video" else None
-            if found is None:
-                continue
-            changed["member"], record.media[found[0]] = found
-            if keep_digest:
-                data = b"".join(record.media[n] for n in ref.members)
-                ref.size, ref.sha256 = len(data), hashlib.sha256(data).hexdigest()
-            return True
-        return False
-
-    key = rewrite_first(copy, swap)
+    copy, key, changed = _edited(out, tmp_path, swap)
     return copy, key, changed["member"]
 
 
@@ -382,19 +388,15 @@ def test_swapped_video_member_is_reported(video_pack, tmp_path, replace, keep_di
 @pytest.mark.parametrize("form", ["member", "frames"])
 def test_video_whose_frame_count_is_not_the_recorded_one_is_caught(video_pack, tmp_path, form):
     _, out = video_pack
-    copy = tmp_path / "out"
-    shutil.copytree(out, copy, ignore=shutil.ignore_patterns(".packtool"))
-    changed = {}
 
-    def recount(record: PackRecord) -> bool:
-        for ref in record.media_refs:
-            if ref.kind == "video" and bool(ref.frames) == (form == "frames"):
-                ref.total_frames += 1
-                changed["member"] = ref.member
-                return True
-        return False
+    def recount(ref, record: PackRecord, changed: dict) -> bool:
+        if ref.kind != "video" or bool(ref.frames) != (form == "frames"):
+            return False
+        ref.total_frames += 1
+        changed["member"] = ref.member
+        return True
 
-    key = rewrite_first(copy, recount)
+    copy, key, changed = _edited(out, tmp_path, recount)
     problems = verify_output(copy)
     assert len(problems) == 1 and key in problems[0] and changed["member"] in problems[0], problems
     assert "frames, recorded" in problems[0], problems
@@ -404,22 +406,18 @@ def test_video_whose_frame_count_is_not_the_recorded_one_is_caught(video_pack, t
 def test_qwen_video_grid_that_the_video_rule_does_not_give_is_caught(video_pack, tmp_path, field):
     """The video's grid (or its seconds per grid) re-derived from the manifest's video settings and the video."""
     source, out = video_pack
-    copy = tmp_path / "out"
-    shutil.copytree(out, copy, ignore=shutil.ignore_patterns(".packtool"))
-    changed = {}
 
-    def regrid(record: PackRecord) -> bool:
-        for ref in record.media_refs:
-            if ref.kind == "video":
-                if field == "grid":
-                    ref.grid_thw = [ref.grid_thw[0], ref.grid_thw[1] + 2, ref.grid_thw[2]]
-                else:
-                    ref.second_per_grid_ts = (ref.second_per_grid_ts or 1.0) * 2
-                changed["member"] = ref.member
-                return True
-        return False
+    def regrid(ref, record: PackRecord, changed: dict) -> bool:
+        if ref.kind != "video":
+            return False
+        if field == "grid":
+            ref.grid_thw = [ref.grid_thw[0], ref.grid_thw[1] + 2, ref.grid_thw[2]]
+        else:
+            ref.second_per_grid_ts = (ref.second_per_grid_ts or 1.0) * 2
+        changed["member"] = ref.member
+        return True
 
-    key = rewrite_first(copy, regrid)
+    copy, key, changed = _edited(out, tmp_path, regrid)
     problems = verify_output(copy)
     assert len(problems) == 1 and key in problems[0] and changed["member"] in problems[0], problems
     assert "video rule gives" in problems[0], problems
@@ -465,18 +463,6 @@ def test_nemotron_output_passes_verify_with_source(nemotron_pack):
 def _records(out: Path):
     for shard in (s for ss in SplitYaml.read(out).split_parts.values() for s in ss):
         yield from scan_records(out / shard)
-
-
-def _edited(out: Path, tmp_path: Path, edit) -> tuple[Path, str, dict]:
-    """A copy of ``out`` with ``edit(ref, record, changed)`` applied to the first media item it returns True for."""
-    copy = tmp_path / "out"
-    shutil.copytree(out, copy, ignore=shutil.ignore_patterns(".packtool"))
-    changed: dict = {}
-
-    def first(record: PackRecord) -> bool:
-        return any(edit(ref, record, changed) for ref in record.media_refs)
-
-    return copy, rewrite_first(copy, first), changed
 
 
 def swap_audio(ref, record, changed, *, keep_digest: bool) -> bool:
