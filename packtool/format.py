@@ -104,10 +104,15 @@ def shard_path(split: str, number: int) -> str:
 NEMOTRON_FAMILY = "nemotron_omni"
 
 
+def processor_family(entry: object) -> str | None:
+    """The ``family`` of a manifest's ``image_processor`` entry: ``nemotron_omni``, ``qwen2_vl``, ``processor`` (the
+    processor mode); None for an entry without one (a fixed token count, or no media rule)."""
+    return entry.get("family") if isinstance(entry, Mapping) else None
+
+
 def is_nemotron(manifest: Mapping) -> bool:
     """Whether the manifest describes packs made for a Nemotron Omni model folder."""
-    entry = manifest.get("image_processor")
-    return isinstance(entry, Mapping) and entry.get("family") == NEMOTRON_FAMILY
+    return processor_family(manifest.get("image_processor")) == NEMOTRON_FAMILY
 
 
 def placeholder_ids(manifest: Mapping) -> dict[str, int | None]:

@@ -43,6 +43,7 @@ from packtool.format import (
     LEDGER,
     LEDGER_SCHEMA,
     META,
+    NEMOTRON_FAMILY,
     STATUSES,
     InfoJson,
     Manifest,
@@ -51,6 +52,7 @@ from packtool.format import (
     SplitYaml,
     arrays_digest,
     placeholder_ids,
+    processor_family,
     safe_relative,
     sha256,
     span_problems,
@@ -169,13 +171,6 @@ def _token_check(tokenizer_dir: str, expanded_in_ids: bool) -> TokenCheck:
     return TokenCheck(Path(tokenizer_dir), expanded_in_ids)
 
 
-def _family(manifest: Manifest) -> str | None:
-    """The manifest's processor family: ``nemotron_omni``, ``processor`` (the processor mode), else None (an
-    :class:`ImageRule`, Qwen2-VL or fixed-count)."""
-    entry = manifest.image_processor
-    return entry.get("family") if isinstance(entry, dict) else None
-
-
 @dataclass(frozen=True)
 class MediaRules:
     """The token rules the manifest describes, to re-derive each media item's grid and tokens from its bytes."""
@@ -192,10 +187,10 @@ class MediaRules:
 
 def media_rules(manifest: Manifest) -> MediaRules:
     """The rules of the manifest's ``image_processor`` and ``video_processor`` (as pack wrote them)."""
-    family = _family(manifest)
+    family = processor_family(manifest.image_processor)
     if family == "processor":
         return MediaRules(processor=True)
-    if family == "nemotron_omni":
+    if family == NEMOTRON_FAMILY:
         try:
             return MediaRules(nemotron=NemotronOmniSettings.from_manifest(manifest.image_processor or {}))
         except ValueError as exc:
@@ -447,7 +442,8 @@ def check_shard(output: str, split: str, shard: str, fid: int, count: int | None
     tokens = None
     if (tok_dir / "tokenizer.json").is_file():
         try:
-            tokens = _token_check(str(tok_dir), _family(manifest) not in ("nemotron_omni", "processor"))
+            expanded_in_text = processor_family(manifest.image_processor) in (NEMOTRON_FAMILY, "processor")
+            tokens = _token_check(str(tok_dir), not expanded_in_text)
         except Exception as exc:
             problems.append(f"{tok_dir.relative_to(out)}: unreadable tokenizer ({type(exc).__name__}: {exc})")
     try:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from packtool.errors import ConfigError
+from packtool.format import NEMOTRON_FAMILY
 from packtool.media.audio import AudioFacts, resampled_length
 from packtool.media.folder import read_folder
 from packtool.media.video import VideoFacts
@@ -305,7 +306,7 @@ class NemotronOmniSettings:
 
     def manifest(self) -> dict:
         """The settings, for the pack manifest and the reader."""
-        return {"family": "nemotron_omni", **asdict(self)}
+        return {"family": NEMOTRON_FAMILY, **asdict(self)}
 
 
 def is_nemotron_omni(folder: str | Path) -> bool:
