@@ -331,7 +331,7 @@ class RunOptions:
         _check_int(self.workers, "workers")
         _check_choice(self.engine, EngineKind, "engine")
         if self.ray_address is not None:
-            from packtool.engine import split_address
+            from packtool.build.engine import split_address
 
             split_address(self.ray_address)
         if not 0.0 <= self.max_error_rate <= 1.0 or math.isnan(self.max_error_rate):

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from packtool.encode import Encoder
+from packtool.build.encoder import Encoder
+from packtool.build.sources import RawSample, open_source, read_raw_samples
 from packtool.settings import EncodeSettings
-from packtool.sources import RawSample, open_source, read_raw_samples
 
 
 def png(w: int, h: int) -> bytes:
@@ -56,7 +56,7 @@ def test_demo_samples_decode_to_their_conversation(encoders, demo_dir):
     targets decode to exactly the assistant replies each followed by <|im_end|>."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    from packtool.sources.conversation import conversation_adapter
+    from packtool.build.sources.conversation import conversation_adapter
 
     src = open_source(demo_dir / "dataset", ["train"])
     raws = list(read_raw_samples(src.root, src.splits["train"][1], src.excluded_samples))

@@ -19,10 +19,10 @@ pytest.importorskip("av")
 import mediafixture as mf
 import packfixture as fx
 from mediafixture import write_source
+from packtool.build.pipeline import pack
+from packtool.build.sources.conversation import member_kind
 from packtool.format import Manifest
-from packtool.pipeline import pack
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
-from packtool.sources.conversation import member_kind
 
 PACK_SIZE = 4096
 
@@ -200,7 +200,7 @@ def test_qwen_video_tokens_and_tensors_equal_the_processor(torchvision, qwen_run
 
     from packtool.format import load_manifest
     from packtool.media import decode_frames, decode_video, probe_frames, probe_video
-    from packtool.read import read_packs
+    from packtool.runtime.read import read_packs
 
     folder, samples, out, overrides = qwen_run
     processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(folder),
@@ -424,8 +424,8 @@ def test_processor_mode_equals_the_qwen_rules(torchvision, demo_dir, tmp_path):
     fast rules (images, videos, frame lists)."""
     import shutil
 
-    from packtool.encode import Encoder
-    from packtool.sources import RawSample
+    from packtool.build.encoder import Encoder
+    from packtool.build.sources import RawSample
 
     folder = tmp_path / "model"
     shutil.copytree(demo_dir / "tokenizer", folder)
