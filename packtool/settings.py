@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from packtool.errors import ConfigError
+from packtool.families.conventions import CONVENTIONS
 
 Overlong = Literal["truncate", "drop"]
 MediaCheck = Literal["decode", "header"]
@@ -36,19 +37,11 @@ Algorithm = Literal["auto", "bfd", "ffd", "greedy_knapsack", "balanced_greedy_kn
 EngineKind = Literal["local", "ray"]
 Preset = Literal["megatron-bridge-qwen-vl", "megatron-bridge-nemotron-omni"]
 
-#: The encode settings each preset sets: the data conventions of Megatron-Bridge's own task encoders, so packs hold
-#: the tokens and targets those would give. ``megatron-bridge-qwen-vl``: QwenVLTaskEncoder with its
-#: ``build_assistant_loss_mask`` (the newline after each reply's end-of-turn token is a target), ``media_first``
-#: and its pixel bounds.
-PRESETS: dict[str, dict[str, Any]] = {
-    "megatron-bridge-qwen-vl": {"target_newline_after_eot": True, "media_first": True, "min_pixels": 200_704,
-                                "max_pixels": 1_003_520},
-    "megatron-bridge-nemotron-omni": {},
-}
+#: The encode settings each preset sets: those of its convention (:mod:`packtool.families.conventions`).
+PRESETS: dict[str, dict[str, Any]] = {name: c.settings() for name, c in CONVENTIONS.items()}
 #: Presets named but not available yet, with the reason.
-UNSUPPORTED_PRESETS = {"megatron-bridge-nemotron-omni": "Megatron-Bridge's Nemotron Omni collate path writes other "
-                                                         "frame labels and canvases than transformers' processor, "
-                                                         "which packtool follows (no preset needed for that)"}
+UNSUPPORTED_PRESETS = {name: c.unsupported for name, c in CONVENTIONS.items() if c.unsupported}
+assert set(get_args(Preset)) == set(CONVENTIONS), "every convention is a preset"
 
 #: Largest pack: boundaries (``cu_seqlens``) are int32.
 MAX_PACK_SIZE = 2**31 - 1

@@ -296,7 +296,7 @@ def test_media_first_moves_image_tags_before_the_turn_text(demo_dir):
     cfg = json.loads((demo_dir / "tokenizer" / "preprocessor_config.json").read_text())
     counts = iter(np.prod(smart_resize(h, w, 28, cfg["min_pixels"], cfg["max_pixels"])) // 784
                   for w, h in ((60, 60), (90, 40)))
-    expected = [t for i in ids for t in ([i] * next(counts) if i == moved.image_token_id else [i])]
+    expected = [t for i in ids for t in ([i] * next(counts) if i == moved.family.tokens.image_token_id else [i])]
     assert got.tokens.tolist() == expected
     for e in (got, plain):  # the targets stay the reply and its end-of-turn token
         assert tok.decode(e.tokens[e.targets.astype(bool)].tolist()) == "ok<|im_end|>"
@@ -315,7 +315,8 @@ def test_preset_pixel_bounds_change_grids(demo_dir):
     h, w = smart_resize(48, 64, 28, 200_704, 1_003_520)
     assert got.media[0]["grid_thw"] == [1, h // 14, w // 14] != plain.media[0]["grid_thw"]
     assert got.media[0]["tokens"] == h * w // 784
-    assert preset.rule.manifest()["min_pixels"] == 200_704 and preset.rule.manifest()["max_pixels"] == 1_003_520
+    image = preset.family.manifest_entries()["image_processor"]
+    assert image["min_pixels"] == 200_704 and image["max_pixels"] == 1_003_520
 
 
 def test_presets_fill_named_settings_and_are_recorded(demo_dir):

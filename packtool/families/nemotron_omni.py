@@ -23,15 +23,20 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from packtool.errors import ConfigError
+from packtool.families.base import ExpandsInText, ItemPlan, MediaTokens, manifest_tokens
+from packtool.families.conventions import TRANSFORMERS, Convention
 from packtool.format import NEMOTRON_FAMILY
 from packtool.media.audio import AudioFacts, resampled_length
 from packtool.media.folder import read_folder
 from packtool.media.video import VideoFacts
+
+if TYPE_CHECKING:
+    from packtool.settings import EncodeSettings
 
 
 @dataclass(frozen=True)
@@ -363,3 +368,91 @@ def _patch_grid(height: int, width: int, patch: int, merge: int, min_patches: in
         gw = gw + merge - rem if gh * (gw + merge - rem) <= max_patches else max(merge, gw - rem)
     return gh, gw
 
+
+
+class NemotronOmni(ExpandsInText):
+    """Nemotron Omni: images, videos and audio by their exact rules, each expansion written into the text as
+    transformers' ``nemotron_h_omni`` processor writes it."""
+
+    name = NEMOTRON_FAMILY
+    kinds = ("image", "video", "audio")
+    #: Settings only Qwen2-VL's rules (or a fixed image count) read: an error with a Nemotron Omni folder.
+    QWEN_SETTINGS = ("min_pixels", "max_pixels", "image_tokens", "video_min_frames", "video_max_frames",
+                     "video_min_pixels", "video_max_pixels")
+
+    def __init__(self, tokens: MediaTokens, convention: Convention, folder: str, rule: NemotronOmniSettings) -> None:
+        super().__init__(tokens, convention, folder)
+        self.rule = rule
+
+    @classmethod
+    def detect(cls, folder: Path, settings: EncodeSettings) -> bool:
+        return is_nemotron_omni(folder)
+
+    @classmethod
+    def load(cls, settings: EncodeSettings, tok: Any, convention: Convention) -> NemotronOmni:
+        """Nemotron Omni's rules with the video and audio settings applied. Its tokenizer must hold the media
+        tokens as added tokens (each one token)."""
+        st = settings
+        given = [name for name in cls.QWEN_SETTINGS if getattr(st, name) is not None]
+        if given:
+            raise ConfigError(f"{st.tokenizer}: {', '.join(given)} do not apply to a Nemotron Omni model folder")
+        try:
+            rule = NemotronOmniSettings.from_folder(st.tokenizer, fps=st.video_fps, num_frames=st.video_frames,
+                                                    audio_max_seconds=st.audio_max_seconds)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"{st.tokenizer}: unreadable Nemotron Omni processor settings ({exc})") from None
+        names = (rule.image_token, rule.image_start_token, rule.image_end_token, rule.audio_token,
+                 rule.audio_start_token, rule.audio_end_token)
+        missing = [t for t in names if t not in tok.added_tokens_encoder]
+        if missing:
+            raise ConfigError(f"{st.tokenizer}: the tokenizer lacks the Nemotron Omni media tokens {missing}")
+        vocab = tok.get_vocab()
+        tokens = MediaTokens(image_token=rule.image_token, image_token_id=vocab[rule.image_token],
+                             vision_start_id=vocab[rule.image_start_token], vision_end_id=vocab[rule.image_end_token],
+                             video_text=rule.video_token, audio_text=rule.audio_token,
+                             audio_token_id=vocab[rule.audio_token], audio_start_id=vocab[rule.audio_start_token],
+                             audio_end_id=vocab[rule.audio_end_token])
+        return cls(tokens, convention, str(st.tokenizer), rule)
+
+    @classmethod
+    def owns(cls, manifest: Mapping) -> bool:
+        entry = manifest.get("image_processor")
+        return isinstance(entry, Mapping) and entry.get("family") == NEMOTRON_FAMILY
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping) -> NemotronOmni:
+        return cls(manifest_tokens(manifest), TRANSFORMERS, "",
+                   NemotronOmniSettings.from_manifest(manifest["image_processor"]))
+
+    def plan_image(self, width: int, height: int, n_images: int) -> ItemPlan:
+        r = self.rule
+        gh, gw = r.image_grid(width, height, n_images=n_images)
+        return ItemPlan(r.image_tokens(width, height, n_images=n_images), (1, gh, gw),
+                        text=r.image_text(width, height, n_images=n_images))
+
+    def plan_video(self, facts: VideoFacts, part: str) -> ItemPlan:
+        """Grid: the frames given to the processor, then the tile in patches."""
+        plan = self.rule.video(facts)
+        return ItemPlan(plan.tokens, (len(plan.indices), *plan.tile), plan.indices, None,
+                        text=self.rule.plan_text(plan))
+
+    def plan_audio(self, facts: AudioFacts, part: str) -> ItemPlan:
+        return ItemPlan(self.rule.audio_tokens(facts), samples=self.rule.audio_samples(facts),
+                        text=self.rule.audio_text(facts))
+
+    def placeholders(self) -> dict[str, tuple[str, str]]:
+        r = self.rule
+        return {"image": (r.image_token, r.image_token), "video": (r.video_token, r.image_token),
+                "audio": (r.audio_token, r.audio_token)}
+
+    def placeholder_ids(self) -> dict[str, int | None]:
+        """``<image>`` for images and video chunks, ``<so_embedding>`` for audio."""
+        image = self.tokens.image_token_id
+        return {"image": image, "video": image, "audio": self.tokens.audio_token_id}
+
+    def manifest_entries(self) -> dict[str, Any]:
+        t = self.tokens
+        return {"image_token_id": t.image_token_id, "vision_start_token_id": t.vision_start_id,
+                "vision_end_token_id": t.vision_end_id, "image_processor": self.rule.manifest(),
+                "video_token_id": None, "video_processor": None, "audio_token_id": t.audio_token_id,
+                "audio_start_token_id": t.audio_start_id, "audio_end_token_id": t.audio_end_id}

@@ -8,16 +8,20 @@ The image rule is transformers' ``smart_resize``: sides rounded to multiples of 
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packtool.errors import ConfigError
+from packtool.families.base import Family, ItemPlan, MediaTokens, manifest_tokens
+from packtool.families.conventions import TRANSFORMERS, Convention
 from packtool.media.folder import read_folder
 from packtool.media.video import VideoFacts
+
+if TYPE_CHECKING:
+    from packtool.settings import EncodeSettings
 
 
 @dataclass(frozen=True)
@@ -101,50 +105,6 @@ QWEN2_VL_IMAGE_PROCESSORS = frozenset({
     "Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil",
     "Qwen2_5_VLImageProcessor", "Qwen2_5_VLImageProcessorFast",
 })
-
-
-def load_image_rule(
-    tokenizer_dir: Path,
-    *,
-    min_pixels: int | None = None,
-    max_pixels: int | None = None,
-    image_tokens: int | None = None,
-    processor_mode: bool = False,
-) -> ImageRule | None:
-    """The rule for a model folder: ``image_tokens`` wins, else ``preprocessor_config.json`` (Qwen2-VL style),
-    with ``min_pixels``/``max_pixels`` overriding it; ``None`` when the model has no image processor.
-
-    Another family's image processor (CLIP, SigLIP, Gemma 3, ...) counts its tokens by other rules, so reading its
-    config as Qwen2-VL's would give wrong counts silently: that is a :class:`ConfigError`, or, with
-    ``processor_mode`` (the folder's own processor counts the tokens), no rule at all."""
-    if image_tokens is not None:
-        return ImageRule(type="fixed", fixed_tokens=int(image_tokens))
-    path = Path(tokenizer_dir) / "preprocessor_config.json"
-    if not path.exists():
-        if min_pixels is not None or max_pixels is not None:
-            return ImageRule(type="qwen2_vl", min_pixels=min_pixels or 3136, max_pixels=max_pixels or 1003520)
-        return None
-    cfg = json.loads(path.read_text())
-    kind = cfg.get("image_processor_type")
-    if kind is not None and kind not in QWEN2_VL_IMAGE_PROCESSORS:
-        if processor_mode:
-            return None
-        raise ConfigError(f"{path}: image processor {kind!r} is no Qwen2-VL one, so packtool has no token rule for "
-                          f"its images; use the processor mode (the folder's own processor counts them) or "
-                          f"image_tokens (a fixed count per image)")
-    size = cfg.get("size") or {}
-    lo = cfg.get("min_pixels", size.get("shortest_edge", size.get("min_pixels", 3136)))
-    hi = cfg.get("max_pixels", size.get("longest_edge", size.get("max_pixels", 1003520)))
-    return ImageRule(
-        type="qwen2_vl",
-        min_pixels=int(min_pixels if min_pixels is not None else lo),
-        max_pixels=int(max_pixels if max_pixels is not None else hi),
-        patch_size=int(cfg.get("patch_size", 14)),
-        merge_size=int(cfg.get("merge_size", 2)),
-        temporal_patch_size=int(cfg.get("temporal_patch_size", 2)),
-        image_mean=tuple(cfg.get("image_mean", ImageRule.image_mean)),
-        image_std=tuple(cfg.get("image_std", ImageRule.image_std)),
-    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -350,3 +310,84 @@ def _image_rule(cfg: dict, min_pixels: int | None, max_pixels: int | None) -> Im
         image_mean=tuple(cfg.get("image_mean", ImageRule.image_mean)),
         image_std=tuple(cfg.get("image_std", ImageRule.image_std)),
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The family
+# ---------------------------------------------------------------------------------------------------------------
+
+class Qwen2VL(Family):
+    """Qwen2-VL / Qwen2.5-VL: images and videos by their exact rules, each placeholder token repeated in the ids."""
+
+    name = "qwen2_vl"
+    kinds = ("image", "video")
+
+    def __init__(self, tokens: MediaTokens, convention: Convention, folder: str, image: ImageRule,
+                 video: Qwen2VLSettings | None, video_config: dict | None = None) -> None:
+        super().__init__(tokens, convention, folder)
+        self.image = image
+        self.video = video
+        self.video_config = video_config
+
+    @classmethod
+    def detect(cls, folder: Path, settings: EncodeSettings) -> bool:
+        """A folder whose image processor is Qwen2-VL's (wherever the folder keeps its settings), or any folder
+        given pixel bounds. Another family's image processor is a :class:`ConfigError` (its tokens follow other
+        rules), except in the processor mode."""
+        image = read_folder(folder).image
+        if not image:
+            return settings.min_pixels is not None or settings.max_pixels is not None
+        kind = image.get("image_processor_type")
+        if kind is None or kind in QWEN2_VL_IMAGE_PROCESSORS:
+            return True
+        if settings.media_tokens == "processor":
+            return False
+        raise ConfigError(f"{folder}: image processor {kind!r} is no Qwen2-VL one, so packtool has no token rule for "
+                          f"its images; use the processor mode (the folder's own processor counts them) or "
+                          f"image_tokens (a fixed count per image)")
+
+    @classmethod
+    def load(cls, settings: EncodeSettings, tok: Any, convention: Convention) -> Qwen2VL:
+        tokens = MediaTokens.from_vocab(tok.get_vocab())
+        st = settings
+        image = _image_rule(read_folder(st.tokenizer).image, st.min_pixels, st.max_pixels)
+        video = None
+        if tokens.video_token_id is not None:
+            try:
+                video = Qwen2VLSettings.from_folder(
+                    st.tokenizer, min_pixels=st.min_pixels, max_pixels=st.max_pixels,
+                    video_min_pixels=st.video_min_pixels, video_max_pixels=st.video_max_pixels, fps=st.video_fps,
+                    num_frames=st.video_frames, min_frames=st.video_min_frames, max_frames=st.video_max_frames)
+            except (ValueError, OSError) as exc:
+                raise ConfigError(f"{st.tokenizer}: unreadable video settings ({exc})") from None
+        config = read_folder(st.tokenizer).video if video is not None else None
+        return cls(tokens, convention, str(st.tokenizer), image, video, config)
+
+    @classmethod
+    def owns(cls, manifest: Mapping) -> bool:
+        entry = manifest.get("image_processor")
+        return isinstance(entry, Mapping) and entry.get("type") == "qwen2_vl" and "family" not in entry
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping) -> Qwen2VL:
+        video = manifest.get("video_processor")
+        return cls(manifest_tokens(manifest), TRANSFORMERS, "", ImageRule.from_manifest(manifest["image_processor"]),
+                   None if video is None else Qwen2VLSettings.from_manifest(video),
+                   None if video is None else video.get("config"))
+
+    def plan_image(self, width: int, height: int, n_images: int) -> ItemPlan:
+        return ItemPlan(self.image.tokens(width, height), self.image.grid(width, height))
+
+    def plan_video(self, facts: VideoFacts, part: str) -> ItemPlan:
+        if self.video is None:
+            return super().plan_video(facts, part)
+        plan = self.video.video(facts)
+        return ItemPlan(plan.tokens, plan.grid_thw, plan.indices, plan.second_per_grid_ts)
+
+    def manifest_entries(self) -> dict[str, Any]:
+        t = self.tokens
+        return {"image_token_id": t.image_token_id, "vision_start_token_id": t.vision_start_id,
+                "vision_end_token_id": t.vision_end_id, "image_processor": self.image.manifest(),
+                "video_token_id": t.video_token_id if self.video else None,
+                "video_processor": {**self.video.manifest(), "config": self.video_config} if self.video else None,
+                "audio_token_id": None, "audio_start_token_id": None, "audio_end_token_id": None}
