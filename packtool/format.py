@@ -100,32 +100,9 @@ def shard_path(split: str, number: int) -> str:
 
 
 # -- media placeholders --------------------------------------------------------------------------------------
-#: ``image_processor.family`` of a manifest whose packs were made for a Nemotron Omni model folder.
-NEMOTRON_FAMILY = "nemotron_omni"
-
-
-def processor_family(entry: object) -> str | None:
-    """The ``family`` of a manifest's ``image_processor`` entry: ``nemotron_omni``, ``qwen2_vl``, ``processor`` (the
-    processor mode); None for an entry without one (a fixed token count, or no media rule)."""
-    return entry.get("family") if isinstance(entry, Mapping) else None
-
-
-def is_nemotron(manifest: Mapping) -> bool:
-    """Whether the manifest describes packs made for a Nemotron Omni model folder."""
-    return processor_family(manifest.get("image_processor")) == NEMOTRON_FAMILY
-
-
-def placeholder_ids(manifest: Mapping) -> dict[str, int | None]:
-    """Placeholder token id of each media kind the pack's model family uses: Nemotron Omni's ``<image>`` for images
-    and video chunks and ``<so_embedding>`` for audio; elsewhere the image and video placeholders."""
-    image = manifest.get("image_token_id")
-    if is_nemotron(manifest):
-        return {"image": image, "video": image, "audio": manifest.get("audio_token_id")}
-    return {"image": image, "video": manifest.get("video_token_id")}
-
-
 def span_problems(key: str, text: np.ndarray, media: list[MediaRef], ids: Mapping[str, int | None]) -> list[str]:
-    """Problems of segment ``key``'s placeholders (``text``: its tokens; ``ids``: :func:`placeholder_ids`).
+    """Problems of segment ``key``'s placeholders (``text``: its tokens; ``ids``: the placeholder token of
+    each media kind, :meth:`packtool.families.Family.placeholder_ids`).
 
     An item with a recorded ``span`` must hold exactly ``tokens`` of its kind's placeholder inside the span, the
     first at ``token_offset`` (Nemotron Omni's video chunks are separated by frame labels, so placeholders need not

@@ -584,7 +584,9 @@ def test_truncated_segment_image_may_keep_the_grid_of_its_whole_sample(tmp_path)
     """Nemotron Omni's image budget depends on the sample's image count; a cut that dropped images leaves the
     segment with fewer, so a truncated segment's image also passes with a larger count's grid, and only then."""
     import nemotron_omni_model
-    from packtool.families.nemotron_omni import NemotronOmniSettings
+    from packtool.families.base import manifest_tokens
+    from packtool.families.conventions import TRANSFORMERS
+    from packtool.families.nemotron_omni import NemotronOmni, NemotronOmniSettings
     from packtool.format import MediaRef, sha256
 
     mf = pytest.importorskip("mediafixture")
@@ -597,7 +599,8 @@ def test_truncated_segment_image_may_keep_the_grid_of_its_whole_sample(tmp_path)
 
     def problems(grid: tuple[int, int], truncated: bool) -> list[str]:
         ref = MediaRef("m0.png", "image", 0, grid[0] * grid[1] // 4, [1, *grid], 2000, 1500, len(data), sha256(data))
-        return verify.check_media("m0.png", ref, [data], verify.MediaRules(nemotron=rule), 1 << 40, n_images=1,
+        family = NemotronOmni(manifest_tokens({}), TRANSFORMERS, "", rule)
+        return verify.check_media("m0.png", ref, [data], family, 1 << 40, n_images=1,
                                   truncated=truncated)
 
     assert problems(alone, truncated=False) == [] and problems(alone, truncated=True) == []

@@ -5,8 +5,11 @@ folder plus the overrides (:meth:`Family.load`), the token plan of each media it
 (``plan_image``, ``plan_video``, ``plan_audio``), where its placeholders expand (``expand_in``: in the ids, in the
 text, or by the processor; ``placeholder_text``, ``expand_text``, ``place``), its manifest entries
 (``manifest_entries``) and how to read them back (``owns``, ``from_manifest``), the placeholder ids verify and the
-reader check spans with (``placeholder_ids``) and what verify re-derives (``check_image``, ``check_video``).
-The encoder, verify, the reader and the loaders ask the family; they hold no family branches of their own.
+reader check spans with (``placeholder_ids``), what verify re-derives (``check_image``, ``check_video``,
+``check_audio``, ``image_counts``, ``expanded_in_text``), the reader's processors and media tensors
+(``reader_processor``, ``read_media``, ``batch_keys``) and the Megatron-Bridge batch layout (``bridge_media``,
+found for a batch by :func:`of_batch`). The encoder, verify, the reader and the loaders ask the family; they
+hold no family branches of their own.
 
 Families: :class:`~.qwen2_vl.Qwen2VL`, :class:`~.nemotron_omni.NemotronOmni`, :class:`~.fixed.FixedCount`
 (``image_tokens``), :class:`~.base.NoMedia` (no media rule), and :class:`~.processor.ProcessorMode` (the folder's
@@ -50,7 +53,7 @@ if TYPE_CHECKING:
     from packtool.settings import EncodeSettings
 
 __all__ = ["CONVENTIONS", "FAMILIES", "TRANSFORMERS", "Convention", "Family", "ItemPlan", "MediaTokens", "NoRule",
-           "from_manifest", "load"]
+           "from_manifest", "load", "of_batch"]
 
 #: The families a model folder is matched against, in order (the first whose ``detect`` says yes).
 FAMILIES: tuple[type[Family], ...] = (
@@ -87,3 +90,9 @@ def from_manifest(manifest: Mapping) -> Family:
             return cls.from_manifest(manifest)
     entry = manifest.get("image_processor")
     raise ValueError(f"unsupported image processor {entry!r}")
+
+
+def of_batch(batch: Mapping[str, Any]) -> type[Family]:
+    """The family whose layout a reader batch has (the first in :data:`FAMILIES` that owns it; the base layout's
+    families own every batch)."""
+    return next(cls for cls in FAMILIES if cls.owns_batch(batch))

@@ -33,6 +33,11 @@ ExpandIn = Literal["ids", "text", "processor"]
 IMAGE_TAG, VIDEO_TAG, AUDIO_TAG = "<image>", "<video>", "<audio>"
 
 
+#: Most images past a cut considered when matching a truncated segment's image plan (see
+#: :meth:`Family.image_counts`).
+MAX_CUT_IMAGES = 256
+
+
 class NoRule(SampleError):
     """A media item of a kind the family has no token rule for (the sample is quarantined with the reason)."""
 
@@ -255,11 +260,84 @@ class Family(ABC):
             return None
         return list(plan.grid_thw), plan.tokens, list(plan.frame_indices), plan.second_per_grid_ts
 
+    def check_audio(self, facts: AudioFacts) -> tuple[int, int] | None:
+        """``(samples, tokens)`` the manifest's rule gives an audio clip; None without an audio rule."""
+        try:
+            plan = self.plan_audio(facts, "")
+        except NoRule:
+            return None
+        return (plan.samples if plan.samples is not None else facts.samples), plan.tokens
+
+    def audio_input(self) -> tuple[int, int | None]:
+        """``(sampling rate, most samples)`` of the waveform the family's processor is given (verify and the
+        reader decode each clip so); only a family with an audio rule has one."""
+        raise NotImplementedError(f"the {self.name} family has no audio rule")
+
+    #: Whether the images of one sample share the processor's token budget (an image's plan then depends on how
+    #: many images the sample gave the processor: a truncated segment's images may have been planned with more).
+    shared_image_budget: ClassVar[bool] = False
+
+    def image_counts(self, n_images: int, truncated: bool) -> range:
+        """The image counts a segment's image may have been planned with: the segment's own, and for a family
+        whose images share a budget and a cut segment, also larger ones (the cut dropped images past it from
+        the segment but not from the count the sample was encoded with)."""
+        if truncated and self.shared_image_budget:
+            return range(n_images, n_images + 1 + MAX_CUT_IMAGES)
+        return range(n_images, n_images + 1)
+
     #: Whether the family's placeholders were expanded in the text (verify's round trip through the tokenizer
     #: then keeps them as they are; else each run collapses back to one placeholder first).
     @property
     def expanded_in_text(self) -> bool:
         return self.expand_in != "ids"
+
+    # -- the runtime side: the reader's processors and the batch layout ---------------------------------------
+    #: Media fields of the family's reader batches (:func:`packtool.runtime.read.pack_to_batch`); the base layout
+    #: is Qwen2-VL's (images and videos as transformers' Qwen2-VL processors lay them out). Empty: the family's
+    #: packs carry no media, and a pack without media gets no media fields.
+    batch_keys: ClassVar[tuple[str, ...]] = ("image_grid_thw", "pixel_values", "video_grid_thw",
+                                             "second_per_grid_ts", "pixel_values_videos")
+    #: Whether the reader's processors read the model folder copied into the output (settings the manifest does
+    #: not record: normalisation, feature extraction); a loader then makes a local copy of a remote one first.
+    reads_folder: ClassVar[bool] = False
+
+    def reader_processor(self, folder: Path | None = None) -> Any:
+        """The processor the reader gives the family's media by default (what ``image_processor=`` of the reader
+        replaces), built from the manifest's settings (and ``folder``, the model folder copied into the output,
+        for a family that :attr:`reads_folder`); None when the manifest cannot name one (the caller passes the
+        model's own processor)."""
+        return None
+
+    def video_entry(self) -> Mapping[str, Any] | None:
+        """The manifest's ``video_processor`` entry the reader builds the video processor from (base layout);
+        None: the family's packs hold no videos the reader can process."""
+        return None
+
+    def read_media(self, record: Any, processor: Any, where: str, decode: bool) -> dict[str, Any]:
+        """The reader batch's media fields of a pack record (:class:`packtool.format.PackRecord`, its spans already
+        checked): the stored grids, and with ``decode`` the processor's tensors (``processor``: the caller's or
+        :meth:`reader_processor`'s)."""
+        from packtool.runtime.read import vision_media  # the runtime side, loaded only where it reads
+
+        return vision_media(self, record, processor, where, decode)
+
+    @property
+    def temporal_patch_dim(self) -> int:
+        """Frames per video tubelet (temporal patch) of the model."""
+        return 2
+
+    @classmethod
+    def owns_batch(cls, batch: Mapping[str, Any]) -> bool:
+        """Whether a reader batch has this family's layout (the base layout: any batch)."""
+        return True
+
+    @classmethod
+    def bridge_media(cls, batch: Mapping[str, Any], temporal_patch_dim: int) -> dict[str, Any]:
+        """The media fields of the batch Megatron-Bridge's training steps consume
+        (:func:`packtool.runtime.megatron_batch.megatron_bridge_batch`): the base layout's ``visual_inputs``."""
+        from packtool.runtime.megatron_batch import vision_inputs
+
+        return {"visual_inputs": vision_inputs(batch)}
 
 
 def manifest_tokens(manifest: Mapping) -> MediaTokens:
@@ -405,6 +483,9 @@ class NoMedia(Family):
         from packtool.families.conventions import TRANSFORMERS
 
         return cls(manifest_tokens(manifest), TRANSFORMERS)
+
+    #: A text dataset's batches carry no media fields.
+    batch_keys: ClassVar[tuple[str, ...]] = ()
 
     def manifest_entries(self) -> dict[str, Any]:
         t = self.tokens

@@ -46,7 +46,8 @@ class FixedCount(Family):
 
     @classmethod
     def from_manifest(cls, manifest: Mapping) -> FixedCount:
-        return cls(manifest_tokens(manifest), TRANSFORMERS, "", int(manifest["image_processor"]["fixed_tokens"]))
+        return cls(manifest_tokens(manifest), TRANSFORMERS, "",
+                   ImageRule.from_manifest(manifest["image_processor"]).fixed_tokens)
 
     def plan_image(self, width: int, height: int, n_images: int) -> ItemPlan:
         return ItemPlan(self.count, (1, 1, 1))

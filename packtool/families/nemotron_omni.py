@@ -30,13 +30,15 @@ import numpy as np
 from packtool.errors import ConfigError
 from packtool.families.base import ExpandsInText, ItemPlan, MediaTokens, manifest_tokens
 from packtool.families.conventions import TRANSFORMERS, Convention
-from packtool.format import NEMOTRON_FAMILY
 from packtool.media.audio import AudioFacts, resampled_length
 from packtool.media.folder import read_folder
 from packtool.media.video import VideoFacts
 
 if TYPE_CHECKING:
     from packtool.settings import EncodeSettings
+
+#: ``image_processor.family`` of a manifest whose packs were made for a Nemotron Omni model folder.
+NEMOTRON_FAMILY = "nemotron_omni"
 
 
 @dataclass(frozen=True)
@@ -449,6 +451,47 @@ class NemotronOmni(ExpandsInText):
         """``<image>`` for images and video chunks, ``<so_embedding>`` for audio."""
         image = self.tokens.image_token_id
         return {"image": image, "video": image, "audio": self.tokens.audio_token_id}
+
+    # -- verify -----------------------------------------------------------------------------------------------
+    #: The processor's patch budget depends on how many images the sample gives it in one call.
+    shared_image_budget = True
+
+    def audio_input(self) -> tuple[int, int | None]:
+        return self.rule.audio_sampling_rate, self.rule.max_audio_samples
+
+    # -- the runtime side (:mod:`packtool.runtime.nemotron`) ------------------------------------------------------
+    batch_keys = ("media_kinds", "image_grid_hw", "video_grid_thw", "pixel_values", "pixel_values_videos",
+                  "input_features", "input_features_mask")
+    reads_folder = True
+
+    def reader_processor(self, folder: Path | None = None) -> Any:
+        """transformers' image and video processors and feature extractor, configured as the model folder copy says
+        with the manifest's settings on top (None without a folder)."""
+        from packtool.runtime.nemotron import nemotron_processors
+
+        return None if folder is None else nemotron_processors({"image_processor": self.rule.manifest()}, folder)
+
+    def read_media(self, record: Any, processor: Any, where: str, decode: bool) -> dict[str, Any]:
+        from packtool.runtime.nemotron import nemotron_media
+
+        return nemotron_media(record, processor, where, decode)
+
+    @property
+    def temporal_patch_dim(self) -> int:
+        return self.rule.video_temporal_patch_dim
+
+    @classmethod
+    def owns_batch(cls, batch: Mapping[str, Any]) -> bool:
+        """A reader batch with ``image_grid_hw`` (images as ``[h, w]`` grids) is laid out by this family."""
+        return "image_grid_hw" in batch
+
+    @classmethod
+    def bridge_media(cls, batch: Mapping[str, Any], temporal_patch_dim: int) -> dict[str, Any]:
+        """Laid out for Megatron-Bridge's ``nemotron_omni_step``: ``visual_inputs``, ``imgs_sizes``, ``num_frames``,
+        ``sound_clips``, ``sound_length``."""
+        from packtool.runtime.megatron_batch import nemotron_inputs
+
+        return nemotron_inputs(batch, temporal_patch_dim)
 
     def manifest_entries(self) -> dict[str, Any]:
         t = self.tokens

@@ -384,6 +384,20 @@ class Qwen2VL(Family):
         plan = self.video.video(facts)
         return ItemPlan(plan.tokens, plan.grid_thw, plan.indices, plan.second_per_grid_ts)
 
+    # -- the runtime side (:mod:`packtool.runtime.read`) ---------------------------------------------------------
+    def reader_processor(self, folder: Path | None = None) -> Any:
+        """transformers' Qwen2-VL image processor (PIL backend) with the manifest's image settings."""
+        from packtool.runtime.read import qwen_image_processor
+
+        return qwen_image_processor(self.image.manifest())
+
+    def video_entry(self) -> Mapping[str, Any] | None:
+        return self.manifest_entries()["video_processor"]
+
+    @property
+    def temporal_patch_dim(self) -> int:
+        return self.video.video_temporal_patch_size if self.video is not None else self.image.temporal_patch_size
+
     def manifest_entries(self) -> dict[str, Any]:
         t = self.tokens
         return {"image_token_id": t.image_token_id, "vision_start_token_id": t.vision_start_id,

@@ -26,9 +26,10 @@ from megatron.energon.edataclass import edataclass
 from megatron.energon.epathlib import EPath
 from megatron.energon.errors import FatalSampleError
 
-from packtool.format import MANIFEST, TOKENIZER_DIR, Manifest, is_nemotron, load_manifest, split_shard_paths
+from packtool import families
+from packtool.format import MANIFEST, TOKENIZER_DIR, Manifest, load_manifest, split_shard_paths
 from packtool.runtime.megatron_batch import megatron_bridge_batch
-from packtool.runtime.nemotron import nemotron_processors, pad_frames, settings_from_manifest
+from packtool.runtime.nemotron import pad_frames
 from packtool.runtime.read import IGNORE_INDEX, PAD_TO, ROW_KEYS, pack_to_batch, processor_for_output
 from packtool.shards import iter_records, record_offsets
 
@@ -151,9 +152,13 @@ def _manifest(dataset_path: str) -> Manifest:
 
 
 @functools.lru_cache(maxsize=16)
-def _nemotron_processors(dataset_path: str):
-    """Nemotron Omni processors of a dataset Energon opened, from its copy of the model folder; a remote one's
-    settings files are copied to a local temporary folder first (transformers' processors read local files)."""
+def _reader_processor(dataset_path: str):
+    """The processor of a dataset Energon opened (its family's, :meth:`Family.reader_processor`); for a family
+    that reads the model folder, from the dataset's copy of it, a remote one's settings files copied to a local
+    temporary folder first (transformers' processors read local files)."""
+    family = families.from_manifest(_manifest(dataset_path))
+    if not family.reads_folder:
+        return family.reader_processor(None)
     folder = EPath(dataset_path) / TOKENIZER_DIR
     if not folder.is_local():
         import tempfile
@@ -164,7 +169,7 @@ def _nemotron_processors(dataset_path: str):
             if (folder / name).is_file():
                 (folder / name).copy(local / name)
         folder = local
-    return nemotron_processors(_manifest(dataset_path), folder.local_path())
+    return family.reader_processor(folder.local_path())
 
 
 @edataclass
@@ -219,8 +224,8 @@ class PackTaskEncoder(DefaultTaskEncoder):
         where = f"{info.dataset_path}/{info.shard_name}"
         try:
             processor = self.image_processor
-            if processor is None and self.images and is_nemotron(manifest):
-                processor = _nemotron_processors(str(info.dataset_path))
+            if processor is None and self.images:
+                processor = _reader_processor(str(info.dataset_path))
             batch = pack_to_batch({**sample.members, "__key__": sample.__key__}, manifest, pad_to=self.pad_to,
                                   images=self.images, image_processor=processor, source=where)
         except Exception as exc:
@@ -255,7 +260,4 @@ class MegatronBridgeTaskEncoder(PackTaskEncoder):
     `seq_length` equal to the pack size. Arguments as `PackTaskEncoder`."""
 
     def finish(self, batch: dict, manifest: Manifest) -> dict:
-        if is_nemotron(manifest):
-            step = settings_from_manifest(manifest).video_temporal_patch_dim
-            return megatron_bridge_batch(batch, temporal_patch_dim=step)
-        return megatron_bridge_batch(batch)
+        return megatron_bridge_batch(batch, temporal_patch_dim=families.from_manifest(manifest).temporal_patch_dim)

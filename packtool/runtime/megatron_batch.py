@@ -49,10 +49,12 @@ loops that call a Megatron-Core model themselves.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import torch
 
+from packtool import families
 from packtool.runtime.read import ROW_KEYS
 
 #: Keys Megatron-Bridge's steps keep on the host (`.cpu()`); every other tensor goes to the GPU.
@@ -80,9 +82,10 @@ class VisualInputs:
 
 
 def megatron_bridge_batch(batch: dict, *, temporal_patch_dim: int = 2) -> dict:
-    """Reader batch (one pack, or several from `collate_packs`) -> Megatron-Bridge step batch (tables above).
-    `temporal_patch_dim`: frames per video tubelet of a Nemotron Omni model (its processor's
-    `video_temporal_patch_dim`; unused otherwise)."""
+    """Reader batch (one pack, or several from `collate_packs`) -> Megatron-Bridge step batch (tables above; the
+    media fields as the family whose layout the batch has lays them out, `Family.bridge_media`).
+    `temporal_patch_dim`: frames per video tubelet of the model (`Family.temporal_patch_dim`; a Nemotron Omni
+    model's processor's `video_temporal_patch_dim`, unused by the Qwen-VL layout)."""
     out = {key: batch[key].reshape(1, -1) for key in ROW_KEYS}
     length = out["tokens"].shape[1]
     cu = batch["cu_seqlens_unpadded"].to(torch.int32)
@@ -90,10 +93,7 @@ def megatron_bridge_batch(batch: dict, *, temporal_patch_dim: int = 2) -> dict:
     if int(cu_padded[-1]) != length:
         raise ValueError(f"cu_seqlens_padded ends at {int(cu_padded[-1])}, the row has {length} tokens")
     max_seqlen = int(batch["max_seqlen"])
-    if "image_grid_hw" in batch:
-        out.update(_nemotron_inputs(batch, temporal_patch_dim))
-    else:
-        out["visual_inputs"] = _qwen_visual_inputs(batch)
+    out.update(families.of_batch(batch).bridge_media(batch, temporal_patch_dim))
     out.update(
         cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
         max_seqlen_q=torch.tensor(max_seqlen, dtype=torch.int32),
@@ -103,8 +103,9 @@ def megatron_bridge_batch(batch: dict, *, temporal_patch_dim: int = 2) -> dict:
     return out
 
 
-def _qwen_visual_inputs(batch: dict) -> VisualInputs | None:
-    """Qwen-VL images and videos (each kind only when the batch has some); None without either."""
+def vision_inputs(batch: Mapping) -> VisualInputs | None:
+    """The base layout's `visual_inputs`: Qwen-VL images and videos (each kind only when the batch has some);
+    None without either."""
     fields_: dict[str, torch.Tensor] = {}
     if batch.get("pixel_values") is not None and len(batch["pixel_values"]):
         fields_.update(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
@@ -114,7 +115,7 @@ def _qwen_visual_inputs(batch: dict) -> VisualInputs | None:
     return VisualInputs(**fields_) if fields_ else None
 
 
-def _nemotron_inputs(batch: dict, temporal_patch_dim: int) -> dict:
+def nemotron_inputs(batch: Mapping, temporal_patch_dim: int) -> dict:
     """`visual_inputs`, `imgs_sizes`, `num_frames`, `sound_clips`, `sound_length` of a Nemotron Omni batch."""
     out: dict = {"visual_inputs": None, "imgs_sizes": None, "num_frames": None, "sound_clips": None,
                  "sound_length": None}

@@ -33,23 +33,22 @@ from typing import Any
 import numpy as np
 import torch
 
+from packtool import families
 from packtool.errors import FormatError
-from packtool.format import (
-    TOKENIZER_DIR,
-    PackRecord,
-    is_nemotron,
-    load_manifest,
-    placeholder_ids,
-    span_problems,
-    split_shard_paths,
-)
-from packtool.runtime.nemotron import nemotron_media, nemotron_processors
+from packtool.families import Family
+from packtool.format import TOKENIZER_DIR, PackRecord, load_manifest, span_problems, split_shard_paths
 from packtool.shards import iter_records
 
 IGNORE_INDEX = -100
 PAD_TO = ("pack", "segments")
 #: Batch fields shaped `[1, L]` (one value per token of the row).
 ROW_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
+
+
+def qwen_image_processor(settings: Mapping):
+    """transformers' Qwen2-VL image processor (PIL backend: the same numbers with or without torchvision) with the
+    image settings ``settings`` (a manifest's ``image_processor`` entry). Cached: one per process and settings."""
+    return _cached_processor(json.dumps(dict(settings), sort_keys=True))
 
 
 @functools.lru_cache(maxsize=8)
@@ -65,16 +64,10 @@ def _cached_processor(settings_json: str):
 
 
 def image_processor_from_manifest(manifest: Mapping):
-    """The Qwen2-VL image processor (PIL backend: the same numbers with or without torchvision) the manifest
-    describes; None for a text-only dataset, a fixed-count (`"type": "fixed"`) one, whose model's own processor
-    the caller must pass, or a Nemotron Omni one (see `processor_for_output`). Cached: one per process and
-    settings."""
-    settings = manifest.get("image_processor")
-    if settings is None or settings.get("type") == "fixed" or is_nemotron(manifest):
-        return None
-    if settings.get("type") != "qwen2_vl":
-        raise ValueError(f"unsupported image processor type {settings.get('type')!r}")
-    return _cached_processor(json.dumps(settings, sort_keys=True))
+    """The image processor the manifest's family gives the reader without the model folder (Qwen2-VL's,
+    `qwen_image_processor`); None for a text-only dataset, a fixed-count one, whose model's own processor the
+    caller must pass, or a Nemotron Omni one (see `processor_for_output`)."""
+    return families.from_manifest(manifest).reader_processor(None)
 
 
 def pack_to_batch(
@@ -159,9 +152,9 @@ def pack_to_batch(
     return batch
 
 
-def _check_spans(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str) -> None:
+def _check_spans(record: PackRecord, family: Family, cu: np.ndarray, where: str) -> None:
     """Each media item's placeholders must lie where the record says (see :func:`span_problems`)."""
-    ids = placeholder_ids(manifest)
+    ids = family.placeholder_ids()
     for seg, start, end in zip(record.segments, cu[:-1], cu[1:]):
         problems = span_problems(seg.key, record.tokens[start:end], seg.media, ids)
         if problems:
@@ -170,20 +163,26 @@ def _check_spans(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: s
 
 def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, images: bool,
            image_processor) -> dict:
-    """image_grid_thw (+ pixel_values) for the pack's images and video_grid_thw, second_per_grid_ts
-    (+ pixel_values_videos) for its videos, after checking each media span in the tokens."""
-    everything = record.media_refs
-    processor = manifest.get("image_processor")
-    if not everything and processor is None:
+    """The media fields of the manifest's family (:meth:`Family.read_media`), after checking each media span in
+    the tokens; none for a pack without media of a family whose batches carry none."""
+    family = families.from_manifest(manifest)
+    if not record.media_refs and not family.batch_keys:
         return {}
-    _check_spans(record, manifest, cu, where)
-    if is_nemotron(manifest):
-        return nemotron_media(record, image_processor, where, images)
+    _check_spans(record, family, cu, where)
+    return family.read_media(record, image_processor, where, images)
+
+
+def vision_media(family: Family, record: PackRecord, image_processor, where: str, images: bool) -> dict:
+    """The base layout (:attr:`Family.batch_keys`): image_grid_thw (+ pixel_values) for the pack's images and
+    video_grid_thw, second_per_grid_ts (+ pixel_values_videos) for its videos (where the family has a video
+    processor)."""
+    everything = record.media_refs
     for m in everything:
         if m.kind not in ("image", "video"):
             raise FormatError(f"{where}: media kind {m.kind!r} (member {m.member}) is not supported by the reader "
                               f"yet")
-    out = _videos(record, manifest, where, images) if manifest.get("video_processor") else {}
+    video = family.video_entry()
+    out = _videos(record, video, where, images) if video else {}
     if any(m.kind == "video" for m in everything) and not out:
         raise FormatError(f"{where}: the pack holds videos but the manifest describes no video processor")
     media = [m for m in everything if m.kind == "image"]
@@ -191,11 +190,11 @@ def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, im
     out["image_grid_thw"] = torch.from_numpy(stored)
     if not images:
         return out
-    proc = image_processor if image_processor is not None else image_processor_from_manifest(manifest)
+    proc = image_processor if image_processor is not None else family.reader_processor(None)
     if proc is None:
         if media:
             raise ValueError(f"{where} has media but no image processor: pass the model's image_processor= "
-                             f"(dataset image rule: {(processor or {}).get('type')}) or images=False")
+                             f"(dataset image rule: {family.name}) or images=False")
         return out
     if not media:
         if hasattr(proc, "temporal_patch_size"):  # Qwen2-VL layout: [patches, C·t·p·p]
@@ -234,15 +233,16 @@ def _cached_video_processor(settings_json: str):
 def video_processor_from_manifest(manifest: Mapping):
     """transformers' Qwen2-VL video processor with the settings the tokens were counted with, told not to sample
     (the reader hands it the planned frames); None when the dataset has no video settings. Needs torchvision."""
-    settings = manifest.get("video_processor")
-    if settings is None:
-        return None
-    if settings.get("family") != "qwen2_vl":
-        raise ValueError(f"unsupported video processor family {settings.get('family')!r}")
-    return _cached_video_processor(json.dumps(settings, sort_keys=True))
+    settings = families.from_manifest(manifest).video_entry()
+    return None if settings is None else _video_processor(settings)
 
 
-def _videos(record: PackRecord, manifest: Mapping, where: str, decode: bool) -> dict:
+def _video_processor(settings: Mapping):
+    """The video processor of a ``video_processor`` entry (cached per settings)."""
+    return _cached_video_processor(json.dumps(dict(settings), sort_keys=True))
+
+
+def _videos(record: PackRecord, settings: Mapping, where: str, decode: bool) -> dict:
     """video_grid_thw and second_per_grid_ts of the pack's videos (+ pixel_values_videos when ``decode``): only
     the planned frames are decoded, and the processor is told not to sample again."""
     from packtool.media import decode_frames, decode_video
@@ -255,11 +255,10 @@ def _videos(record: PackRecord, manifest: Mapping, where: str, decode: bool) -> 
     if not decode:
         return out
     if not videos:  # the same keys in every batch, without building a processor
-        s = manifest["video_processor"]
-        dim = 3 * s["video_temporal_patch_size"] * s["video_patch_size"] ** 2
+        dim = 3 * settings["video_temporal_patch_size"] * settings["video_patch_size"] ** 2
         out["pixel_values_videos"] = torch.zeros((0, dim), dtype=torch.float32)
         return out
-    proc = video_processor_from_manifest(manifest)
+    proc = _video_processor(settings)
     from transformers.video_utils import VideoMetadata
 
     arrays, metadata = [], []
@@ -298,12 +297,10 @@ def open_stored_image(data: bytes, where: str):
 
 
 def processor_for_output(path: str | Path, manifest: Mapping):
-    """The processor a reader of the packed dataset at `path` uses for its media: Qwen2-VL's image processor
-    (`image_processor_from_manifest`), Nemotron Omni's processors built from the model folder copied into the
-    output (`packtool.runtime.nemotron.nemotron_processors`), or None."""
-    if is_nemotron(manifest):
-        return nemotron_processors(manifest, Path(path) / TOKENIZER_DIR)
-    return image_processor_from_manifest(manifest)
+    """The processor a reader of the packed dataset at `path` uses for its media: its family's
+    (:meth:`Family.reader_processor`: Qwen2-VL's image processor, Nemotron Omni's processors built from the model
+    folder copied into the output), or None."""
+    return families.from_manifest(manifest).reader_processor(Path(path) / TOKENIZER_DIR)
 
 
 def batch_to(batch: dict, device) -> dict:

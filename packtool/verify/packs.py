@@ -28,24 +28,24 @@ from __future__ import annotations
 import hashlib
 import sqlite3
 from collections import Counter
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 
+from packtool import families
 from packtool.build.engine import Engine
 from packtool.errors import FormatError
-from packtool.families.nemotron_omni import NemotronOmniSettings
-from packtool.families.qwen2_vl import ImageRule, Qwen2VLSettings
+from packtool.families import Family
+from packtool.families.base import NoMedia
 from packtool.format import (
     ARRAYS,
     KEPT,
     LEDGER,
     LEDGER_SCHEMA,
     META,
-    NEMOTRON_FAMILY,
     STATUSES,
     InfoJson,
     Manifest,
@@ -53,15 +53,12 @@ from packtool.format import (
     PackRecord,
     SplitYaml,
     arrays_digest,
-    placeholder_ids,
-    processor_family,
     safe_relative,
     sha256,
     span_problems,
 )
 from packtool.media import image_size, probe_audio, probe_frames, probe_video
 from packtool.media.audio import decode_audio
-from packtool.media.video import VideoFacts
 from packtool.settings import EngineKind
 from packtool.shards import idx_path, index_tar, parse_record, record_offsets, scan_records
 
@@ -105,8 +102,8 @@ class TokenCheck:
         self.known[ids] = True
         self.size = int(self.known.sum())
         #: Whether pack expanded each media placeholder in the ids (Qwen: one placeholder token repeated), so a
-        #: span collapses back to one placeholder before the round trip; Nemotron Omni's and the processor mode's
-        #: placeholders are expanded in the text, which the tokenizer encodes as it stands.
+        #: span collapses back to one placeholder before the round trip; families that expand them in the text
+        #: (:attr:`Family.expanded_in_text`: Nemotron Omni, the processor mode) are encoded as they stand.
         self.expanded_in_ids = expanded_in_ids
         self.exact = isinstance(self.tok.decoder, decoders.ByteLevel)
         self.pre_tokenizer = self.tok.pre_tokenizer
@@ -171,53 +168,21 @@ def _token_check(tokenizer_dir: str, expanded_in_ids: bool) -> TokenCheck:
     return TokenCheck(Path(tokenizer_dir), expanded_in_ids)
 
 
-@dataclass(frozen=True)
-class MediaRules:
-    """The token rules the manifest describes, to re-derive each media item's grid and tokens from its bytes."""
-
-    #: Image rule (Qwen2-VL or fixed-count).
-    image: ImageRule | None = None
-    #: Qwen2-VL video settings.
-    video: Qwen2VLSettings | None = None
-    #: Nemotron Omni settings (images, video, audio).
-    nemotron: NemotronOmniSettings | None = None
-    #: Processor mode: the folder's processor counted the tokens, there is no rule to re-derive them with.
-    processor: bool = False
-
-
-def media_rules(manifest: Manifest) -> MediaRules:
-    """The rules of the manifest's ``image_processor`` and ``video_processor`` (as pack wrote them)."""
-    family = processor_family(manifest.image_processor)
-    if family == "processor":
-        return MediaRules(processor=True)
-    if family == NEMOTRON_FAMILY:
-        try:
-            return MediaRules(nemotron=NemotronOmniSettings.from_manifest(manifest.image_processor or {}))
-        except ValueError as exc:
-            raise FormatError(f"{META}/packtool.json: {exc}") from None
-    return MediaRules(image=_image_rule(manifest.image_processor), video=_video_rule(manifest.video_processor))
-
-
-def _image_rule(settings: dict | None) -> ImageRule | None:
-    """The image rule ``settings`` describe (as :meth:`ImageRule.manifest` wrote them)."""
+def manifest_family(manifest: Manifest) -> Family:
+    """The family the manifest was written by (:func:`packtool.families.from_manifest`): what verify re-derives
+    each media item's plan with; :class:`FormatError` for settings no family reads."""
     try:
-        return None if settings is None else ImageRule.from_manifest(settings)
-    except ValueError as exc:
-        raise FormatError(f"{META}/packtool.json: {exc}") from None
-
-
-def _video_rule(settings: dict | None) -> Qwen2VLSettings | None:
-    """The Qwen2-VL video settings ``settings`` describe (as :meth:`Qwen2VLSettings.manifest` wrote them)."""
-    try:
-        return None if settings is None else Qwen2VLSettings.from_manifest(settings)
+        return families.from_manifest(manifest)
     except ValueError as exc:
         raise FormatError(f"{META}/packtool.json: {exc}") from None
 
 
 # -- one pack --------------------------------------------------------------------------------------------------
-def check_pack(where: str, record: PackRecord, members: dict[str, bytes], manifest: Manifest) -> list[str]:
+def check_pack(where: str, record: PackRecord, members: dict[str, bytes], manifest: Manifest,
+               family: Family) -> list[str]:
     """Problems of one parsed pack record beyond what :meth:`PackRecord.from_members` checks: pack size and
-    alignment, targets, media spans, the manifest's caps and members no segment names."""
+    alignment, targets, media spans (the placeholders of the manifest's ``family``), the manifest's caps and
+    members no segment names."""
     problems = []
     settings = manifest.settings
     size, align = record.pack_size, record.align
@@ -229,7 +194,7 @@ def check_pack(where: str, record: PackRecord, members: dict[str, bytes], manife
     if (record.targets > 1).any():
         problems.append(f"{where}: targets hold values other than 0/1")
     starts = record.segment_starts()
-    ids = placeholder_ids({f.name: getattr(manifest, f.name) for f in fields(manifest)})
+    ids = family.placeholder_ids()
     for seg, a, b in zip(record.segments, starts[:-1], starts[1:]):
         problems += _check_segment(where, seg.key, record.tokens[a:b], record.targets[a:b], seg.media, ids)
     refs = record.media_refs
@@ -247,7 +212,7 @@ def check_pack(where: str, record: PackRecord, members: dict[str, bytes], manife
 def _check_segment(where: str, key: str, t: np.ndarray, g: np.ndarray, media: list[MediaRef],
                    ids: dict[str, int | None]) -> list[str]:
     """Targets and placeholders of one segment; ``ids``: the placeholder token of each media kind
-    (:func:`packtool.format.placeholder_ids`)."""
+    (:meth:`Family.placeholder_ids`)."""
     problems = []
     if g[0]:
         problems.append(f"{where} segment {key}: first token is a target")
@@ -261,13 +226,13 @@ def _check_segment(where: str, key: str, t: np.ndarray, g: np.ndarray, media: li
     return problems
 
 
-def check_media(where: str, ref: MediaRef, members: list[bytes], rules: MediaRules, pixel_limit: int, *,
+def check_media(where: str, ref: MediaRef, members: list[bytes], family: Family, pixel_limit: int, *,
                 n_images: int = 1, truncated: bool = False) -> list[str]:
     """Problems of one media item (``members``: its member's bytes, or its frames'): bytes against its recorded
     size and SHA-256, a full decode, and what it decodes to against the record: an image's size, a video's size
-    and frame count, an audio clip's waveform length; then its grid, frames, samples and tokens against the
-    manifest's rules (none in the processor mode). ``n_images``: images of its segment (Nemotron Omni's image
-    budget); ``truncated``: whether the segment was cut."""
+    and frame count, an audio clip's waveform length; then its grid, frames, samples and tokens against the rules
+    of the manifest's ``family`` (none where it does not re-derive them: the processor mode). ``n_images``:
+    images of its segment; ``truncated``: whether the segment was cut (see :meth:`Family.image_counts`)."""
     data = b"".join(members)
     if ref.size or ref.sha256:  # recorded since format 2's first writer; older records have neither
         if len(data) != ref.size:
@@ -275,9 +240,9 @@ def check_media(where: str, ref: MediaRef, members: list[bytes], rules: MediaRul
         if sha256(data) != ref.sha256:
             return [f"{where}: SHA-256 differs from the recorded one (member changed or swapped)"]
     if ref.kind == "video":
-        return _check_video(where, ref, members, rules, pixel_limit)
+        return _check_video(where, ref, members, family, pixel_limit)
     if ref.kind == "audio":
-        return _check_audio(where, ref, data, rules)
+        return _check_audio(where, ref, data, family)
     if ref.kind != "image":
         return [f"{where}: unsupported media kind {ref.kind!r}"]
     try:
@@ -286,49 +251,24 @@ def check_media(where: str, ref: MediaRef, members: list[bytes], rules: MediaRul
         return [f"{where}: {exc}"]
     if (width, height) != (ref.width, ref.height):
         return [f"{where}: decodes to {width}x{height}, recorded {ref.width}x{ref.height}"]
-    if rules.processor:
+    if not family.rederives:
         return []
-    if rules.nemotron is not None:
-        return _check_nemotron_image(where, ref, rules.nemotron, n_images, truncated)
-    if rules.image is None:
-        return [f"{where}: an image, but the manifest describes no image processor"]
+    recorded = (list(ref.grid_thw), ref.tokens)
     try:
-        grid, tokens = list(rules.image.grid(width, height)), rules.image.tokens(width, height)
-    except ValueError as exc:
-        return [f"{where}: {exc}"]
-    if grid != list(ref.grid_thw) or tokens != ref.tokens:
-        return [f"{where}: the image rule gives grid {grid} and {tokens} tokens, recorded {list(ref.grid_thw)} "
-                f"and {ref.tokens}"]
-    return []
-
-
-#: Most images past a cut considered when matching a truncated segment's Nemotron Omni image grid.
-MAX_CUT_IMAGES = 256
-
-
-def _check_nemotron_image(where: str, ref: MediaRef, rule: NemotronOmniSettings, n_images: int,
-                          truncated: bool) -> list[str]:
-    """The grid and tokens of a Nemotron Omni image (already decoded to its recorded size): the processor's patch
-    budget depends on how many images the sample gives it in one call, which is the segment's image count. A cut
-    drops the images past it from the segment but not from the count the sample was encoded with, so a truncated
-    segment's image also passes when a larger count gives its recorded grid."""
-    def derived(n: int) -> tuple[list[int], int]:
-        gh, gw = rule.image_grid(ref.width, ref.height, n_images=n)
-        return [1, gh, gw], rule.image_tokens(ref.width, ref.height, n_images=n)
-
-    try:
-        grid, tokens = derived(n_images)
-        recorded = (list(ref.grid_thw), ref.tokens)
-        if (grid, tokens) == recorded or truncated and any(
-                derived(n) == recorded for n in range(n_images + 1, n_images + 1 + MAX_CUT_IMAGES)):
+        derived = family.check_image(width, height, n_images)
+        if derived is None:
+            return [f"{where}: an image, but the manifest describes no image processor"]
+        if derived == recorded or any(family.check_image(width, height, n) == recorded
+                                      for n in family.image_counts(n_images, truncated)[1:]):
             return []
     except ValueError as exc:
         return [f"{where}: {exc}"]
-    return [f"{where}: the image rule gives grid {grid} and {tokens} tokens ({n_images} images), recorded "
-            f"{list(ref.grid_thw)} and {ref.tokens}"]
+    shared = f" ({n_images} images)" if family.shared_image_budget else ""
+    return [f"{where}: the image rule gives grid {derived[0]} and {derived[1]} tokens{shared}, recorded "
+            f"{recorded[0]} and {recorded[1]}"]
 
 
-def _check_video(where: str, ref: MediaRef, members: list[bytes], rules: MediaRules, pixel_limit: int) -> list[str]:
+def _check_video(where: str, ref: MediaRef, members: list[bytes], family: Family, pixel_limit: int) -> list[str]:
     try:
         facts = probe_frames(members, max_pixels=pixel_limit, decode=True) if ref.frames else \
             probe_video(members[0], max_pixels=pixel_limit, decode=True)
@@ -337,10 +277,10 @@ def _check_video(where: str, ref: MediaRef, members: list[bytes], rules: MediaRu
     if (facts.width, facts.height, facts.frames) != (ref.width, ref.height, ref.total_frames):
         return [f"{where}: {facts.width}x{facts.height}, {facts.frames} frames, recorded {ref.width}x{ref.height}, "
                 f"{ref.total_frames} frames"]
-    if rules.processor:
+    if not family.rederives:
         return []
     try:
-        derived = _video_plan(facts, rules)
+        derived = family.check_video(facts)
     except ValueError as exc:
         return [f"{where}: {exc}"]
     if derived is None:
@@ -353,44 +293,33 @@ def _check_video(where: str, ref: MediaRef, members: list[bytes], rules: MediaRu
     return []
 
 
-def _video_plan(facts: VideoFacts, rules: MediaRules) -> tuple[list[int], int, list[int], float | None] | None:
-    """``(grid_thw, tokens, frame_indices, second_per_grid_ts)`` the manifest's video rule gives a video, as pack
-    records them (a Nemotron Omni grid: frames given to the processor, then the tile in patches)."""
-    if rules.nemotron is not None:
-        plan = rules.nemotron.video(facts)
-        return [len(plan.indices), *plan.tile], plan.tokens, list(plan.indices), None
-    if rules.video is not None:
-        qplan = rules.video.video(facts)
-        return list(qplan.grid_thw), qplan.tokens, list(qplan.indices), qplan.second_per_grid_ts
-    return None
-
-
 def _short(values: list[int]) -> str:
     return str(values) if len(values) <= 8 else f"[{len(values)} frames from {values[0]}]"
 
 
-def _check_audio(where: str, ref: MediaRef, data: bytes, rules: MediaRules) -> list[str]:
-    """An audio clip: a full decode, then (Nemotron Omni) the waveform length at the processor's rate and the
-    tokens against the audio rule, and the decoded waveform's length against both."""
+def _check_audio(where: str, ref: MediaRef, data: bytes, family: Family) -> list[str]:
+    """An audio clip: a full decode, then the waveform length at the processor's rate and the tokens against the
+    family's audio rule, and the decoded waveform's length against both."""
     try:
         facts = probe_audio(data, decode=True)
     except ValueError as exc:
         return [f"{where}: {exc}"]
-    if rules.processor:
+    if not family.rederives:
         return []
-    rule = rules.nemotron
-    if rule is None:
+    derived = family.check_audio(facts)
+    if derived is None:
         return [f"{where}: an audio clip, but the manifest describes no audio rule"]
-    samples, tokens = rule.audio_samples(facts), rule.audio_tokens(facts)
+    samples, tokens = derived
     if (samples, tokens) != (ref.samples, ref.tokens):
         return [f"{where}: the audio rule gives {samples} samples and {tokens} tokens, recorded {ref.samples} "
                 f"and {ref.tokens}"]
+    rate, limit = family.audio_input()
     try:
-        wave = decode_audio(data, rate=rule.audio_sampling_rate, max_samples=rule.max_audio_samples)
+        wave = decode_audio(data, rate=rate, max_samples=limit)
     except Exception as exc:
         return [f"{where}: undecodable audio ({type(exc).__name__}: {exc})"]
     if len(wave) != samples:
-        return [f"{where}: decodes to {len(wave)} samples at {rule.audio_sampling_rate} Hz, recorded {samples}"]
+        return [f"{where}: decodes to {len(wave)} samples at {rate} Hz, recorded {samples}"]
     return []
 
 
@@ -439,18 +368,19 @@ def check_shard(output: str, split: str, shard: str, fid: int, count: int | None
     problems += _check_idx(path, shard, index)
     problems += _check_sqlite(out / META / "index.sqlite", shard, fid, index)
     tok_dir = out / (manifest.tokenizer or {}).get("dir", f"{META}/tokenizer")
+    unreadable = None
+    try:
+        family = manifest_family(manifest)
+    except FormatError as exc:  # reported below; nothing is re-derived, placeholders as a text family's
+        unreadable, family = exc, NoMedia.from_manifest(manifest)
     tokens = None
     if (tok_dir / "tokenizer.json").is_file():
         try:
-            expanded_in_text = processor_family(manifest.image_processor) in (NEMOTRON_FAMILY, "processor")
-            tokens = _token_check(str(tok_dir), not expanded_in_text)
+            tokens = _token_check(str(tok_dir), not family.expanded_in_text)
         except Exception as exc:
             problems.append(f"{tok_dir.relative_to(out)}: unreadable tokenizer ({type(exc).__name__}: {exc})")
-    try:
-        rules = media_rules(manifest)
-    except FormatError as exc:
-        problems.append(str(exc))
-        rules = MediaRules()
+    if unreadable is not None:
+        problems.append(str(unreadable))
     pixel_limit = int(manifest.settings.get("pixel_limit") or 1 << 40)
     ident, facts, ordinal, staged = [], [], [], []
     for i, (key, members) in enumerate(scan_records(path)):
@@ -463,14 +393,14 @@ def check_shard(output: str, split: str, shard: str, fid: int, count: int | None
         except FormatError as exc:
             problems.append(f"{shard}: {exc}")
             continue
-        problems += check_pack(where, record, members, manifest)
+        problems += check_pack(where, record, members, manifest, family)
         if record.arrays_sha256 and arrays_digest(members) != record.arrays_sha256:
             problems.append(f"{where}: token arrays differ from the SHA-256 written with the pack")
         for seg in record.segments:
             n_images = sum(m.kind == "image" for m in seg.media)
             for m in seg.media:
                 problems += check_media(f"{where} member {m.member}", m, [record.media[n] for n in m.members],
-                                        rules, pixel_limit, n_images=n_images, truncated=seg.truncated)
+                                        family, pixel_limit, n_images=n_images, truncated=seg.truncated)
         for src_split, src_shard, src_key, held in segment_facts(record):
             ident.append(_digest(src_split, src_shard, src_key))
             facts.append(_digest(key, *held))
