@@ -1,0 +1,291 @@
+"""NeMo-RL reads packtool's packs: the task encoder NeMo-RL loads by file, its packed SFT batch, the alignment.
+
+NeMo-RL does not install from the package registry, so each behaviour of it these tests rely on is re-derived here
+in a few lines from its code (NVIDIA-NeMo/RL, ``nemo_rl/data/energon/``), each helper naming the function it stands
+for. The packs are real ``packtool pack`` output read through Energon's own loader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import io
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_savable_loader, get_val_dataset
+
+import packfixture as fx
+from packtool import nemo_rl
+from packtool.errors import FormatError
+from packtool.format import load_manifest
+from packtool.settings import alignment_for, derive_align, nemo_rl_align
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- re-derivations of NeMo-RL ----------------------------------------------------------------------------------
+def resolve_file_backed(python_file: str, object_name: str, base: type | None) -> object:
+    """``LazyRegistry.resolve_configured`` (``multimodal/registry.py``) for a file-backed component: the path must be
+    absolute and end in ``.py``; the file is executed as a module named after its path and digest; the object must
+    be a task encoder subclass (``base``) or, for a cooker (``base`` None), callable."""
+    path = Path(python_file)
+    assert path.is_absolute() and path.suffix == ".py"
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    name = "_nemo_rl_energon_component_" + hashlib.sha256(f"{path.resolve()}:{digest}".encode()).hexdigest()
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, path.resolve())
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    obj = getattr(module, object_name)
+    assert (isinstance(obj, type) and issubclass(obj, base)) if base is not None else callable(obj)
+    return obj
+
+
+def nemo_rl_encoder_kwargs(*, max_sequence_length: int, tokenizer=None, packer=None, options=None) -> dict:
+    """The keyword arguments ``_task_encoder`` (``sft_dataloader.py``) builds a configured encoder class with."""
+
+    class Adapter:  # HFMultimodalSFTProcessorAdapter: the attribute an encoder may read
+        pass
+
+    adapter = Adapter()
+    adapter.max_sequence_length = max_sequence_length  # type: ignore[attr-defined]
+    return {"adapter": adapter, "cooker_functions": [], "include_source_ids": True, "packer": packer,
+            "tokenizer": tokenizer, "sequence_length_pad_multiple": 1, "only_unmask_final": False,
+            **(options or {})}
+
+
+def reference_packed_batch(packs: list[list[tuple[list[int], list[int]]]], multiple: int, pad_id: int) -> dict:
+    """``prepare_packed_sft_batch`` (``multimodal/packing.py``) with ``pack_selected_samples``' padded lengths and
+    ``batched_message_log_to_flat_message``'s right padding, for samples given as (token ids, token loss mask): each
+    sample's first token loses its loss, each sample is padded with the pad id to ``ceil(cost / multiple) *
+    multiple``, rows are padded to the longest; ``cu_seqlens`` sums real lengths, ``cu_seqlens_padded`` padded."""
+    rows, masks, real, padded = [], [], [], []
+    for pack in packs:
+        ids, mask, lengths, widths = [], [], [], []
+        for tokens, loss in pack:
+            loss = list(loss)
+            loss[0] = 0
+            width = math.ceil(len(tokens) / multiple) * multiple
+            ids += list(tokens) + [pad_id] * (width - len(tokens))
+            mask += loss + [0] * (width - len(tokens))
+            lengths.append(len(tokens))
+            widths.append(width)
+        rows.append(ids)
+        masks.append(mask)
+        real.append(torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32))
+        padded.append(torch.tensor([0, *np.cumsum(widths)], dtype=torch.int32))
+    length = max(map(len, rows))
+    input_ids = torch.tensor([r + [pad_id] * (length - len(r)) for r in rows], dtype=torch.int64)
+    token_mask = torch.tensor([m + [0] * (length - len(m)) for m in masks], dtype=torch.float32)
+    return {"input_ids": input_ids, "input_lengths": torch.tensor([len(r) for r in rows], dtype=torch.int32),
+            "token_mask": token_mask, "sample_mask": token_mask.bool().any(1).float(), "cu_seqlens": real,
+            "cu_seqlens_padded": padded}
+
+
+def nemotron_image_inputs(image, patch_sizes: tuple[int, int], patch_dim: int = 16) -> tuple[torch.Tensor, tuple]:
+    """``_NemotronVisualProcessorAdapter._process_media`` (``nemotron_visual.py``) for one image planned at
+    ``patch_sizes`` (width, height in patches): PIL resize, [0, 1], CLIP mean/std; its ``imgs_sizes`` row."""
+    width, height = patch_sizes[0] * patch_dim, patch_sizes[1] * patch_dim
+    array = np.array(image.convert("RGB").resize((width, height)), copy=True)
+    pixels = torch.from_numpy(array).permute(2, 0, 1).float() / 255
+    mean = torch.tensor([0.48145466, 0.4578275, 0.40821073])[:, None, None]
+    std = torch.tensor([0.26862954, 0.26130258, 0.27577711])[:, None, None]
+    return (pixels - mean) / std, (height, width)
+
+
+# -- helpers ----------------------------------------------------------------------------------------------------
+def loaded_encoder_class() -> type:
+    return resolve_file_backed(nemo_rl.encoder_file(), "PacktoolSFTTaskEncoder", DefaultTaskEncoder)  # type: ignore
+
+
+def nemo_rl_loader(path: Path, batch_size: int, **options):
+    cls = loaded_encoder_class()
+    encoder = cls(**nemo_rl_encoder_kwargs(max_sequence_length=load_manifest(path)["settings"]["pack_size"],
+                                           options=options))
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    return get_savable_loader(get_val_dataset(path, split_part="val", worker_config=wc, batch_size=batch_size,
+                                              task_encoder=encoder))
+
+
+def samples_of(path: Path, split: str = "val") -> dict[str, tuple[list[int], list[int]]]:
+    """Every packed sample's (tokens, targets) by source key, read from the tars."""
+    return {seg.key: (tokens.tolist(), targets.tolist()) for seg, tokens, targets, _ in fx.packed_segments(path, split)}
+
+
+def assert_batch_equal(batch: dict, want: dict) -> None:
+    for key, value in want.items():
+        got = batch[key]
+        if isinstance(value, list):
+            assert len(got) == len(value) and all(torch.equal(a, b) for a, b in zip(got, value)), key
+        else:
+            assert got.dtype == value.dtype and torch.equal(got, value), key
+
+
+@pytest.fixture(scope="module")
+def nemo_rl_packed(demo_dir, tmp_path_factory) -> Path:
+    """The demo dataset's val split (text, images, videos) packed for a NeMo-RL recipe at TP4 / CP2."""
+    out = tmp_path_factory.mktemp("nemorl") / "out"
+    cmd = [sys.executable, "-m", "packtool.cli", "pack", str(demo_dir / "dataset"), str(out), "--tokenizer",
+           str(demo_dir / "tokenizer"), "--pack-size", "2048", "--split", "val", "--align-for", "nemo-rl",
+           "--tp-size", "4", "--cp-size", "2", "--workers", "1", "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+# -- alignment --------------------------------------------------------------------------------------------------
+def test_alignment_for_nemo_rl_is_its_sequence_multiple():
+    # NeMo-RL's Megatron recipes: make_sequence_length_divisible_by = ${mul:${mul:tp, cp}, 2}
+    assert nemo_rl_align(cp_size=2, tp_size=4) == 16 and derive_align(cp_size=2, tp_size=4) == 4
+    assert alignment_for("nemo-rl", cp_size=2, tp_size=4) == 16
+    assert alignment_for("megatron", cp_size=2, tp_size=4, sequence_parallel=True) == 8
+    assert nemo_rl_align() == 2
+    with pytest.raises(ValueError, match="align_for"):
+        alignment_for("nemo", cp_size=2)  # type: ignore[arg-type]
+
+
+def test_cli_aligns_packs_for_nemo_rl(nemo_rl_packed):
+    assert load_manifest(nemo_rl_packed)["settings"]["align"] == 16
+
+
+# -- the task encoder through Energon -----------------------------------------------------------------------------
+def test_packs_become_nemo_rl_packed_batches(nemo_rl_packed):
+    """Sample by sample, the encoder's batch equals `prepare_packed_sft_batch` of the packed samples (tokens and
+    targets as NeMo-RL's message logs would carry them), at the recipe's multiple 16 and at 8."""
+    samples = samples_of(nemo_rl_packed)
+    pad = load_manifest(nemo_rl_packed)["pad_token_id"]
+    seen = set()
+    for multiple, batch_size in ((None, 1), (8, 2)):
+        for batch in nemo_rl_loader(nemo_rl_packed, batch_size, sequence_multiple=multiple):
+            packs = [[samples[k] for k in keys] for keys in batch["source_ids"]]
+            want = reference_packed_batch(packs, multiple or 16, pad)
+            assert_batch_equal(batch, want)
+            assert all(int(p[-1]) <= 2048 for p in batch["cu_seqlens_padded"])
+            seen.update(k for keys in batch["source_ids"] for k in keys)
+            if multiple is None:
+                assert all((p % 16 == 0).all() for p in batch["cu_seqlens_padded"])
+    assert seen == set(samples)
+
+
+def test_control_pack_tail_padding_is_not_nemo_rl_layout(nemo_rl_packed):
+    """Control: the reader's own layout (one pad run at the pack's tail) is not NeMo-RL's, so the comparison above
+    can fail."""
+    samples = samples_of(nemo_rl_packed)
+    pad = load_manifest(nemo_rl_packed)["pad_token_id"]
+    differs = 0
+    for batch in nemo_rl_loader(nemo_rl_packed, 1):
+        pack = [samples[k] for k in batch["source_ids"][0]]
+        tail = reference_packed_batch([[(sum((t for t, _ in pack), []), sum((m for _, m in pack), []))]], 16, pad)
+        differs += not torch.equal(tail["input_ids"], batch["input_ids"])
+    assert differs > 0
+
+
+def test_qwen_media_are_the_processors(nemo_rl_packed):
+    """Qwen2.5-VL packs carry what NeMo-RL's hf_multimodal adapter puts in its messages: the transformers
+    processor's pixel_values and image_grid_thw, per row in placeholder order (here: the reader's, which equals the
+    processor's)."""
+    from packtool.read import read_packs
+
+    by_key = {b["pack_key"]: b for b in read_packs(nemo_rl_packed, split="val")}
+    with_images = 0
+    for batch in nemo_rl_loader(nemo_rl_packed, 1):
+        reader = next(b for b in by_key.values() if b["keys"] == batch["source_ids"][0])
+        if batch.get("image_grid_thw") is None or batch["image_grid_thw"][0] is None:
+            assert int(reader["image_grid_thw"].shape[0]) == 0
+            continue
+        with_images += 1
+        (grid,), (pixels,) = batch["image_grid_thw"][0], batch["pixel_values"][0]  # one segment per pack
+        assert torch.equal(grid, reader["image_grid_thw"]) and torch.equal(pixels, reader["pixel_values"])
+    assert with_images > 0
+
+
+def test_encoder_refuses_what_cannot_hold(nemo_rl_packed, tmp_path):
+    cls = loaded_encoder_class()
+    with pytest.raises(ValueError, match="packing"):
+        cls(**nemo_rl_encoder_kwargs(max_sequence_length=2048, packer=object()))
+    with pytest.raises(ValueError, match="options"):
+        cls(**nemo_rl_encoder_kwargs(max_sequence_length=2048, options={"pad_multiple": 16}))
+    # a Nemotron recipe's own encoder options are inherited by its overlay: accepted
+    cls(**nemo_rl_encoder_kwargs(max_sequence_length=2048, options={"prompt_format": "nemotron6-moe"}))
+    with pytest.raises(Exception, match="max_total_sequence_length"):
+        encoder = cls(**nemo_rl_encoder_kwargs(max_sequence_length=1024))
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+        next(iter(get_savable_loader(get_val_dataset(nemo_rl_packed, split_part="val", worker_config=wc,
+                                                     batch_size=1, task_encoder=encoder))))
+
+
+def test_alignment_must_be_a_multiple_of_the_recipes():
+    seg = fx.chat_segment("a", "q", "an answer")
+    members = {**fx.pack_record([seg], pack_size=64, align=8, split="train"), "__key__": "train-000000000"}
+    manifest = {"pad_token_id": fx.PAD_ID}
+    with pytest.raises(FormatError, match="--align-for nemo-rl"):
+        nemo_rl.nemo_rl_row(members, manifest, multiple=16)
+    row = nemo_rl.nemo_rl_row(members, manifest, multiple=4)
+    assert row.padded == [math.ceil(len(seg["tokens"]) / 4) * 4]
+
+
+def test_nemotron_images_are_nemo_rls_visual_inputs(tmp_path):
+    """A Nemotron Omni pack's images become `_process_media`'s pixel_values / imgs_sizes / num_frames."""
+    from PIL import Image
+
+    segments, images = [], []
+    for i, (w, h, grid) in enumerate([(60, 90, (1, 4, 2)), (200, 120, (1, 6, 10)), (33, 47, (1, 2, 2))]):
+        data = fx.image_bytes(w, h, i, "PNG")
+        seg = fx.chat_segment(f"s{i}", "what?", "this.")
+        seg["media"] = [{"bytes": data, "ext": "png", "token_offset": 1, "tokens": 0, "grid_thw": list(grid),
+                         "width": w, "height": h}]
+        segments.append(seg)
+        images.append((Image.open(io.BytesIO(data)), grid))
+    members = {**fx.pack_record(segments, pack_size=512, align=1, split="train"), "__key__": "train-000000000"}
+    manifest = {"pad_token_id": fx.PAD_ID, "image_processor": {"family": "nemotron_omni", "patch_size": 16}}
+    row = nemo_rl.nemo_rl_row(members, manifest)
+    for index, (image, (_, gh, gw)) in enumerate(images):
+        pixels, size = nemotron_image_inputs(image, (gw, gh))
+        assert torch.allclose(row.media["pixel_values"][index][0], pixels, atol=1e-6)
+        assert tuple(row.media["imgs_sizes"][index][0].tolist()) == size
+    assert [n.tolist() for n in row.media["num_frames"]] == [[1], [1], [1]]
+    # control: a resize to the transposed grid is not the same input
+    pixels, _ = nemotron_image_inputs(images[1][0], (6, 10))
+    assert pixels.shape != row.media["pixel_values"][1][0].shape
+    batch = nemo_rl.nemo_rl_batch([row, row], fx.PAD_ID)  # per row: its items in placeholder order
+    assert len(batch["pixel_values"]) == 2 and len(batch["pixel_values"][1]) == 3
+
+
+# -- recipe overlays --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["vlm_sft-qwen2.5-vl-energon-packtool.yaml",
+                                  "vlm_sft-nemotron-omni-energon-packtool.yaml"])
+def test_recipe_overlays_name_a_loadable_encoder(name, monkeypatch):
+    """Each overlay's loader block follows NeMo-RL's configuration rules (``EnergonTaskEncoderConfig`` and
+    ``EnergonCookerConfig`` in ``config.py``: a file-backed component has no name, a python_file and an
+    object_name; ``_loader_config``: at least one cooker) and resolves to packtool's encoder and cooker."""
+    overlay = yaml.safe_load((ROOT / "examples" / "nemo_rl" / name).read_text())
+    energon = overlay["data"]["energon"]
+    encoder, cookers = energon["task_encoder"], energon["cookers"]
+    assert encoder["name"] is None and encoder["packing"] is None and energon["packing_buffer_size"] is None
+    assert cookers and all(c["name"] is None for c in cookers)
+    assert cookers[0]["has_subflavors"] == {"packtool": 1}
+    env = "${oc.env:PACKTOOL_NEMO_RL_ENCODER}"
+    assert encoder["python_file"] == env and cookers[0]["python_file"] == env
+    assert loaded_encoder_class().__name__ == encoder["object_name"]
+    assert resolve_file_backed(nemo_rl.encoder_file(), cookers[0]["object_name"], None)
+    multiple = encoder["options"]["sequence_multiple"]
+    assert multiple.startswith("${policy.make_sequence_length_divisible_by")
+    done = subprocess.run([sys.executable, "-m", "packtool.nemo_rl"], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == nemo_rl.encoder_file()
+
+
+def test_runtime_side_imports_nothing_of_the_build_side():
+    code = ("import sys, packtool.nemo_rl; bad = [m for m in sys.modules if m in ('packtool.encode', "
+            "'packtool.pipeline', 'packtool.planning', 'packtool.tokenizing', 'packtool.assemble')]; print(bad)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "[]", done.stderr
