@@ -53,7 +53,7 @@ from packtool.processor_mode import (
     placeholder_token_ids,
     processor_ids,
 )
-from packtool.settings import EncodeSettings
+from packtool.settings import ROLE_HEADER_TARGETS, EncodeSettings
 from packtool.sources import Conversation, RawSample
 from packtool.sources.conversation import conversation_adapter
 from packtool.sources.custom import custom_adapter, load_function
@@ -575,6 +575,8 @@ class Encoder:
                     targets[end] = 1
         if self.settings.target_newline_after_eot:
             self._target_newlines(ids, targets)
+        if self.settings.preset in ROLE_HEADER_TARGETS:
+            self._target_role_headers(ids, targets)
         if self.processor is not None and media:  # the processor expanded them (see _call_processor)
             tokens, targets, media = self._processor_tokens(ids, targets, media, cut)
         elif self.nemotron is not None:  # the placeholders were expanded in the text (see _expand_in_text)
@@ -764,6 +766,17 @@ class Encoder:
         after = np.flatnonzero(t[:-1] & ~t[1:]) + 1
         ends_on_eot = np.isin(ids[after - 1], self.special_array)
         targets[after[ends_on_eot & (ids[after] == self.newline_id)]] = 1
+
+    def _target_role_headers(self, ids: np.ndarray, targets: np.ndarray) -> None:
+        """Mark each reply's role header as targets too (in place): the tokens from the special token that opens
+        the reply's turn (``<|im_start|>``) to the reply."""
+        t = targets.astype(bool)
+        starts = np.flatnonzero(t & ~np.concatenate([[False], t[:-1]]))
+        opens = np.flatnonzero(np.isin(ids, self.special_array))
+        before = np.searchsorted(opens, starts) - 1
+        for start, k in zip(starts.tolist(), before.tolist()):
+            if k >= 0:
+                targets[opens[k]:start] = 1
 
     def _media_span(self, tokens: np.ndarray, m: dict) -> tuple[int, int]:
         """``[start, end)`` of an item's whole expansion: recorded (``span``), else its placeholder tokens widened

@@ -34,7 +34,7 @@ MediaTokens = Literal["rule", "processor"]
 Algorithm = Literal["auto", "bfd", "ffd", "greedy_knapsack", "balanced_greedy_knapsack", "first_fit_shuffle",
                     "sequential"]
 EngineKind = Literal["local", "ray"]
-Preset = Literal["megatron-bridge-qwen-vl", "megatron-bridge-nemotron-omni"]
+Preset = Literal["megatron-bridge-qwen-vl", "megatron-bridge-nemotron-omni", "nemo-rl-qwen-vl"]
 #: Whose rule derives the per-segment alignment from the parallel sizes (``--align-for``).
 AlignFor = Literal["megatron", "nemo-rl"]
 
@@ -46,7 +46,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "megatron-bridge-qwen-vl": {"target_newline_after_eot": True, "media_first": True, "min_pixels": 200_704,
                                 "max_pixels": 1_003_520},
     "megatron-bridge-nemotron-omni": {},
+    # NeMo-RL's hf_multimodal adapter: each assistant message as the chat template adds it is a target, its role
+    # header and the newline after its end-of-turn token included (the header by the preset itself).
+    "nemo-rl-qwen-vl": {"target_newline_after_eot": True},
 }
+#: Presets whose targets also take each reply's role header (from the special token that opens it).
+ROLE_HEADER_TARGETS = frozenset({"nemo-rl-qwen-vl"})
 #: Presets named but not available yet, with the reason.
 UNSUPPORTED_PRESETS = {"megatron-bridge-nemotron-omni": "Megatron-Bridge's Nemotron Omni collate path writes other "
                                                          "frame labels and canvases than transformers' processor, "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import io
+import json
 import math
 import subprocess
 import sys
@@ -289,3 +290,93 @@ def test_runtime_side_imports_nothing_of_the_build_side():
             "'packtool.pipeline', 'packtool.planning', 'packtool.tokenizing', 'packtool.assemble')]; print(bad)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "[]", done.stderr
+
+
+# -- --preset nemo-rl-qwen-vl ------------------------------------------------------------------------------------
+def nemo_rl_qwen_log(tok, messages: list[dict], *, add_eos: bool = True) -> tuple[list[int], list[int]]:
+    """``get_formatted_message_log`` (``nemo_rl/data/llm_message_utils.py``) for text turns, then
+    ``add_loss_mask_to_message_log(roles_to_train_on=["assistant"])``: each message's chunk is what the chat
+    template adds after the rendering of the messages before it, the eos token is appended to the last chunk when
+    it does not end with it (trailing newlines aside), and every token of an assistant chunk is a target."""
+    ids: list[int] = []
+    mask: list[int] = []
+    previous = ""
+    for i, message in enumerate(messages):
+        text = tok.apply_chat_template(messages[:i + 1], tokenize=False, add_generation_prompt=False)
+        start = next((k for k, (a, b) in enumerate(zip(previous, text)) if a != b), min(len(previous), len(text)))
+        chunk = text[start:]
+        if i == len(messages) - 1 and add_eos and tok.eos_token and not chunk.rstrip("\n").endswith(tok.eos_token):
+            chunk += tok.eos_token
+        new = tok(chunk, add_special_tokens=False)["input_ids"]
+        ids += new
+        mask += [int(message["role"] == "assistant")] * len(new)
+        previous = text
+    return ids, mask
+
+
+def demo_text_samples(demo_dir):
+    from packtool.sources import open_source, read_raw_samples
+    from packtool.sources.conversation import conversation_adapter
+
+    src = open_source(demo_dir / "dataset", ["train"])
+    for shard in src.splits["train"]:
+        for raw in read_raw_samples(src.root, shard, src.excluded_samples):
+            conversation = conversation_adapter(raw.parts)
+            if not conversation.media:
+                yield raw, [{"role": m["role"], "content": m["content"]} for m in conversation.messages]
+
+
+def test_qwen_preset_targets_equal_nemo_rls(demo_dir):
+    """Under --preset nemo-rl-qwen-vl, tokens and targets of each demo text sample equal NeMo-RL's hf_multimodal
+    message log with its assistant-role mask (the reply's role header and the newline after its end-of-turn token
+    are targets); the first token is never a target in NeMo-RL's batch, nor here (it is the template's start)."""
+    from packtool.encode import Encoder
+    from packtool.settings import EncodeSettings
+
+    samples = list(demo_text_samples(demo_dir))
+    preset = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048, preset="nemo-rl-qwen-vl"))
+    plain = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048))
+    checked = differs = 0
+    for (raw, messages), got, base in zip(samples, preset.encode_many([r for r, _ in samples]),
+                                          plain.encode_many([r for r, _ in samples])):
+        if got.status != "packed":
+            continue
+        ids, mask = nemo_rl_qwen_log(preset.tok, messages)
+        assert got.tokens.tolist() == ids, raw.key
+        mask[0] = 0  # prepare_packed_sft_batch
+        assert got.targets.tolist() == mask, raw.key
+        differs += base.targets.tolist() != mask  # control: packtool's default convention is not NeMo-RL's
+        checked += 1
+    assert checked >= 20 and differs == checked
+
+
+def test_qwen_preset_with_images_equals_nemo_rls(demo_dir):
+    """An image sample: the processor's expansion of each `<|image_pad|>` (n = the grid the folder's pixel bounds
+    give / 4), inside the user chunk; the assistant chunk is the target."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    from packtool.encode import Encoder
+    from packtool.settings import EncodeSettings
+    from packtool.sources import RawSample
+
+    sizes = [(60, 60), (90, 40)]
+    turns = [{"role": "user", "content": "<image><image>Compare them."}, {"role": "assistant", "content": "Same."},
+             {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}]
+    raw = RawSample(key="k0", shard="shards/x.tar", index=0)
+    parts = {"json": json.dumps({"messages": turns}).encode(),
+             **{f"{i}.png": fx.image_bytes(w, h, i, "PNG") for i, (w, h) in enumerate(sizes)}}
+    for name, data in parts.items():
+        raw.parts[name], raw.ranges[name] = data, (0, len(data))
+    enc = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048, preset="nemo-rl-qwen-vl"))
+    got = enc.encode_many([raw])[0]
+    assert got.status == "packed", got.reason
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                             {"type": "text", "text": "Compare them."}]}, *turns[1:]]
+    ids, mask = nemo_rl_qwen_log(enc.tok, messages)
+    cfg = json.loads((demo_dir / "tokenizer" / "preprocessor_config.json").read_text())
+    counts = iter(int(np.prod(smart_resize(h, w, 28, cfg["min_pixels"], cfg["max_pixels"]))) // 784
+                  for w, h in sizes)
+    pad = enc.image_token_id
+    ids, mask = zip(*[(i, m) for i, m in zip(ids, mask) for _ in range(next(counts) if i == pad else 1)])
+    mask = [0, *mask[1:]]
+    assert got.tokens.tolist() == list(ids) and got.targets.tolist() == mask
