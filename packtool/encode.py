@@ -45,6 +45,7 @@ from packtool.media import (
     probe_video,
     read_folder,
 )
+from packtool.media.nemotron_nemo_rl import BUDGET_RESERVE, Frame, assistant_text, sample_image_grids
 from packtool.processor_mode import (
     align,
     load_processor,
@@ -53,7 +54,7 @@ from packtool.processor_mode import (
     placeholder_token_ids,
     processor_ids,
 )
-from packtool.settings import ROLE_HEADER_TARGETS, EncodeSettings
+from packtool.settings import NEMO_RL_NEMOTRON, ROLE_HEADER_TARGETS, EncodeSettings
 from packtool.sources import Conversation, RawSample
 from packtool.sources.conversation import conversation_adapter
 from packtool.sources.custom import custom_adapter, load_function
@@ -197,6 +198,10 @@ class Encoder:
             self.audio_token_id = vocab[n.audio_token]
             self.audio_text = n.audio_token
             self.audio_start_id, self.audio_end_id = vocab[n.audio_start_token], vocab[n.audio_end_token]
+        #: NeMo-RL's Nemotron Omni conventions (``--preset nemo-rl-nemotron-omni``): see the methods below.
+        self.nemo_rl_nemotron = settings.preset == NEMO_RL_NEMOTRON
+        if self.nemo_rl_nemotron and self.nemotron is None:
+            raise ConfigError(f"{settings.tokenizer}: --preset {NEMO_RL_NEMOTRON} needs a Nemotron Omni model folder")
         #: Processor mode: the folder's own processor expands the placeholders (:mod:`packtool.processor_mode`).
         self.processor = load_processor(settings.tokenizer) if settings.media_tokens == "processor" else None
         self.processor_media_ids = media_token_ids(self.processor) if self.processor is not None else frozenset()
@@ -235,6 +240,8 @@ class Encoder:
         out = []
         for m in messages:
             text = media_first(m["content"]) if self.settings.media_first else m["content"]
+            if self.nemo_rl_nemotron and m["role"] == "assistant":
+                text = self._nemo_rl_reply(text)
             kinds = tag_kinds(text)
             if self.structured and kinds:
                 pieces = TAG_PATTERN.split(text)
@@ -354,6 +361,9 @@ class Encoder:
         lists: dict[str, Sequence[bytes]] = {}
         n_images = sum(m.kind == "image" for m in conv.media)
         for m in conv.media:
+            if self.nemo_rl_nemotron and m.kind != "image":
+                raise SampleError(f"media {m.part!r}: {m.kind} under --preset {NEMO_RL_NEMOTRON} is not supported "
+                                  f"yet (images only)")
             try:
                 if m.kind == "image":
                     facts.append(self._image_facts(raw, m, lists, n_images))
@@ -629,6 +639,8 @@ class Encoder:
         if self.nemotron is None or not media:
             return text, spans
         n = self.nemotron
+        if self.nemo_rl_nemotron:
+            self._nemo_rl_image_plan(text, media)
         placeholder = {"image": n.image_token, "video": n.video_token, "audio": n.audio_token}
         embed = {"image": n.image_token, "video": n.image_token, "audio": n.audio_token}
         queues: dict[str, list[dict]] = {}
@@ -766,6 +778,37 @@ class Encoder:
         after = np.flatnonzero(t[:-1] & ~t[1:]) + 1
         ends_on_eot = np.isin(ids[after - 1], self.special_array)
         targets[after[ends_on_eot & (ids[after] == self.newline_id)]] = 1
+
+    # -- NeMo-RL's Nemotron Omni conventions (--preset nemo-rl-nemotron-omni) -------------------------------------
+    def _nemo_rl_reply(self, text: str) -> str:
+        """A reply as NeMo-RL's nemotron6-moe renders it (:func:`packtool.media.nemotron_nemo_rl.assistant_text`)."""
+        try:
+            return assistant_text(text)
+        except ValueError as exc:
+            raise SampleError(str(exc)) from None
+
+    def _nemo_rl_image_plan(self, text: str, media: list[dict]) -> None:
+        """Re-plan the sample's images as NeMo-RL does (in place: grid, tokens, expansion text): one budget for all
+        of them from the tokens the text leaves in a pack, the text counted with each image as
+        ``<img><image></img>``."""
+        n = self.nemotron
+        assert n is not None
+        images = [m for m in media if m["kind"] == "image"]
+        if not images:
+            return
+        compact = text.replace(n.image_token, n.image_start_token + n.image_token + n.image_end_token)
+        encoding = self._tokenize([compact])[0]
+        if isinstance(encoding, Exception):
+            raise encoding
+        merge = round(1 / n.downsample_ratio)
+        grids = sample_image_grids(
+            [Frame(m["width"], m["height"]) for m in images], self.settings.pack_size - len(encoding) - BUDGET_RESERVE,
+            patch=n.patch_size, merge=merge, min_patches=n.min_num_patches, max_patches=n.max_num_patches,
+            video_target_patches=n.video_target_num_patches, video_keep_aspect=n.video_maintain_aspect_ratio,
+            temporal_patch=n.video_temporal_patch_dim)
+        for m, (gh, gw) in zip(images, grids):
+            m["grid_thw"], m["tokens"] = [1, gh, gw], gh * gw // merge**2
+            m["text"] = n.image_start_token + n.image_token * m["tokens"] + n.image_end_token
 
     def _target_role_headers(self, ids: np.ndarray, targets: np.ndarray) -> None:
         """Mark each reply's role header as targets too (in place): the tokens from the special token that opens

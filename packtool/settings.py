@@ -34,7 +34,8 @@ MediaTokens = Literal["rule", "processor"]
 Algorithm = Literal["auto", "bfd", "ffd", "greedy_knapsack", "balanced_greedy_knapsack", "first_fit_shuffle",
                     "sequential"]
 EngineKind = Literal["local", "ray"]
-Preset = Literal["megatron-bridge-qwen-vl", "megatron-bridge-nemotron-omni", "nemo-rl-qwen-vl"]
+Preset = Literal["megatron-bridge-qwen-vl", "megatron-bridge-nemotron-omni", "nemo-rl-qwen-vl",
+                 "nemo-rl-nemotron-omni"]
 #: Whose rule derives the per-segment alignment from the parallel sizes (``--align-for``).
 AlignFor = Literal["megatron", "nemo-rl"]
 
@@ -49,7 +50,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     # NeMo-RL's hf_multimodal adapter: each assistant message as the chat template adds it is a target, its role
     # header and the newline after its end-of-turn token included (the header by the preset itself).
     "nemo-rl-qwen-vl": {"target_newline_after_eot": True},
+    # NeMo-RL's nemotron_multimodal (prompt format nemotron6-moe): its image budget and reply layout, applied by
+    # the preset itself (packtool.media.nemotron_nemo_rl); its targets are packtool's own.
+    "nemo-rl-nemotron-omni": {},
 }
+#: The preset of NeMo-RL's Nemotron Omni conventions.
+NEMO_RL_NEMOTRON = "nemo-rl-nemotron-omni"
 #: Presets whose targets also take each reply's role header (from the special token that opens it).
 ROLE_HEADER_TARGETS = frozenset({"nemo-rl-qwen-vl"})
 #: Presets named but not available yet, with the reason.

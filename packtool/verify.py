@@ -59,10 +59,11 @@ from packtool.format import (
 )
 from packtool.media import ImageRule, image_size, probe_audio, probe_frames, probe_video
 from packtool.media.audio import decode_audio
+from packtool.media.nemotron_nemo_rl import BUDGET_RESERVE, Frame, sample_image_grids
 from packtool.media.nemotron_omni import NemotronOmniSettings
 from packtool.media.qwen2_vl import Qwen2VLSettings
 from packtool.media.video import VideoFacts
-from packtool.settings import EngineKind
+from packtool.settings import NEMO_RL_NEMOTRON, EngineKind
 from packtool.shards import idx_path, index_tar, parse_record, record_offsets, scan_records
 
 MAX_LISTED = 200
@@ -183,6 +184,27 @@ class MediaRules:
     nemotron: NemotronOmniSettings | None = None
     #: Processor mode: the folder's processor counted the tokens, there is no rule to re-derive them with.
     processor: bool = False
+    #: Nemotron Omni packed with ``--preset nemo-rl-nemotron-omni``: image grids from NeMo-RL's per-sample budget.
+    nemo_rl: bool = False
+    #: Pack size (NeMo-RL's sequence length, which its image budget comes from).
+    pack_size: int = 0
+
+
+def nemo_rl_grids(tokens: np.ndarray, media: list[MediaRef], rules: MediaRules) -> list[list[int]] | None:
+    """The image grids NeMo-RL's Nemotron Omni budget gives an untruncated segment: its text counted with each
+    image as ``<img><image></img>`` (its tokens less each image's placeholders but one); None when the rules are
+    not that convention's."""
+    if not rules.nemo_rl or rules.nemotron is None:
+        return None
+    n = rules.nemotron
+    images = [m for m in media if m.kind == "image"]
+    compact = len(tokens) - sum(m.tokens - 1 for m in images)
+    grids = sample_image_grids(
+        [Frame(m.width, m.height) for m in images], rules.pack_size - compact - BUDGET_RESERVE, patch=n.patch_size,
+        merge=round(1 / n.downsample_ratio), min_patches=n.min_num_patches, max_patches=n.max_num_patches,
+        video_target_patches=n.video_target_num_patches, video_keep_aspect=n.video_maintain_aspect_ratio,
+        temporal_patch=n.video_temporal_patch_dim)
+    return [[1, gh, gw] for gh, gw in grids]
 
 
 def media_rules(manifest: Manifest) -> MediaRules:
@@ -192,7 +214,9 @@ def media_rules(manifest: Manifest) -> MediaRules:
         return MediaRules(processor=True)
     if family == NEMOTRON_FAMILY:
         try:
-            return MediaRules(nemotron=NemotronOmniSettings.from_manifest(manifest.image_processor or {}))
+            return MediaRules(nemotron=NemotronOmniSettings.from_manifest(manifest.image_processor or {}),
+                              nemo_rl=manifest.settings.get("preset") == NEMO_RL_NEMOTRON,
+                              pack_size=int(manifest.settings.get("pack_size", 0)))
         except ValueError as exc:
             raise FormatError(f"{META}/packtool.json: {exc}") from None
     return MediaRules(image=_image_rule(manifest.image_processor), video=_video_rule(manifest.video_processor))
@@ -262,12 +286,13 @@ def _check_segment(where: str, key: str, t: np.ndarray, g: np.ndarray, media: li
 
 
 def check_media(where: str, ref: MediaRef, members: list[bytes], rules: MediaRules, pixel_limit: int, *,
-                n_images: int = 1, truncated: bool = False) -> list[str]:
+                n_images: int = 1, truncated: bool = False, planned: list[int] | None = None) -> list[str]:
     """Problems of one media item (``members``: its member's bytes, or its frames'): bytes against its recorded
     size and SHA-256, a full decode, and what it decodes to against the record: an image's size, a video's size
     and frame count, an audio clip's waveform length; then its grid, frames, samples and tokens against the
     manifest's rules (none in the processor mode). ``n_images``: images of its segment (Nemotron Omni's image
-    budget); ``truncated``: whether the segment was cut."""
+    budget); ``truncated``: whether the segment was cut; ``planned``: the image's grid as its segment's plan
+    re-derives it (NeMo-RL's Nemotron Omni budget, :func:`nemo_rl_grids`), checked instead of the rule's."""
     data = b"".join(members)
     if ref.size or ref.sha256:  # recorded since format 2's first writer; older records have neither
         if len(data) != ref.size:
@@ -288,7 +313,13 @@ def check_media(where: str, ref: MediaRef, members: list[bytes], rules: MediaRul
         return [f"{where}: decodes to {width}x{height}, recorded {ref.width}x{ref.height}"]
     if rules.processor:
         return []
+    if planned is not None:
+        if list(ref.grid_thw) != planned:
+            return [f"{where}: NeMo-RL's image budget gives grid {planned}, recorded {list(ref.grid_thw)}"]
+        return []
     if rules.nemotron is not None:
+        if rules.nemo_rl:  # the grid depends on the segment's text: checked with `planned` where it is known
+            return []
         return _check_nemotron_image(where, ref, rules.nemotron, n_images, truncated)
     if rules.image is None:
         return [f"{where}: an image, but the manifest describes no image processor"]
@@ -466,11 +497,15 @@ def check_shard(output: str, split: str, shard: str, fid: int, count: int | None
         problems += check_pack(where, record, members, manifest)
         if record.arrays_sha256 and arrays_digest(members) != record.arrays_sha256:
             problems.append(f"{where}: token arrays differ from the SHA-256 written with the pack")
-        for seg in record.segments:
+        starts = record.segment_starts()
+        for seg, a, b in zip(record.segments, starts[:-1], starts[1:]):
             n_images = sum(m.kind == "image" for m in seg.media)
+            plan = None if seg.truncated else nemo_rl_grids(record.tokens[a:b], seg.media, rules)
+            grids = iter(plan or [])
             for m in seg.media:
                 problems += check_media(f"{where} member {m.member}", m, [record.media[n] for n in m.members],
-                                        rules, pixel_limit, n_images=n_images, truncated=seg.truncated)
+                                        rules, pixel_limit, n_images=n_images, truncated=seg.truncated,
+                                        planned=next(grids) if plan is not None and m.kind == "image" else None)
         for src_split, src_shard, src_key, held in segment_facts(record):
             ident.append(_digest(src_split, src_shard, src_key))
             facts.append(_digest(key, *held))

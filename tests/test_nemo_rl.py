@@ -25,8 +25,9 @@ from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_savable_loade
 import packfixture as fx
 from packtool import nemo_rl
 from packtool.errors import FormatError
-from packtool.format import load_manifest
+from packtool.format import PackRecord, load_manifest
 from packtool.settings import alignment_for, derive_align, nemo_rl_align
+from packtool.shards import scan_records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -380,3 +381,202 @@ def test_qwen_preset_with_images_equals_nemo_rls(demo_dir):
     ids, mask = zip(*[(i, m) for i, m in zip(ids, mask) for _ in range(next(counts) if i == pad else 1)])
     mask = [0, *mask[1:]]
     assert got.tokens.tolist() == list(ids) and got.targets.tolist() == mask
+
+
+# -- --preset nemo-rl-nemotron-omni ------------------------------------------------------------------------------
+MM_MARKER = "\ue000"
+
+
+def nemo_rl_reply(text: str) -> str:
+    """``_normalize_assistant_thinking`` (``nemotron_visual.py``), prompt format nemotron6-moe, trace format
+    normalized."""
+    if "<think>" not in text and "</think>" not in text:
+        return "<think></think>" + text.strip()
+    inner = text[text.index("<think>") + 7:text.index("</think>")].strip()
+    text = text[:text.index("<think>")] + (f"<think>\n{inner}\n</think>" if inner else "<think></think>") + \
+        text[text.index("</think>") + 8:]
+    head, tail = text.split("</think>")
+    return head + "</think>\n" + tail.lstrip()
+
+
+def nemo_rl_image_grids(sizes, available: int, *, min_patches=1024, max_patches=13312, patch=16):
+    """``_plan_visual_occurrences`` (``nemotron_visual.py``) for images only, no augmentation: a budget of
+    ``available * 4`` patches, each image's own grid scaled into its allowance (up to the minimum where it fits),
+    sides rounded to 2, allowances shrunk together until the grids fit. Returns (grid_h, grid_w) per image."""
+    budget = max(available * 4, min_patches * len(sizes))
+    allow = [max(min(budget, max_patches), min_patches)] * len(sizes)
+    for _ in range(10):
+        grids = []
+        for (w, h), a in zip(sizes, allow):
+            ch, cw = round(h / patch + 0.5), round(w / patch + 0.5)
+            f = min(math.sqrt(a / (ch * cw)), 1.0)
+            th, tw = math.floor(f * ch), math.floor(f * cw)
+            if a > min_patches and th * tw < min_patches:
+                u = math.sqrt(min_patches / max(th * tw, 1))
+                if a > math.ceil(u * th) * math.ceil(u * tw):
+                    th, tw = math.ceil(u * th), math.ceil(u * tw)
+            if th % 2:
+                th = th + 1 if (th + 1) * tw <= a else max(2, th - 1)
+            if tw % 2:
+                tw = tw + 1 if th * (tw + 1) <= a else max(2, tw - 1)
+            grids.append((th, tw))
+        total = sum(h * w for h, w in grids)
+        if total <= budget:
+            break
+        scaled = [max(min_patches, int(h * w * budget / total)) for h, w in grids]
+        allow = scaled if any(s < o for s, o in zip(scaled, allow)) else [min_patches] * len(sizes)
+    return grids
+
+
+def nemo_rl_nemotron_sample(tok, messages: list[dict], sizes, max_len: int):
+    """NeMo-RL's nemotron_multimodal for text and images (``NemotronMultiModalProcessorAdapter.preencode`` and
+    ``postencode``): replies normalised; each image part rendered ``<img>`` + marker + ``</img>``; the chat
+    template's text encoded piece by piece with the image token spliced at each marker
+    (``_encode_with_marker_splices``); targets each reply after its ``<|im_start|>assistant\\n`` header through
+    its ``<|im_end|>`` (``tokenize_nemotron_conversation``, nemotron6-moe, with this tokenizer's ids); one image
+    budget from ``max_len - tokens - 4``; each marker expanded to its image's tokens
+    (``_expand_visual_placeholders``); the first token's loss dropped (``prepare_packed_sft_batch``)."""
+    rendered = []
+    for m in messages:
+        text = m["content"]
+        if m["role"] == "assistant":
+            text = nemo_rl_reply(text)
+        rendered.append({"role": m["role"], "content": text.replace("<image>", f"<img>{MM_MARKER}</img>")})
+    text = tok.apply_chat_template(rendered, tokenize=False)
+    image_id = tok.convert_tokens_to_ids("<image>")
+    ids: list[int] = []
+    for i, piece in enumerate(text.split(MM_MARKER)):
+        ids += tok.encode(piece, add_special_tokens=False) if piece else []
+        ids += [image_id] if i < text.count(MM_MARKER) else []
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    end, newline = tok.convert_tokens_to_ids("<|im_end|>"), tok.encode("\n", add_special_tokens=False)[0]
+    mask = [0] * len(ids)
+    for p in range(len(ids) - len(header) + 1):
+        if ids[p:p + len(header)] == header:
+            upper = ids.index(end, p + len(header))
+            assert ids[upper + 1] == newline
+            mask[p + len(header):upper + 1] = [1] * (upper + 1 - p - len(header))
+    grids = nemo_rl_image_grids(sizes, max_len - len(ids) - 4)
+    widths = iter(h * w // 4 for h, w in grids)
+    ids, mask = map(list, zip(*[(i, k) for i, k in zip(ids, mask) for _ in range(next(widths) if i == image_id
+                                                                                    else 1)]))
+    mask[0] = 0
+    return ids, mask, grids
+
+
+def raw_sample(key: str, turns: list[dict], images: list[bytes]):
+    from packtool.sources import RawSample
+
+    raw = RawSample(key=key, shard="shards/x.tar", index=0)
+    parts = {"json": json.dumps({"messages": turns}).encode(), **{f"{i}.jpg": b for i, b in enumerate(images)}}
+    for name, data in parts.items():
+        raw.parts[name], raw.ranges[name] = data, (0, len(data))
+    return raw
+
+
+@pytest.fixture(scope="module")
+def nemotron_folder(tmp_path_factory) -> Path:
+    import nemotron_omni_model
+
+    return nemotron_omni_model.write_model_folder(tmp_path_factory.mktemp("nemotron") / "model")
+
+
+def test_nemotron_preset_equals_nemo_rls_images_and_replies(nemotron_folder):
+    """Images of several sizes with short and long texts, several images sharing one budget, replies with and
+    without a thinking trace: tokens, targets and grids equal NeMo-RL's for each sample; a control without the
+    preset differs."""
+    from packtool.encode import Encoder
+    from packtool.settings import EncodeSettings
+
+    words = " ".join(f"word{i % 97}" for i in range(900))
+    cases = [  # (user text, reply, image sizes)
+        ("<image>What is this?", "A cat.", [(60, 90)]),
+        ("<image>Describe it.", "<think>It has stripes.\n</think>  A zebra.", [(1600, 1200)]),
+        (f"<image>{words}\nSummarise.", "<think> </think>Words.", [(1600, 1200)]),
+        ("<image><image><image><image>Compare.", "Similar.", [(1600, 1200), (1000, 1500), (300, 200), (1200, 1600)]),
+        (f"{words[:3000]} <image> and <image>?", "<think>\nhmm\n</think>\nNo.", [(1600, 1200), (1400, 1000)]),
+        ("Just text.", "<think>Thinking.</think>Answer.", []),
+    ]
+    raws, expected = [], []
+    for i, (question, reply, sizes) in enumerate(cases):
+        turns = [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+        raws.append(raw_sample(f"s{i}", turns, [fx.image_bytes(w, h, i * 10 + k) for k, (w, h) in enumerate(sizes)]))
+        expected.append((turns, sizes))
+    settings = dict(tokenizer=str(nemotron_folder), pack_size=4096)
+    preset = Encoder(EncodeSettings(**settings, preset="nemo-rl-nemotron-omni"))
+    plain = Encoder(EncodeSettings(**settings))
+    budget_bound = differs = 0
+    for (turns, sizes), got, base in zip(expected, preset.encode_many(raws), plain.encode_many(raws)):
+        assert got.status == "packed", got.reason
+        ids, mask, grids = nemo_rl_nemotron_sample(preset.tok, turns, sizes, 4096)
+        assert got.tokens.tolist() == ids
+        targets = got.targets.tolist()
+        targets[0] = 0
+        assert targets == mask
+        assert [m["grid_thw"] for m in got.media] == [[1, h, w] for h, w in grids]
+        differs += base.tokens.tolist() != ids  # control: transformers' convention is not NeMo-RL's
+        budget_bound += [m["grid_thw"] for m in got.media] != [m["grid_thw"] for m in base.media]
+    assert differs >= len(cases) - 1  # (one reply is already in NeMo-RL's layout and its images fit both ways)
+    assert budget_bound >= 3  # the text-dependent, shared budget changed grids, not only the replies
+
+
+def test_nemotron_preset_refuses_what_it_cannot_do_yet(nemotron_folder, demo_dir):
+    from packtool.encode import Encoder
+    from packtool.errors import ConfigError
+    from packtool.settings import EncodeSettings
+
+    with pytest.raises(ConfigError, match="Nemotron Omni model folder"):
+        Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=4096, preset="nemo-rl-nemotron-omni"))
+    enc = Encoder(EncodeSettings(tokenizer=str(nemotron_folder), pack_size=4096, preset="nemo-rl-nemotron-omni"))
+    bad = raw_sample("b", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>a<think>b"}],
+                     [])
+    got = enc.encode_many([bad])[0]
+    assert got.status == "error" and "<think>" in got.reason
+
+
+def test_nemotron_preset_pack_verify_and_batch(nemotron_folder, tmp_path):
+    """`pack --preset nemo-rl-nemotron-omni` end to end: verify re-derives each image's grid from NeMo-RL's budget
+    (control: the same packs read as transformers' convention fail), and the NeMo-RL batch's pixel_values /
+    imgs_sizes / num_frames equal `_process_media` of each image at NeMo-RL's grid."""
+    from PIL import Image
+
+    import mediafixture as mf
+    from packtool.pipeline import pack
+    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+    from packtool.verify import verify_output
+
+    words = " ".join(f"word{i % 97}" for i in range(700))
+    cases = {"small": ("<image>What?", "A dot.", [(60, 90)]),
+             "long": (f"<image>{words}", "<think>Long.</think>Yes.", [(1600, 1200)]),
+             "many": ("<image><image><image>Same?", "No.", [(1600, 1200), (1200, 1600), (500, 300)])}
+    samples = {}
+    for key, (question, reply, sizes) in cases.items():
+        turns = [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+        samples[key] = {"json": json.dumps({"messages": turns}).encode(),
+                        **{f"{i}.png": mf.make_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)}}
+    mf.write_source(tmp_path / "src", samples)
+    settings = PackSettings(EncodeSettings(tokenizer=str(nemotron_folder), pack_size=4096, align=16,
+                                           preset="nemo-rl-nemotron-omni"), PlanSettings(shard_size="8"))
+    pack(tmp_path / "src", tmp_path / "out", settings, workers=1, progress=False)
+    assert verify_output(tmp_path / "out", source=tmp_path / "src") == []
+
+    manifest = load_manifest(tmp_path / "out")
+    checked = 0
+    for shard in sorted((tmp_path / "out" / "train").glob("*.tar")):
+        for key, members in scan_records(shard):
+            row = nemo_rl.nemo_rl_row({**members, "__key__": key}, manifest)
+            images = [(m, members[m.member]) for s in PackRecord.from_members(key, members).segments for m in s.media]
+            for index, (ref, data) in enumerate(images):
+                pixels, size = nemotron_image_inputs(Image.open(io.BytesIO(data)), (ref.grid_thw[2], ref.grid_thw[1]))
+                assert torch.allclose(row.media["pixel_values"][index][0], pixels, atol=1e-5)
+                assert tuple(row.media["imgs_sizes"][index][0].tolist()) == size
+                checked += 1
+    assert checked == 5
+
+    # control: the same packs checked as transformers' convention (preset removed from the manifest) fail
+    path = tmp_path / "out" / ".nv-meta" / "packtool.json"
+    data = json.loads(path.read_text())
+    data["settings"]["preset"] = None
+    path.write_text(json.dumps(data))
+    problems = verify_output(tmp_path / "out")
+    assert problems and all("image rule gives grid" in p for p in problems), problems[:3]
