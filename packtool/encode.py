@@ -31,6 +31,7 @@ from packtool.chatshape import ShapeRenderer
 from packtool.errors import ConfigError, FatalSampleError, SampleError, is_data_error, sample_reason
 from packtool.format import sha256
 from packtool.media import (
+    AudioFacts,
     ImageRule,
     NemotronOmniSettings,
     Qwen2VLSettings,
@@ -45,7 +46,13 @@ from packtool.media import (
     probe_video,
     read_folder,
 )
-from packtool.media.nemotron_nemo_rl import BUDGET_RESERVE, Frame, assistant_text, sample_image_grids
+from packtool.media.nemotron_nemo_rl import (
+    BUDGET_RESERVE,
+    Frame,
+    assistant_text,
+    sample_image_grids,
+    settings_audio_plan,
+)
 from packtool.processor_mode import (
     align,
     load_processor,
@@ -202,6 +209,9 @@ class Encoder:
         self.nemo_rl_nemotron = settings.preset == NEMO_RL_NEMOTRON
         if self.nemo_rl_nemotron and self.nemotron is None:
             raise ConfigError(f"{settings.tokenizer}: --preset {NEMO_RL_NEMOTRON} needs a Nemotron Omni model folder")
+        if self.nemo_rl_nemotron and settings.audio_max_seconds is not None:
+            raise ConfigError(f"--preset {NEMO_RL_NEMOTRON} cuts audio into 30 s clips; --audio-max-seconds does not "
+                              f"apply")
         #: Processor mode: the folder's own processor expands the placeholders (:mod:`packtool.processor_mode`).
         self.processor = load_processor(settings.tokenizer) if settings.media_tokens == "processor" else None
         self.processor_media_ids = media_token_ids(self.processor) if self.processor is not None else frozenset()
@@ -361,9 +371,9 @@ class Encoder:
         lists: dict[str, Sequence[bytes]] = {}
         n_images = sum(m.kind == "image" for m in conv.media)
         for m in conv.media:
-            if self.nemo_rl_nemotron and m.kind != "image":
-                raise SampleError(f"media {m.part!r}: {m.kind} under --preset {NEMO_RL_NEMOTRON} is not supported "
-                                  f"yet (images only)")
+            if self.nemo_rl_nemotron and m.kind == "video":
+                raise SampleError(f"media {m.part!r}: video under --preset {NEMO_RL_NEMOTRON} is not supported "
+                                  f"yet (images and audio only)")
             try:
                 if m.kind == "image":
                     facts.append(self._image_facts(raw, m, lists, n_images))
@@ -465,6 +475,9 @@ class Encoder:
             limit = self.settings.audio_max_seconds
             wave = decode_audio(data, rate=rate, max_samples=None if limit is None else int(limit * rate))
             item.update(input=wave, samples=len(wave))
+        if self.nemo_rl_nemotron:
+            assert self.nemotron is not None
+            return {**item, **self._nemo_rl_audio(facts)}
         if self.nemotron is not None:
             return {**item, "tokens": self.nemotron.audio_tokens(facts), "samples": self.nemotron.audio_samples(facts),
                     "text": self.nemotron.audio_text(facts)}
@@ -787,6 +800,17 @@ class Encoder:
         except ValueError as exc:
             raise SampleError(str(exc)) from None
 
+    def _nemo_rl_audio(self, facts: AudioFacts) -> dict:
+        """An audio item's tokens, samples and expansion as NeMo-RL cuts it into clips (:func:`audio_plan`)."""
+        n = self.nemotron
+        assert n is not None
+        try:
+            plan = settings_audio_plan(facts.samples, facts.sample_rate, n)
+        except ValueError as exc:
+            raise SampleError(str(exc)) from None
+        return {"tokens": plan.tokens, "samples": plan.samples,
+                "text": n.audio_start_token + n.audio_token * plan.tokens + n.audio_end_token}
+
     def _nemo_rl_image_plan(self, text: str, media: list[dict]) -> None:
         """Re-plan the sample's images as NeMo-RL does (in place: grid, tokens, expansion text): one budget for all
         of them from the tokens the text leaves in a pack, the text counted with each image as
@@ -800,9 +824,11 @@ class Encoder:
         encoding = self._tokenize([compact])[0]
         if isinstance(encoding, Exception):
             raise encoding
+        # audio is counted expanded: its one placeholder becomes <so_start>, its tokens, <so_end> (all special)
+        length = len(encoding) + sum(m["tokens"] + 1 for m in media if m["kind"] == "audio")
         merge = round(1 / n.downsample_ratio)
         grids = sample_image_grids(
-            [Frame(m["width"], m["height"]) for m in images], self.settings.pack_size - len(encoding) - BUDGET_RESERVE,
+            [Frame(m["width"], m["height"]) for m in images], self.settings.pack_size - length - BUDGET_RESERVE,
             patch=n.patch_size, merge=merge, min_patches=n.min_num_patches, max_patches=n.max_num_patches,
             video_target_patches=n.video_target_num_patches, video_keep_aspect=n.video_maintain_aspect_ratio,
             temporal_patch=n.video_temporal_patch_dim)

@@ -20,8 +20,10 @@ come from packtool, packed offline and globally, and :class:`PacktoolSFTTaskEnco
   what NeMo-RL's ``hf_multimodal`` adapter puts in its messages, one segment per pack; Nemotron Omni packs give
   NeMo-RL's ``nemotron_multimodal`` inputs, one segment per image: ``pixel_values`` float32 ``[1, 3, H, W]`` (the
   image resized with PIL to its stored patch grid, CLIP mean/std), ``imgs_sizes`` int32 ``[1, 2]`` (height, width
-  in pixels) and ``num_frames`` int64 ``[1]``. Nemotron Omni video and audio are not served yet (a pack holding them
-  stops the loader with that reason).
+  in pixels) and ``num_frames`` int64 ``[1]``; one segment per audio item: ``sound_clips`` float32
+  ``[clips, mel frames, bins]`` (NeMo-RL's 30 s clips, each through the model folder's feature extractor, zero-padded
+  to the item's longest) and ``sound_length`` int64 ``[clips]`` (valid mel frames). Nemotron Omni videos are not
+  served yet (a pack holding one stops the loader with that reason).
 
 The runtime side only: this module imports nothing from packtool's build side, so it runs in a training container
 with packtool's reader installed. NeMo-RL names it in its loader configuration as a file-backed task encoder
@@ -45,7 +47,7 @@ from megatron.energon.errors import FatalSampleError
 
 from packtool.errors import FormatError
 from packtool.format import Manifest, PackRecord, is_nemotron
-from packtool.loader import PackSample, _manifest, cook_pack
+from packtool.loader import PackSample, _manifest, _nemotron_processors, cook_pack
 from packtool.read import open_stored_image, pack_to_batch
 
 #: The media keys of a Qwen2-VL-style reader batch that NeMo-RL's ``hf_multimodal`` adapter carries (the
@@ -122,22 +124,73 @@ def _media(members: Mapping[str, Any], record: PackRecord, manifest: Mapping, wh
     if not images or not record.media_refs:
         return {}
     if is_nemotron(manifest):
-        return nemotron_visual_inputs(record, manifest, where)
+        return nemotron_inputs(record, manifest, where, getattr(image_processor, "audio", None))
     batch = pack_to_batch(members, manifest, pad_to="segments", images=True, image_processor=image_processor,
                           source=source)
     return {key: [batch[key]] for key in QWEN_MEDIA_KEYS if key in batch}
 
 
-def nemotron_visual_inputs(record: PackRecord, manifest: Mapping, where: str) -> dict[str, list[torch.Tensor]]:
-    """NeMo-RL's Nemotron visual inputs of a pack's images (``nemotron_visual``'s ``_process_media``): each image
-    resized with PIL to its stored patch grid, scaled to [0, 1] and normalised with CLIP's mean and std."""
-    from PIL import Image
-
+def nemotron_inputs(record: PackRecord, manifest: Mapping, where: str,
+                    feature_extractor=None) -> dict[str, list[torch.Tensor]]:
+    """NeMo-RL's Nemotron Omni inputs of a pack's images and audio (its ``_process_media`` and ``_process_audio``):
+    each image resized with PIL to its stored patch grid, scaled to [0, 1] and normalised with CLIP's mean and std;
+    each audio item cut into NeMo-RL's 30 s clips (its stored sample count), each clip's mel features through the
+    model folder's feature extractor (``feature_extractor``), zero-padded to the item's longest clip, with its
+    valid frames. The waveform is packtool's decode (mono, resampled with soxr where the source has another rate;
+    NeMo-RL resamples with librosa)."""
     refs = record.media_refs
-    other = [m for m in refs if m.kind != "image"]
+    other = [m for m in refs if m.kind not in ("image", "audio")]
     if other:
         raise FormatError(f"{where}: {other[0].kind} member {other[0].member}: the NeMo-RL batch of Nemotron Omni "
-                          f"packs carries images only so far")
+                          f"packs carries images and audio only so far")
+    out = _nemotron_images(record, [m for m in refs if m.kind == "image"], manifest, where)
+    audio = [m for m in refs if m.kind == "audio"]
+    if audio:
+        if feature_extractor is None:
+            raise ValueError(f"{where} has audio but no feature extractor: pass the model folder's processors")
+        out.update(_nemotron_sound(record, audio, manifest, where, feature_extractor))
+    return out
+
+
+def _nemotron_sound(record: PackRecord, refs: list, manifest: Mapping, where: str,
+                    feature_extractor) -> dict[str, list[torch.Tensor]]:
+    from packtool.media import decode_audio
+    from packtool.media.nemotron_nemo_rl import settings_audio_plan
+    from packtool.read_nemotron import settings_from_manifest
+
+    s = settings_from_manifest(manifest)
+    rate = s.audio_sampling_rate
+    clips_out, lengths_out = [], []
+    for m in refs:
+        try:
+            wave = decode_audio(record.media[m.member], rate=rate)
+        except (ValueError, OSError, IndexError) as exc:
+            raise FormatError(f"{where}, member {m.member}: audio does not decode ({exc})") from None
+        plan = settings_audio_plan(m.samples, rate, s)
+        wave = np.pad(wave, (0, max(0, plan.samples - len(wave))))[:plan.samples]
+        mels, valid = [], []
+        start = 0
+        for n in plan.clip_samples:
+            result = feature_extractor(wave[start:start + n], sampling_rate=rate, return_tensors="pt",
+                                       return_attention_mask=True)
+            mels.append(result["input_features"][0].to(torch.float32))
+            valid.append(int(result["attention_mask"].sum()))
+            start += n
+        if tuple(valid) != plan.frames:
+            raise FormatError(f"{where}: {m.member} gives {valid} mel frames, NeMo-RL's clips {list(plan.frames)}")
+        clips = torch.zeros((len(mels), max(x.shape[0] for x in mels), mels[0].shape[1]), dtype=torch.float32)
+        for i, mel in enumerate(mels):
+            clips[i, :mel.shape[0]] = mel
+        clips_out.append(clips)
+        lengths_out.append(torch.tensor(valid, dtype=torch.long))
+    return {"sound_clips": clips_out, "sound_length": lengths_out}
+
+
+def _nemotron_images(record: PackRecord, refs: list, manifest: Mapping, where: str) -> dict[str, list[torch.Tensor]]:
+    from PIL import Image
+
+    if not refs:
+        return {}
     patch = int(manifest["image_processor"].get("patch_size", 16))
     mean = torch.tensor(CLIP_MEAN, dtype=torch.float32)[:, None, None]
     std = torch.tensor(CLIP_STD, dtype=torch.float32)[:, None, None]
@@ -299,8 +352,10 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
         manifest = _manifest(str(info.dataset_path))
         where = f"{info.dataset_path}/{info.shard_name}"
         try:
+            processors = _nemotron_processors(str(info.dataset_path)) if self.images and is_nemotron(manifest) else None
             row = nemo_rl_row({**sample.members, "__key__": sample.__key__}, manifest,
-                              multiple=self.sequence_multiple, images=self.images, source=where)
+                              multiple=self.sequence_multiple, images=self.images, image_processor=processors,
+                              source=where)
             if self.max_sequence_length is not None and len(row.input_ids) > self.max_sequence_length:
                 raise FormatError(f"{where}: pack {row.pack_key} lays out {len(row.input_ids)} tokens, more than "
                                   f"NeMo-RL's max_total_sequence_length {self.max_sequence_length}: pack with "

@@ -59,7 +59,7 @@ from packtool.format import (
 )
 from packtool.media import ImageRule, image_size, probe_audio, probe_frames, probe_video
 from packtool.media.audio import decode_audio
-from packtool.media.nemotron_nemo_rl import BUDGET_RESERVE, Frame, sample_image_grids
+from packtool.media.nemotron_nemo_rl import BUDGET_RESERVE, Frame, sample_image_grids, settings_audio_plan
 from packtool.media.nemotron_omni import NemotronOmniSettings
 from packtool.media.qwen2_vl import Qwen2VLSettings
 from packtool.media.video import VideoFacts
@@ -198,7 +198,7 @@ def nemo_rl_grids(tokens: np.ndarray, media: list[MediaRef], rules: MediaRules) 
         return None
     n = rules.nemotron
     images = [m for m in media if m.kind == "image"]
-    compact = len(tokens) - sum(m.tokens - 1 for m in images)
+    compact = len(tokens) - sum(m.tokens - 1 for m in images)  # audio stays expanded, as NeMo-RL counts it
     grids = sample_image_grids(
         [Frame(m.width, m.height) for m in images], rules.pack_size - compact - BUDGET_RESERVE, patch=n.patch_size,
         merge=round(1 / n.downsample_ratio), min_patches=n.min_num_patches, max_patches=n.max_num_patches,
@@ -412,6 +412,15 @@ def _check_audio(where: str, ref: MediaRef, data: bytes, rules: MediaRules) -> l
     rule = rules.nemotron
     if rule is None:
         return [f"{where}: an audio clip, but the manifest describes no audio rule"]
+    if rules.nemo_rl:  # NeMo-RL's 30 s clips (the waveform was decoded above)
+        try:
+            plan = settings_audio_plan(facts.samples, facts.sample_rate, rule)
+        except ValueError as exc:
+            return [f"{where}: {exc}"]
+        if (plan.samples, plan.tokens) != (ref.samples, ref.tokens):
+            return [f"{where}: NeMo-RL's clips give {plan.samples} samples and {plan.tokens} tokens, recorded "
+                    f"{ref.samples} and {ref.tokens}"]
+        return []
     samples, tokens = rule.audio_samples(facts), rule.audio_tokens(facts)
     if (samples, tokens) != (ref.samples, ref.tokens):
         return [f"{where}: the audio rule gives {samples} samples and {tokens} tokens, recorded {ref.samples} "

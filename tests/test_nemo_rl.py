@@ -110,12 +110,12 @@ def loaded_encoder_class() -> type:
     return resolve_file_backed(nemo_rl.encoder_file(), "PacktoolSFTTaskEncoder", DefaultTaskEncoder)  # type: ignore
 
 
-def nemo_rl_loader(path: Path, batch_size: int, **options):
+def nemo_rl_loader(path: Path, batch_size: int, split: str = "val", **options):
     cls = loaded_encoder_class()
     encoder = cls(**nemo_rl_encoder_kwargs(max_sequence_length=load_manifest(path)["settings"]["pack_size"],
                                            options=options))
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
-    return get_savable_loader(get_val_dataset(path, split_part="val", worker_config=wc, batch_size=batch_size,
+    return get_savable_loader(get_val_dataset(path, split_part=split, worker_config=wc, batch_size=batch_size,
                                               task_encoder=encoder))
 
 
@@ -428,7 +428,22 @@ def nemo_rl_image_grids(sizes, available: int, *, min_patches=1024, max_patches=
     return grids
 
 
-def nemo_rl_nemotron_sample(tok, messages: list[dict], sizes, max_len: int):
+def nemo_rl_audio_clips(samples: int, rate: int, target: int = 16000, hop: int = 160, factor: int = 8):
+    """``_audio_plan`` (``nemotron_multimodal.py``) with its defaults (30 s clips, 0.1 s minimum): samples per clip
+    at the target rate, valid mel frames (samples // hop) and ``<so_embedding>`` tokens per clip."""
+    total = round(max(0.1, samples / rate) * target)
+    clip = 30 * target
+    per = [clip] * (math.ceil(total / clip) - 1) + [clip if total % clip == 0 else max(total % clip, 1600)]
+    frames = [n // hop for n in per]
+    tokens = []
+    for f in frames:
+        for _ in range(int(math.log2(factor))):
+            f = (f + 1) // 2
+        tokens.append(max(1, f))
+    return per, frames, tokens
+
+
+def nemo_rl_nemotron_sample(tok, messages: list[dict], sizes, max_len: int, audio=()):
     """NeMo-RL's nemotron_multimodal for text and images (``NemotronMultiModalProcessorAdapter.preencode`` and
     ``postencode``): replies normalised; each image part rendered ``<img>`` + marker + ``</img>``; the chat
     template's text encoded piece by piece with the image token spliced at each marker
@@ -441,6 +456,7 @@ def nemo_rl_nemotron_sample(tok, messages: list[dict], sizes, max_len: int):
         text = m["content"]
         if m["role"] == "assistant":
             text = nemo_rl_reply(text)
+        text = text.replace("<audio>", "<so_start><so_embedding><so_end>")
         rendered.append({"role": m["role"], "content": text.replace("<image>", f"<img>{MM_MARKER}</img>")})
     text = tok.apply_chat_template(rendered, tokenize=False)
     image_id = tok.convert_tokens_to_ids("<image>")
@@ -456,6 +472,9 @@ def nemo_rl_nemotron_sample(tok, messages: list[dict], sizes, max_len: int):
             upper = ids.index(end, p + len(header))
             assert ids[upper + 1] == newline
             mask[p + len(header):upper + 1] = [1] * (upper + 1 - p - len(header))
+    sound = tok.convert_tokens_to_ids("<so_embedding>")  # _expand_audio_placeholders, before the image budget
+    counts = iter(sum(nemo_rl_audio_clips(n, rate)[2]) for n, rate in audio)
+    ids, mask = map(list, zip(*[(i, k) for i, k in zip(ids, mask) for _ in range(next(counts) if i == sound else 1)]))
     grids = nemo_rl_image_grids(sizes, max_len - len(ids) - 4)
     widths = iter(h * w // 4 for h, w in grids)
     ids, mask = map(list, zip(*[(i, k) for i, k in zip(ids, mask) for _ in range(next(widths) if i == image_id
@@ -464,11 +483,38 @@ def nemo_rl_nemotron_sample(tok, messages: list[dict], sizes, max_len: int):
     return ids, mask, grids
 
 
-def raw_sample(key: str, turns: list[dict], images: list[bytes]):
+def nemo_rl_sound_inputs(data: bytes, extractor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_process_audio`` (``nemotron_multimodal.py``) for a mono source at the extractor's rate: the waveform
+    (int16 / 32768) padded to 0.1 s and to its plan, split into 30 s clips, each clip's planned samples through the
+    feature extractor; ``sound_clips`` zero-padded to the longest clip's mel frames, ``sound_length`` the valid
+    frames."""
+    import wave as wavfile
+
+    with wavfile.open(io.BytesIO(data)) as f:
+        assert f.getsampwidth() == 2 and f.getnchannels() == 1
+        rate = f.getframerate()
+        wave = np.frombuffer(f.readframes(f.getnframes()), dtype="<i2").astype(np.float32) / 32768.0
+    per, frames, _ = nemo_rl_audio_clips(len(wave), rate)
+    wave = np.pad(wave, (0, max(0, sum(per) - len(wave))))[:sum(per)]
+    mels, valid, start = [], [], 0
+    for n in per:
+        out = extractor(wave[start:start + n], sampling_rate=rate, return_tensors="pt", return_attention_mask=True)
+        mels.append(out["input_features"][0])
+        valid.append(int(out["attention_mask"].sum()))
+        start += n
+    assert valid == frames
+    clips = torch.zeros((len(mels), max(m.shape[0] for m in mels), mels[0].shape[1]))
+    for i, mel in enumerate(mels):
+        clips[i, :mel.shape[0]] = mel
+    return clips, torch.tensor(valid, dtype=torch.long)
+
+
+def raw_sample(key: str, turns: list[dict], images: list[bytes], audio: list[bytes] = ()):
     from packtool.sources import RawSample
 
     raw = RawSample(key=key, shard="shards/x.tar", index=0)
-    parts = {"json": json.dumps({"messages": turns}).encode(), **{f"{i}.jpg": b for i, b in enumerate(images)}}
+    parts = {"json": json.dumps({"messages": turns}).encode(), **{f"{i}.jpg": b for i, b in enumerate(images)},
+             **{f"{i}.wav": b for i, b in enumerate(audio)}}
     for name, data in parts.items():
         raw.parts[name], raw.ranges[name] = data, (0, len(data))
     return raw
@@ -481,10 +527,11 @@ def nemotron_folder(tmp_path_factory) -> Path:
     return nemotron_omni_model.write_model_folder(tmp_path_factory.mktemp("nemotron") / "model")
 
 
-def test_nemotron_preset_equals_nemo_rls_images_and_replies(nemotron_folder):
-    """Images of several sizes with short and long texts, several images sharing one budget, replies with and
-    without a thinking trace: tokens, targets and grids equal NeMo-RL's for each sample; a control without the
-    preset differs."""
+def test_nemotron_preset_equals_nemo_rls_images_audio_and_replies(nemotron_folder):
+    """Images of several sizes with short and long texts, several images sharing one budget, audio shorter and
+    longer than 30 s (and at another rate), replies with and without a thinking trace: tokens, targets, grids and
+    audio lengths equal NeMo-RL's for each sample; a control without the preset differs."""
+    import mediafixture as mf
     from packtool.encode import Encoder
     from packtool.settings import EncodeSettings
 
@@ -496,27 +543,34 @@ def test_nemotron_preset_equals_nemo_rls_images_and_replies(nemotron_folder):
         ("<image><image><image><image>Compare.", "Similar.", [(1600, 1200), (1000, 1500), (300, 200), (1200, 1600)]),
         (f"{words[:3000]} <image> and <image>?", "<think>\nhmm\n</think>\nNo.", [(1600, 1200), (1400, 1000)]),
         ("Just text.", "<think>Thinking.</think>Answer.", []),
+        ("<audio>Transcribe.", "Hello.", [], [(3 * 16000, 16000)]),  # audio shorter and longer than 30 s
+        ("<audio><image>Both?", "<think>\nyes\n</think>Yes.", [(1600, 1200)], [(65 * 16000 + 123, 16000)]),
+        ("<audio>Rate?", "Fine.", [], [(2 * 22050 + 7, 22050)]),
     ]
     raws, expected = [], []
-    for i, (question, reply, sizes) in enumerate(cases):
+    for i, (question, reply, sizes, *rest) in enumerate(cases):
+        audio = rest[0] if rest else []
         turns = [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
-        raws.append(raw_sample(f"s{i}", turns, [fx.image_bytes(w, h, i * 10 + k) for k, (w, h) in enumerate(sizes)]))
-        expected.append((turns, sizes))
+        raws.append(raw_sample(f"s{i}", turns, [fx.image_bytes(w, h, i * 10 + k) for k, (w, h) in enumerate(sizes)],
+                               [mf.make_audio("wav", samples=n, rate=r) for n, r in audio]))
+        expected.append((turns, sizes, audio))
     settings = dict(tokenizer=str(nemotron_folder), pack_size=4096)
     preset = Encoder(EncodeSettings(**settings, preset="nemo-rl-nemotron-omni"))
     plain = Encoder(EncodeSettings(**settings))
     budget_bound = differs = 0
-    for (turns, sizes), got, base in zip(expected, preset.encode_many(raws), plain.encode_many(raws)):
+    for (turns, sizes, audio), got, base in zip(expected, preset.encode_many(raws), plain.encode_many(raws)):
         assert got.status == "packed", got.reason
-        ids, mask, grids = nemo_rl_nemotron_sample(preset.tok, turns, sizes, 4096)
+        ids, mask, grids = nemo_rl_nemotron_sample(preset.tok, turns, sizes, 4096, audio)
         assert got.tokens.tolist() == ids
         targets = got.targets.tolist()
         targets[0] = 0
         assert targets == mask
-        assert [m["grid_thw"] for m in got.media] == [[1, h, w] for h, w in grids]
+        assert [m["grid_thw"] for m in got.media if m["kind"] == "image"] == [[1, h, w] for h, w in grids]
+        assert [m["samples"] for m in got.media if m["kind"] == "audio"] == [
+            sum(nemo_rl_audio_clips(n, r)[0]) for n, r in audio]
         differs += base.tokens.tolist() != ids  # control: transformers' convention is not NeMo-RL's
         budget_bound += [m["grid_thw"] for m in got.media] != [m["grid_thw"] for m in base.media]
-    assert differs >= len(cases) - 1  # (one reply is already in NeMo-RL's layout and its images fit both ways)
+    assert differs >= len(cases) - 2  # (a reply already in NeMo-RL's layout, images that fit both ways, ...)
     assert budget_bound >= 3  # the text-dependent, shared budget changed grids, not only the replies
 
 
@@ -546,32 +600,56 @@ def test_nemotron_preset_pack_verify_and_batch(nemotron_folder, tmp_path):
     from packtool.verify import verify_output
 
     words = " ".join(f"word{i % 97}" for i in range(700))
-    cases = {"small": ("<image>What?", "A dot.", [(60, 90)]),
-             "long": (f"<image>{words}", "<think>Long.</think>Yes.", [(1600, 1200)]),
-             "many": ("<image><image><image>Same?", "No.", [(1600, 1200), (1200, 1600), (500, 300)])}
+    cases = {"small": ("<image>What?", "A dot.", [(60, 90)], []),
+             "long": (f"<image>{words}", "<think>Long.</think>Yes.", [(1600, 1200)], []),
+             "many": ("<image><image><image>Same?", "No.", [(1600, 1200), (1200, 1600), (500, 300)], []),
+             "audio": ("<audio> and <audio>?", "Two.", [], [3 * 16000 + 5, 35 * 16000 + 77])}
     samples = {}
-    for key, (question, reply, sizes) in cases.items():
+    waves = []
+    for key, (question, reply, sizes, audio) in cases.items():
         turns = [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
         samples[key] = {"json": json.dumps({"messages": turns}).encode(),
-                        **{f"{i}.png": mf.make_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)}}
+                        **{f"{i}.png": mf.make_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)},
+                        **{f"{i}.wav": mf.make_audio("wav", samples=n, rate=16000) for i, n in enumerate(audio)}}
+        waves += [samples[key][f"{i}.wav"] for i in range(len(audio))]
     mf.write_source(tmp_path / "src", samples)
     settings = PackSettings(EncodeSettings(tokenizer=str(nemotron_folder), pack_size=4096, align=16,
                                            preset="nemo-rl-nemotron-omni"), PlanSettings(shard_size="8"))
     pack(tmp_path / "src", tmp_path / "out", settings, workers=1, progress=False)
     assert verify_output(tmp_path / "out", source=tmp_path / "src") == []
 
+    from transformers import AutoProcessor
+
+    from packtool.read_nemotron import nemotron_processors
+
     manifest = load_manifest(tmp_path / "out")
-    checked = 0
+    processors = nemotron_processors(manifest, tmp_path / "out" / ".nv-meta" / "tokenizer")
+    extractor = AutoProcessor.from_pretrained(nemotron_folder).feature_extractor  # what NeMo-RL's adapter holds
+    checked = heard = 0
     for shard in sorted((tmp_path / "out" / "train").glob("*.tar")):
         for key, members in scan_records(shard):
-            row = nemo_rl.nemo_rl_row({**members, "__key__": key}, manifest)
-            images = [(m, members[m.member]) for s in PackRecord.from_members(key, members).segments for m in s.media]
+            row = nemo_rl.nemo_rl_row({**members, "__key__": key}, manifest, image_processor=processors)
+            refs = [m for s in PackRecord.from_members(key, members).segments for m in s.media]
+            images = [(m, members[m.member]) for m in refs if m.kind == "image"]
             for index, (ref, data) in enumerate(images):
                 pixels, size = nemotron_image_inputs(Image.open(io.BytesIO(data)), (ref.grid_thw[2], ref.grid_thw[1]))
                 assert torch.allclose(row.media["pixel_values"][index][0], pixels, atol=1e-5)
                 assert tuple(row.media["imgs_sizes"][index][0].tolist()) == size
                 checked += 1
-    assert checked == 5
+            for index, ref in enumerate(m for m in refs if m.kind == "audio"):
+                clips, lengths = nemo_rl_sound_inputs(members[ref.member], extractor)
+                assert torch.equal(row.media["sound_clips"][index], clips)
+                assert torch.equal(row.media["sound_length"][index], lengths)
+                heard += 1
+    assert checked == 5 and heard == 2
+    # through Energon, the task encoder gives the same media (the processors from OUTPUT's model folder copy)
+    rows = {row.pack_key: row for row in (
+        nemo_rl.nemo_rl_row({**m, "__key__": k}, manifest, image_processor=processors)
+        for shard in sorted((tmp_path / "out" / "train").glob("*.tar")) for k, m in scan_records(shard))}
+    for batch in nemo_rl_loader(tmp_path / "out", 1, split="train"):
+        row = next(r for r in rows.values() if r.keys == batch["source_ids"][0])
+        for key, segments in row.media.items():
+            assert all(torch.equal(a, b) for a, b in zip(batch[key][0], segments)), key
 
     # control: the same packs checked as transformers' convention (preset removed from the manifest) fail
     path = tmp_path / "out" / ".nv-meta" / "packtool.json"

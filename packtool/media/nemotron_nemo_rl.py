@@ -7,6 +7,10 @@ They differ from transformers' processor, which packtool follows by default:
   ``<img><image></img>``), times the pixel-shuffle area; frames are scaled down together until they fit
   (:func:`sample_image_grids`). The budget depends on the pack size, so packtool applies it per sample with the pack
   size as the sequence length, as NeMo-RL's encoder does per sample before packing.
+* Audio: cut into clips of 30 s at the feature extractor's rate (the last one at least 0.1 s); each clip's valid
+  mel frames are its samples // hop, its ``<so_embedding>`` tokens those frames through the encoder's stride-2
+  convolutions (:func:`audio_plan`). The batch carries each clip's mel features and valid frames
+  (``sound_clips``, ``sound_length``).
 * Replies: a reply without a thinking trace starts with an empty ``<think></think>``; a trace is normalised to
   ``<think>\\n…\\n</think>\\n`` (:func:`assistant_text`).
 """
@@ -95,6 +99,50 @@ def sample_image_grids(frames: Sequence[Frame], tokens_available: int, *, patch:
         shrunk = [max(min_patches, int(s * budget / total)) for s in sizes]
         allowances = shrunk if any(n < o for n, o in zip(shrunk, allowances)) else [min_patches] * len(frames)
     return grids
+
+
+@dataclass(frozen=True)
+class AudioPlan:
+    """How NeMo-RL cuts one audio item: samples of each clip (at the target rate), valid mel frames of each clip,
+    and the item's ``<so_embedding>`` tokens."""
+
+    clip_samples: tuple[int, ...]
+    frames: tuple[int, ...]
+    tokens: int
+
+    @property
+    def samples(self) -> int:
+        """Samples of the whole waveform the clips cover."""
+        return sum(self.clip_samples)
+
+
+def audio_plan(samples: int, sample_rate: int, *, target_rate: int, hop: int, subsampling: int,
+               clip_seconds: float = 30.0, min_seconds: float = 0.1, max_seconds: float = 1800.0) -> AudioPlan:
+    """The clips, mel frames and tokens of ``samples`` samples at ``sample_rate`` (see the module docstring);
+    ``ValueError`` for a clip shorter than ``min_seconds`` or longer than ``max_seconds``."""
+    seconds = samples / sample_rate
+    if seconds < min_seconds or seconds > max_seconds:
+        raise ValueError(f"audio of {seconds:.3f} s is outside NeMo-RL's {min_seconds}-{max_seconds} s")
+    total = round(max(min_seconds, seconds) * target_rate)
+    clip = round(clip_seconds * target_rate)
+    rest = total % clip
+    last = clip if rest == 0 else max(rest, round(min_seconds * target_rate))
+    clips = (clip,) * (math.ceil(total / clip) - 1) + (last,)
+    frames = tuple(n // hop for n in clips)
+    if min(frames) <= 0:
+        raise ValueError("an audio clip gives no mel frames")
+    tokens = 0
+    for f in frames:
+        for _ in range(int(math.log2(subsampling))):
+            f = (f + 1) // 2
+        tokens += max(1, f)
+    return AudioPlan(clips, frames, tokens)
+
+
+def settings_audio_plan(samples: int, sample_rate: int, settings) -> AudioPlan:
+    """:func:`audio_plan` with a Nemotron Omni folder's audio settings (``NemotronOmniSettings``)."""
+    return audio_plan(samples, sample_rate, target_rate=settings.audio_sampling_rate, hop=settings.audio_hop_length,
+                      subsampling=settings.audio_subsampling_factor)
 
 
 _TRACE = re.compile(r"<think>(.*?)</think>", re.DOTALL)
