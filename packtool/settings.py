@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from packtool.errors import ConfigError
+from packtool.families.conventions import CONVENTIONS
 
 Overlong = Literal["truncate", "drop"]
 MediaCheck = Literal["decode", "header"]
@@ -39,29 +40,11 @@ Preset = Literal["megatron-bridge-qwen-vl", "megatron-bridge-nemotron-omni", "ne
 #: Whose rule derives the per-segment alignment from the parallel sizes (``--align-for``).
 AlignFor = Literal["megatron", "nemo-rl"]
 
-#: The encode settings each preset sets: the data conventions of Megatron-Bridge's own task encoders, so packs hold
-#: the tokens and targets those would give. ``megatron-bridge-qwen-vl``: QwenVLTaskEncoder with its
-#: ``build_assistant_loss_mask`` (the newline after each reply's end-of-turn token is a target), ``media_first``
-#: and its pixel bounds.
-PRESETS: dict[str, dict[str, Any]] = {
-    "megatron-bridge-qwen-vl": {"target_newline_after_eot": True, "media_first": True, "min_pixels": 200_704,
-                                "max_pixels": 1_003_520},
-    "megatron-bridge-nemotron-omni": {},
-    # NeMo-RL's hf_multimodal adapter: each assistant message as the chat template adds it is a target, its role
-    # header and the newline after its end-of-turn token included (the header by the preset itself).
-    "nemo-rl-qwen-vl": {"target_newline_after_eot": True},
-    # NeMo-RL's nemotron_multimodal (prompt format nemotron6-moe): its image budget and reply layout, applied by
-    # the preset itself (packtool.media.nemotron_nemo_rl); its targets are packtool's own.
-    "nemo-rl-nemotron-omni": {},
-}
-#: The preset of NeMo-RL's Nemotron Omni conventions.
-NEMO_RL_NEMOTRON = "nemo-rl-nemotron-omni"
-#: Presets whose targets also take each reply's role header (from the special token that opens it).
-ROLE_HEADER_TARGETS = frozenset({"nemo-rl-qwen-vl"})
+#: The encode settings each preset sets: those of its convention (:mod:`packtool.families.conventions`).
+PRESETS: dict[str, dict[str, Any]] = {name: c.settings() for name, c in CONVENTIONS.items()}
 #: Presets named but not available yet, with the reason.
-UNSUPPORTED_PRESETS = {"megatron-bridge-nemotron-omni": "Megatron-Bridge's Nemotron Omni collate path writes other "
-                                                         "frame labels and canvases than transformers' processor, "
-                                                         "which packtool follows (no preset needed for that)"}
+UNSUPPORTED_PRESETS = {name: c.unsupported for name, c in CONVENTIONS.items() if c.unsupported}
+assert set(get_args(Preset)) == set(CONVENTIONS), "every convention is a preset"
 
 #: Largest pack: boundaries (``cu_seqlens``) are int32.
 MAX_PACK_SIZE = 2**31 - 1
@@ -362,7 +345,7 @@ class RunOptions:
         _check_int(self.workers, "workers")
         _check_choice(self.engine, EngineKind, "engine")
         if self.ray_address is not None:
-            from packtool.engine import split_address
+            from packtool.build.engine import split_address
 
             split_address(self.ray_address)
         if not 0.0 <= self.max_error_rate <= 1.0 or math.isnan(self.max_error_rate):

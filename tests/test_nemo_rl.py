@@ -23,9 +23,9 @@ import yaml
 from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_savable_loader, get_val_dataset
 
 import packfixture as fx
-from packtool import nemo_rl
 from packtool.errors import FormatError
 from packtool.format import PackRecord, load_manifest
+from packtool.runtime import nemo_rl
 from packtool.settings import alignment_for, derive_align, nemo_rl_align
 from packtool.shards import scan_records
 
@@ -196,7 +196,7 @@ def test_qwen_media_are_the_processors(nemo_rl_packed):
     """Qwen2.5-VL packs carry what NeMo-RL's hf_multimodal adapter puts in its messages: the transformers
     processor's pixel_values and image_grid_thw, per row in placeholder order (here: the reader's, which equals the
     processor's)."""
-    from packtool.read import read_packs
+    from packtool.runtime.read import read_packs
 
     by_key = {b["pack_key"]: b for b in read_packs(nemo_rl_packed, split="val")}
     with_images = 0
@@ -282,13 +282,14 @@ def test_recipe_overlays_name_a_loadable_encoder(name, monkeypatch):
     assert resolve_file_backed(nemo_rl.encoder_file(), cookers[0]["object_name"], None)
     multiple = encoder["options"]["sequence_multiple"]
     assert multiple.startswith("${policy.make_sequence_length_divisible_by")
-    done = subprocess.run([sys.executable, "-m", "packtool.nemo_rl"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "packtool.runtime.nemo_rl"], capture_output=True, text=True,
+                          timeout=60)
     assert done.stdout.strip() == nemo_rl.encoder_file()
 
 
 def test_runtime_side_imports_nothing_of_the_build_side():
-    code = ("import sys, packtool.nemo_rl; bad = [m for m in sys.modules if m in ('packtool.encode', "
-            "'packtool.pipeline', 'packtool.planning', 'packtool.tokenizing', 'packtool.assemble')]; print(bad)")
+    code = ("import sys, packtool.runtime.nemo_rl; "
+            "print([m for m in sys.modules if m.startswith('packtool.build')])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "[]", done.stderr
 
@@ -316,8 +317,8 @@ def nemo_rl_qwen_log(tok, messages: list[dict], *, add_eos: bool = True) -> tupl
 
 
 def demo_text_samples(demo_dir):
-    from packtool.sources import open_source, read_raw_samples
-    from packtool.sources.conversation import conversation_adapter
+    from packtool.build.sources import open_source, read_raw_samples
+    from packtool.build.sources.conversation import conversation_adapter
 
     src = open_source(demo_dir / "dataset", ["train"])
     for shard in src.splits["train"]:
@@ -331,7 +332,7 @@ def test_qwen_preset_targets_equal_nemo_rls(demo_dir):
     """Under --preset nemo-rl-qwen-vl, tokens and targets of each demo text sample equal NeMo-RL's hf_multimodal
     message log with its assistant-role mask (the reply's role header and the newline after its end-of-turn token
     are targets); the first token is never a target in NeMo-RL's batch, nor here (it is the template's start)."""
-    from packtool.encode import Encoder
+    from packtool.build.encoder import Encoder
     from packtool.settings import EncodeSettings
 
     samples = list(demo_text_samples(demo_dir))
@@ -356,9 +357,9 @@ def test_qwen_preset_with_images_equals_nemo_rls(demo_dir):
     give / 4), inside the user chunk; the assistant chunk is the target."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    from packtool.encode import Encoder
+    from packtool.build.encoder import Encoder
+    from packtool.build.sources import RawSample
     from packtool.settings import EncodeSettings
-    from packtool.sources import RawSample
 
     sizes = [(60, 60), (90, 40)]
     turns = [{"role": "user", "content": "<image><image>Compare them."}, {"role": "assistant", "content": "Same."},
@@ -377,7 +378,7 @@ def test_qwen_preset_with_images_equals_nemo_rls(demo_dir):
     cfg = json.loads((demo_dir / "tokenizer" / "preprocessor_config.json").read_text())
     counts = iter(int(np.prod(smart_resize(h, w, 28, cfg["min_pixels"], cfg["max_pixels"]))) // 784
                   for w, h in sizes)
-    pad = enc.image_token_id
+    pad = enc.family.tokens.image_token_id
     ids, mask = zip(*[(i, m) for i, m in zip(ids, mask) for _ in range(next(counts) if i == pad else 1)])
     mask = [0, *mask[1:]]
     assert got.tokens.tolist() == list(ids) and got.targets.tolist() == mask
@@ -510,7 +511,7 @@ def nemo_rl_sound_inputs(data: bytes, extractor) -> tuple[torch.Tensor, torch.Te
 
 
 def raw_sample(key: str, turns: list[dict], images: list[bytes], audio: list[bytes] = ()):
-    from packtool.sources import RawSample
+    from packtool.build.sources import RawSample
 
     raw = RawSample(key=key, shard="shards/x.tar", index=0)
     parts = {"json": json.dumps({"messages": turns}).encode(), **{f"{i}.jpg": b for i, b in enumerate(images)},
@@ -532,7 +533,7 @@ def test_nemotron_preset_equals_nemo_rls_images_audio_and_replies(nemotron_folde
     longer than 30 s (and at another rate), replies with and without a thinking trace: tokens, targets, grids and
     audio lengths equal NeMo-RL's for each sample; a control without the preset differs."""
     import mediafixture as mf
-    from packtool.encode import Encoder
+    from packtool.build.encoder import Encoder
     from packtool.settings import EncodeSettings
 
     words = " ".join(f"word{i % 97}" for i in range(900))
@@ -575,11 +576,11 @@ def test_nemotron_preset_equals_nemo_rls_images_audio_and_replies(nemotron_folde
 
 
 def test_nemotron_preset_refuses_what_it_cannot_do_yet(nemotron_folder, demo_dir):
-    from packtool.encode import Encoder
+    from packtool.build.encoder import Encoder
     from packtool.errors import ConfigError
     from packtool.settings import EncodeSettings
 
-    with pytest.raises(ConfigError, match="Nemotron Omni model folder"):
+    with pytest.raises(ConfigError, match="is for nemotron_omni model folders"):
         Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=4096, preset="nemo-rl-nemotron-omni"))
     enc = Encoder(EncodeSettings(tokenizer=str(nemotron_folder), pack_size=4096, preset="nemo-rl-nemotron-omni"))
     bad = raw_sample("b", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>a<think>b"}],
@@ -595,9 +596,9 @@ def test_nemotron_preset_pack_verify_and_batch(nemotron_folder, tmp_path):
     from PIL import Image
 
     import mediafixture as mf
-    from packtool.pipeline import pack
+    from packtool.build.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
-    from packtool.verify import verify_output
+    from packtool.verify.packs import verify_output
 
     words = " ".join(f"word{i % 97}" for i in range(700))
     cases = {"small": ("<image>What?", "A dot.", [(60, 90)], []),
@@ -620,7 +621,7 @@ def test_nemotron_preset_pack_verify_and_batch(nemotron_folder, tmp_path):
 
     from transformers import AutoProcessor
 
-    from packtool.read_nemotron import nemotron_processors
+    from packtool.runtime.nemotron import nemotron_processors
 
     manifest = load_manifest(tmp_path / "out")
     processors = nemotron_processors(manifest, tmp_path / "out" / ".nv-meta" / "tokenizer")
