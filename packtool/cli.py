@@ -18,13 +18,14 @@ import typer
 from packtool.errors import PacktoolError
 from packtool.settings import (
     Algorithm,
+    AlignFor,
     EncodeSettings,
     PlanSettings,
     Preset,
     RunOptions,
+    alignment_for,
     choices,
     default,
-    derive_align,
 )
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -75,6 +76,9 @@ def pack(
     cp_size: int = typer.Option(1, min=1, help="Context-parallel size (align = 2·cp when cp > 1)."),
     tp_size: int = typer.Option(1, min=1, help="Tensor-parallel size (with --sequence-parallel)."),
     sequence_parallel: bool = typer.Option(False, help="Sequence parallelism (align includes cp·tp)."),
+    align_for: str = typer.Option("megatron", help=", ".join(choices(AlignFor)) + ": whose rule derives the "
+                                                   "alignment from the parallel sizes: megatron (2·cp, cp·tp with "
+                                                   "SP) or nemo-rl (make_sequence_length_divisible_by, tp·cp·2)."),
     max_segments: int | None = typer.Option(None, help="At most this many samples per pack."),
     max_images: int | None = typer.Option(None, help="At most this many media items (images, videos, audio) "
                                                         "per pack."),
@@ -135,7 +139,8 @@ def pack(
     from packtool.settings import PackSettings
 
     def build() -> tuple[PackSettings, RunOptions]:
-        aligned = align or derive_align(cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
+        aligned = align or alignment_for(align_for, cp_size=cp_size, tp_size=tp_size,  # type: ignore[arg-type]
+                                         sequence_parallel=sequence_parallel)
         enc = EncodeSettings(
             tokenizer=str(tokenizer.resolve()), pack_size=pack_size, align=aligned, overlong=overlong,  # type: ignore[arg-type]
             min_pixels=min_pixels, max_pixels=max_pixels, image_tokens=image_tokens, max_images=max_images,

@@ -35,7 +35,10 @@ MediaTokens = Literal["rule", "processor"]
 Algorithm = Literal["auto", "bfd", "ffd", "greedy_knapsack", "balanced_greedy_knapsack", "first_fit_shuffle",
                     "sequential"]
 EngineKind = Literal["local", "ray"]
-Preset = Literal["megatron-bridge-qwen-vl", "megatron-bridge-nemotron-omni"]
+Preset = Literal["megatron-bridge-qwen-vl", "megatron-bridge-nemotron-omni", "nemo-rl-qwen-vl",
+                 "nemo-rl-nemotron-omni"]
+#: Whose rule derives the per-segment alignment from the parallel sizes (``--align-for``).
+AlignFor = Literal["megatron", "nemo-rl"]
 
 #: The encode settings each preset sets: those of its convention (:mod:`packtool.families.conventions`).
 PRESETS: dict[str, dict[str, Any]] = {name: c.settings() for name, c in CONVENTIONS.items()}
@@ -67,6 +70,24 @@ def derive_align(cp_size: int = 1, tp_size: int = 1, sequence_parallel: bool = F
     if sequence_parallel and tp > 1:
         align = math.lcm(align, cp * tp)
     return align
+
+
+def nemo_rl_align(cp_size: int = 1, tp_size: int = 1) -> int:
+    """The alignment a NeMo-RL recipe needs: its policy's ``make_sequence_length_divisible_by`` for Megatron,
+    tp·cp·2 (16 at TP4/CP2, where :func:`derive_align` gives 4, 8 with sequence parallelism), which its packed
+    SFT batch pads every sample to."""
+    for name, value in (("cp_size", cp_size), ("tp_size", tp_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return 2 * cp_size * tp_size
+
+
+def alignment_for(align_for: AlignFor, cp_size: int = 1, tp_size: int = 1, sequence_parallel: bool = False) -> int:
+    """The per-segment alignment ``align_for``'s trainer needs at these parallel sizes."""
+    _check_choice(align_for, AlignFor, "align_for")
+    if align_for == "nemo-rl":
+        return nemo_rl_align(cp_size=cp_size, tp_size=tp_size)
+    return derive_align(cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
 
 
 def default(cls: type, name: str) -> Any:

@@ -169,7 +169,7 @@ class Encoder:
         """Messages as the template wants them: media parts (structured) or the placeholder text in place."""
         out = []
         for m in messages:
-            text = self.family.convention.turn_text(m["content"])
+            text = self.family.convention.turn_text(m["content"], m["role"])
             kinds = tag_kinds(text)
             if self.structured and kinds:
                 pieces = TAG_PATTERN.split(text)

@@ -45,6 +45,7 @@ from packtool.errors import ConfigError
 from packtool.families.base import Family, ItemPlan, MediaTokens, NoMedia, NoRule
 from packtool.families.conventions import CONVENTIONS, TRANSFORMERS, Convention
 from packtool.families.fixed import FixedCount
+from packtool.families.nemotron_nemo_rl import NemoRLNemotronOmni  # noqa: F401  (registers the variant)
 from packtool.families.nemotron_omni import NemotronOmni
 from packtool.families.processor import ProcessorMode
 from packtool.families.qwen2_vl import Qwen2VL
@@ -71,6 +72,8 @@ def load(settings: EncodeSettings, tok: Any) -> Family:
     convention = Convention.of(settings)
     folder = Path(settings.tokenizer)
     cls = next(c for c in FAMILIES if c.detect(folder, settings))
+    if convention.family is not None and cls.name != convention.family:
+        raise ConfigError(f"{settings.tokenizer}: --preset {convention.name} is for {convention.family} model folders")
     family: Family = cls.variants.get(convention.name, cls).load(settings, tok, convention)
     if ProcessorMode.detect(folder, settings):
         wrapped = ProcessorMode.wrap(None if isinstance(family, NoMedia) else family, settings, tok)
@@ -83,11 +86,16 @@ def load(settings: EncodeSettings, tok: Any) -> Family:
 
 
 def from_manifest(manifest: Mapping) -> Family:
-    """The family a manifest was written by; ``ValueError`` for one no family owns or malformed settings."""
+    """The family a manifest was written by, under the convention its settings name (the family's variant for
+    it, where it has one); ``ValueError`` for one no family owns or malformed settings."""
     owners: tuple[type[Family], ...] = (ProcessorMode, *FAMILIES)
+    preset = str((manifest.get("settings") or {}).get("preset"))
     for cls in owners:
         if cls.owns(manifest):
-            return cls.from_manifest(manifest)
+            family = cls.variants.get(preset, cls).from_manifest(manifest)
+            if preset in CONVENTIONS:
+                family.convention = CONVENTIONS[preset]
+            return family
     entry = manifest.get("image_processor")
     raise ValueError(f"unsupported image processor {entry!r}")
 

@@ -268,10 +268,20 @@ class Family(ABC):
             return None
         return (plan.samples if plan.samples is not None else facts.samples), plan.tokens
 
-    def audio_input(self) -> tuple[int, int | None]:
-        """``(sampling rate, most samples)`` of the waveform the family's processor is given (verify and the
-        reader decode each clip so); only a family with an audio rule has one."""
-        raise NotImplementedError(f"the {self.name} family has no audio rule")
+    def audio_input(self) -> tuple[int, int | None] | None:
+        """``(sampling rate, most samples)`` of the waveform the family's processor is given (verify decodes each
+        clip so and compares its length with the recorded samples); None where the family's audio plan counted
+        the decoded clip itself."""
+        return None
+
+    #: Whether an image's plan depends on its sample's text (all images of a sample planned together): verify
+    #: then re-derives the grids of a whole segment (:meth:`segment_image_grids`) and cannot those of a cut one.
+    plans_sample_images: ClassVar[bool] = False
+
+    def segment_image_grids(self, tokens: np.ndarray, media: list[Any]) -> list[list[int]] | None:
+        """The image grids an untruncated segment's plan gives (``tokens``: its tokens; ``media``: its
+        :class:`~packtool.format.MediaRef` items) for a family that :attr:`plans_sample_images`; else None."""
+        return None
 
     #: Whether the images of one sample share the processor's token budget (an image's plan then depends on how
     #: many images the sample gave the processor: a truncated segment's images may have been planned with more).
@@ -325,6 +335,14 @@ class Family(ABC):
     def temporal_patch_dim(self) -> int:
         """Frames per video tubelet (temporal patch) of the model."""
         return 2
+
+    def nemo_rl_media(self, record: Any, processor: Any, where: str) -> dict[str, list[Any]] | None:
+        """The media inputs of NeMo-RL's packed batch for a pack record (:mod:`packtool.runtime.nemo_rl`: media key
+        -> one tensor per item); None: the reader's media fields serve, one tensor per pack (the base layout)."""
+        return None
+
+    #: Pixels per patch side of the images in NeMo-RL's batch (its patchify mode); None: not patchified.
+    nemo_rl_patch_dim: int | None = None
 
     @classmethod
     def owns_batch(cls, batch: Mapping[str, Any]) -> bool:

@@ -30,15 +30,13 @@ import numpy as np
 from packtool.errors import ConfigError
 from packtool.families.base import ExpandsInText, ItemPlan, MediaTokens, manifest_tokens
 from packtool.families.conventions import TRANSFORMERS, Convention
+from packtool.format import NEMOTRON_FAMILY
 from packtool.media.audio import AudioFacts, resampled_length
 from packtool.media.folder import read_folder
 from packtool.media.video import VideoFacts
 
 if TYPE_CHECKING:
     from packtool.settings import EncodeSettings
-
-#: ``image_processor.family`` of a manifest whose packs were made for a Nemotron Omni model folder.
-NEMOTRON_FAMILY = "nemotron_omni"
 
 
 @dataclass(frozen=True)
@@ -456,7 +454,7 @@ class NemotronOmni(ExpandsInText):
     #: The processor's patch budget depends on how many images the sample gives it in one call.
     shared_image_budget = True
 
-    def audio_input(self) -> tuple[int, int | None]:
+    def audio_input(self) -> tuple[int, int | None] | None:
         return self.rule.audio_sampling_rate, self.rule.max_audio_samples
 
     # -- the runtime side (:mod:`packtool.runtime.nemotron`) ------------------------------------------------------
@@ -479,6 +477,17 @@ class NemotronOmni(ExpandsInText):
     @property
     def temporal_patch_dim(self) -> int:
         return self.rule.video_temporal_patch_dim
+
+    def nemo_rl_media(self, record: Any, processor: Any, where: str) -> dict[str, list[Any]] | None:
+        """NeMo-RL's Nemotron Omni inputs (images and audio; the feature extractor: ``processor.audio``)."""
+        from packtool.runtime.nemo_rl import nemotron_inputs
+
+        return nemotron_inputs(record, {"image_processor": self.rule.manifest()}, where,
+                               getattr(processor, "audio", None))
+
+    @property
+    def nemo_rl_patch_dim(self) -> int | None:  # type: ignore[override]
+        return self.rule.patch_size
 
     @classmethod
     def owns_batch(cls, batch: Mapping[str, Any]) -> bool:

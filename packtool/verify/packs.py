@@ -227,12 +227,14 @@ def _check_segment(where: str, key: str, t: np.ndarray, g: np.ndarray, media: li
 
 
 def check_media(where: str, ref: MediaRef, members: list[bytes], family: Family, pixel_limit: int, *,
-                n_images: int = 1, truncated: bool = False) -> list[str]:
+                n_images: int = 1, truncated: bool = False, planned: list[int] | None = None) -> list[str]:
     """Problems of one media item (``members``: its member's bytes, or its frames'): bytes against its recorded
     size and SHA-256, a full decode, and what it decodes to against the record: an image's size, a video's size
     and frame count, an audio clip's waveform length; then its grid, frames, samples and tokens against the rules
     of the manifest's ``family`` (none where it does not re-derive them: the processor mode). ``n_images``:
-    images of its segment; ``truncated``: whether the segment was cut (see :meth:`Family.image_counts`)."""
+    images of its segment; ``truncated``: whether the segment was cut (see :meth:`Family.image_counts`);
+    ``planned``: the image's grid as its segment's plan re-derives it (a family that plans a sample's images
+    together, :meth:`Family.segment_image_grids`), checked instead of the rule's."""
     data = b"".join(members)
     if ref.size or ref.sha256:  # recorded since format 2's first writer; older records have neither
         if len(data) != ref.size:
@@ -252,6 +254,13 @@ def check_media(where: str, ref: MediaRef, members: list[bytes], family: Family,
     if (width, height) != (ref.width, ref.height):
         return [f"{where}: decodes to {width}x{height}, recorded {ref.width}x{ref.height}"]
     if not family.rederives:
+        return []
+    if planned is not None:
+        if list(ref.grid_thw) != planned:
+            return [f"{where}: the image budget of {family.convention.name} gives grid {planned}, recorded "
+                    f"{list(ref.grid_thw)}"]
+        return []
+    if family.plans_sample_images:  # the grid depends on the segment's text: checked with `planned` where known
         return []
     recorded = (list(ref.grid_thw), ref.tokens)
     try:
@@ -306,14 +315,20 @@ def _check_audio(where: str, ref: MediaRef, data: bytes, family: Family) -> list
         return [f"{where}: {exc}"]
     if not family.rederives:
         return []
-    derived = family.check_audio(facts)
+    try:
+        derived = family.check_audio(facts)
+    except ValueError as exc:
+        return [f"{where}: {exc}"]
     if derived is None:
         return [f"{where}: an audio clip, but the manifest describes no audio rule"]
     samples, tokens = derived
     if (samples, tokens) != (ref.samples, ref.tokens):
         return [f"{where}: the audio rule gives {samples} samples and {tokens} tokens, recorded {ref.samples} "
                 f"and {ref.tokens}"]
-    rate, limit = family.audio_input()
+    waveform = family.audio_input()
+    if waveform is None:  # the family's plan counted the decoded clip itself
+        return []
+    rate, limit = waveform
     try:
         wave = decode_audio(data, rate=rate, max_samples=limit)
     except Exception as exc:
@@ -396,11 +411,15 @@ def check_shard(output: str, split: str, shard: str, fid: int, count: int | None
         problems += check_pack(where, record, members, manifest, family)
         if record.arrays_sha256 and arrays_digest(members) != record.arrays_sha256:
             problems.append(f"{where}: token arrays differ from the SHA-256 written with the pack")
-        for seg in record.segments:
+        starts = record.segment_starts()
+        for seg, a, b in zip(record.segments, starts[:-1], starts[1:]):
             n_images = sum(m.kind == "image" for m in seg.media)
+            plan = None if seg.truncated else family.segment_image_grids(record.tokens[a:b], seg.media)
+            grids = iter(plan or [])
             for m in seg.media:
                 problems += check_media(f"{where} member {m.member}", m, [record.media[n] for n in m.members],
-                                        family, pixel_limit, n_images=n_images, truncated=seg.truncated)
+                                        family, pixel_limit, n_images=n_images, truncated=seg.truncated,
+                                        planned=next(grids) if plan is not None and m.kind == "image" else None)
         for src_split, src_shard, src_key, held in segment_facts(record):
             ident.append(_digest(src_split, src_shard, src_key))
             facts.append(_digest(key, *held))
