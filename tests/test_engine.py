@@ -37,8 +37,9 @@ def whoami(_: int) -> int:
     return os.getpid()
 
 
-def fail_on(x: int, bad: int, marks: str) -> int:
+def fail_on(task: tuple[int, int, str]) -> int:
     """Fails at ``bad`` at once; any other task waits, then leaves a mark (to count the tasks that ran)."""
+    x, bad, marks = task
     if x == bad:
         raise KeyError(f"task {x} is bad")
     time.sleep(0.3)
@@ -75,9 +76,9 @@ def alive(pids) -> list[int]:
 # -- local engine ----------------------------------------------------------------------------------------------
 def test_one_pool_serves_every_stage_and_dies_with_the_engine():
     with Engine("local", workers=2) as engine:
-        assert engine.map(square, [(i,) for i in range(20)], progress=False) == [i * i for i in range(20)]
-        first = set(engine.map(whoami, [(i,) for i in range(20)], progress=False))
-        second = set(engine.map(whoami, [(i,) for i in range(20)], progress=False))
+        assert engine.map(square, list(range(20)), progress=False) == [i * i for i in range(20)]
+        first = set(engine.map(whoami, list(range(20)), progress=False))
+        second = set(engine.map(whoami, list(range(20)), progress=False))
         children = {p.pid for p in psutil.Process().children()}
     assert os.getpid() not in first and len(first) <= 2
     assert second <= first and first <= children, "a stage got processes of its own"
@@ -86,7 +87,7 @@ def test_one_pool_serves_every_stage_and_dies_with_the_engine():
 
 def test_one_worker_runs_inline():
     with Engine("local", workers=1) as engine:
-        assert set(engine.map(whoami, [(i,) for i in range(3)], progress=False)) == {os.getpid()}
+        assert set(engine.map(whoami, list(range(3)), progress=False)) == {os.getpid()}
 
 
 def test_first_failure_is_raised_as_itself_and_cancels_what_has_not_started(tmp_path):
@@ -103,13 +104,13 @@ def test_first_failure_is_raised_as_itself_and_cancels_what_has_not_started(tmp_
 def test_initializer_runs_once_per_process(tmp_path):
     log = tmp_path / "log"
     with Engine("local", workers=2, initializer=load, initargs=(str(log), "tok")) as engine:
-        results = engine.map(loaded, [(i,) for i in range(16)], progress=False)
+        results = engine.map(loaded, list(range(16)), progress=False)
     assert all(values == ["tok"] for _, values in results)
     pids = log.read_text().split()
     assert len(pids) == len(set(pids)) <= 2 and {str(pid) for pid, _ in results} <= set(pids)
     _loaded.clear()
     with Engine("local", workers=1, initializer=load, initargs=(str(tmp_path / "inline"), "x")) as engine:
-        assert engine.map(loaded, [(0,), (1,)], progress=False) == [(os.getpid(), ["x"])] * 2
+        assert engine.map(loaded, [0, 1], progress=False) == [(os.getpid(), ["x"])] * 2
     _loaded.clear()
 
 
@@ -136,7 +137,8 @@ from pathlib import Path
 import psutil
 from packtool.build.engine import Engine
 
-def slow(i, marks):
+def slow(task):
+    i, marks = task
     Path(marks, str(os.getpid())).touch()
     time.sleep(60)
 
@@ -285,9 +287,9 @@ def fail_on(x):
 
 address, log = sys.argv[1:]
 with Engine("ray", address=address, initializer=load, initargs=(log, "tok")) as engine:
-    results = engine.map(loaded, [(i,) for i in range(6)], progress=False)
+    results = engine.map(loaded, list(range(6)), progress=False)
     try:
-        engine.map(fail_on, [(i,) for i in range(4)], progress=False)
+        engine.map(fail_on, list(range(4)), progress=False)
     except KeyError as exc:
         failure = str(exc)
 print(json.dumps({"results": results, "failure": failure}))

@@ -119,3 +119,29 @@ def test_images_without_a_rule_are_quarantined_with_the_reason(demo_dir, tmp_pat
     got = enc.encode_many([image, text])
     assert got[0].status == "error" and "image_tokens" in got[0].reason and "processor mode" in got[0].reason
     assert got[1].status == "packed"
+
+
+def test_verify_the_reader_and_the_loaders_take_the_family_the_manifest_names():
+    """``from_manifest`` gives each manifest's family (the NeMo-RL variant where the manifest's preset names it)
+    and ``of_batch`` each reader batch's layout; the modules that read packs name no family of their own."""
+    import re
+
+    from packtool.families.base import manifest_tokens
+    from packtool.families.nemotron_nemo_rl import NemoRLNemotronOmni
+    from packtool.families.nemotron_omni import NemotronOmni, NemotronOmniSettings
+
+    entries = NemotronOmni(manifest_tokens({}), families.TRANSFORMERS, "", NemotronOmniSettings()).manifest_entries()
+    plain = families.from_manifest({**entries, "settings": {"pack_size": 4096}})
+    assert type(plain) is NemotronOmni and plain.expanded_in_text and plain.shared_image_budget
+    nemo_rl = families.from_manifest({**entries, "settings": {"preset": "nemo-rl-nemotron-omni", "pack_size": 4096}})
+    assert isinstance(nemo_rl, NemoRLNemotronOmni) and nemo_rl.pack_size == 4096 and nemo_rl.plans_sample_images
+    assert nemo_rl.convention.name == "nemo-rl-nemotron-omni"
+    assert families.of_batch({"image_grid_hw": None, "media_kinds": []}) is NemotronOmni
+    assert families.of_batch({"image_grid_thw": None}) is not NemotronOmni
+    root = Path(__file__).resolve().parents[1] / "packtool"
+    branch = re.compile(r"is_nemotron|processor_family|NEMOTRON_FAMILY|\.get\(\"family\"\)|image_grid_hw\" in")
+    readers = ["runtime/read.py", "runtime/loader.py", "runtime/megatron_batch.py", "runtime/nemo_rl.py",
+               "verify/packs.py", "verify/source.py", "build/encoder.py"]
+    assert [f for f in readers if branch.search((root / f).read_text())] == []
+    # The control: the family's own module names it.
+    assert branch.search((root / "families/nemotron_omni.py").read_text())

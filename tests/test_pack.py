@@ -270,7 +270,7 @@ def test_an_encode_store_is_only_reused_for_the_same_range(demo_dir, tmp_path):
     import pyarrow.parquet as pq
 
     from packtool.build.sources.energon import metadata_digest, shard_layout
-    from packtool.build.store import SourceStamp, encode_range, is_current
+    from packtool.build.store import EncodeTask, SourceStamp, encode_range, is_current
     from packtool.settings import EncodeSettings
 
     root = demo_dir / "dataset"
@@ -280,7 +280,7 @@ def test_an_encode_store_is_only_reused_for_the_same_range(demo_dir, tmp_path):
     settings = EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048)
     seven, five = layout.ranges(7)[0], layout.ranges(5)[0]
     store = tmp_path / "store"
-    encode_range(str(root), layout, seven, frozenset(), settings, {}, None, stamp, False, str(store))
+    encode_range(EncodeTask(str(root), layout, seven, frozenset(), settings, {}, None, stamp, False, str(store)))
     assert is_current(store, stamp, seven) and not is_current(store, stamp, five)
-    encode_range(str(root), layout, five, frozenset(), settings, {}, None, stamp, False, str(store))
+    encode_range(EncodeTask(str(root), layout, five, frozenset(), settings, {}, None, stamp, False, str(store)))
     assert pq.read_table(store / "samples.parquet").num_rows == 5

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -97,29 +98,44 @@ class _Sources:
                 r.close()
 
 
-def write_shard(out_path: str, split: str, root: str, enc_dirs: list[str], stamps: dict[str, SourceStamp],
-                segments: pa.Table, pack_size: int, align: int) -> list[IndexedRecord]:
-    """Write the packs of one output shard (``segments``: :data:`SEGMENT_COLUMNS`). Returns the shard's record
-    index; a shard already committed is indexed, not rewritten."""
-    path = Path(out_path)
+@dataclass(frozen=True)
+class WriteTask:
+    """One write task: the packs of an output shard (or of a part of one) from its rows of the split's plan."""
+
+    #: The output shard's path (or the part file's).
+    path: str
+    split: str
+    #: The source dataset's root, the split's encode stores in order, and the source shards' stamps.
+    root: str
+    enc_dirs: list[str]
+    stamps: dict[str, SourceStamp]
+    #: The packs' segments (:data:`SEGMENT_COLUMNS`), in pack order.
+    segments: pa.Table
+    pack_size: int
+    align: int
+
+
+def write_shard(task: WriteTask) -> list[IndexedRecord]:
+    """Write the packs of one output shard. Returns the shard's record index; a shard already committed is
+    indexed, not rewritten."""
+    path = Path(task.path)
     if path.exists() and idx_path(path).exists():
         return index_tar(path)
-    sources = _Sources(Path(root), enc_dirs, stamps)
+    sources = _Sources(Path(task.root), task.enc_dirs, task.stamps)
     try:
-        return write_tar(path, _records(split, segments, sources, pack_size, align))
+        return write_tar(path, _records(task.split, task.segments, sources, task.pack_size, task.align))
     finally:
         sources.close()
 
 
-def write_part(part_path: str, split: str, root: str, enc_dirs: list[str], stamps: dict[str, SourceStamp],
-               segments: pa.Table, pack_size: int, align: int) -> list[IndexedRecord]:
+def write_part(task: WriteTask) -> list[IndexedRecord]:
     """Write some consecutive packs of an output shard as a part file (see :func:`~packtool.shards.join_tar`):
     how the packs of one shard are written by several workers. Returns the part's index."""
-    Path(part_path).parent.mkdir(parents=True, exist_ok=True)
-    sources = _Sources(Path(root), enc_dirs, stamps)
+    Path(task.path).parent.mkdir(parents=True, exist_ok=True)
+    sources = _Sources(Path(task.root), task.enc_dirs, task.stamps)
     try:
-        with open(part_path, "wb") as f:
-            return write_records(f, _records(split, segments, sources, pack_size, align))
+        with open(task.path, "wb") as f:
+            return write_records(f, _records(task.split, task.segments, sources, task.pack_size, task.align))
     finally:
         sources.close()
 

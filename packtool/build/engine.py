@@ -25,13 +25,16 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from tqdm import tqdm
 
 from packtool.errors import ConfigError, EngineError
 
 EngineKind = Literal["local", "ray"]
+#: A stage's task record and its result (:meth:`Engine.map`).
+T = TypeVar("T")
+R = TypeVar("R")
 
 #: ``host:port`` of a Ray cluster (a bracketed IPv6 host allowed).
 _ADDRESS = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
@@ -107,10 +110,11 @@ class Engine:
             self._restore_signal_handlers()
 
     # -- running -----------------------------------------------------------------------------------------------
-    def map(self, fn: Callable, tasks: Sequence[tuple], *, desc: str = "", unit: str = "task",
-            progress: bool = True) -> list[Any]:
-        """``[fn(*t) for t in tasks]`` on the engine's workers; results in task order. The first failure is
-        raised as the task's own exception, after the tasks not yet started are cancelled."""
+    def map(self, fn: Callable[[T], R], tasks: Sequence[T], *, desc: str = "", unit: str = "task",
+            progress: bool = True) -> list[R]:
+        """``[fn(t) for t in tasks]`` on the engine's workers (each task one typed record, a frozen dataclass of
+        its stage); results in task order. The first failure is raised as the task's own exception, after the
+        tasks not yet started are cancelled."""
         if self._pool is None and self._ray is None and (self.kind == "ray" or self.workers > 1):
             raise RuntimeError("Engine.map needs an open engine (use it in a with block)")
         bar = tqdm(total=len(tasks), desc=desc, unit=unit, disable=not progress or not tasks, leave=False)
@@ -121,16 +125,16 @@ class Engine:
                 return self._map_pool(self._pool, fn, tasks, bar)
             results = []
             for t in tasks:
-                results.append(fn(*t))
+                results.append(fn(t))
                 bar.update()
             return results
         finally:
             bar.close()
 
-    def _map_pool(self, pool: ProcessPoolExecutor, fn: Callable, tasks: Sequence[tuple], bar) -> list[Any]:
+    def _map_pool(self, pool: ProcessPoolExecutor, fn: Callable[[T], R], tasks: Sequence[T], bar) -> list[R]:
         results: list[Any] = [None] * len(tasks)
         try:
-            pending = {pool.submit(fn, *t): i for i, t in enumerate(tasks)}
+            pending = {pool.submit(fn, t): i for i, t in enumerate(tasks)}
         except BrokenProcessPool:
             raise EngineError("a worker process died (killed from outside, or out of memory?)") from None
         while pending:
@@ -149,7 +153,7 @@ class Engine:
                 bar.update()
         return results
 
-    def _map_ray(self, ray: ModuleType, fn: Callable, tasks: Sequence[tuple], bar) -> list[Any]:
+    def _map_ray(self, ray: ModuleType, fn: Callable[[T], R], tasks: Sequence[T], bar) -> list[R]:
         """The tasks as Ray tasks (one CPU each). A task's failure is re-raised as its own exception (not Ray's
         wrapper with the remote traceback in its message), after the tasks not yet finished are cancelled."""
         remote = ray.remote(_ray_task)
@@ -271,13 +275,13 @@ def _watch_parent(parent: int) -> None:
 _ray_initialized: set[tuple] = set()
 
 
-def _ray_task(fn: Callable, initializer: Callable[..., None] | None, initargs: tuple, task: tuple) -> Any:
+def _ray_task(fn: Callable[[T], R], initializer: Callable[..., None] | None, initargs: tuple, task: T) -> R:
     if initializer is not None:
         key = (initializer.__module__, initializer.__qualname__, repr(initargs))
         if key not in _ray_initialized:
             initializer(*initargs)
             _ray_initialized.add(key)
-    return fn(*task)
+    return fn(task)
 
 
 # -- connecting to Ray -------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ count, the engine or where it was interrupted.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import version
 from pathlib import Path
 
@@ -17,15 +17,15 @@ import numpy as np
 import pyarrow as pa
 
 from packtool import __version__
-from packtool.build.assemble import SEGMENT_COLUMNS, write_part, write_shard
+from packtool.build.assemble import SEGMENT_COLUMNS, WriteTask, write_part, write_shard
 from packtool.build.engine import Engine
 from packtool.build.ledger import write_ledger
 from packtool.build.output import OutputDir, check_paths
 from packtool.build.sources import SourceDataset, open_source
-from packtool.build.sources.energon import shard_layout
+from packtool.build.sources.energon import ScanTask, scan_layout
 from packtool.build.split_plan import SplitPlan, load_encoded, plan_split
-from packtool.build.store import BYTES_PER_RANGE, SAMPLES_PER_RANGE, SourceStamp, encode_range
-from packtool.build.workers import model_facts, pack_engine
+from packtool.build.store import BYTES_PER_RANGE, SAMPLES_PER_RANGE, EncodeTask, SourceStamp, encode_range
+from packtool.build.workers import FactsTask, model_facts, pack_engine
 from packtool.commit import commit_bytes, temporary_name
 from packtool.errors import ConfigError, FormatError
 from packtool.format import (
@@ -98,7 +98,7 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, run: Ru
 def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettings, run: RunOptions,
           fingerprints: dict, clock: _Clock) -> PackResult:
     source = src.root
-    facts = engine.map(model_facts, [(settings.encode, src.dataset_yaml)], progress=False)[0]
+    facts = engine.map(model_facts, [FactsTask(settings.encode, src.dataset_yaml)], progress=False)[0]
     with OutputDir(output, fingerprints, overwrite=run.overwrite) as out:
         stamps = {s: SourceStamp.of(source, s, src.metadata) for shards in src.splits.values() for s in shards}
         if out.drop_stale_encodings(stamps):
@@ -144,16 +144,17 @@ def _encode(engine: Engine, out: OutputDir, src: SourceDataset, settings: PackSe
             stamps: dict[str, SourceStamp]) -> dict[str, list[Path]]:
     """Walk every shard's headers, then encode its ranges; returns each split's range stores in order."""
     shards = [(split, i, shard) for split, names in src.splits.items() for i, shard in enumerate(names)]
-    layouts = engine.map(shard_layout, [(src.root, shard, src.excluded_samples) for _, _, shard in shards],
+    layouts = engine.map(scan_layout, [ScanTask(src.root, shard, src.excluded_samples) for _, _, shard in shards],
                          desc="scan", unit="shard", progress=run.progress)
-    tasks: list[tuple] = []
+    tasks: list[EncodeTask] = []
     enc_dirs: dict[str, list[Path]] = {split: [] for split in src.splits}
     for (split, i, shard), layout in zip(shards, layouts):
         for k, span in enumerate(layout.ranges(SAMPLES_PER_RANGE, BYTES_PER_RANGE)):
             store = out.encode_dir(split, i, k)
             enc_dirs[split].append(store)
-            tasks.append((str(src.root), layout, span, src.excluded_samples, settings.encode, src.dataset_yaml,
-                          src.shard_counts.get(shard), stamps[shard], run.strict, str(store)))
+            tasks.append(EncodeTask(str(src.root), layout, span, src.excluded_samples, settings.encode,
+                                    src.dataset_yaml, src.shard_counts.get(shard), stamps[shard], run.strict,
+                                    str(store)))
     engine.map(encode_range, tasks, desc="encode", unit="range", progress=run.progress)
     return enc_dirs
 
@@ -174,24 +175,25 @@ def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, r
         table = plan.table.append_column("pack", pa.array(plan.pack)).select(list(SEGMENT_COLUMNS))
         split_stamps = {s: stamps[s] for s in src_shards(plan)}
         for k in range(plan.n_shards):
-            args = (split, str(source), [str(d) for d in enc_dirs[split]], split_stamps,
-                    table.take(rows[bounds[k]:bounds[k + 1]]), settings.encode.pack_size, settings.encode.align)
-            shards.append((output / out_shards[split][k], args))
+            shards.append(WriteTask(str(output / out_shards[split][k]), split, str(source),
+                                    [str(d) for d in enc_dirs[split]], split_stamps,
+                                    table.take(rows[bounds[k]:bounds[k + 1]]), settings.encode.pack_size,
+                                    settings.encode.align))
     if not shards or len(shards) >= engine.workers:
-        written = engine.map(write_shard, [(str(path), *args) for path, args in shards], desc="write",
-                             unit="shard", progress=run.progress)
+        written = engine.map(write_shard, shards, desc="write", unit="shard", progress=run.progress)
     else:
         written = _write_in_parts(engine, shards, engine.workers // len(shards), run.progress)
     return dict(zip((s for names in out_shards.values() for s in names), written))  # tasks in this order
 
 
-def _write_in_parts(engine: Engine, shards: list[tuple[Path, tuple]], parts: int,
+def _write_in_parts(engine: Engine, shards: list[WriteTask], parts: int,
                     progress: bool) -> list[list[IndexedRecord]]:
     """Write each shard as ``parts`` part files of consecutive packs (a task each), then join them in order: the
     workers a shard task alone would leave idle share its work. A shard already committed is indexed."""
-    tasks: list[tuple] = []
+    tasks: list[WriteTask] = []
     pieces: list[list[Path]] = []  # each shard's part files, in order (none: already committed)
-    for path, (split, root, dirs, split_stamps, segments, pack_size, align) in shards:
+    for shard in shards:
+        path, segments = Path(shard.path), shard.segments
         pieces.append([])
         if path.exists() and idx_path(path).exists():
             continue
@@ -202,11 +204,10 @@ def _write_in_parts(engine: Engine, shards: list[tuple[Path, tuple]], parts: int
             if a < b:
                 part = temporary_name(path.with_name(f"{path.name}.part{len(pieces[-1])}"))
                 pieces[-1].append(part)
-                tasks.append((str(part), split, root, dirs, split_stamps, segments.slice(a, b - a), pack_size,
-                              align))
+                tasks.append(replace(shard, path=str(part), segments=segments.slice(a, b - a)))
     indexes = iter(engine.map(write_part, tasks, desc="write", unit="part", progress=progress))
-    return [join_tar(path, [(part, next(indexes)) for part in parts_of]) if parts_of else index_tar(path)
-            for (path, _), parts_of in zip(shards, pieces)]
+    return [join_tar(Path(shard.path), [(part, next(indexes)) for part in parts_of]) if parts_of
+            else index_tar(Path(shard.path)) for shard, parts_of in zip(shards, pieces)]
 
 
 def src_shards(plan: SplitPlan) -> list[str]:

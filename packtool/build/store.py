@@ -85,15 +85,37 @@ SAMPLES_PER_RANGE = 1024
 BYTES_PER_RANGE = 32 << 20
 
 
-def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: frozenset, settings: EncodeSettings,
-                 dataset_yaml: dict, expected: int | None, stamp: SourceStamp, strict: bool,
-                 out_dir: str) -> dict[str, int]:
-    """Encode the samples of one range of a shard into ``out_dir`` (see the module doc); returns status counts.
+@dataclass(frozen=True)
+class EncodeTask:
+    """One encode task: a range of one source shard, encoded into its store."""
 
-    ``expected`` is the shard's sample count from the dataset's ``.info.json`` (None if unknown): when the last
-    range finds fewer samples in the shard (a second tar appended after an end-of-archive marker, a lost tail),
-    it adds an error row saying so, so no sample is lost without a ledger row.
-    """
+    #: The source dataset's root, and the shard's layout (its members' offsets) from the scan.
+    root: str
+    layout: ShardLayout
+    #: The range of the shard's samples to encode.
+    span: SampleRange
+    #: Samples the dataset excludes (``shard/key``).
+    excluded: frozenset
+    settings: EncodeSettings
+    dataset_yaml: dict
+    #: The shard's sample count from the dataset's ``.info.json`` (None if unknown): when the last range finds
+    #: fewer samples in the shard (a second tar appended after an end-of-archive marker, a lost tail), it adds an
+    #: error row saying so, so no sample is lost without a ledger row.
+    expected: int | None
+    #: The source shard's stamp the store is recorded with (a store with another is stale).
+    stamp: SourceStamp
+    #: Stop at an unreadable source instead of recording it.
+    strict: bool
+    #: The range's store.
+    out_dir: str
+
+
+def encode_range(task: EncodeTask) -> dict[str, int]:
+    """Encode the samples of one range of a shard into its store (see the module doc and :class:`EncodeTask`);
+    returns status counts."""
+    root, layout, span, excluded, settings = task.root, task.layout, task.span, task.excluded, task.settings
+    dataset_yaml, expected, stamp, strict, out_dir = (task.dataset_yaml, task.expected, task.stamp, task.strict,
+                                                      task.out_dir)
     out = Path(out_dir)
     if is_current(out, stamp, span):
         return status_counts(pq.read_table(out / "samples.parquet", columns=["status"]))

@@ -5,6 +5,7 @@ the parent never needs it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from packtool.build.engine import Engine
@@ -18,12 +19,20 @@ def pack_engine(source: str | Path, settings: EncodeSettings, run: RunOptions) -
                   initargs=(settings, str(Path(source).resolve())))
 
 
-def model_facts(settings: EncodeSettings, dataset_yaml: dict) -> dict:
+@dataclass(frozen=True)
+class FactsTask:
+    """The task that reads the model folder's facts: the encode settings and the source's dataset.yaml."""
+
+    settings: EncodeSettings
+    dataset_yaml: dict
+
+
+def model_facts(task: FactsTask) -> dict:
     """What the manifest records of the model folder, from a worker's encoder (the parent never imports the
     encoder: :func:`packtool.build.encoder.model_facts`)."""
     from packtool.build.encoder import model_facts as facts
 
-    return facts(settings, dataset_yaml)
+    return facts(task.settings, task.dataset_yaml)
 
 
 def warm(settings: EncodeSettings, source: str) -> None:

@@ -361,12 +361,29 @@ def segment_facts(record: PackRecord) -> list[tuple[str, str, str, tuple[int, in
             for s, a, b in zip(record.segments, starts[:-1], starts[1:])]
 
 
-def check_shard(output: str, split: str, shard: str, fid: int, count: int | None, manifest: Manifest,
-                retokenize: bool = False) -> ShardReport:
+@dataclass(frozen=True)
+class ShardCheck:
+    """The check task of one output shard."""
+
+    output: str
+    split: str
+    #: The shard's path in OUTPUT, its position in ``split.yaml`` (its ``tar_file_id``) and its sample count in
+    #: ``.info.json``.
+    shard: str
+    fid: int
+    count: int | None
+    manifest: Manifest
+    #: Encode every segment's text again, even where the pack's array digest proves its tokens intact.
+    retokenize: bool = False
+
+
+def check_shard(task: ShardCheck) -> ShardReport:
     """Check one output shard (see the module docstring); the task :func:`verify_output` runs per shard. The
     token arrays of a record that carries their SHA-256 are proven by it; the others, and all with
     ``retokenize``, are also encoded again from their own text."""
-    out = Path(output)
+    split, shard, fid, count, manifest = task.split, task.shard, task.fid, task.count, task.manifest
+    retokenize = task.retokenize
+    out = Path(task.output)
     report = ShardReport()
     problems = report.problems
     path = out / shard
@@ -518,7 +535,7 @@ def _verify(out: Path, source: Path | None, runner: Engine, retokenize: bool = F
         tok_dir = out / (manifest.tokenizer or {}).get("dir", f"{META}/tokenizer")
         if not (tok_dir / "tokenizer.json").is_file():
             problems.append(f"{tok_dir.relative_to(out)}: no tokenizer.json (readers need it; token ids unchecked)")
-        tasks = [(str(out), split, shard, fid, info.shard_counts.get(shard), manifest, retokenize)
+        tasks = [ShardCheck(str(out), split, shard, fid, info.shard_counts.get(shard), manifest, retokenize)
                  for fid, (split, shard) in enumerate(shards)]
         done = runner.map(check_shard, tasks, desc="verify", unit="shard", progress=False)
         reports = [(split, shard, r) for (split, shard), r in zip(shards, done)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections import Counter
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
 
@@ -55,8 +55,8 @@ def check_against_source(out: Path, source: Path, manifest: Manifest, engine: En
     except SourceError as exc:
         return [f"source: {exc}"]
     shards = [s for ss in src.splits.values() for s in ss]
-    tasks = [(str(out), str(src.root), shard, src.excluded_samples, src.dataset_yaml, src.shard_counts.get(shard),
-              manifest) for shard in shards]
+    tasks = [SourceShardCheck(str(out), str(src.root), shard, src.excluded_samples, src.dataset_yaml,
+                              src.shard_counts.get(shard), manifest) for shard in shards]
     problems = [p for found in engine.map(check_source_shard, tasks, desc="verify source", unit="shard",
                                           progress=False) for p in found]
     try:
@@ -79,10 +79,26 @@ def _ledger_rows(out: Path, shard: str) -> dict[tuple[str, int], dict]:
     return rows
 
 
-def check_source_shard(output: str, root: str, shard: str, excluded: frozenset[str], dataset_yaml: dict,
-                       expected: int | None, manifest: Manifest) -> list[str]:
+@dataclass(frozen=True)
+class SourceShardCheck:
+    """The re-encode task of one source shard."""
+
+    output: str
+    root: str
+    shard: str
+    #: Samples the dataset excludes (``shard/key``).
+    excluded: frozenset[str]
+    dataset_yaml: dict
+    #: The shard's sample count from the dataset's ``.info.json`` (None if unknown).
+    expected: int | None
+    manifest: Manifest
+
+
+def check_source_shard(task: SourceShardCheck) -> list[str]:
     """Re-encode one source shard chunk by chunk and compare every sample with its ledger row and pack (a task)."""
-    out = Path(output)
+    root, shard, excluded, dataset_yaml = task.root, task.shard, task.excluded, task.dataset_yaml
+    expected, manifest = task.expected, task.manifest
+    out = Path(task.output)
     encoder = get_encoder(_settings(out, manifest), dataset_yaml)
     try:
         ledger = _ledger_rows(out, shard)

@@ -168,6 +168,20 @@ class SampleRange:
     last: bool
 
 
+@dataclass(frozen=True)
+class ScanTask:
+    """The scan task of one source shard: its header walk (:func:`shard_layout`)."""
+
+    root: Path
+    shard: str
+    excluded: frozenset[str] = frozenset()
+
+
+def scan_layout(task: ScanTask) -> ShardLayout:
+    """:func:`shard_layout` of a scan task."""
+    return shard_layout(task.root, task.shard, task.excluded)
+
+
 def shard_layout(root: Path, shard: str, excluded: frozenset[str] = frozenset()) -> ShardLayout:
     """Walk the member headers of ``shard``. A header that cannot be read ends the walk (the range reading to
     the end of the file then reports it)."""
