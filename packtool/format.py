@@ -1,18 +1,19 @@
-"""The packed format: every file packtool writes or reads, one typed class each, and the one tar-key rule.
+"""The packed format: every file packtool writes or reads (a typed class, or the function that writes it), and the
+rules of keys and rows.
 
 This module is the contract (with the README): the writer, the reader, ``verify``, ``inspect`` and the tests all
 go through it, so a field is defined once.
 
 OUTPUT layout::
 
-    .nv-meta/dataset.yaml    DatasetYaml   CrudeWebdataset with subflavors {packtool: 1}
+    .nv-meta/dataset.yaml    CrudeWebdataset with subflavors {packtool: 1} (write_energon_metadata)
     .nv-meta/split.yaml      SplitYaml     split -> shard paths (also read from the source dataset)
     .nv-meta/.info.json      InfoJson      shard -> record count (+ .info.yaml for Energon <= 6)
-    .nv-meta/index.sqlite    Energon's sample index (Energon's schema) + index.uuid
+    .nv-meta/index.sqlite    Energon's sample index (Energon's schema) + index.uuid (write_energon_metadata)
     .nv-meta/packtool.json   Manifest      written last: an OUTPUT with a manifest is complete
     .nv-meta/tokenizer/      the model folder's tokenizer files, so readers need nothing but OUTPUT
     <split>/pack-NNNNNN.tar  one PackRecord per pack (+ .tar.idx)
-    ledger.parquet           one LedgerRow per source sample
+    ledger.parquet           one row per source sample (LEDGER_SCHEMA)
 
 Keys follow WebDataset's and Energon's rule (:func:`split_member`): a tar member ``dir/KEY.part.ext`` belongs to
 sample ``dir/KEY`` as part ``part.ext``; the members of a sample are adjacent.
@@ -33,6 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import yaml
 
 from packtool.commit import commit_bytes, commit_path
@@ -80,9 +82,44 @@ def member_name(key: str, part: str) -> str:
     return f"{key}.{part}"
 
 
+#: Digits of the pack number that ends a pack key.
+PACK_NUMBER_DIGITS = 9
+
+
 def pack_key(split: str, number: int) -> str:
     """Key of pack ``number`` (output order) of ``split``: unique across the dataset, no dots."""
-    return f"{split}-{number:09d}"
+    return f"{split}-{number:0{PACK_NUMBER_DIGITS}d}"
+
+
+def pack_keys(split: str, numbers: np.ndarray) -> pa.Array:
+    """:func:`pack_key` of each of ``numbers`` as an Arrow column (no Python string per row); null where a
+    number is negative (a sample in no pack)."""
+    digits = pc.utf8_lpad(pc.cast(pa.array(numbers, mask=numbers < 0), pa.string()), PACK_NUMBER_DIGITS, "0")
+    return pc.binary_join_element_wise(pa.scalar(f"{split}-"), digits, "")
+
+
+def pack_numbers(keys: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """The pack number of each of ``keys`` (made by :func:`pack_key`; no nulls), parsed by Arrow."""
+    return pc.cast(pc.utf8_slice_codeunits(keys, start=-PACK_NUMBER_DIGITS), pa.int64()).to_numpy()
+
+
+def in_split(key: str, split: str) -> bool:
+    """Whether a pack key (see :func:`pack_key`) names a pack of ``split``."""
+    number = key[len(split) + 1:]
+    return key.startswith(f"{split}-") and len(number) == PACK_NUMBER_DIGITS and number.isdigit()
+
+
+# -- rows ------------------------------------------------------------------------------------------------------
+def aligned_lengths(lengths: np.ndarray, align: int) -> np.ndarray:
+    """Each length rounded up to a multiple of ``align``: what a sample takes in a pack row (the planner's cost,
+    the steps of ``cu_seqlens_padded``)."""
+    return -(-lengths // align) * align
+
+
+def row_length(pack_size: int, align: int) -> int:
+    """Length of a full pack row: ``pack_size`` rounded down to a multiple of ``align``. The aligned lengths of a
+    pack's samples sum to at most this, and no sample is longer."""
+    return pack_size // align * align
 
 
 def check_split_name(split: str) -> None:
@@ -538,38 +575,20 @@ def split_shard_paths(root: str | Path, split: str) -> list[Path]:
 
 
 # -- the ledger -----------------------------------------------------------------------------------------------
-@dataclass
-class LedgerRow:
-    """One row of ``ledger.parquet``: the fate of one source sample."""
-
-    #: Sample key in its source shard (``#unreadable-after-N`` for the unreadable tail of a shard).
-    key: str
-    split: str
-    #: Source shard path relative to the source root.
-    shard: str
-    status: Status
-    #: Why, unless ``packed`` (empty then).
-    reason: str
-    #: Tokens in the pack (after truncation; 0 unless kept).
-    tokens: int
-    #: Training targets in the pack.
-    targets: int
-    #: Media items in the pack.
-    images: int
-    #: Placeholder tokens of those media.
-    image_tokens: int
-    #: Pack key, or None unless kept.
-    pack: str | None
-    #: Length before truncation (0 if encoding failed).
-    source_tokens: int
-
-
+#: ``ledger.parquet``: one row per source sample, its fate.
 LEDGER_SCHEMA = pa.schema([
-    ("key", pa.string()), ("split", pa.string()), ("shard", pa.string()), ("status", pa.string()),
-    ("reason", pa.string()), ("tokens", pa.int32()), ("targets", pa.int32()), ("images", pa.int32()),
-    ("image_tokens", pa.int32()), ("pack", pa.string()), ("source_tokens", pa.int32()),
+    ("key", pa.string()),  # sample key in its source shard (``#unreadable-after-N``: a shard's unreadable tail)
+    ("split", pa.string()),
+    ("shard", pa.string()),  # source shard path relative to the source root
+    ("status", pa.string()),  # one of STATUSES
+    ("reason", pa.string()),  # why, unless ``packed`` (empty then)
+    ("tokens", pa.int32()),  # tokens in the pack (after truncation; 0 unless kept)
+    ("targets", pa.int32()),  # training targets in the pack
+    ("images", pa.int32()),  # media items in the pack
+    ("image_tokens", pa.int32()),  # placeholder tokens of those media
+    ("pack", pa.string()),  # pack key (see pack_key), null unless kept
+    ("source_tokens", pa.int32()),  # length before truncation (0 if encoding failed)
 ])
-assert LEDGER_SCHEMA.names == [f.name for f in fields(LedgerRow)]
 
 
 # -- writing Energon's metadata ---------------------------------------------------------------------------------

@@ -26,14 +26,14 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from packtool.build.algorithms.registry import Algorithm  # the one list of algorithm names (re-exported for the CLI)
 from packtool.errors import ConfigError
 from packtool.families.conventions import CONVENTIONS
+from packtool.format import row_length
 
 Overlong = Literal["truncate", "drop"]
 MediaCheck = Literal["decode", "header"]
 MediaTokens = Literal["rule", "processor"]
-Algorithm = Literal["auto", "bfd", "ffd", "greedy_knapsack", "balanced_greedy_knapsack", "first_fit_shuffle",
-                    "sequential"]
 EngineKind = Literal["local", "ray"]
 Preset = Literal["megatron-bridge-qwen-vl", "megatron-bridge-nemotron-omni", "nemo-rl-qwen-vl",
                  "nemo-rl-nemotron-omni"]
@@ -266,7 +266,7 @@ class EncodeSettings:
     @property
     def max_tokens(self) -> int:
         """Longest sample that fits a pack once its length is rounded up to the alignment."""
-        return self.pack_size // self.align * self.align
+        return row_length(self.pack_size, self.align)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 A record takes each segment's tokens and targets from the encode store and its media bytes from the source
 shard, byte for byte, at the offsets the scan recorded; each source shard is checked against its stamp before
-its bytes are read, so an edit made after encoding fails the task instead of packing stale bytes.
+its bytes are read, and each video's bytes against the SHA-256 the encoder took of those it measured, so an edit
+made after encoding fails the task instead of packing stale bytes.
 """
 
 from __future__ import annotations
@@ -159,10 +160,15 @@ def assemble_record(key: str, split: str, group: list[tuple[Any, ...]], sources:
             else:
                 names, member = [], f"m{items - 1}.{m['ext']}"
                 data = media[member] = sources.media(shard, m)
+            digest = sha256(data)
+            if m.get("sha256") and digest != m["sha256"]:  # a video's bytes as the encoder measured them
+                raise SourceError(f"{shard}: the bytes of {m['kind']} {m['part']!r} of sample {sample_key} differ "
+                                  f"from those encoded (sha256 {digest[:12]}, encoded {m['sha256'][:12]}); run "
+                                  f"the same command again to encode them anew")
             video = {k: m[k] for k in VIDEO_FIELDS} if m["kind"] == "video" else {}
             refs.append(MediaRef(member=member, kind=m["kind"], token_offset=m["token_offset"], tokens=m["tokens"],
                                  grid_thw=m["grid_thw"], width=m["width"], height=m["height"], size=len(data),
-                                 sha256=sha256(data), frames=names, span=m.get("span", []),
+                                 sha256=digest, frames=names, span=m.get("span", []),
                                  samples=m.get("samples", 0), **video))
         segs.append(Segment(sample_key, split, shard, bool(truncated), refs))
     return PackRecord(key, np.concatenate(toks), np.concatenate(tgts), np.asarray(seqlens, dtype=np.int32),

@@ -36,7 +36,16 @@ from packtool.build.sources.safepickle import load_bytes_list, video_frames
 from packtool.build.sources.sample import MEDIA_TAGS, TAG_PATTERN, Media, tag_kinds
 from packtool.build.sources.typed import sample_type, typed_adapter
 from packtool.build.tokenizing import Tokenizing, Tokens
-from packtool.errors import ConfigError, FatalSampleError, SampleError, is_data_error, sample_reason
+from packtool.errors import (
+    ConfigError,
+    FatalSampleError,
+    SampleError,
+    UserCodeExit,
+    bug_in,
+    is_data_error,
+    sample_reason,
+    user_code,
+)
 from packtool.families import Family
 from packtool.format import sha256
 from packtool.media import image_size, probe_audio, probe_frames, probe_video
@@ -187,10 +196,12 @@ class Encoder:
         return out
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.template.render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-            **self.template_kwargs,
-        )
+        """The chat template's text; whatever the template raises is about the sample (:func:`user_code`)."""
+        with user_code("the chat template"):
+            return self.template.render(
+                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                **self.template_kwargs,
+            )
 
     def _template_takes_image_parts(self) -> bool:
         image_token = self.family.tokens.image_token
@@ -209,7 +220,8 @@ class Encoder:
         """The rendered text and the character spans of each assistant reply (end-of-turn token added later)."""
         tm = self._template_messages(messages)
         if self.generation_tags:
-            return hfcompat.render_with_spans(self.template, tm, **self.template_kwargs)
+            with user_code("the chat template"):
+                return hfcompat.render_with_spans(self.template, tm, **self.template_kwargs)
         shaped = self.shapes.render(tm) if self.shapes is not None else None
         text = shaped[0] if shaped is not None else self.render(tm)
         spans = []
@@ -240,7 +252,7 @@ class Encoder:
     # -- adapters --------------------------------------------------------------------------------------------
     def conversation(self, raw: RawSample) -> Conversation:
         if self.custom is not None:
-            return custom_adapter(raw.parts, raw.key, self.custom)
+            return custom_adapter(raw.parts, raw.key, self.custom, name=self.settings.adapter)
         if self.kind is not None:
             return typed_adapter(raw.parts, kind=self.kind, field_map=self.field_map,
                                  prompt=self.settings.caption_prompt)
@@ -330,8 +342,9 @@ class Encoder:
     # -- encoding --------------------------------------------------------------------------------------------
     def encode_many(self, raws: list[RawSample], strict: bool = False) -> list[Encoded]:
         """Encode a batch of samples (one shard); tokenization runs batched. A sample that fails for a reason
-        of its own data becomes an ``error`` row (``strict``: raises :class:`FatalSampleError` naming it);
-        packtool's own bugs propagate (:func:`packtool.errors.is_data_error`)."""
+        of its own data (a :class:`SampleError`) becomes an ``error`` row (``strict``: raises
+        :class:`FatalSampleError` naming it); packtool's own bugs propagate with the sample named
+        (:mod:`packtool.errors`)."""
         staged: list[tuple[RawSample, str, list, list[dict]] | Encoded] = []
         for raw in raws:
             with self._guard(raw, strict, staged):
@@ -369,11 +382,15 @@ class Encoder:
 
     @contextmanager
     def _guard(self, raw: RawSample, strict: bool, into: list) -> Iterator[None]:
-        """Turn a data error raised for ``raw`` into its ``error`` row appended to ``into``."""
+        """Turn a data error raised for ``raw`` into its ``error`` row appended to ``into``; user code that exits
+        stops the run naming the sample; any other exception is a bug: it propagates with the sample named."""
         try:
             yield
+        except UserCodeExit as exc:
+            raise FatalSampleError(f"{raw.shard}/{raw.key}: {exc}") from None
         except Exception as exc:
             if not is_data_error(exc):
+                bug_in(exc, f"{raw.shard}/{raw.key}")
                 raise
             if strict:
                 raise FatalSampleError(f"{raw.shard}/{raw.key}: {sample_reason(exc)}") from exc

@@ -37,9 +37,11 @@ from packtool.errors import FormatError
 from packtool.format import (
     TOKENIZER_DIR,
     PackRecord,
+    aligned_lengths,
     is_nemotron,
     load_manifest,
     placeholder_ids,
+    row_length,
     span_problems,
     split_shard_paths,
 )
@@ -116,10 +118,10 @@ def pack_to_batch(
     segments = record.segments
     align, pack_size = record.align, record.pack_size
     cu = np.concatenate([[0], np.cumsum(seqlens)])
-    padded = -(-seqlens // align) * align
+    padded = aligned_lengths(seqlens, align)
     cu_padded = np.concatenate([[0], np.cumsum(padded)])
     if pad_to == "pack":
-        length = pack_size // align * align
+        length = row_length(pack_size, align)
         if cu_padded[-1] > length:
             raise FormatError(f"{where}: aligned length {cu_padded[-1]} exceeds pack size {pack_size}")
         cu_padded[-1] = length  # tail padding absorbed into the last segment

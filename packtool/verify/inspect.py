@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from packtool.errors import FormatError
-from packtool.format import META, InfoJson, PackRecord, SplitYaml, load_manifest
+from packtool.format import META, InfoJson, PackRecord, SplitYaml, aligned_lengths, in_split, load_manifest
 from packtool.shards import iter_records
 
 OPEN, CLOSE = "⟦", "⟧"
@@ -33,7 +33,7 @@ def find_pack(path: str | Path, key: str | None = None, split: str | None = None
                     return found, root / shard, members
         raise FormatError(f"no packs in split(s) {names}")
     hit = _lookup(root, key)
-    if hit is None or (split is not None and not key.startswith(f"{split}-")):
+    if hit is None or (split is not None and not in_split(key, split)):
         raise FormatError(f"no pack {key!r} in split(s) {names}")
     shard, index = hit
     found, members = next(iter_records(root / shard, [index]))
@@ -63,7 +63,7 @@ def inspect_pack(path: str | Path, key: str | None = None, split: str | None = N
     tokenizer = Tokenizer.from_file(str(Path(path) / manifest.tokenizer.get("dir", f"{META}/tokenizer") /
                                         "tokenizer.json"))
     tokens, targets, seqlens, align = record.tokens, record.targets, record.seqlens, record.align
-    aligned = int((-(-seqlens // align) * align).sum())
+    aligned = int(aligned_lengths(seqlens, align).sum())
     lines = [
         f"pack {found}  ({Path(shard).relative_to(path)})",
         f"pack_size {record.pack_size}  align {align}  segments {len(seqlens)}  tokens {len(tokens)} "

@@ -54,9 +54,12 @@ from packtool.format import (
     MediaRef,
     PackRecord,
     SplitYaml,
+    aligned_lengths,
     arrays_digest,
+    in_split,
     placeholder_ids,
     processor_family,
+    row_length,
     safe_relative,
     sha256,
     span_problems,
@@ -248,8 +251,8 @@ def check_pack(where: str, record: PackRecord, members: dict[str, bytes], manife
     size, align = record.pack_size, record.align
     if (size, align) != (settings.get("pack_size", size), settings.get("align", align)):
         problems.append(f"{where}: pack_size/align {size}/{align} differ from the manifest's")
-    cost = int((-(-record.seqlens.astype(np.int64) // max(align, 1)) * max(align, 1)).sum())
-    if cost > size:
+    cost = int(aligned_lengths(record.seqlens.astype(np.int64), max(align, 1)).sum())
+    if cost > row_length(size, max(align, 1)):
         problems.append(f"{where}: aligned length {cost} exceeds pack size {size}")
     if (record.targets > 1).any():
         problems.append(f"{where}: targets hold values other than 0/1")
@@ -497,7 +500,7 @@ def check_shard(output: str, split: str, shard: str, fid: int, count: int | None
     for i, (key, members) in enumerate(scan_records(path)):
         report.packs += 1
         where = f"{shard}: pack {key}"
-        if not key.startswith(f"{split}-"):
+        if not in_split(key, split):
             problems.append(f"{where}: does not belong to split {split}")
         try:
             record = PackRecord.from_members(key, members)

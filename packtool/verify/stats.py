@@ -9,12 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.compute as pc
 
 from packtool.build.ledger import read_ledger
 from packtool.errors import FormatError
-from packtool.format import MANIFEST, STATUSES
+from packtool.format import MANIFEST, STATUSES, aligned_lengths, pack_numbers
 
 #: The ledger columns the report reads (keys and shards are never needed: they are most of its bytes).
 STATS_COLUMNS = ["split", "status", "reason", "tokens", "images", "image_tokens", "pack"]
@@ -40,8 +39,7 @@ def _settings(path: Path, pack_size: int | None = None) -> dict:
 def split_arrays(ledger, split: str) -> dict:
     """Per-split numpy views of the packed rows: lengths, images, image tokens and pack numbers."""
     t = ledger.filter(pc.and_(pc.equal(ledger.column("split"), split), pc.is_valid(ledger.column("pack"))))
-    # Pack keys end in their 9-digit number (format.pack_key): parsed by Arrow, no Python string per row.
-    packs = pc.cast(pc.utf8_slice_codeunits(t.column("pack"), start=-9), pa.int64()).to_numpy()
+    packs = pack_numbers(t.column("pack"))
     return {
         "lengths": t.column("tokens").to_numpy().astype(np.int64),
         "images": t.column("images").to_numpy().astype(np.int64),
@@ -70,7 +68,7 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
             (s, _NUMBER.sub("N", r)) for s, r in zip(statuses, rows.column("reason").to_pylist()) if s != "packed")
         lengths, pack = a["lengths"], a["pack"]
         n_packs = int(pack.max()) + 1 if pack.size else 0
-        cost = -(-lengths // align) * align
+        cost = aligned_lengths(lengths, align)
         tokens, costs = int(lengths.sum()), int(cost.sum())
         seg_per_pack = np.bincount(pack, minlength=n_packs) if n_packs else np.zeros(0, np.int64)
         img_per_pack = np.bincount(pack, weights=a["images"], minlength=n_packs) if n_packs else seg_per_pack

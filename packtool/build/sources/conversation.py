@@ -20,11 +20,10 @@ data) quarantine the sample: no sample is packed without a media item it referen
 
 from __future__ import annotations
 
-import json
 import re
 
 from packtool.build.sources.safepickle import encoded_videos, load_bytes_list
-from packtool.build.sources.sample import MEDIA_TAGS, Conversation, Media, SampleError, tag_kinds
+from packtool.build.sources.sample import MEDIA_TAGS, Conversation, Media, SampleError, json_member, tag_kinds
 from packtool.format import MediaKind
 from packtool.media import AUDIO_EXTENSIONS, IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 
@@ -169,7 +168,7 @@ def parse_turns(doc, refs: list[tuple[str, object]] | None = None) -> list[dict]
         if not isinstance(turn, dict):
             raise SampleError("a turn is not an object")
         role = turn.get("role", turn.get("from"))
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise SampleError(f"unknown role {str(role)[:40]!r}")
         content = turn["content"] if "content" in turn else turn.get("value")
         messages.append({"role": ROLES[role], "content": _text(content, refs)})
@@ -205,10 +204,7 @@ def place_media(messages: list[dict], media: list[Media]) -> tuple[list[dict], l
 def conversation_adapter(parts: dict[str, bytes], *, allow_pickle: bool = False) -> Conversation:
     """The conversation of one raw sample (``{part: bytes}``)."""
     name = _json_part(parts)
-    try:
-        doc = json.loads(parts[name].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SampleError(f"invalid json in {name!r}: {exc}") from None
+    doc = json_member(name, parts[name])
     for p in parts:
         if p.rsplit(".", 1)[-1].lower() in UNSUPPORTED_EXTENSIONS:
             raise SampleError(f"member {p!r} is in a media format packtool cannot read")
