@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import typer
 
-from packtool.errors import PacktoolError
+from packtool.errors import ConfigError, PacktoolError
 from packtool.settings import (
     Algorithm,
     EncodeSettings,
@@ -135,6 +135,10 @@ def pack(
     from packtool.workers import pack_engine
 
     def build() -> tuple[PackSettings, RunOptions]:
+        if preset == "megatron-bridge-qwen-vl" and cp_size > 1:
+            raise ConfigError("--preset megatron-bridge-qwen-vl with --cp-size > 1: Megatron-Bridge's Qwen2.5-VL "
+                              "model does not split sequences across context-parallel ranks (its recipes use CP 1); "
+                              "pack with --cp-size 1 and train with context parallel 1")
         aligned = align or derive_align(cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
         enc = EncodeSettings(
             tokenizer=str(tokenizer.resolve()), pack_size=pack_size, align=aligned, overlong=overlong,  # type: ignore[arg-type]

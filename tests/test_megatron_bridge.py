@@ -348,6 +348,8 @@ def test_cli_preset(demo_dir, tmp_path):
     assert result.exit_code == 2 and "not supported yet" in result.output
     result = CliRunner().invoke(app, args + ["--preset", "megatron-bridge-qwen-vl", "--max-pixels", "5000"])
     assert result.exit_code == 2 and "sets max_pixels to 1003520, not 5000" in result.output
+    result = CliRunner().invoke(app, args + ["--preset", "megatron-bridge-qwen-vl", "--cp-size", "2"])
+    assert result.exit_code == 2 and "does not split sequences across context-parallel ranks" in result.output
 
 
 def test_collate_then_bridge_keeps_segments(image_dataset):
@@ -359,14 +361,47 @@ def test_collate_then_bridge_keeps_segments(image_dataset):
 
 def test_recipe_settings_follow_the_output(tmp_path):
     """The recipe's seq_length is the row length the reader gives; an alignment too small for the parallelism is
-    refused (context parallelism splits each padded segment into 2·cp chunks)."""
+    refused (context parallelism splits each padded segment into 2·cp chunks); no val split turns validation off."""
     import megatron_bridge_recipe as recipe
 
     fx.write_packs(tmp_path, {"train": [[fx.chat_segment("a", "q", "x")]]}, pack_size=100, align=4)
     got = recipe.packed_settings(tmp_path, context_parallel=2)
-    assert got == {"seq_length": next(read_packs(tmp_path))["tokens"].shape[1], "micro_batch_size": 1}
+    assert got == {"seq_length": next(read_packs(tmp_path))["tokens"].shape[1], "micro_batch_size": 1,
+                   "has_val": False}
     with pytest.raises(ValueError, match="needs a multiple of 8"):
         recipe.packed_settings(tmp_path, context_parallel=4)
+    with pytest.raises(ValueError, match="FP8 needs a row length that is a multiple of 16, .* rows of 100"):
+        recipe.packed_settings(tmp_path, fp8=True)
+    both = tmp_path / "both"
+    fx.write_packs(both, {"train": [[fx.chat_segment("a", "q", "x")]], "val": [[fx.chat_segment("b", "q", "y")]]},
+                   pack_size=96, align=4)
+    assert recipe.packed_settings(both, fp8=True) == {"seq_length": 96, "micro_batch_size": 1, "has_val": True}
+
+
+def test_recipe_refuses_context_parallel_for_qwen2_5_vl(tmp_path):
+    import megatron_bridge_recipe as recipe
+
+    fx.write_packs(tmp_path, {"train": [[fx.chat_segment("a", "q", "x")]]}, pack_size=128, align=4,
+                   image_processor=fx.QWEN_PROCESSOR)
+    assert recipe.packed_settings(tmp_path)["seq_length"] == 128
+    with pytest.raises(ValueError, match="Qwen2.5-VL model does not split sequences across context-parallel"):
+        recipe.packed_settings(tmp_path, context_parallel=2)
+
+
+def test_recipe_schedule_from_samples_per_pack(tmp_path):
+    """Global batch size in packs from the samples per pack the manifest records, a multiple of the data-parallel
+    size; iterations cover the epochs."""
+    import megatron_bridge_recipe as recipe
+
+    fx.write_packs(tmp_path, {"train": [[fx.chat_segment(f"k{i}", "q", "x")] for i in range(40)]}, pack_size=64)
+    path = tmp_path / ".nv-meta" / "packtool.json"
+    manifest = json.loads(path.read_text())
+    manifest["counts"] = {"train": {"samples": 170, "packed": 150, "truncated": 10, "dropped": 5, "error": 5}}
+    path.write_text(json.dumps(manifest))
+    got = recipe.schedule(tmp_path, samples_per_step=64, epochs=2, data_parallel=4)
+    assert got == {"global_batch_size": 16, "train_iters": 5, "samples_per_pack": 4.0, "packs": 40}
+    assert recipe.schedule(tmp_path, samples_per_step=1, data_parallel=4)["global_batch_size"] == 4
+    assert recipe.schedule(tmp_path, samples_per_step=10_000)["global_batch_size"] == 40
 
 
 # -- Qwen2.5-VL videos ------------------------------------------------------------------------------------------
