@@ -19,7 +19,7 @@ import json
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -172,6 +172,7 @@ class Encoder:
             max_pixels=settings.max_pixels,
             image_tokens=settings.image_tokens,
             processor_mode=settings.media_tokens == "processor",
+            prefit=settings.image_resize == "qwen_vl_utils",
         )
         vocab = self.tok.get_vocab()
         self.tokenizing = Tokenizing(self.tok.backend_tokenizer, vocab)
@@ -468,7 +469,7 @@ class Encoder:
         """Encode a batch of samples (one shard); tokenization runs batched. A sample that fails for a reason
         of its own data becomes an ``error`` row (``strict``: raises :class:`FatalSampleError` naming it);
         packtool's own bugs propagate (:func:`packtool.errors.is_data_error`)."""
-        staged: list[tuple[RawSample, str, list, list[dict]] | Encoded] = []
+        staged: list[tuple[RawSample, str, list, list[dict], str] | Encoded] = []
         for raw in raws:
             with self._guard(raw, strict, staged):
                 if raw.problem:
@@ -479,9 +480,13 @@ class Encoder:
                         any(m.kind == "image" for m in conv.media):  # the processor mode checks its own
                     raise SampleError("sample has images but the tokenizer has no image token")
                 media = self._media_facts(raw, conv)
+                over = self._over_sample_limits(media)
+                if over:
+                    staged.append(Encoded(raw.key, raw.shard, raw.index, "dropped", f"over limit: {over}"))
+                    continue
                 text, spans = self.target_spans(conv.messages)
                 text, spans = self._expand_in_text(text, spans, media)
-                staged.append((raw, text, spans, media))
+                staged.append((raw, text, spans, media, self._untagged_note(conv)))
         texts = [self._bounded(s[1]) for s in staged if not isinstance(s, Encoded)]
         batch = self._tokenize(texts)
         out: list[Encoded] = []
@@ -490,7 +495,7 @@ class Encoder:
             if isinstance(s, Encoded):
                 out.append(s)
                 continue
-            raw, text, spans, media = s
+            raw, text, spans, media, note = s
             encoding = batch[j]
             j += 1
             with self._guard(raw, strict, out):
@@ -502,8 +507,37 @@ class Encoder:
                         break
                     tokenized = text[:len(tokenized) * 8]  # the cut left too few tokens: cut further out
                     encoding = self._tokenize([tokenized])[0]
-                out.append(self._finish(raw, encoding, len(tokenized), spans, media, cut=len(tokenized) < len(text)))
+                done = self._finish(raw, encoding, len(tokenized), spans, media, cut=len(tokenized) < len(text))
+                if note and done.status in ("packed", "truncated"):
+                    done = replace(done, reason="; ".join(r for r in (done.reason, note) if r))
+                out.append(done)
         return out
+
+    def _over_sample_limits(self, media: list[dict]) -> str:
+        """Why a sample is over the per-sample limits (``sample_max_images``, ``sample_max_visual_tokens``), or
+        ``""``. Visual tokens are counted as Megatron-Bridge's Qwen-VL task encoder counts them for its limit: each
+        image by the processor's rule from its stored size (without a first resize), each video as planned."""
+        st = self.settings
+        images = [m for m in media if m["kind"] == "image"]
+        if st.sample_max_images is not None and len(images) > st.sample_max_images:
+            return f"{len(images)} images > sample_max_images {st.sample_max_images}"
+        if st.sample_max_visual_tokens is None:
+            return ""
+        one_step = replace(self.rule, prefit_factor=0) if self.rule is not None else None
+        total = sum(m["tokens"] for m in media if m["kind"] == "video")
+        total += sum(one_step.tokens(m["width"], m["height"]) if one_step is not None else m["tokens"]
+                     for m in images)
+        if total > st.sample_max_visual_tokens:
+            return f"{total} visual tokens > sample_max_visual_tokens {st.sample_max_visual_tokens}"
+        return ""
+
+    def _untagged_note(self, conv: Conversation) -> str:
+        """The ledger note of a sample whose media had no tags, under the Megatron-Bridge Qwen-VL convention (its
+        own path would leave those images out and train the text only; packtool trains them, placed first)."""
+        if not conv.untagged or self.settings.preset != "megatron-bridge-qwen-vl":
+            return ""
+        return (f"{conv.untagged} untagged media placed before the first user text (Megatron-Bridge's Qwen-VL "
+                f"path would leave them out and train the text only)")
 
     @contextmanager
     def _guard(self, raw: RawSample, strict: bool, into: list) -> Iterator[None]:

@@ -57,7 +57,12 @@ def _cached_processor(settings_json: str):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     s = json.loads(settings_json)
-    return Qwen2VLImageProcessorPil(
+    cls: Any = Qwen2VLImageProcessorPil
+    if s.get("backend") == "torchvision":
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+        cls = Qwen2VLImageProcessor
+    return cls(
         min_pixels=s["min_pixels"], max_pixels=s["max_pixels"], patch_size=s["patch_size"],
         merge_size=s["merge_size"], temporal_patch_size=s["temporal_patch_size"],
         image_mean=s["image_mean"], image_std=s["image_std"],
@@ -203,6 +208,8 @@ def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, im
             out["pixel_values"] = torch.zeros((0, dim), dtype=torch.float32)
         return out
     pil = [open_stored_image(record.media[m.member], f"{where}, member {m.member}") for m in media]
+    if processor is not None and processor.get("prefit_factor"):
+        pil = [prefit_image(image, processor) for image in pil]
     try:
         result = proc(images=pil, return_tensors="np")
     except (ValueError, TypeError, OSError) as exc:
@@ -295,6 +302,17 @@ def open_stored_image(data: bytes, where: str):
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise FormatError(f"{where}: media does not decode ({type(exc).__name__}: {exc})") from None
     return image
+
+
+def prefit_image(image, settings: Mapping):
+    """The image resized first as the manifest's image settings say (``prefit_*``: qwen_vl_utils' ``fetch_image``
+    in Megatron-Bridge's Qwen-VL path, which receives RGB images from Energon's decoder), before the processor."""
+    from PIL import Image
+
+    from packtool.media.qwen2_vl import ImageRule
+
+    width, height = ImageRule.from_manifest(settings).prefit(image.width, image.height)
+    return image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
 
 
 def processor_for_output(path: str | Path, manifest: Mapping):

@@ -312,10 +312,48 @@ def test_preset_pixel_bounds_change_grids(demo_dir):
                                         {"role": "assistant", "content": "ok"}]}, "0.png": png(64, 48)})
     preset = encoder(demo_dir, preset="megatron-bridge-qwen-vl")
     got, plain = preset.encode_many([sample])[0], encoder(demo_dir).encode_many([sample])[0]
-    h, w = smart_resize(48, 64, 28, 200_704, 1_003_520)
+    # qwen_vl_utils' fetch_image first: 64x48 -> 56x56 (multiples of 28, at least 4·28² pixels); then the
+    # processor's rule with the preset's bounds on the resized image (one step from 64x48 would give 28x38).
+    h, w = smart_resize(56, 56, 28, 200_704, 1_003_520)
+    assert (h, w) == (448, 448) and smart_resize(48, 64, 28, 200_704, 1_003_520) == (392, 532)
     assert got.media[0]["grid_thw"] == [1, h // 14, w // 14] != plain.media[0]["grid_thw"]
     assert got.media[0]["tokens"] == h * w // 784
-    assert preset.rule.manifest()["min_pixels"] == 200_704 and preset.rule.manifest()["max_pixels"] == 1_003_520
+    described = preset.rule.manifest()
+    assert described["min_pixels"] == 200_704 and described["max_pixels"] == 1_003_520
+    assert (described["prefit_factor"], described["prefit_min_pixels"], described["prefit_max_pixels"],
+            described["backend"]) == (28, 4 * 784, 16384 * 784, "torchvision")
+    assert "prefit_factor" not in encoder(demo_dir).rule.manifest()  # other outputs keep their manifest
+
+
+def test_fetch_image_resize_rounds_like_qwen_vl_utils():
+    """qwen_vl_utils' rounding (a side at least one factor first, no floor when scaling down), not the
+    processor's: they differ for very thin images."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    from packtool.media.qwen2_vl import fetch_image_resize
+
+    assert fetch_image_resize(10, 1500, 28, 3136, 12_845_056) == (28, 1512)
+    assert smart_resize(10, 1500, 28, 3136, 12_845_056) == (28, 700)
+    assert fetch_image_resize(172, 604, 28, 3136, 12_845_056) == (168, 616)
+    with pytest.raises(ValueError, match="aspect ratio"):
+        fetch_image_resize(2, 500, 28, 3136, 12_845_056)
+
+
+def test_sample_limits_drop_the_sample(demo_dir):
+    """Megatron-Bridge's per-sample limits skip the whole sample: more than 10 images, or more visual tokens
+    (counted by the processor's rule from the stored sizes) than the limit."""
+    turns = [{"role": "user", "content": "<image>" * 11 + "how many?"}, {"role": "assistant", "content": "11"}]
+    sample = raw({"json": {"messages": turns}, **{f"{i}.png": png(30, 30, i) for i in range(11)}})
+    got = encoder(demo_dir, preset="megatron-bridge-qwen-vl").encode_many([sample])[0]
+    assert (got.status, got.reason) == ("dropped", "over limit: 11 images > sample_max_images 10")
+    assert encoder(demo_dir).encode_many([sample])[0].status == "packed"
+    turns = [{"role": "user", "content": "<image><image>what?"}, {"role": "assistant", "content": "ok"}]
+    sample = raw({"json": {"messages": turns}, "0.png": png(64, 48), "1.png": png(64, 48, 1)})
+    limited = encoder(demo_dir, min_pixels=200_704, max_pixels=1_003_520, image_resize="qwen_vl_utils",
+                      sample_max_visual_tokens=520)
+    got = limited.encode_many([sample])[0]
+    # 2 x 14·19 one-step tokens (what Megatron-Bridge counts for its limit), though each grid holds 16·16 tokens
+    assert (got.status, got.reason) == ("dropped", "over limit: 532 visual tokens > sample_max_visual_tokens 520")
 
 
 def test_presets_fill_named_settings_and_are_recorded(demo_dir):

@@ -35,11 +35,29 @@ class ImageRule:
     fixed_tokens: int = 0
     image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
     image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
+    #: A first resize before the processor's (qwen_vl_utils' ``fetch_image``, as Megatron-Bridge's Qwen-VL path
+    #: does): sides to multiples of ``prefit_factor`` within ``[prefit_min_pixels, prefit_max_pixels]``,
+    #: resampled bicubic; then the rule above applies to the resized image. ``0``: no first resize.
+    prefit_factor: int = 0
+    prefit_min_pixels: int = 0
+    prefit_max_pixels: int = 0
+    #: transformers' image processor backend the reader uses: ``pil`` (the same numbers with or without
+    #: torchvision) or ``torchvision`` (transformers' default where torchvision is installed, as Megatron-Bridge's
+    #: Qwen-VL path uses it; its resampling differs from PIL's by a level here and there).
+    backend: str = "pil"
+
+    def prefit(self, width: int, height: int) -> tuple[int, int]:
+        """``(width, height)`` of the image the processor is given: after the first resize, if any."""
+        if not self.prefit_factor:
+            return width, height
+        h, w = fetch_image_resize(height, width, self.prefit_factor, self.prefit_min_pixels, self.prefit_max_pixels)
+        return w, h
 
     def grid(self, width: int, height: int) -> tuple[int, int, int]:
         """``(t, h, w)`` patch grid of one image (Qwen2-VL); ``(1, 1, 1)`` for fixed-count models."""
         if self.type == "fixed":
             return (1, 1, 1)
+        width, height = self.prefit(width, height)
         h, w = qwen_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
         return (1, h // self.patch_size, w // self.patch_size)
 
@@ -74,6 +92,9 @@ class ImageRule:
             "fixed_tokens": self.fixed_tokens,
             "image_mean": list(self.image_mean),
             "image_std": list(self.image_std),
+            **({"prefit_factor": self.prefit_factor, "prefit_min_pixels": self.prefit_min_pixels,
+                "prefit_max_pixels": self.prefit_max_pixels} if self.prefit_factor else {}),
+            **({"backend": self.backend} if self.backend != "pil" else {}),
         }
 
 
@@ -96,6 +117,32 @@ def qwen_resize(height: int, width: int, factor: int, min_pixels: int, max_pixel
     return h_bar, w_bar
 
 
+def fetch_image_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """qwen_vl_utils' resize (``fetch_image``): like :func:`qwen_resize`, but a side rounds to at least ``factor``
+    first and a downscaled side may reach 0 (its own rounding, which differs for very thin images)."""
+    if min(height, width) <= 0:
+        raise ValueError(f"image has no pixels ({width}x{height})")
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} exceeds 200")
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = math.floor(height / beta / factor) * factor
+        w_bar = math.floor(width / beta / factor) * factor
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    if min(h_bar, w_bar) <= 0:
+        raise ValueError(f"image of {width}x{height} pixels resizes to no pixels")
+    return h_bar, w_bar
+
+
+#: qwen_vl_utils' own bounds of ``fetch_image``, in tokens (times ``factor``² for pixels).
+FETCH_IMAGE_TOKENS = (4, 16384)
+
+
 #: ``image_processor_type`` values of Qwen2-VL's image processor (its backends, and Qwen2.5-VL's names for it).
 QWEN2_VL_IMAGE_PROCESSORS = frozenset({
     "Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast", "Qwen2VLImageProcessorPil",
@@ -110,9 +157,11 @@ def load_image_rule(
     max_pixels: int | None = None,
     image_tokens: int | None = None,
     processor_mode: bool = False,
+    prefit: bool = False,
 ) -> ImageRule | None:
     """The rule for a model folder: ``image_tokens`` wins, else ``preprocessor_config.json`` (Qwen2-VL style),
-    with ``min_pixels``/``max_pixels`` overriding it; ``None`` when the model has no image processor.
+    with ``min_pixels``/``max_pixels`` overriding it; ``None`` when the model has no image processor. ``prefit``:
+    images are first resized as qwen_vl_utils' ``fetch_image`` does (:attr:`ImageRule.prefit_factor`).
 
     Another family's image processor (CLIP, SigLIP, Gemma 3, ...) counts its tokens by other rules, so reading its
     config as Qwen2-VL's would give wrong counts silently: that is a :class:`ConfigError`, or, with
@@ -122,7 +171,11 @@ def load_image_rule(
     path = Path(tokenizer_dir) / "preprocessor_config.json"
     if not path.exists():
         if min_pixels is not None or max_pixels is not None:
-            return ImageRule(type="qwen2_vl", min_pixels=min_pixels or 3136, max_pixels=max_pixels or 1003520)
+            factor = ImageRule.patch_size * ImageRule.merge_size if prefit else 0
+            return ImageRule(type="qwen2_vl", min_pixels=min_pixels or 3136, max_pixels=max_pixels or 1003520,
+                             prefit_factor=factor, prefit_min_pixels=FETCH_IMAGE_TOKENS[0] * factor**2,
+                             prefit_max_pixels=FETCH_IMAGE_TOKENS[1] * factor**2,
+                             backend="torchvision" if prefit else "pil")
         return None
     cfg = json.loads(path.read_text())
     kind = cfg.get("image_processor_type")
@@ -135,12 +188,18 @@ def load_image_rule(
     size = cfg.get("size") or {}
     lo = cfg.get("min_pixels", size.get("shortest_edge", size.get("min_pixels", 3136)))
     hi = cfg.get("max_pixels", size.get("longest_edge", size.get("max_pixels", 1003520)))
+    patch, merge = int(cfg.get("patch_size", 14)), int(cfg.get("merge_size", 2))
+    factor = patch * merge if prefit else 0
     return ImageRule(
         type="qwen2_vl",
+        prefit_factor=factor,
+        prefit_min_pixels=FETCH_IMAGE_TOKENS[0] * factor**2,
+        prefit_max_pixels=FETCH_IMAGE_TOKENS[1] * factor**2,
+        backend="torchvision" if prefit else "pil",
         min_pixels=int(min_pixels if min_pixels is not None else lo),
         max_pixels=int(max_pixels if max_pixels is not None else hi),
-        patch_size=int(cfg.get("patch_size", 14)),
-        merge_size=int(cfg.get("merge_size", 2)),
+        patch_size=patch,
+        merge_size=merge,
         temporal_patch_size=int(cfg.get("temporal_patch_size", 2)),
         image_mean=tuple(cfg.get("image_mean", ImageRule.image_mean)),
         image_std=tuple(cfg.get("image_std", ImageRule.image_std)),
