@@ -52,8 +52,8 @@ def packed_settings(output: str | Path, *, context_parallel: int = 1, tensor_par
     """`seq_length`, `micro_batch_size` and the splits of a packed OUTPUT, after checking its alignment suits the
     parallelism (the THD context-parallel split cuts each padded segment into 2·cp equal chunks), that the model
     can use context parallelism at all, and that FP8 gets a row length that is a multiple of 16."""
+    from packtool.build.algorithms import derive_align
     from packtool.format import load_manifest, split_shard_paths
-    from packtool.plan import derive_align
 
     manifest = load_manifest(output)
     settings = manifest["settings"]
@@ -117,7 +117,7 @@ def dataset_config(output: str, seq_length: int, *, do_validation: bool, num_wor
               pg_collection: Any = None) -> tuple[Any, Any, None]:
         from megatron.bridge.data.energon.base_energon_datamodule import EnergonMultiModalDataModule
 
-        from packtool.loader import MegatronBridgeTaskEncoder
+        from packtool.runtime.loader import MegatronBridgeTaskEncoder
 
         context = DatasetBuildContext(train_samples=num_samples[0], valid_samples=num_samples[1],
                                       test_samples=num_samples[2], tokenizer=tokenizer, pg_collection=pg_collection)

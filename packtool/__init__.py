@@ -7,10 +7,10 @@ batches) and :func:`to_megatron`. They load lazily so that ``import packtool`` s
 __version__ = "0.1.0"
 
 _LAZY = {
-    "pack_lengths": "packtool.plan",
-    "ALGORITHMS": "packtool.plan",
-    "read_packs": "packtool.read",
-    "to_megatron": "packtool.megatron_batch",
+    "pack_lengths": "packtool.build.algorithms",
+    "ALGORITHMS": "packtool.build.algorithms",
+    "read_packs": "packtool.runtime.read",
+    "to_megatron": "packtool.runtime.megatron_batch",
 }
 
 __all__ = ["__version__", *_LAZY]

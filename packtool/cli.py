@@ -130,9 +130,9 @@ def pack(
     progress: bool = typer.Option(default(R, "progress"), help="Show progress bars."),
 ) -> None:
     """Pack SOURCE into OUTPUT."""
-    from packtool.engine import default_workers
+    from packtool.build.engine import default_workers
+    from packtool.build.workers import pack_engine
     from packtool.settings import PackSettings
-    from packtool.workers import pack_engine
 
     def build() -> tuple[PackSettings, RunOptions]:
         if preset == "megatron-bridge-qwen-vl" and cp_size > 1:
@@ -161,10 +161,10 @@ def pack(
     settings, options = _one_line(build)
     with ExitStack() as stack:  # the workers start first: their start-ups overlap this process's imports
         pool = _one_line(lambda: stack.enter_context(pack_engine(source, settings.encode, options)))
-        from packtool.pipeline import pack as run_pack
+        from packtool.build.pipeline import pack as run_pack
 
         result = _one_line(lambda: run_pack(source, output, settings, options, started_engine=pool))
-    from packtool.stats import compute
+    from packtool.verify.stats import compute
 
     fills = compute(result.output)["splits"]
     for name, c in result.counts.items():
@@ -192,7 +192,7 @@ def stats(
     balance_dp: int | None = typer.Option(None, help="Report DP-group imbalance for this many ranks."),
 ) -> None:
     """Report how well OUTPUT packed."""
-    from packtool import stats as st
+    from packtool.verify import stats as st
 
     def run() -> dict:
         report = st.compute(path, balance_dp=balance_dp, pack_size=pack_size)
@@ -218,8 +218,8 @@ def verify(
                                                 "digest already proves its tokens intact."),
 ) -> None:
     """Check OUTPUT: every pack well-formed, every source sample accounted for, metadata consistent."""
-    from packtool.engine import default_workers
-    from packtool.verify import verify_output
+    from packtool.build.engine import default_workers
+    from packtool.verify.packs import verify_output
 
     problems = _one_line(lambda: verify_output(
         output, source=source, workers=workers or default_workers(), engine=engine,  # type: ignore[arg-type]
@@ -238,7 +238,7 @@ def inspect(
     split: str | None = typer.Option(None, help="Split to look in (default: the first)."),
 ) -> None:
     """Show one pack: segments, decoded text with targets marked, media."""
-    from packtool.inspect_pack import inspect_pack
+    from packtool.verify.inspect import inspect_pack
 
     typer.echo(_one_line(lambda: inspect_pack(output, key=key, split=split)))
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from packtool.errors import ConfigError
+from packtool.families.conventions import CONVENTIONS
 
 Overlong = Literal["truncate", "drop"]
 MediaCheck = Literal["decode", "header"]
@@ -37,21 +38,11 @@ EngineKind = Literal["local", "ray"]
 Preset = Literal["megatron-bridge-qwen-vl", "megatron-bridge-nemotron-omni"]
 ImageResize = Literal["processor", "qwen_vl_utils"]
 
-#: The encode settings each preset sets: the data conventions of Megatron-Bridge's own task encoders, so packs hold
-#: the tokens and targets those would give. ``megatron-bridge-qwen-vl``: QwenVLTaskEncoder with its
-#: ``build_assistant_loss_mask`` (the newline after each reply's end-of-turn token is a target), ``media_first``,
-#: its two-step image resize (qwen_vl_utils' ``fetch_image``, then the processor with its pixel bounds) and its
-#: per-sample limits (``max_num_images`` 10, ``max_visual_tokens`` 16,384).
-PRESETS: dict[str, dict[str, Any]] = {
-    "megatron-bridge-qwen-vl": {"target_newline_after_eot": True, "media_first": True, "min_pixels": 200_704,
-                                "max_pixels": 1_003_520, "image_resize": "qwen_vl_utils",
-                                "sample_max_images": 10, "sample_max_visual_tokens": 16_384},
-    "megatron-bridge-nemotron-omni": {},
-}
+#: The encode settings each preset sets: those of its convention (:mod:`packtool.families.conventions`).
+PRESETS: dict[str, dict[str, Any]] = {name: c.settings() for name, c in CONVENTIONS.items()}
 #: Presets named but not available yet, with the reason.
-UNSUPPORTED_PRESETS = {"megatron-bridge-nemotron-omni": "Megatron-Bridge's Nemotron Omni collate path writes other "
-                                                         "frame labels and canvases than transformers' processor, "
-                                                         "which packtool follows (no preset needed for that)"}
+UNSUPPORTED_PRESETS = {name: c.unsupported for name, c in CONVENTIONS.items() if c.unsupported}
+assert set(get_args(Preset)) == set(CONVENTIONS), "every convention is a preset"
 
 #: Largest pack: boundaries (``cu_seqlens``) are int32.
 MAX_PACK_SIZE = 2**31 - 1
@@ -359,7 +350,7 @@ class RunOptions:
         _check_int(self.workers, "workers")
         _check_choice(self.engine, EngineKind, "engine")
         if self.ray_address is not None:
-            from packtool.engine import split_address
+            from packtool.build.engine import split_address
 
             split_address(self.ray_address)
         if not 0.0 <= self.max_error_rate <= 1.0 or math.isnan(self.max_error_rate):

@@ -22,11 +22,11 @@ import torch
 
 import demo
 import mbridge_ref
+from packtool.build.pipeline import pack
+from packtool.build.sources.safepickle import png_bytes
 from packtool.format import load_manifest
-from packtool.pipeline import pack
-from packtool.read import read_packs
+from packtool.runtime.read import read_packs
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
-from packtool.sources.safepickle import png_bytes
 
 DATASET_YAML = {"__module__": "megatron.bridge.data.energon.task_encoder_utils", "__class__": "ChatMLWebdataset",
                 "field_map": {"imgs": "jpgs", "videos": "videos", "conversation": "json"}, "subflavors": {}}
