@@ -200,6 +200,8 @@ class EncodeSettings:
     #: ``max_visual_tokens``, which skip the sample); unlike ``max_images`` and ``max_image_tokens`` nothing is cut.
     sample_max_images: int | None = None
     sample_max_visual_tokens: int | None = None
+    #: Only the first this many frames of each video are kept (Megatron-Bridge's ``max_num_frames``).
+    video_keep_frames: int | None = None
     #: A named set of the settings above (:data:`PRESETS`): it fills those still at their default, and any of them
     #: given a different value is an error, so the recorded preset always means what it says.
     preset: Preset | None = None
@@ -216,7 +218,7 @@ class EncodeSettings:
         _check_choice(self.image_resize, ImageResize, "image_resize")
         for name in ("min_pixels", "max_pixels", "image_tokens", "max_images", "max_image_tokens", "video_frames",
                      "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels",
-                     "sample_max_images", "sample_max_visual_tokens"):
+                     "sample_max_images", "sample_max_visual_tokens", "video_keep_frames"):
             _check_int(getattr(self, name), name, optional=True)
         for lo, hi in (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pixels"),
                        ("video_min_frames", "video_max_frames")):
@@ -263,7 +265,7 @@ class EncodeSettings:
 
 #: Encode settings added after the manifest's fields were fixed: recorded (manifest, stamps) only when they differ
 #: from their default, so an output made without them keeps its bytes and its stamps.
-RECORDED_WHEN_SET = ("image_resize", "sample_max_images", "sample_max_visual_tokens")
+RECORDED_WHEN_SET = ("image_resize", "sample_max_images", "sample_max_visual_tokens", "video_keep_frames")
 
 
 def _recorded(encode: EncodeSettings) -> dict[str, Any]:

@@ -65,6 +65,13 @@ def samples() -> dict[str, dict[str, bytes]]:
                      "json": chat("<image>" * 11 + "How many?", "Eleven.")}
     out["untagged"] = {"jpgs": pickle.dumps([picture(300, 120, 40)]), "videos": none,
                        "json": chat("What is in the picture?", "Blocks.")}
+    for i, (n, w, h) in enumerate([(8, 320, 240), (5, 128, 96), (4, 640, 360), (61, 64, 48)]):
+        frames = [picture(w, h, 100 + 10 * i + k) for k in range(n)]
+        out[f"video{i}"] = {"jpgs": none, "videos": pickle.dumps([frames]),
+                            "json": chat("<video>\nWhat happens?", "Nothing.")}
+    out["mixed"] = {"jpgs": pickle.dumps([picture(200, 150, 50)]),
+                    "videos": pickle.dumps([[picture(96, 96, 60 + k) for k in range(3)]]),
+                    "json": chat("<image> and <video>: the same?", "No.")}
     return out
 
 
@@ -102,34 +109,47 @@ def bridge(dataset, demo_dir) -> dict[str, dict]:
         real = batch["attention_mask"][0].bool()
         vi = batch["visual_inputs"]
         grid = getattr(vi, "image_grid_thw", None) if vi is not None else None
+        video_grid = getattr(vi, "video_grid_thw", None) if vi is not None else None
         out[batch["__keys__"][0]] = {
             "tokens": batch["input_ids"][0][real].tolist(), "labels": batch["labels"][0][real].tolist(),
             "loss_mask": batch["loss_mask"][0][real].tolist(),
             "grid": [] if grid is None else grid.tolist(),
             "pixels": None if grid is None else vi.pixel_values.float(),
+            "video_grid": [] if video_grid is None else video_grid.tolist(),
+            "video_pixels": None if video_grid is None else vi.pixel_values_videos.float(),
+            "second_per_grid_ts": [] if video_grid is None else vi.second_per_grid_ts.tolist(),
         }
     return out
 
 
 def packed_samples(out: Path) -> dict[str, dict]:
     """Each packed sample as the reader gives it: its tokens, labels, loss mask, image grids and pixel values."""
-    image_id = load_manifest(out)["image_token_id"]
+    manifest = load_manifest(out)
     got = {}
+
+    def runs(ids: torch.Tensor, token: int) -> int:
+        hit = (ids == token).int()
+        return int(((hit[1:] - hit[:-1]) == 1).sum() + hit[0])  # runs of placeholders: one per item
+
     for batch in read_packs(out, pad_to="segments"):
-        cu, starts, grids = batch["cu_seqlens_unpadded"].tolist(), batch["cu_seqlens_padded"].tolist(), \
-            batch["image_grid_thw"]
+        cu, starts = batch["cu_seqlens_unpadded"].tolist(), batch["cu_seqlens_padded"].tolist()
+        grids, video_grids = batch["image_grid_thw"], batch["video_grid_thw"]
         patches = list(torch.split(batch["pixel_values"], [int(g.prod()) for g in grids]))
-        first = 0
+        video_patches = list(torch.split(batch["pixel_values_videos"], [int(g.prod()) for g in video_grids]))
+        first = first_video = 0
         for i, key in enumerate(batch["keys"]):
             a, n = starts[i], cu[i + 1] - cu[i]
             ids = batch["tokens"][0, a:a + n]
-            is_image = (ids == image_id).int()
-            images = int(((is_image[1:] - is_image[:-1]) == 1).sum() + is_image[0])  # runs of placeholders
+            images, videos = runs(ids, manifest["image_token_id"]), runs(ids, manifest["video_token_id"])
             got[key] = {"tokens": ids.tolist(), "labels": batch["labels"][0, a:a + n].tolist(),
                         "loss_mask": batch["loss_mask"][0, a:a + n].tolist(),
                         "grid": grids[first:first + images].tolist(),
-                        "pixels": torch.cat(patches[first:first + images]) if images else None}
+                        "pixels": torch.cat(patches[first:first + images]) if images else None,
+                        "video_grid": video_grids[first_video:first_video + videos].tolist(),
+                        "video_pixels": torch.cat(video_patches[first_video:first_video + videos]) if videos else None,
+                        "second_per_grid_ts": batch["second_per_grid_ts"][first_video:first_video + videos].tolist()}
             first += images
+            first_video += videos
     return got
 
 
@@ -147,7 +167,8 @@ def ledger(out: Path) -> dict[str, dict]:
 
 
 def test_every_sample_equals_megatron_bridge(bridge, packed):
-    """Tokens, labels, loss mask, grids and pixel values of every sample both keep, identical."""
+    """Tokens, labels, loss mask, image and video grids, second_per_grid_ts and pixel values of every sample both
+    keep, identical (videos: 61 frames keep the first 60)."""
     mine = packed_samples(packed)
     compared = set(bridge) - {"untagged"}
     assert compared == set(samples()) - {"eleven", "untagged"}  # Megatron-Bridge skips the 11-image sample
@@ -158,10 +179,13 @@ def test_every_sample_equals_megatron_bridge(bridge, packed):
         assert ours["labels"] == theirs["labels"], key
         assert ours["loss_mask"] == theirs["loss_mask"], key
         assert ours["grid"] == theirs["grid"], key
-        if theirs["pixels"] is None:
-            assert ours["pixels"] is None, key
-        else:
-            assert torch.equal(ours["pixels"], theirs["pixels"]), key
+        assert ours["video_grid"] == theirs["video_grid"], key
+        assert ours["second_per_grid_ts"] == theirs["second_per_grid_ts"], key
+        for name in ("pixels", "video_pixels"):
+            if theirs[name] is None:
+                assert ours[name] is None, key
+            else:
+                assert torch.equal(ours[name], theirs[name]), (key, name)
 
 
 def test_limits_and_untagged_images_are_in_the_ledger(bridge, packed):

@@ -39,6 +39,8 @@ class Convention:
     #: Per-sample limits: a sample with more images, or more visual tokens, is dropped.
     sample_max_images: int | None = None
     sample_max_visual_tokens: int | None = None
+    #: Only the first this many frames of each video are kept.
+    video_keep_frames: int | None = None
     #: Why the ledger notes a sample whose media had no tags in the text (packtool places them before the first
     #: user text, which this trainer's path would not); empty: no note.
     untagged_note: str = ""
@@ -59,7 +61,8 @@ class Convention:
                        media_first=settings.media_first, min_pixels=settings.min_pixels,
                        max_pixels=settings.max_pixels, image_resize=settings.image_resize,
                        sample_max_images=settings.sample_max_images,
-                       sample_max_visual_tokens=settings.sample_max_visual_tokens)
+                       sample_max_visual_tokens=settings.sample_max_visual_tokens,
+                       video_keep_frames=settings.video_keep_frames)
 
     # -- what the encoder asks of it ------------------------------------------------------------------------------
     def turn_text(self, text: str) -> str:
@@ -101,7 +104,7 @@ CONVENTIONS: dict[str, Convention] = {
     "megatron-bridge-qwen-vl": Convention("megatron-bridge-qwen-vl", target_newline_after_eot=True,
                                           media_first=True, min_pixels=200_704, max_pixels=1_003_520,
                                           image_resize="qwen_vl_utils", sample_max_images=10,
-                                          sample_max_visual_tokens=16_384,
+                                          sample_max_visual_tokens=16_384, video_keep_frames=60,
                                           untagged_note="Megatron-Bridge's Qwen-VL path would leave them out and "
                                                         "train the text only"),
     "megatron-bridge-nemotron-omni": Convention(

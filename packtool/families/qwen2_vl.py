@@ -121,7 +121,7 @@ def qwen_resize(height: int, width: int, factor: int, min_pixels: int, max_pixel
     return h_bar, w_bar
 
 
-def fetch_image_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+def fetch_image_resize(height: int, width: int, factor: int, min_pixels: float, max_pixels: float) -> tuple[int, int]:
     """qwen_vl_utils' resize (``fetch_image``): like :func:`qwen_resize`, but a side rounds to at least ``factor``
     first and a downscaled side may reach 0 (its own rounding, which differs for very thin images)."""
     if min(height, width) <= 0:
@@ -145,6 +145,9 @@ def fetch_image_resize(height: int, width: int, factor: int, min_pixels: int, ma
 
 #: qwen_vl_utils' own bounds of ``fetch_image``, in tokens (times ``factor``² for pixels).
 FETCH_IMAGE_TOKENS = (4, 16384)
+#: qwen_vl_utils' bounds of ``fetch_video`` per frame, in tokens, and its total budget (``MODEL_SEQ_LEN``).
+FETCH_VIDEO_TOKENS = (128, 768)
+FETCH_VIDEO_TOTAL_TOKENS = 128000
 
 
 #: ``image_processor_type`` values of Qwen2-VL's image processor (its backends, and Qwen2.5-VL's names for it).
@@ -207,6 +210,11 @@ class Qwen2VLSettings:
     max_video_tokens: int = 128000
     #: File the video settings came from (``"none"``: class defaults).
     video_config: str = "none"
+    #: Megatron-Bridge's Qwen-VL path: frames first go through qwen_vl_utils' ``fetch_video`` (each frame resized
+    #: as an image at twice the factor, the last frame repeated to an even count, then the video resized within
+    #: qwen_vl_utils' video bounds), then through this processor rule. ``keep_frames``: only the first frames.
+    fetch_video: bool = False
+    keep_frames: int | None = None
     image_token: str = "<|image_pad|>"
     video_token: str = "<|video_pad|>"
 
@@ -237,6 +245,8 @@ class Qwen2VLSettings:
         min_frames: int | None = None,
         max_frames: int | None = None,
         do_sample_frames: bool | None = None,
+        fetch_video: bool = False,
+        keep_frames: int | None = None,
     ) -> Qwen2VLSettings:
         """Settings of a model folder. Overrides win; giving ``fps`` or ``num_frames`` turns sampling on (and
         drops the other one from the folder) unless ``do_sample_frames`` says otherwise."""
@@ -269,6 +279,8 @@ class Qwen2VLSettings:
             video_config=configs.video_source,
             image_token=str(configs.tokens.get("image_token", cls.image_token)),
             video_token=str(configs.tokens.get("video_token", cls.video_token)),
+            fetch_video=fetch_video,
+            keep_frames=keep_frames,
         )
 
     def sample_indices(self, facts: VideoFacts) -> tuple[int, ...]:
@@ -293,9 +305,23 @@ class Qwen2VLSettings:
 
         return tuple(int(i) for i in torch.arange(0, total, total / n).int().tolist())
 
+    def fetched_size(self, height: int, width: int, frames: int) -> tuple[int, int]:
+        """``(height, width)`` of the frames qwen_vl_utils' ``fetch_video`` hands on (``frames``: their count)."""
+        factor = self.video_patch_size * self.video_merge_size
+        h, w = fetch_image_resize(height, width, 2 * factor, 4 * (2 * factor) ** 2, 16384 * (2 * factor) ** 2)
+        lo = FETCH_VIDEO_TOKENS[0] * factor**2
+        hi = max(min(FETCH_VIDEO_TOKENS[1] * factor**2, FETCH_VIDEO_TOTAL_TOKENS * factor**2 * 0.9 / frames * 2),
+                 int(lo * 1.05))
+        return fetch_image_resize(h, w, factor, lo, hi)
+
     def video(self, facts: VideoFacts) -> QwenVideoPlan:
         """The processor's treatment of one video, from its facts alone."""
         indices = self.sample_indices(facts)
+        if self.keep_frames is not None:
+            indices = indices[:self.keep_frames]
+        height, width = facts.height, facts.width
+        if self.fetch_video:  # its frame count: the last frame repeated to an even count, as the processor does
+            height, width = self.fetched_size(height, width, len(indices) + len(indices) % 2)
         n = len(indices)
         factor = self.video_patch_size * self.video_merge_size
         max_pixels = self.video_max_pixels
@@ -304,7 +330,7 @@ class Qwen2VLSettings:
             max_pixels = max(
                 min(max_pixels, total_pixels * self.video_temporal_patch_size // n), int(self.video_min_pixels * 1.05)
             )
-        h, w = qwen_resize(facts.height, facts.width, factor, self.video_min_pixels, max_pixels)
+        h, w = qwen_resize(height, width, factor, self.video_min_pixels, max_pixels)
         grid = (-(-n // self.video_temporal_patch_size), h // self.video_patch_size, w // self.video_patch_size)
         tokens = grid[0] * grid[1] * grid[2] // self.video_merge_size**2
         sampled_fps = n / facts.frames * facts.fps if facts.fps else UNKNOWN_FPS
@@ -339,6 +365,9 @@ class Qwen2VLSettings:
     def manifest(self) -> dict:
         """The settings, for the pack manifest and the reader."""
         out = {k: v for k, v in asdict(self).items() if k != "image"}
+        for name in ("fetch_video", "keep_frames"):  # written only when set: other manifests keep their bytes
+            if out[name] == getattr(Qwen2VLSettings, name):
+                del out[name]
         return {"family": "qwen2_vl", "image": self.image.manifest(), **out}
 
 
@@ -411,10 +440,15 @@ class Qwen2VL(Family):
         video = None
         if tokens.video_token_id is not None:
             try:
+                # Megatron-Bridge hands the processor its image bounds, which bound the video frames too.
+                fetch = st.image_resize == "qwen_vl_utils"
+                video_min = st.video_min_pixels if st.video_min_pixels is not None or not fetch else image.min_pixels
+                video_max = st.video_max_pixels if st.video_max_pixels is not None or not fetch else image.max_pixels
                 video = Qwen2VLSettings.from_folder(
                     st.tokenizer, min_pixels=st.min_pixels, max_pixels=st.max_pixels,
-                    video_min_pixels=st.video_min_pixels, video_max_pixels=st.video_max_pixels, fps=st.video_fps,
-                    num_frames=st.video_frames, min_frames=st.video_min_frames, max_frames=st.video_max_frames)
+                    video_min_pixels=video_min, video_max_pixels=video_max, fps=st.video_fps,
+                    num_frames=st.video_frames, min_frames=st.video_min_frames, max_frames=st.video_max_frames,
+                    fetch_video=fetch, keep_frames=st.video_keep_frames)
             except (ValueError, OSError) as exc:
                 raise ConfigError(f"{st.tokenizer}: unreadable video settings ({exc})") from None
         config = read_folder(st.tokenizer).video if video is not None else None

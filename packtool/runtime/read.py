@@ -280,7 +280,11 @@ def _videos(record: PackRecord, manifest: Mapping, where: str, decode: bool) -> 
             raise FormatError(f"{where}, member {m.member}: video does not decode ({exc})") from None
         metadata.append(VideoMetadata(total_num_frames=m.total_frames, fps=m.fps, width=m.width, height=m.height,
                                       duration=m.duration, frames_indices=list(m.frame_indices)))
-    result = proc(videos=arrays, video_metadata=metadata, do_sample_frames=False, return_tensors="pt")
+    clips: list[Any] = arrays
+    extra: dict[str, Any] = {"video_metadata": metadata}
+    if manifest["video_processor"].get("fetch_video"):  # as Megatron-Bridge hands them over: no metadata
+        clips, extra = [fetch_video_frames(a, manifest["video_processor"]) for a in arrays], {}
+    result = proc(videos=clips, do_sample_frames=False, return_tensors="pt", **extra)
     grid = result["video_grid_thw"].numpy().astype(np.int64)
     if not np.array_equal(grid, grids):
         bad = next(i for i in range(len(videos)) if not np.array_equal(grid[i], grids[i]))
@@ -288,6 +292,27 @@ def _videos(record: PackRecord, manifest: Mapping, where: str, decode: bool) -> 
                           f"stored {grids[bad].tolist()}")
     out["pixel_values_videos"] = result["pixel_values_videos"].to(torch.float32).contiguous()
     return out
+
+
+def fetch_video_frames(frames: np.ndarray, settings: Mapping) -> torch.Tensor:
+    """Frames ``(T, H, W, 3)`` as qwen_vl_utils' ``fetch_video`` hands them to the processor in Megatron-Bridge's
+    Qwen-VL path: each resized as an image (bicubic), the last repeated to an even count, then the clip resized
+    (torchvision, bicubic, antialiased) and made float: ``(T', 3, h, w)``."""
+    from PIL import Image
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as F
+
+    from packtool.families.qwen2_vl import Qwen2VLSettings, fetch_image_resize
+
+    rule = Qwen2VLSettings.from_manifest(settings)
+    factor = 2 * rule.video_patch_size * rule.video_merge_size
+    t, height, width = frames.shape[:3]
+    h, w = fetch_image_resize(height, width, factor, 4 * factor**2, 16384 * factor**2)
+    resized = [np.asarray(Image.fromarray(f).convert("RGB").resize((w, h), Image.Resampling.BICUBIC)) for f in frames]
+    resized += resized[-1:] * (t % 2)
+    clip = torch.from_numpy(np.stack(resized)).permute(0, 3, 1, 2)
+    size = list(rule.fetched_size(height, width, len(resized)))
+    return F.resize(clip, size, interpolation=InterpolationMode.BICUBIC, antialias=True).float()
 
 
 def open_stored_image(data: bytes, where: str):
