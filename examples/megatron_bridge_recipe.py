@@ -52,8 +52,8 @@ def packed_settings(output: str | Path, *, context_parallel: int = 1, tensor_par
     """`seq_length`, `micro_batch_size` and the splits of a packed OUTPUT, after checking its alignment suits the
     parallelism (the THD context-parallel split cuts each padded segment into 2·cp equal chunks), that the model
     can use context parallelism at all, and that FP8 gets a row length that is a multiple of 16."""
-    from packtool.build.algorithms import derive_align
     from packtool.format import load_manifest, split_shard_paths
+    from packtool.settings import derive_align
 
     manifest = load_manifest(output)
     settings = manifest["settings"]
