@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import typer
 
-from packtool.errors import PacktoolError
+from packtool.errors import ConfigError, PacktoolError
 from packtool.settings import (
     Algorithm,
     AlignFor,
@@ -139,6 +139,10 @@ def pack(
     from packtool.settings import PackSettings
 
     def build() -> tuple[PackSettings, RunOptions]:
+        if preset == "megatron-bridge-qwen-vl" and cp_size > 1:
+            raise ConfigError("--preset megatron-bridge-qwen-vl with --cp-size > 1: Megatron-Bridge's Qwen2.5-VL "
+                              "model does not split sequences across context-parallel ranks (its recipes use CP 1); "
+                              "pack with --cp-size 1 and train with context parallel 1")
         aligned = align or alignment_for(align_for, cp_size=cp_size, tp_size=tp_size,  # type: ignore[arg-type]
                                          sequence_parallel=sequence_parallel)
         enc = EncodeSettings(

@@ -39,6 +39,7 @@ Preset = Literal["megatron-bridge-qwen-vl", "megatron-bridge-nemotron-omni", "ne
                  "nemo-rl-nemotron-omni"]
 #: Whose rule derives the per-segment alignment from the parallel sizes (``--align-for``).
 AlignFor = Literal["megatron", "nemo-rl"]
+ImageResize = Literal["processor", "qwen_vl_utils"]
 
 #: The encode settings each preset sets: those of its convention (:mod:`packtool.families.conventions`).
 PRESETS: dict[str, dict[str, Any]] = {name: c.settings() for name, c in CONVENTIONS.items()}
@@ -210,6 +211,18 @@ class EncodeSettings:
     target_newline_after_eot: bool = False
     #: Move the image tags of each turn before its text; the text pieces around a tag lose their edge spaces.
     media_first: bool = False
+    #: How an image is resized before its patches are cut: ``processor``, once by the processor's rule;
+    #: ``qwen_vl_utils``, first by qwen_vl_utils' ``fetch_image`` (sides to multiples of patch·merge within its
+    #: own bounds, 4 to 16,384 tokens), then by the processor's rule (Megatron-Bridge's Qwen-VL path: other grids
+    #: for many images, and the reader resamples twice too).
+    image_resize: ImageResize = "processor"
+    #: A sample with more images, or whose images and videos take more placeholder tokens (each image counted by
+    #: the processor's rule from its stored size), is dropped (Megatron-Bridge's ``max_num_images`` and
+    #: ``max_visual_tokens``, which skip the sample); unlike ``max_images`` and ``max_image_tokens`` nothing is cut.
+    sample_max_images: int | None = None
+    sample_max_visual_tokens: int | None = None
+    #: Only the first this many frames of each video are kept (Megatron-Bridge's ``max_num_frames``).
+    video_keep_frames: int | None = None
     #: A named set of the settings above (:data:`PRESETS`): it fills those still at their default, and any of them
     #: given a different value is an error, so the recorded preset always means what it says.
     preset: Preset | None = None
@@ -223,8 +236,10 @@ class EncodeSettings:
         _check_choice(self.overlong, Overlong, "overlong")
         _check_choice(self.media_check, MediaCheck, "media_check")
         _check_choice(self.media_tokens, MediaTokens, "media_tokens")
+        _check_choice(self.image_resize, ImageResize, "image_resize")
         for name in ("min_pixels", "max_pixels", "image_tokens", "max_images", "max_image_tokens", "video_frames",
-                     "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels"):
+                     "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels",
+                     "sample_max_images", "sample_max_visual_tokens", "video_keep_frames"):
             _check_int(getattr(self, name), name, optional=True)
         for lo, hi in (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pixels"),
                        ("video_min_frames", "video_max_frames")):
@@ -269,6 +284,19 @@ class EncodeSettings:
         return row_length(self.pack_size, self.align)
 
 
+#: Encode settings added after the manifest's fields were fixed: recorded (manifest, stamps) only when they differ
+#: from their default, so an output made without them keeps its bytes and its stamps.
+RECORDED_WHEN_SET = ("image_resize", "sample_max_images", "sample_max_visual_tokens", "video_keep_frames")
+
+
+def _recorded(encode: EncodeSettings) -> dict[str, Any]:
+    values = asdict(encode)
+    for name in RECORDED_WHEN_SET:
+        if values[name] == default(EncodeSettings, name):
+            del values[name]
+    return values
+
+
 @dataclass(frozen=True)
 class PlanSettings:
     """Every setting that changes which samples share a pack and how packs are ordered and cut into shards."""
@@ -311,14 +339,14 @@ class PackSettings:
         """``{"encode": ..., "output": ...}`` as JSON values (so a stamp read back compares equal): the encode
         stamp covers the source, the model files and the encode settings; the output stamp adds the plan and
         the splits."""
-        encode = {**asdict(self.encode), "tokenizer": tokenizer_fingerprint, "source": str(source)}
+        encode = {**_recorded(self.encode), "tokenizer": tokenizer_fingerprint, "source": str(source)}
         plan = {**asdict(self.plan), "shard_size": str(self.plan.shard_size)}
         output = {"encode": encode, "plan": plan, "splits": list(self.splits)}
         return json.loads(json.dumps({"encode": encode, "output": output}))
 
     def describe(self) -> dict:
         """Every setting as plain values, for the manifest."""
-        return {**asdict(self.encode), "tokenizer": Path(self.encode.tokenizer).name,
+        return {**_recorded(self.encode), "tokenizer": Path(self.encode.tokenizer).name,
                 **asdict(self.plan), "shard_size": str(self.plan.shard_size), "splits": list(self.splits)}
 
 

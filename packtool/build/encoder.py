@@ -18,7 +18,7 @@ import json
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -345,7 +345,7 @@ class Encoder:
         of its own data (a :class:`SampleError`) becomes an ``error`` row (``strict``: raises
         :class:`FatalSampleError` naming it); packtool's own bugs propagate with the sample named
         (:mod:`packtool.errors`)."""
-        staged: list[tuple[RawSample, str, list, list[dict]] | Encoded] = []
+        staged: list[tuple[RawSample, str, list, list[dict], str] | Encoded] = []
         for raw in raws:
             with self._guard(raw, strict, staged):
                 if raw.problem:
@@ -354,9 +354,13 @@ class Encoder:
                 self._check_conversation(conv)
                 self.family.check_media([m.kind for m in conv.media])
                 media = self._media_facts(raw, conv)
+                over = self._over_sample_limits(media)
+                if over:
+                    staged.append(Encoded(raw.key, raw.shard, raw.index, "dropped", f"over limit: {over}"))
+                    continue
                 text, spans = self.target_spans(conv.messages)
                 text, spans = self.family.expand_text(text, spans, media)
-                staged.append((raw, text, spans, media))
+                staged.append((raw, text, spans, media, self._untagged_note(conv)))
         texts = [self._bounded(s[1]) for s in staged if not isinstance(s, Encoded)]
         batch = self._tokenize(texts)
         out: list[Encoded] = []
@@ -365,7 +369,7 @@ class Encoder:
             if isinstance(s, Encoded):
                 out.append(s)
                 continue
-            raw, text, spans, media = s
+            raw, text, spans, media, note = s
             encoding = batch[j]
             j += 1
             with self._guard(raw, strict, out):
@@ -377,8 +381,35 @@ class Encoder:
                         break
                     tokenized = text[:len(tokenized) * 8]  # the cut left too few tokens: cut further out
                     encoding = self._tokenize([tokenized])[0]
-                out.append(self._finish(raw, encoding, len(tokenized), spans, media, cut=len(tokenized) < len(text)))
+                done = self._finish(raw, encoding, len(tokenized), spans, media, cut=len(tokenized) < len(text))
+                if note and done.status in ("packed", "truncated"):
+                    done = replace(done, reason="; ".join(r for r in (done.reason, note) if r))
+                out.append(done)
         return out
+
+    def _over_sample_limits(self, media: list[dict]) -> str:
+        """Why a sample is over the per-sample limits (``sample_max_images``, ``sample_max_visual_tokens``), or
+        ``""``. Visual tokens are counted as Megatron-Bridge's Qwen-VL task encoder counts them for its limit: each
+        image by the processor's rule from its stored size (without a first resize), each video as planned
+        (:meth:`Family.limit_tokens`)."""
+        st = self.settings
+        images = [m for m in media if m["kind"] == "image"]
+        if st.sample_max_images is not None and len(images) > st.sample_max_images:
+            return f"{len(images)} images > sample_max_images {st.sample_max_images}"
+        if st.sample_max_visual_tokens is None:
+            return ""
+        total = sum(self.family.limit_tokens(m) for m in media)
+        if total > st.sample_max_visual_tokens:
+            return f"{total} visual tokens > sample_max_visual_tokens {st.sample_max_visual_tokens}"
+        return ""
+
+    def _untagged_note(self, conv: Conversation) -> str:
+        """The ledger note of a sample whose media had no tags, where the convention asks for one (its trainer's
+        own path would treat them otherwise; packtool trains them, placed before the first user text)."""
+        why = self.family.convention.untagged_note
+        if not conv.untagged or not why:
+            return ""
+        return f"{conv.untagged} untagged media placed before the first user text ({why})"
 
     @contextmanager
     def _guard(self, raw: RawSample, strict: bool, into: list) -> Iterator[None]:

@@ -164,6 +164,10 @@ class Family(ABC):
         raise NoRule(f"media {part!r}: the model folder {Path(self.folder).name} has no rule for audio (the "
                      f"processor mode has)")
 
+    def limit_tokens(self, item: dict) -> int:
+        """An item's visual tokens as a per-sample limit counts them (``sample_max_visual_tokens``): its tokens."""
+        return int(item["tokens"])
+
     def check_media(self, kinds: list[str]) -> None:
         """Refuse a sample's media kinds before its media are read (:class:`SampleError`)."""
         if self.tokens.image_token_id is None and "image" in kinds:

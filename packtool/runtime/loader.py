@@ -252,7 +252,14 @@ class MegatronBridgeTaskEncoder(PackTaskEncoder):
     """Energon task encoder yielding the batch Megatron-Bridge's `vlm_step` / `gpt_step` consume: THD packed-
     sequence keys `cu_seqlens_q/kv(_padded)`, `max_seqlen_q/kv`, a `visual_inputs` object, ... (table in
     `packtool.runtime.megatron_batch`). Name it as the dataset's task encoder with micro batch size 1 and the model's
-    `seq_length` equal to the pack size. Arguments as `PackTaskEncoder`."""
+    `seq_length` equal to the pack size. Arguments as `PackTaskEncoder`.
+
+    Limits Megatron-Bridge does not check: with pipeline parallel >= 3 its steps give the middle stages these THD
+    boundaries only when the dataset config declares packing (`enable_in_batch_packing=True`, as
+    `examples/megatron_bridge_recipe.py` does), else their samples attend across each other; its Qwen2.5-VL model
+    does not split sequences across context-parallel ranks (train with CP 1); Nemotron Omni packs with video need a
+    model built with `temporal_patch_dim` equal to the manifest's `video_temporal_patch_dim` (2); FP8 needs a row
+    length that is a multiple of 16."""
 
     def finish(self, batch: dict, manifest: Manifest) -> dict:
         if is_nemotron(manifest):

@@ -59,7 +59,12 @@ def _cached_processor(settings_json: str):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     s = json.loads(settings_json)
-    return Qwen2VLImageProcessorPil(
+    cls: Any = Qwen2VLImageProcessorPil
+    if s.get("backend") == "torchvision":
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+        cls = Qwen2VLImageProcessor
+    return cls(
         min_pixels=s["min_pixels"], max_pixels=s["max_pixels"], patch_size=s["patch_size"],
         merge_size=s["merge_size"], temporal_patch_size=s["temporal_patch_size"],
         image_mean=s["image_mean"], image_std=s["image_std"],
@@ -205,6 +210,8 @@ def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, im
             out["pixel_values"] = torch.zeros((0, dim), dtype=torch.float32)
         return out
     pil = [open_stored_image(record.media[m.member], f"{where}, member {m.member}") for m in media]
+    if processor is not None and processor.get("prefit_factor"):
+        pil = [prefit_image(image, processor) for image in pil]
     try:
         result = proc(images=pil, return_tensors="np")
     except (ValueError, TypeError, OSError) as exc:
@@ -275,7 +282,11 @@ def _videos(record: PackRecord, manifest: Mapping, where: str, decode: bool) -> 
             raise FormatError(f"{where}, member {m.member}: video does not decode ({exc})") from None
         metadata.append(VideoMetadata(total_num_frames=m.total_frames, fps=m.fps, width=m.width, height=m.height,
                                       duration=m.duration, frames_indices=list(m.frame_indices)))
-    result = proc(videos=arrays, video_metadata=metadata, do_sample_frames=False, return_tensors="pt")
+    clips: list[Any] = arrays
+    extra: dict[str, Any] = {"video_metadata": metadata}
+    if manifest["video_processor"].get("fetch_video"):  # as Megatron-Bridge hands them over: no metadata
+        clips, extra = [fetch_video_frames(a, manifest["video_processor"]) for a in arrays], {}
+    result = proc(videos=clips, do_sample_frames=False, return_tensors="pt", **extra)
     grid = result["video_grid_thw"].numpy().astype(np.int64)
     if not np.array_equal(grid, grids):
         bad = next(i for i in range(len(videos)) if not np.array_equal(grid[i], grids[i]))
@@ -283,6 +294,27 @@ def _videos(record: PackRecord, manifest: Mapping, where: str, decode: bool) -> 
                           f"stored {grids[bad].tolist()}")
     out["pixel_values_videos"] = result["pixel_values_videos"].to(torch.float32).contiguous()
     return out
+
+
+def fetch_video_frames(frames: np.ndarray, settings: Mapping) -> torch.Tensor:
+    """Frames ``(T, H, W, 3)`` as qwen_vl_utils' ``fetch_video`` hands them to the processor in Megatron-Bridge's
+    Qwen-VL path: each resized as an image (bicubic), the last repeated to an even count, then the clip resized
+    (torchvision, bicubic, antialiased) and made float: ``(T', 3, h, w)``."""
+    from PIL import Image
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as F
+
+    from packtool.families.qwen2_vl import Qwen2VLSettings, fetch_image_resize
+
+    rule = Qwen2VLSettings.from_manifest(settings)
+    factor = 2 * rule.video_patch_size * rule.video_merge_size
+    t, height, width = frames.shape[:3]
+    h, w = fetch_image_resize(height, width, factor, 4 * factor**2, 16384 * factor**2)
+    resized = [np.asarray(Image.fromarray(f).convert("RGB").resize((w, h), Image.Resampling.BICUBIC)) for f in frames]
+    resized += resized[-1:] * (t % 2)
+    clip = torch.from_numpy(np.stack(resized)).permute(0, 3, 1, 2)
+    size = list(rule.fetched_size(height, width, len(resized)))
+    return F.resize(clip, size, interpolation=InterpolationMode.BICUBIC, antialias=True).float()
 
 
 def open_stored_image(data: bytes, where: str):
@@ -297,6 +329,17 @@ def open_stored_image(data: bytes, where: str):
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise FormatError(f"{where}: media does not decode ({type(exc).__name__}: {exc})") from None
     return image
+
+
+def prefit_image(image, settings: Mapping):
+    """The image resized first as the manifest's image settings say (``prefit_*``: qwen_vl_utils' ``fetch_image``
+    in Megatron-Bridge's Qwen-VL path, which receives RGB images from Energon's decoder), before the processor."""
+    from PIL import Image
+
+    from packtool.families.qwen2_vl import ImageRule
+
+    width, height = ImageRule.from_manifest(settings).prefit(image.width, image.height)
+    return image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
 
 
 def processor_for_output(path: str | Path, manifest: Mapping):

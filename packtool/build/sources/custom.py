@@ -46,5 +46,5 @@ def custom_adapter(parts: dict[str, bytes], key: str, function: Callable, name: 
     for m in conv.media:
         if m.part not in parts:
             raise SampleError(f"media {m.part!r} referenced but missing")
-    conv.messages, conv.media = place_media(conv.messages, conv.media)
+    conv.messages, conv.media, conv.untagged = place_media(conv.messages, conv.media)
     return conv

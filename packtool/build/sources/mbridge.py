@@ -115,5 +115,5 @@ def chatml_adapter(parts: dict[str, bytes], *, fields: ChatMLFields, allow_pickl
         media = [Media(part=imgs)]
     elif imgs is not None:
         raise SampleError(f"imgs member {imgs!r} is neither an image nor a pickled image list")
-    messages, media = place_media(messages, media + video_media)
-    return Conversation(messages=messages, media=media)
+    messages, media, untagged = place_media(messages, media + video_media)
+    return Conversation(messages=messages, media=media, untagged=untagged)

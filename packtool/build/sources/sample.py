@@ -49,6 +49,8 @@ class Conversation:
     messages: list[dict]
     #: Media items in placeholder order.
     media: list[Media] = field(default_factory=list)
+    #: How many of them the source gave without a tag in the text (placed before the first user text).
+    untagged: int = 0
 
 
 #: The placeholders adapters leave in message text where an image, a video or an audio clip goes.
