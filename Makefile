@@ -13,10 +13,14 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
-	# A real 151k-rank vocabulary for the integration test (Qwen2's BPE ranks ship in this wheel): fetched here,
-	# never while tests run.
-	$(BIN)/pip download -q --no-deps qwen-agent==0.0.34 -d $(VENV)/wheels
 	touch $(STAMP)
+
+# A real 151k-rank vocabulary for the integration test (Qwen2's BPE ranks ship in this wheel): fetched for the
+# tests only (`make run` does not need it), never while tests run.
+TEST_STAMP := $(VENV)/.test-data
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip download -q --no-deps qwen-agent==0.0.34 -d $(VENV)/wheels
+	touch $(TEST_STAMP)
 
 # The Nemotron Omni demo (audio, video, images) packs too; `make run OMNI_DEMO=0` skips it.
 OMNI_DEMO ?= 1
@@ -40,7 +44,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check packtool tests bench scripts examples
 	$(BIN)/mypy
 
-test: lint
+test: lint $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests
 
 # Quick runs of every benchmark (each prints its numbers); see bench/*.py --help for full-size runs.

@@ -61,6 +61,20 @@ def _one_line(call: Callable[[], T]) -> T:
     raise AssertionError("unreachable")
 
 
+def _version(value: bool) -> None:
+    if value:
+        from packtool import __version__
+
+        typer.echo(f"packtool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print packtool's version and exit.")) -> None:
+    """Offline global sequence packing of Energon multimodal SFT datasets."""
+
+
 @app.command()
 def pack(
     source: Path = typer.Argument(..., help="Energon dataset (WebDataset shards + .nv-meta)."),
@@ -137,7 +151,8 @@ def pack(
     def build() -> tuple[PackSettings, RunOptions]:
         aligned = align or derive_align(cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
         enc = EncodeSettings(
-            tokenizer=str(tokenizer.resolve()), pack_size=pack_size, align=aligned, overlong=overlong,  # type: ignore[arg-type]
+            tokenizer=str(tokenizer.resolve() if tokenizer.exists() else tokenizer),  # unresolved: a model id?
+            pack_size=pack_size, align=aligned, overlong=overlong,  # type: ignore[arg-type]
             min_pixels=min_pixels, max_pixels=max_pixels, image_tokens=image_tokens, max_images=max_images,
             max_image_tokens=max_image_tokens, adapter=adapter, allow_pickle=allow_pickle, pixel_limit=pixel_limit,
             media_check=media_check, caption_prompt=caption_prompt, template_date=template_date,  # type: ignore[arg-type]
@@ -155,9 +170,12 @@ def pack(
         return PackSettings(enc, plan, tuple(split or ())), options
 
     settings, options = _one_line(build)
-    with ExitStack() as stack:  # the workers start first: their start-ups overlap this process's imports
+    from packtool.pipeline import check_inputs
+    from packtool.pipeline import pack as run_pack
+
+    _one_line(lambda: check_inputs(source, output, settings))  # what needs no sample fails before any worker
+    with ExitStack() as stack:
         pool = _one_line(lambda: stack.enter_context(pack_engine(source, settings.encode, options)))
-        from packtool.pipeline import pack as run_pack
 
         result = _one_line(lambda: run_pack(source, output, settings, options, started_engine=pool))
     from packtool.stats import compute

@@ -100,7 +100,11 @@ def check_tokenizer_dir(tokenizer_dir: str | Path) -> None:
     """Raise :class:`ConfigError` if the folder cannot provide a fast tokenizer and a chat template."""
     d = Path(tokenizer_dir)
     if not d.is_dir():
-        raise ConfigError(f"tokenizer folder {d} does not exist")
+        if not d.exists() and re.fullmatch(r"[\w-][\w.-]*/[\w-][\w.-]*", str(tokenizer_dir)):
+            raise ConfigError(f"tokenizer folder {d} does not exist; {tokenizer_dir} looks like a Hugging Face model "
+                              f"id, and packtool reads local folders only: download it first (hf download "
+                              f"{tokenizer_dir} --local-dir DIR) and pass that folder")
+        raise ConfigError(f"tokenizer folder {d} " + ("is not a folder" if d.exists() else "does not exist"))
     if not (d / "tokenizer.json").exists():
         raise ConfigError(f"tokenizer folder {d} has no tokenizer.json (a fast tokenizer is required)")
     has_template = (d / "chat_template.jinja").exists() or (d / "chat_template.json").exists()

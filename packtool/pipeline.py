@@ -79,13 +79,7 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, run: Ru
     run = run or RunOptions(**options)  # type: ignore[arg-type]
     clock = _Clock()
     source, output = Path(source).resolve(), Path(output).resolve()
-    src = open_source(source, list(settings.splits) or None)
-    check_paths(source, output)
-    for split in src.splits:
-        try:
-            check_split_name(split)
-        except FormatError as exc:
-            raise ConfigError(str(exc)) from None
+    src = check_inputs(source, output, settings)
     fingerprints = settings.fingerprints(source, tokenizer_fingerprint(settings.encode.tokenizer))
     # The engine is up (Ray reached) and the model folder proven by a worker before OUTPUT is touched; the OUTPUT
     # lock outlives every worker.
@@ -93,6 +87,23 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, run: Ru
         return _pack(started_engine, src, output, settings, run, fingerprints, clock)
     with pack_engine(source, settings.encode, run) as own:
         return _pack(own, src, output, settings, run, fingerprints, clock)
+
+
+def check_inputs(source: str | Path, output: str | Path, settings: PackSettings) -> SourceDataset:
+    """Every check that needs no sample, in a fraction of a second (the caller runs it before starting workers):
+    the source's metadata and shards, OUTPUT's place, the model folder's files. Returns the opened source."""
+    from packtool.encode import check_tokenizer_dir
+
+    source, output = Path(source).resolve(), Path(output).resolve()
+    src = open_source(source, list(settings.splits) or None)
+    check_paths(source, output, Path(settings.encode.tokenizer))
+    for split in src.splits:
+        try:
+            check_split_name(split)
+        except FormatError as exc:
+            raise ConfigError(str(exc)) from None
+    check_tokenizer_dir(settings.encode.tokenizer)
+    return src
 
 
 def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettings, run: RunOptions,

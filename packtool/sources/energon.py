@@ -63,8 +63,11 @@ def open_source(root: str | Path, splits: list[str] | None = None) -> SourceData
     inside ``root`` and exist."""
     root = Path(root)
     meta = root / META
+    if not root.is_dir():
+        raise SourceError(f"source {root} " + ("is not a folder" if root.exists() else "does not exist"))
     if not meta.is_dir():
-        raise SourceError(f"{root} is not an Energon dataset: no {META} folder")
+        raise SourceError(f"{root} is not an Energon dataset: no {META} folder; prepare it with `energon prepare "
+                          f"{root}` (choose \"Crude sample\" when asked: packtool reads crude datasets)")
     try:
         split_cfg = SplitYaml.read(root)
         dataset_yaml = read_dataset_yaml(root)

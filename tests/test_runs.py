@@ -1,0 +1,139 @@
+"""Runs: no flag removes what packtool did not write, a user error fails before any worker starts, a run that
+goes systematically wrong stops early, and what used to go wrong silently or late is a clear error.
+
+Small datasets written here (real tar shards, the demo's trained tokenizer), driven through the ``packtool``
+command (Typer's runner in this process, or a subprocess where the exit path matters).
+"""
+
+from __future__ import annotations
+
+import shutil
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import packtool
+from packtool.cli import app
+from test_trust import cli, dataset, pack_args, sample, tree
+
+RUNNER = CliRunner()
+
+
+def run(*args: str | Path):
+    return RUNNER.invoke(app, [str(a) for a in args])
+
+
+def refused(result, *needles: str) -> str:
+    """The command failed with exit 2 and one line starting with ``packtool`` (no traceback)."""
+    text = result.output.strip()
+    assert result.exit_code == 2, (result.exit_code, text[-3000:], result.exception)
+    assert "\n" not in text and text.startswith("packtool: error:"), text[-3000:]
+    for needle in needles:
+        assert needle in text, text
+    return text
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Path:
+    import demo
+
+    return demo.build_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer")
+
+
+@pytest.fixture
+def src(tmp_path) -> Path:
+    return dataset(tmp_path / "src", {"shards/a.tar": [sample(i) for i in range(6)]})
+
+
+# -- 1. --overwrite only removes what packtool wrote -------------------------------------------------------------
+def test_overwrite_never_empties_a_folder_packtool_did_not_make(tok, src, tmp_path):
+    out = tmp_path / "f"
+    (out / "sub").mkdir(parents=True)
+    (out / "sub/notes.txt").write_text("precious")
+    before = tree(out)
+    for extra in ((), ("--overwrite",)):
+        text = refused(run(*pack_args(src, out, tok, *extra)), "not made by packtool", "sub", "new or empty folder")
+        assert "--overwrite" not in text  # the suggestion that used to delete everything is gone
+        assert tree(out) == before
+
+
+def test_overwrite_refuses_and_keeps_foreign_files_inside_a_packtool_output(tok, src, tmp_path):
+    out = tmp_path / "out"
+    assert run(*pack_args(src, out, tok)).exit_code == 0
+    (out / "notes.txt").write_text("mine")
+    (out / "train/plot.png").write_bytes(b"png")
+    before = tree(out)
+    refused(run(*pack_args(src, out, tok, "--seed", "3", "--overwrite")), "did not write", "notes.txt",
+            "train/plot.png")
+    assert tree(out) == before
+    # control: without the foreign files the same command replaces the output
+    (out / "notes.txt").unlink()
+    (out / "train/plot.png").unlink()
+    assert run(*pack_args(src, out, tok, "--seed", "3", "--overwrite")).exit_code == 0
+
+
+# -- 11. the model folder inside OUTPUT --------------------------------------------------------------------------
+def test_a_model_folder_inside_the_output_is_refused_and_kept(tok, src, tmp_path):
+    out = tmp_path / "out"
+    assert run(*pack_args(src, out, tok)).exit_code == 0
+    own_copy = out / ".nv-meta/tokenizer"
+    before = tree(out)
+    for extra in ((), ("--overwrite", "--seed", "5")):
+        args = pack_args(src, out, own_copy, *extra)
+        refused(run(*args), "lies inside the output")
+        assert tree(out) == before
+    fresh = tmp_path / "fresh"
+    shutil.copytree(tok, fresh / "model")
+    kept = tree(fresh)
+    refused(run(*pack_args(src, fresh, fresh / "model", "--overwrite")), "lies inside the output")
+    assert tree(fresh) == kept
+    # control: the output's own copy is a working model folder for another output
+    assert run(*pack_args(src, tmp_path / "other", own_copy)).exit_code == 0
+
+
+# -- 3. the first minutes ---------------------------------------------------------------------------------------
+@pytest.fixture
+def no_pool(monkeypatch):
+    """Starting the worker pool raises: a command that gets past its checks says so."""
+    import packtool.workers
+
+    class PoolStarted(Exception):
+        pass
+
+    def refuse(*_args, **_kwargs):
+        raise PoolStarted
+
+    monkeypatch.setattr(packtool.workers, "pack_engine", refuse)
+    return PoolStarted
+
+
+def test_user_errors_that_need_no_sample_fail_before_the_pool_starts(tok, src, tmp_path, no_pool, monkeypatch):
+    out = tmp_path / "out"
+    refused(run(*pack_args(src, out, tmp_path / "nosuch")), "tokenizer folder", "does not exist")
+    monkeypatch.chdir(tmp_path)
+    hub = refused(run(*pack_args(src, out, Path("Qwen/Qwen2.5-VL-3B-Instruct"))), "Hugging Face model id",
+                  "hf download Qwen/Qwen2.5-VL-3B-Instruct")
+    missing = refused(run(*pack_args(tmp_path / "nosuch-src", out, tok)), "does not exist")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    no_meta = refused(run(*pack_args(bare, out, tok)), "no .nv-meta", "energon prepare", "Crude sample")
+    assert missing != no_meta and "energon prepare" not in missing and "Hugging Face" not in missing + no_meta
+    assert "energon" not in hub
+    # control: healthy input gets as far as the pool
+    result = run(*pack_args(src, out, tok))
+    assert isinstance(result.exception, no_pool), result.output
+
+
+def test_the_version_is_the_package_version():
+    assert packtool.__version__ == version("packtool")
+    proc = cli("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"packtool {version('packtool')}", proc
+
+
+def test_make_run_does_not_download_what_only_the_tests_use():
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    stamps = makefile.split("\n\n")
+    install = next(block for block in stamps if block.startswith("$(STAMP):"))
+    assert "pip download" not in install and "qwen-agent" in makefile
