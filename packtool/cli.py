@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import typer
 
-from packtool.errors import PacktoolError
+from packtool.errors import LimitError, PacktoolError
 from packtool.settings import (
     Algorithm,
     EncodeSettings,
@@ -24,7 +24,7 @@ from packtool.settings import (
     RunOptions,
     choices,
     default,
-    derive_align,
+    resolve_align,
 )
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -50,7 +50,8 @@ def _one_line(call: Callable[[], T]) -> T:
         return call()
     except PacktoolError as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        _fail(message + (f"; pass --{exc.option.replace('_', '-')} to go ahead" if exc.option else ""))
+        _fail(message + (f"; pass --{exc.option.replace('_', '-')} to go ahead" if exc.option else ""),
+              code=3 if isinstance(exc, LimitError) else 2)
     except OSError as exc:
         # a library may raise e.g. FileNotFoundError(path) with neither errno nor file name set (pyarrow does)
         bare = exc.strerror is None and len(exc.args) == 1 and isinstance(exc.args[0], str)
@@ -138,7 +139,17 @@ def pack(
     seed: int = typer.Option(default(P, "seed"), help="Seed for seeded algorithms."),
     balance_dp: int | None = typer.Option(None, help="Order packs so each group of N ranks balances."),
     strict: bool = typer.Option(default(R, "strict"), help="Stop at the first bad sample."),
-    max_error_rate: float = typer.Option(default(R, "max_error_rate"), help="Exit non-zero above this error rate."),
+    max_error_rate: float = typer.Option(default(R, "max_error_rate"), help="Exit 3 above this share of error "
+                                                                           "samples."),
+    max_drop_rate: float = typer.Option(default(R, "max_drop_rate"), help="Exit 3 above this share of dropped "
+                                                                         "samples."),
+    max_truncate_rate: float = typer.Option(default(R, "max_truncate_rate"), help="Exit 3 above this share of "
+                                                                                 "truncated samples."),
+    max_failures_in_a_row: int = typer.Option(default(R, "max_failures_in_a_row"),
+                                              help="Stop at once when this many samples in a row fail (0: never)."),
+    max_same_failures: int = typer.Option(default(R, "max_same_failures"),
+                                          help="Stop at once when this many samples of a shard range fail for the "
+                                               "same reason (0: never)."),
     dry_run: bool = typer.Option(default(R, "dry_run"), help="Stop after planning: ledger and plan statistics."),
     overwrite: bool = typer.Option(default(R, "overwrite"), help="Replace an OUTPUT made with other settings."),
     progress: bool = typer.Option(default(R, "progress"), help="Show progress bars."),
@@ -149,7 +160,7 @@ def pack(
     from packtool.workers import pack_engine
 
     def build() -> tuple[PackSettings, RunOptions]:
-        aligned = align or derive_align(cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
+        aligned = resolve_align(align, cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
         enc = EncodeSettings(
             tokenizer=str(tokenizer.resolve() if tokenizer.exists() else tokenizer),  # unresolved: a model id?
             pack_size=pack_size, align=aligned, overlong=overlong,  # type: ignore[arg-type]
@@ -166,7 +177,9 @@ def pack(
                             seed=seed, shard_size=shard_size, balance_dp=balance_dp)  # type: ignore[arg-type]
         options = RunOptions(workers=workers or default_workers(), engine=engine, ray_address=ray_address,  # type: ignore[arg-type]
                              strict=strict, dry_run=dry_run, overwrite=overwrite, progress=progress,
-                             max_error_rate=max_error_rate)
+                             max_error_rate=max_error_rate, max_drop_rate=max_drop_rate,
+                             max_truncate_rate=max_truncate_rate, max_failures_in_a_row=max_failures_in_a_row,
+                             max_same_failures=max_same_failures)
         return PackSettings(enc, plan, tuple(split or ())), options
 
     settings, options = _one_line(build)
@@ -189,11 +202,11 @@ def pack(
     if result.seconds:
         typer.echo("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in result.seconds.items()))
     typer.echo(f"wrote {result.output}" + (" (dry run: ledger only)" if dry_run else ""))
-    total = sum(c["samples"] for c in result.counts.values())
-    errors = sum(c["error"] for c in result.counts.values())
-    if total and errors / total > options.max_error_rate:
-        _fail(f"error rate {errors / total:.2%} exceeds --max-error-rate {options.max_error_rate:.2%} "
-              f"(see {result.output / 'ledger.parquet'})", code=3)
+    if result.over_limits:
+        flag = {"error": "--max-error-rate", "dropped": "--max-drop-rate", "truncated": "--max-truncate-rate"}
+        _fail("; ".join(f"{status} rate {n / total:.2%} ({n} of {total}) exceeds {flag[status]} {limit:.2%}"
+                        for status, n, total, limit in result.over_limits)
+              + f" (see {result.output / 'ledger.parquet'})", code=3)
 
 
 @app.command()

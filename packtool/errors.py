@@ -56,6 +56,11 @@ class FatalSampleError(PacktoolError):
     """A sample-level failure that must stop the run (``strict`` mode); the message names the sample."""
 
 
+class LimitError(PacktoolError):
+    """The run's samples broke a limit the user set (error, drop or truncation rate, failures in a row): the
+    run stops, early where what already happened decides it (the CLI exits 3)."""
+
+
 #: Exceptions that are never a property of the data: raised while a sample is processed, they stop the run.
 BUG_EXCEPTIONS: tuple[type[BaseException], ...] = (
     NameError,  # includes UnboundLocalError

@@ -137,3 +137,72 @@ def test_make_run_does_not_download_what_only_the_tests_use():
     stamps = makefile.split("\n\n")
     install = next(block for block in stamps if block.startswith("$(STAMP):"))
     assert "pip download" not in install and "qwen-agent" in makefile
+
+
+# -- 2. runs that go systematically wrong ------------------------------------------------------------------------
+def test_drops_and_truncations_count_against_limits(tok, tmp_path):
+    long = [(f"l{i:03d}", {"json": b'{"conversations": [{"from": "human", "value": "'
+                           + b"tell me" + b'"}, {"from": "gpt", "value": "' + b"sure " * 4000 + b'"}]}'})
+            for i in range(3)]
+    src = dataset(tmp_path / "src", {"shards/a.tar": [sample(i) for i in range(4)] + long})
+    out = tmp_path / "out"
+    result = run(*pack_args(src, out, tok, "--overlong", "drop"))
+    assert result.exit_code == 3, result.output
+    assert "dropped rate 42.86% (3 of 7) exceeds --max-drop-rate 5.00%" in result.output, result.output
+    assert (out / "ledger.parquet").exists()  # everything written, then failed
+    trunc = run(*pack_args(src, tmp_path / "t", tok, "--max-truncate-rate", "0.2"))
+    assert trunc.exit_code == 3 and "truncated rate" in trunc.output, trunc.output
+    # control: limits the user raised let the same runs pass
+    assert run(*pack_args(src, tmp_path / "d2", tok, "--overlong", "drop", "--max-drop-rate", "0.5")).exit_code == 0
+    assert run(*pack_args(src, tmp_path / "t2", tok)).exit_code == 0
+
+
+def test_an_alignment_below_what_context_parallelism_needs_is_an_error(tok, src, tmp_path):
+    from packtool.settings import resolve_align
+
+    refused(run(*pack_args(src, tmp_path / "o", tok, "--align", "2", "--cp-size", "2")), "align 2 conflicts",
+            "multiple of 4")
+    assert resolve_align(8, cp_size=2) == 8 and resolve_align(None, cp_size=2) == 4 and resolve_align(2) == 2
+
+
+def test_a_model_folder_without_an_image_rule_stops_the_run_early(tok, tmp_path):
+    """Every image sample fails for the same reason: the run stops within the first shard (the second is never
+    encoded, no ledger is written), instead of failing the error rate after the whole run."""
+    no_rule = tmp_path / "no-rule"
+    shutil.copytree(tok, no_rule)
+    (no_rule / "preprocessor_config.json").unlink()
+    images = [sample(i, image=True) for i in range(25)]
+    src = dataset(tmp_path / "src", {"shards/a.tar": images, "shards/b.tar": images})
+    out = tmp_path / "out"
+    result = run(*pack_args(src, out, no_rule))
+    assert result.exit_code == 3, result.output
+    text = result.output.strip()
+    assert "\n" not in text and "stopped early: 20 samples of shards/a.tar failed for the same reason" in text, text
+    assert "preprocessor_config.json" in text
+    assert not (out / "ledger.parquet").exists() and not (out / ".packtool/encode/train/000001").exists()
+    # control: with the rule off, the whole run happens and fails the error rate at the end
+    late = run(*pack_args(src, tmp_path / "late", no_rule, "--max-same-failures", "0"))
+    assert late.exit_code == 3 and "error rate 100.00%" in late.output, late.output
+    assert (tmp_path / "late/ledger.parquet").exists()
+
+
+def test_failures_in_a_row_stop_the_run(tok, tmp_path):
+    long = [(f"l{i:03d}", {"json": b'{"conversations": [{"from": "human", "value": "'
+                           + b"word " * (3000 + i) + b'"}, {"from": "gpt", "value": "ok"}]}'}) for i in range(12)]
+    src = dataset(tmp_path / "src", {"shards/a.tar": [sample(0), *long, sample(1)]})
+    args = pack_args(src, tmp_path / "o", tok, "--overlong", "drop", "--max-drop-rate", "1")
+    result = run(*args, "--max-failures-in-a-row", "10")
+    assert result.exit_code == 3 and "stopped early: 10 samples in a row of shards/a.tar failed" in result.output, \
+        result.output
+    assert "l000 to l009" in result.output
+    assert run(*args, "--max-failures-in-a-row", "13").exit_code == 0  # control: 12 in a row only
+
+
+def test_limit_settings_are_checked():
+    from packtool.errors import ConfigError
+    from packtool.settings import RunOptions
+
+    for bad in ({"max_drop_rate": 1.5}, {"max_truncate_rate": -0.1}, {"max_failures_in_a_row": -1},
+                {"max_same_failures": 1.5}, {"max_error_rate": float("nan")}):
+        with pytest.raises(ConfigError):
+            RunOptions(**bad)
