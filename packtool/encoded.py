@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -109,7 +110,7 @@ class _FailureWatch:
                 self.streak = []
                 continue
             self.streak.append(e.key)
-            self.reasons[e.reason] += 1
+            self.reasons[stable_reason(e.reason)] += 1
             n, same = self.limits.in_a_row, self.limits.same_reason
             if n and len(self.streak) >= n:
                 raise LimitError(f"stopped early: {n} samples in a row of {self.shard} failed ({self.streak[0]} to "
@@ -187,9 +188,19 @@ def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: fr
     return status_counts(table)
 
 
+#: The address in an object's default repr (``<_io.BytesIO object at 0x7f…>``), which a library's error text may
+#: carry (PIL's does): it differs from run to run.
+_ADDRESS = re.compile(r"(<[^<>]*?) at 0x[0-9a-fA-F]+>")
+
+
+def stable_reason(reason: str) -> str:
+    """A ledger reason without what differs between identical runs (object addresses)."""
+    return _ADDRESS.sub(r"\1>", reason)
+
+
 def _row(e: Encoded, offset: int) -> dict:
     keep = e.status in KEPT
-    return {"key": e.key, "shard": e.shard, "status": e.status, "reason": e.reason,
+    return {"key": e.key, "shard": e.shard, "status": e.status, "reason": stable_reason(e.reason),
             "tokens": len(e.tokens) if keep else 0, "source_tokens": e.source_tokens,
             "targets": int(np.count_nonzero(e.targets)) if keep else 0, "images": len(e.media) if keep else 0,
             "image_tokens": sum(m["tokens"] for m in e.media) if keep else 0,
@@ -198,8 +209,9 @@ def _row(e: Encoded, offset: int) -> dict:
 
 
 def _error_row(key: str, shard: str, reason: str) -> dict:
-    return {"key": key, "shard": shard, "status": "error", "reason": reason, "tokens": 0, "source_tokens": 0,
-            "targets": 0, "images": 0, "image_tokens": 0, "truncated": False, "tok_offset": -1, "media": "[]"}
+    return {"key": key, "shard": shard, "status": "error", "reason": stable_reason(reason), "tokens": 0,
+            "source_tokens": 0, "targets": 0, "images": 0, "image_tokens": 0, "truncated": False, "tok_offset": -1,
+            "media": "[]"}
 
 
 def status_counts(table: pa.Table) -> dict[str, int]:

@@ -206,3 +206,97 @@ def test_limit_settings_are_checked():
                 {"max_same_failures": 1.5}, {"max_error_rate": float("nan")}):
         with pytest.raises(ConfigError):
             RunOptions(**bad)
+
+
+# -- 13. silent or late ------------------------------------------------------------------------------------------
+def test_stats_of_a_file_that_is_no_ledger_and_of_an_unknown_algorithm_are_one_line(tok, src, tmp_path):
+    note = tmp_path / "notes.txt"
+    note.write_text("hello")
+    refused(run("stats", note), "is not a packtool ledger")
+    out = tmp_path / "out"
+    assert run(*pack_args(src, out, tok)).exit_code == 0
+    refused(run("stats", out, "--compare", "bfd,nosuchalgo"), "unknown algorithm 'nosuchalgo'")
+    assert run("stats", out, "--compare", "bfd").exit_code == 0  # control
+
+
+def test_a_shard_listed_twice_or_in_two_splits_is_refused(tok, tmp_path):
+    shards = {"shards/a.tar": [sample(i) for i in range(3)], "shards/b.tar": [sample(i) for i in range(3, 6)]}
+    twice = dataset(tmp_path / "twice", shards, split_parts={"train": ["shards/a.tar", "shards/b.tar",
+                                                                       "shards/a.tar"]})
+    refused(run(*pack_args(twice, tmp_path / "o1", tok)), "lists shard shards/a.tar twice")
+    both = dataset(tmp_path / "both", shards, split_parts={"train": ["shards/a.tar", "shards/b.tar"],
+                                                           "val": ["shards/b.tar"]})
+    refused(run(*pack_args(both, tmp_path / "o2", tok)), "in splits 'train' and 'val'", "leak")
+    apart = dataset(tmp_path / "apart", shards, split_parts={"train": ["shards/a.tar"], "val": ["shards/b.tar"]})
+    assert run(*pack_args(apart, tmp_path / "o3", tok)).exit_code == 0  # control
+
+
+def test_a_shard_linking_outside_the_source_is_refused(tok, tmp_path):
+    elsewhere = dataset(tmp_path / "elsewhere", {"shards/x.tar": [sample(i) for i in range(3)]})
+    src = dataset(tmp_path / "src", {"shards/a.tar": [sample(i) for i in range(3)]},
+                  split_parts={"train": ["shards/a.tar", "shards/x.tar"]})
+    (src / "shards/x.tar").symlink_to(elsewhere / "shards/x.tar")
+    refused(run(*pack_args(src, tmp_path / "o", tok)), "shards/x.tar is a link to", "outside the dataset folder")
+    (src / "shards/x.tar").unlink()
+    (src / "shards/x.tar").symlink_to("a.tar")  # control: a link inside SOURCE is a shard like any other
+    assert run(*pack_args(src, tmp_path / "o2", tok)).exit_code == 0
+
+
+def test_ledger_reasons_carry_no_memory_address(tok, tmp_path):
+    import pyarrow.parquet as pq
+
+    bad = ("bad", {"json": sample(0, image=True)[1]["json"], "jpg": b"\xff\xd8 not really a jpeg"})
+    src = dataset(tmp_path / "src", {"shards/a.tar": [bad, *(sample(i) for i in range(1, 4))]})
+    reasons = []
+    for name in ("o1", "o2"):
+        assert run(*pack_args(src, tmp_path / name, tok, "--max-error-rate", "1")).exit_code == 0
+        reasons.append(pq.read_table(tmp_path / name / "ledger.parquet").column("reason").to_pylist())
+    assert reasons[0] == reasons[1] and " at 0x" not in " ".join(reasons[0]), reasons
+    assert any("cannot identify image file" in r for r in reasons[0]), reasons  # PIL's text, address removed
+    (tmp_path / "o1/ledger.parquet").unlink()
+
+
+def test_a_corrupt_manifest_stops_the_energon_loader(tmp_path):
+    from megatron.energon import WorkerConfig, get_loader, get_val_dataset
+    from megatron.energon.errors import FatalSampleError
+
+    import packfixture as fx
+    from packtool.loader import PackTaskEncoder
+
+    for name in ("good", "bad"):
+        fx.write_packs(tmp_path / name, {"train": [[fx.chat_segment("t0", "hi", "hello")],
+                                                   [fx.chat_segment("t1", "yo", "hey")]]}, pack_size=128, align=1)
+    (tmp_path / "bad/.nv-meta/packtool.json").write_text("{not json")
+
+    def keys(path, encoder):
+        ds = get_val_dataset(path, split_part="train", batch_size=1, task_encoder=encoder,
+                             worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+        return [b["pack_key"] for b in get_loader(ds)]
+
+    assert keys(tmp_path / "good", PackTaskEncoder()) == ["train-000000000", "train-000000001"]  # control
+    for on_error in ("raise", "skip"):
+        with pytest.raises(FatalSampleError, match="could not read the manifest"):
+            keys(tmp_path / "bad", PackTaskEncoder(on_error=on_error))
+
+
+def test_a_dead_worker_is_named_with_its_task():
+    import os
+
+    from packtool.engine import Engine
+    from packtool.errors import EngineError
+
+    with Engine("local", 2) as engine:
+        with pytest.raises(EngineError, match=r"worker process died .* while working on .*shards/x\.tar"):
+            engine.map(os._exit, [(3,)], names=["shards/x.tar"], progress=False)
+
+
+def test_inspect_escapes_terminal_controls(tok, tmp_path):
+    evil = "\x1b[2J\x1b]0;pwned\x07 red \u202e"
+    src = dataset(tmp_path / "src", {"shards/a.tar": [("k\x1bx", {"json": __import__("json").dumps(
+        {"conversations": [{"from": "human", "value": f"look {evil}"}, {"from": "gpt", "value": "ok"}]}).encode()})]})
+    out = tmp_path / "out"
+    assert run(*pack_args(src, out, tok)).exit_code == 0
+    shown = run("inspect", out)
+    assert shown.exit_code == 0, shown.output
+    assert "\x1b" not in shown.output and "\x07" not in shown.output and "\u202e" not in shown.output
+    assert "\\x1b[2J" in shown.output and "\\u202e" in shown.output, shown.output
