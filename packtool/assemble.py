@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from packtool import __version__
+from packtool.commit import naming
 from packtool.encoded import NpyReader, SourceStamp
 from packtool.errors import SourceError
 from packtool.format import IndexedRecord, MediaRef, PackRecord, Segment, pack_key, sha256
@@ -118,7 +119,7 @@ def write_part(part_path: str, split: str, root: str, enc_dirs: list[str], stamp
     Path(part_path).parent.mkdir(parents=True, exist_ok=True)
     sources = _Sources(Path(root), enc_dirs, stamps)
     try:
-        with open(part_path, "wb") as f:
+        with naming(part_path), open(part_path, "wb") as f:
             return write_records(f, _records(split, segments, sources, pack_size, align))
     finally:
         sources.close()

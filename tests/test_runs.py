@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import packtool
 from packtool.cli import app
-from test_trust import cli, dataset, pack_args, sample, tree
+from test_trust import cli, dataset, mount, pack_args, sample, tree  # noqa: F401 (mount: a fixture)
 
 RUNNER = CliRunner()
 
@@ -300,3 +300,17 @@ def test_inspect_escapes_terminal_controls(tok, tmp_path):
     assert shown.exit_code == 0, shown.output
     assert "\x1b" not in shown.output and "\x07" not in shown.output and "\u202e" not in shown.output
     assert "\\x1b[2J" in shown.output and "\\u202e" in shown.output, shown.output
+
+
+def test_a_full_disk_while_shards_are_written_in_parts_names_the_file(tok, tmp_path, mount):  # noqa: F811
+    """Two workers, one output shard: the shard is written as parts by both (``write_part``), and the full disk
+    is reported with the file being written."""
+    from test_trust import chat, jpeg
+
+    src = dataset(tmp_path / "src", {"shards/a.tar": [(f"s{i:05d}", {"json": chat("<image> what?", "a photo"),
+                                                                      "jpg": jpeg(256, 256, i)}) for i in range(8)]})
+    full = mount("full", "size=200k")
+    proc = cli(*pack_args(src, full / "out", tok, "--workers", "2", "--shard-size", "100"))
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and "\n" not in err and "No space left on device" in err, err[-3000:]
+    assert f"({full / 'out' / 'train'}/" in err, err
