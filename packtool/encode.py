@@ -136,14 +136,23 @@ def _compile(source: str, tokenizer_dir: str) -> Any:
     """The compiled chat template; one that Jinja refuses (a syntax error, an unknown filter or test) is a
     :class:`ConfigError` naming the model folder, raised before any sample is read."""
     import jinja2
+    from jinja2 import nodes
 
     try:
-        return hfcompat.compile_template(source)
+        template = hfcompat.compile_template(source)
+        env = template.environment
+        # Jinja checks a filter or test only where it runs (inside a macro or a branch: at render time, for every
+        # sample); every one the template names must exist.
+        for node in env.parse(source).find_all((nodes.Filter, nodes.Test)):
+            kind, known = ("filter", env.filters) if isinstance(node, nodes.Filter) else ("test", env.tests)
+            if node.name not in known:
+                raise jinja2.TemplateAssertionError(f"No {kind} named {node.name!r}.", node.lineno)
     except jinja2.TemplateError as exc:
         line = getattr(exc, "lineno", None)
         where = f" (line {line})" if line else ""
         raise ConfigError(f"{tokenizer_dir}: the chat template does not compile{where}: "
                           f"{exc.message or exc}") from None
+    return template
 
 
 class Encoder:

@@ -314,3 +314,23 @@ def test_a_full_disk_while_shards_are_written_in_parts_names_the_file(tok, tmp_p
     err = proc.stderr.strip()
     assert proc.returncode == 2 and "\n" not in err and "No space left on device" in err, err[-3000:]
     assert f"({full / 'out' / 'train'}/" in err, err
+
+
+@pytest.mark.parametrize("filter_name", ["nosuchfilter", "trim"])
+def test_an_unknown_filter_inside_a_macro_is_refused_before_encoding(tok, src, tmp_path, filter_name):
+    model = tmp_path / "model"
+    shutil.copytree(tok, model)
+    template = (model / "chat_template.jinja").read_text()
+    # Jinja itself checks a filter in a branch only when the branch runs: for every sample, after the encode
+    macro = "{% macro clean(x) %}{% if x is string %}{{ x | " + filter_name + " }}{% else %}{{ x }}{% endif %}" \
+            "{% endmacro %}"
+    (model / "chat_template.jinja").write_text(macro + template.replace("message['content']",
+                                                                        "clean(message['content'])"))
+    assert "clean(message['content'])" in (model / "chat_template.jinja").read_text()
+    out = tmp_path / "out"
+    result = run(*pack_args(src, out, model))
+    if filter_name == "trim":  # control: a filter Jinja has
+        assert result.exit_code == 0, result.output
+        return
+    refused(result, "chat template does not compile", "No filter named 'nosuchfilter'")
+    assert not (out / ".packtool/encode").exists()
