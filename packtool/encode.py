@@ -595,9 +595,12 @@ class Encoder:
         else:
             tokens, targets, media = self._expand_ids(ids, targets, media, cut)
         enc = Encoded(raw.key, raw.shard, raw.index, "packed", "", tokens, targets, media, len(tokens), not cut)
-        if not targets.any():
+        if not targets.any() and not cut:  # cut: the replies lie past the cut, the sample is over-long (_fit)
             raise SampleError("no training targets")
-        return self._fit(enc)
+        fitted = self._fit(enc)
+        if fitted.status == "packed" and not targets.any():
+            raise SampleError("no training targets")
+        return fitted
 
     def _expand_ids(self, ids: np.ndarray, targets: np.ndarray, media: list[dict],
                     cut: bool) -> tuple[np.ndarray, np.ndarray, list[dict]]:

@@ -334,3 +334,24 @@ def test_an_unknown_filter_inside_a_macro_is_refused_before_encoding(tok, src, t
         return
     refused(result, "chat template does not compile", "No filter named 'nosuchfilter'")
     assert not (out / ".packtool/encode").exists()
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_a_sample_whose_replies_lie_past_a_huge_prompt_is_dropped_not_an_error(tok, tmp_path, overlong):
+    """A user turn far longer than a pack (the text is cut before tokenizing) followed by its reply: over-long,
+    so dropped with the cut named, like any over-long sample; it was an error row "no training targets"."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    huge = " ".join(f"w{i}" for i in range(40_000))
+    src = dataset(tmp_path / "src", {"shards/a.tar": [sample(0), ("huge", {"json": json.dumps(
+        {"conversations": [{"from": "human", "value": huge}, {"from": "gpt", "value": "ok"}]}).encode()})]})
+    out = tmp_path / "out"
+    result = run(*pack_args(src, out, tok, "--overlong", overlong, "--max-drop-rate", "1"))
+    assert result.exit_code == 0, result.output
+    rows = pq.read_table(out / "ledger.parquet").to_pylist()
+    row = next(r for r in rows if r["key"] == "huge")
+    assert row["status"] == "dropped", row
+    assert ("over limit: at least" if overlong == "drop" else "no training target fits before a safe cut") \
+        in row["reason"], row
