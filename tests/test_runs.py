@@ -355,3 +355,28 @@ def test_a_sample_whose_replies_lie_past_a_huge_prompt_is_dropped_not_an_error(t
     assert row["status"] == "dropped", row
     assert ("over limit: at least" if overlong == "drop" else "no training target fits before a safe cut") \
         in row["reason"], row
+
+
+@pytest.mark.parametrize("member", ["tokens.npy", "jpg"])
+def test_the_reader_checks_the_digests_each_pack_carries(tok, tmp_path, member):
+    """One byte of a token array (still valid token ids) or of an image's entropy data (still decodes) changed
+    on disk: the reader refuses the pack, naming it, instead of training on it."""
+    import tarfile
+
+    from packtool import read_packs
+    from packtool.errors import FormatError
+
+    src = dataset(tmp_path / "src", {"shards/a.tar": [sample(i, image=True) for i in range(3)]})
+    out = tmp_path / "out"
+    assert run(*pack_args(src, out, tok)).exit_code == 0
+    assert len(list(read_packs(out, images=False))) >= 1  # control
+    shard = out / "train/pack-000000.tar"
+    with tarfile.open(shard) as tar:
+        m = next(m for m in tar.getmembers() if m.name.endswith(member))
+    data = bytearray(shard.read_bytes())
+    at = m.offset_data + 128 if member == "tokens.npy" else m.offset_data + m.size // 2
+    data[at] ^= 0x01
+    shard.write_bytes(bytes(data))
+    what = r"(: the token arrays|, member m0\.jpg: its bytes)"
+    with pytest.raises(FormatError, match=rf"pack-000000\.tar: pack train-0+{what} differ.* SHA-256.*\(corrupt\)"):
+        list(read_packs(out, images=False))
