@@ -380,3 +380,20 @@ def test_the_reader_checks_the_digests_each_pack_carries(tok, tmp_path, member):
     what = r"(: the token arrays|, member m0\.jpg: its bytes)"
     with pytest.raises(FormatError, match=rf"pack-000000\.tar: pack train-0+{what} differ.* SHA-256.*\(corrupt\)"):
         list(read_packs(out, images=False))
+
+
+def test_verify_sees_a_changed_subflavor_and_an_edited_model_copy(tok, src, tmp_path):
+    from packtool.verify import verify_output
+
+    out = tmp_path / "out"
+    assert run(*pack_args(src, out, tok)).exit_code == 0
+    assert verify_output(out) == []  # control
+    meta = out / ".nv-meta/dataset.yaml"
+    original = meta.read_text()
+    meta.write_text(original.replace("packtool: 1", "packtool: 2"))
+    assert any("dataset.yaml" in p and "subflavors" in p for p in verify_output(out)), verify_output(out)
+    meta.write_text(original)
+    template = out / ".nv-meta/tokenizer/chat_template.jinja"
+    template.write_text(template.read_text().replace("<|im_end|>", "<|im_end|>\n"))
+    problems = verify_output(out)
+    assert any("tokenizer: the model files differ" in p for p in problems), problems
