@@ -397,3 +397,41 @@ def test_verify_sees_a_changed_subflavor_and_an_edited_model_copy(tok, src, tmp_
     template.write_text(template.read_text().replace("<|im_end|>", "<|im_end|>\n"))
     problems = verify_output(out)
     assert any("tokenizer: the model files differ" in p for p in problems), problems
+
+
+def test_concealed_h264_corruption_fails_the_decode_check():
+    """Bytes of an H.264 frame changed: FFmpeg's decoder conceals the damage and decodes every frame without an
+    error (the control below), yet the decode check refuses the video."""
+    import io
+    import sys
+
+    import av
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import demo
+    from packtool.media.video import probe_video
+
+    clean = demo.make_video("mp4", width=64, height=48, frames=24, codec="libx264")
+    assert probe_video(clean, max_pixels=1 << 20, decode=True).frames == 24
+
+    def conceals(data: bytes) -> bool:
+        with av.open(io.BytesIO(data)) as c:
+            return sum(1 for _ in c.decode(c.streams.video[0])) == 24
+
+    mdat, concealed = clean.find(b"mdat"), 0
+    for k in range(20):
+        data = bytearray(clean)
+        for j in range(8):
+            data[mdat + 200 + k * 97 + j] ^= 0x5A
+        try:
+            if not conceals(bytes(data)):
+                continue
+        except av.error.FFmpegError:
+            continue
+        concealed += 1
+        try:
+            probe_video(bytes(data), max_pixels=1 << 20, decode=True)
+        except ValueError as exc:
+            assert "undecodable video" in str(exc)
+            return
+    pytest.fail(f"none of {concealed} concealed corruptions was found")
