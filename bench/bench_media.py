@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import mediafixture as mf  # noqa: E402
-from packtool.media import Qwen2VLSettings, decode_audio, decode_video, probe_audio, probe_video  # noqa: E402
-from packtool.media.qwen2_vl import ImageRule  # noqa: E402
+from packtool.families.qwen2_vl import ImageRule, Qwen2VLSettings  # noqa: E402
+from packtool.media import decode_audio, decode_video, probe_audio, probe_video  # noqa: E402
 
 MAX_PIXELS = 8192 * 8192
 

@@ -24,7 +24,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import packfixture as fx  # noqa: E402
 from packtool.format import load_manifest, split_shard_paths  # noqa: E402
-from packtool.read import image_processor_from_manifest, read_packs  # noqa: E402
+from packtool.runtime.read import image_processor_from_manifest, read_packs  # noqa: E402
 from packtool.shards import iter_records  # noqa: E402
 
 PROCESSOR = {**fx.QWEN_PROCESSOR, "min_pixels": 3136, "max_pixels": 1003520}

@@ -40,8 +40,8 @@ def packed_settings(output: str | Path, *, context_parallel: int = 1, tensor_par
                     sequence_parallel: bool = False) -> dict:
     """`seq_length` and `micro_batch_size` for a packed OUTPUT, after checking its alignment suits the parallelism
     (the THD context-parallel split cuts each padded segment into 2·cp equal chunks)."""
+    from packtool.build.algorithms import derive_align
     from packtool.format import load_manifest
-    from packtool.plan import derive_align
 
     settings = load_manifest(output)["settings"]
     pack_size, align = int(settings["pack_size"]), int(settings["align"])
@@ -67,7 +67,7 @@ def dataset_provider(output: str, seq_length: int, *, num_workers: int = 2, shuf
         def build_datasets(self, context):
             from megatron.bridge.data.energon.base_energon_datamodule import EnergonMultiModalDataModule
 
-            from packtool.loader import MegatronBridgeTaskEncoder
+            from packtool.runtime.loader import MegatronBridgeTaskEncoder
 
             module = EnergonMultiModalDataModule(
                 path=self.path, tokenizer=context.tokenizer, seq_length=self.seq_length,

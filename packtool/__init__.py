@@ -13,10 +13,10 @@ except PackageNotFoundError:  # a source tree that was never installed
 del PackageNotFoundError, version
 
 _LAZY = {
-    "pack_lengths": "packtool.plan",
-    "ALGORITHMS": "packtool.plan",
-    "read_packs": "packtool.read",
-    "to_megatron": "packtool.megatron_batch",
+    "pack_lengths": "packtool.build.algorithms",
+    "ALGORITHMS": "packtool.build.algorithms",
+    "read_packs": "packtool.runtime.read",
+    "to_megatron": "packtool.runtime.megatron_batch",
 }
 
 __all__ = ["__version__", *_LAZY]

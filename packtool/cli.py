@@ -18,6 +18,7 @@ import typer
 from packtool.errors import LimitError, PacktoolError
 from packtool.settings import (
     Algorithm,
+    AlignFor,
     EncodeSettings,
     PlanSettings,
     Preset,
@@ -90,6 +91,9 @@ def pack(
     cp_size: int = typer.Option(1, min=1, help="Context-parallel size (align = 2·cp when cp > 1)."),
     tp_size: int = typer.Option(1, min=1, help="Tensor-parallel size (with --sequence-parallel)."),
     sequence_parallel: bool = typer.Option(False, help="Sequence parallelism (align includes cp·tp)."),
+    align_for: str = typer.Option("megatron", help=", ".join(choices(AlignFor)) + ": whose rule derives the "
+                                                   "alignment from the parallel sizes: megatron (2·cp, cp·tp with "
+                                                   "SP) or nemo-rl (make_sequence_length_divisible_by, tp·cp·2)."),
     max_segments: int | None = typer.Option(None, help="At most this many samples per pack."),
     max_images: int | None = typer.Option(None, help="At most this many media items (images, videos, audio) "
                                                         "per pack."),
@@ -155,12 +159,13 @@ def pack(
     progress: bool = typer.Option(default(R, "progress"), help="Show progress bars."),
 ) -> None:
     """Pack SOURCE into OUTPUT."""
-    from packtool.engine import default_workers
+    from packtool.build.engine import default_workers
+    from packtool.build.workers import pack_engine
     from packtool.settings import PackSettings
-    from packtool.workers import pack_engine
 
     def build() -> tuple[PackSettings, RunOptions]:
-        aligned = resolve_align(align, cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
+        aligned = resolve_align(align, align_for, cp_size=cp_size, tp_size=tp_size,  # type: ignore[arg-type]
+                                sequence_parallel=sequence_parallel)
         enc = EncodeSettings(
             tokenizer=str(tokenizer.resolve() if tokenizer.exists() else tokenizer),  # unresolved: a model id?
             pack_size=pack_size, align=aligned, overlong=overlong,  # type: ignore[arg-type]
@@ -183,15 +188,15 @@ def pack(
         return PackSettings(enc, plan, tuple(split or ())), options
 
     settings, options = _one_line(build)
-    from packtool.pipeline import check_inputs
-    from packtool.pipeline import pack as run_pack
+    from packtool.build.pipeline import check_inputs
+    from packtool.build.pipeline import pack as run_pack
 
     _one_line(lambda: check_inputs(source, output, settings))  # what needs no sample fails before any worker
     with ExitStack() as stack:
         pool = _one_line(lambda: stack.enter_context(pack_engine(source, settings.encode, options)))
 
         result = _one_line(lambda: run_pack(source, output, settings, options, started_engine=pool))
-    from packtool.stats import compute
+    from packtool.verify.stats import compute
 
     fills = compute(result.output)["splits"]
     for name, c in result.counts.items():
@@ -219,7 +224,7 @@ def stats(
     balance_dp: int | None = typer.Option(None, help="Report DP-group imbalance for this many ranks."),
 ) -> None:
     """Report how well OUTPUT packed."""
-    from packtool import stats as st
+    from packtool.verify import stats as st
 
     def run() -> dict:
         report = st.compute(path, balance_dp=balance_dp, pack_size=pack_size)
@@ -245,8 +250,8 @@ def verify(
                                                 "digest already proves its tokens intact."),
 ) -> None:
     """Check OUTPUT: every pack well-formed, every source sample accounted for, metadata consistent."""
-    from packtool.engine import default_workers
-    from packtool.verify import verify_output
+    from packtool.build.engine import default_workers
+    from packtool.verify.packs import verify_output
 
     problems = _one_line(lambda: verify_output(
         output, source=source, workers=workers or default_workers(), engine=engine,  # type: ignore[arg-type]
@@ -265,7 +270,7 @@ def inspect(
     split: str | None = typer.Option(None, help="Split to look in (default: the first)."),
 ) -> None:
     """Show one pack: segments, decoded text with targets marked, media."""
-    from packtool.inspect_pack import inspect_pack
+    from packtool.verify.inspect import inspect_pack
 
     typer.echo(_one_line(lambda: inspect_pack(output, key=key, split=split)))
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from packtool.errors import ConfigError
+from packtool.families.conventions import CONVENTIONS
 
 Overlong = Literal["truncate", "drop"]
 MediaCheck = Literal["decode", "header"]
@@ -34,21 +35,16 @@ MediaTokens = Literal["rule", "processor"]
 Algorithm = Literal["auto", "bfd", "ffd", "greedy_knapsack", "balanced_greedy_knapsack", "first_fit_shuffle",
                     "sequential"]
 EngineKind = Literal["local", "ray"]
-Preset = Literal["megatron-bridge-qwen-vl", "megatron-bridge-nemotron-omni"]
+Preset = Literal["megatron-bridge-qwen-vl", "megatron-bridge-nemotron-omni", "nemo-rl-qwen-vl",
+                 "nemo-rl-nemotron-omni"]
+#: Whose rule derives the per-segment alignment from the parallel sizes (``--align-for``).
+AlignFor = Literal["megatron", "nemo-rl"]
 
-#: The encode settings each preset sets: the data conventions of Megatron-Bridge's own task encoders, so packs hold
-#: the tokens and targets those would give. ``megatron-bridge-qwen-vl``: QwenVLTaskEncoder with its
-#: ``build_assistant_loss_mask`` (the newline after each reply's end-of-turn token is a target), ``media_first``
-#: and its pixel bounds.
-PRESETS: dict[str, dict[str, Any]] = {
-    "megatron-bridge-qwen-vl": {"target_newline_after_eot": True, "media_first": True, "min_pixels": 200_704,
-                                "max_pixels": 1_003_520},
-    "megatron-bridge-nemotron-omni": {},
-}
+#: The encode settings each preset sets: those of its convention (:mod:`packtool.families.conventions`).
+PRESETS: dict[str, dict[str, Any]] = {name: c.settings() for name, c in CONVENTIONS.items()}
 #: Presets named but not available yet, with the reason.
-UNSUPPORTED_PRESETS = {"megatron-bridge-nemotron-omni": "Megatron-Bridge's Nemotron Omni collate path writes other "
-                                                         "frame labels and canvases than transformers' processor, "
-                                                         "which packtool follows (no preset needed for that)"}
+UNSUPPORTED_PRESETS = {name: c.unsupported for name, c in CONVENTIONS.items() if c.unsupported}
+assert set(get_args(Preset)) == set(CONVENTIONS), "every convention is a preset"
 
 #: Largest pack: boundaries (``cu_seqlens``) are int32.
 MAX_PACK_SIZE = 2**31 - 1
@@ -58,10 +54,11 @@ DEFAULT_PIXEL_LIMIT = 89_478_485
 DEFAULT_MAX_SAMPLE_BYTES = 1 << 30
 
 
-def resolve_align(align: int | None, cp_size: int = 1, tp_size: int = 1, sequence_parallel: bool = False) -> int:
+def resolve_align(align: int | None, align_for: AlignFor = "megatron", cp_size: int = 1, tp_size: int = 1,
+                  sequence_parallel: bool = False) -> int:
     """The alignment to pack with: ``align`` when given, which must then be a multiple of what the parallel
-    sizes need (:func:`derive_align`), else that."""
-    need = derive_align(cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
+    sizes need (:func:`alignment_for`), else that."""
+    need = alignment_for(align_for, cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
     if align is None:
         return need
     if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align % need:
@@ -86,6 +83,24 @@ def derive_align(cp_size: int = 1, tp_size: int = 1, sequence_parallel: bool = F
     if sequence_parallel and tp > 1:
         align = math.lcm(align, cp * tp)
     return align
+
+
+def nemo_rl_align(cp_size: int = 1, tp_size: int = 1) -> int:
+    """The alignment a NeMo-RL recipe needs: its policy's ``make_sequence_length_divisible_by`` for Megatron,
+    tp·cp·2 (16 at TP4/CP2, where :func:`derive_align` gives 4, 8 with sequence parallelism), which its packed
+    SFT batch pads every sample to."""
+    for name, value in (("cp_size", cp_size), ("tp_size", tp_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return 2 * cp_size * tp_size
+
+
+def alignment_for(align_for: AlignFor, cp_size: int = 1, tp_size: int = 1, sequence_parallel: bool = False) -> int:
+    """The per-segment alignment ``align_for``'s trainer needs at these parallel sizes."""
+    _check_choice(align_for, AlignFor, "align_for")
+    if align_for == "nemo-rl":
+        return nemo_rl_align(cp_size=cp_size, tp_size=tp_size)
+    return derive_align(cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
 
 
 def default(cls: type, name: str) -> Any:
@@ -354,7 +369,7 @@ class RunOptions:
         _check_int(self.workers, "workers")
         _check_choice(self.engine, EngineKind, "engine")
         if self.ray_address is not None:
-            from packtool.engine import split_address
+            from packtool.build.engine import split_address
 
             split_address(self.ray_address)
         for name in ("max_error_rate", "max_drop_rate", "max_truncate_rate"):

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from packtool.megatron_batch import to_megatron  # noqa: E402
-from packtool.read import IGNORE_INDEX, read_packs  # noqa: E402
+from packtool.runtime.megatron_batch import to_megatron  # noqa: E402
+from packtool.runtime.read import IGNORE_INDEX, read_packs  # noqa: E402
 
 TOLERANCE = {torch.float32: (2e-5, 1e-4), torch.bfloat16: (6e-2, 6e-2)}  # (per-token loss abs, grad rel)
 

@@ -31,9 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
-from packtool.loader import PackDataset  # noqa: E402
-from packtool.megatron_batch import HOST_KEYS, megatron_bridge_batch, to_megatron  # noqa: E402
-from packtool.read import batch_to, read_packs  # noqa: E402
+from packtool.runtime.loader import PackDataset  # noqa: E402
+from packtool.runtime.megatron_batch import HOST_KEYS, megatron_bridge_batch, to_megatron  # noqa: E402
+from packtool.runtime.read import batch_to, read_packs  # noqa: E402
 
 
 def mismatches(name: str, got, want, device: torch.device) -> list[str]:

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from packtool.megatron_batch import megatron_bridge_batch  # noqa: E402
-from packtool.read import read_packs  # noqa: E402
+from packtool.runtime.megatron_batch import megatron_bridge_batch  # noqa: E402
+from packtool.runtime.read import read_packs  # noqa: E402
 
 LOSS_TOL, GRAD_TOL, CONTROL_FACTOR = 5e-2, 5e-2, 4.0
 
@@ -73,7 +73,7 @@ def packed_seq_params(mb: dict):
     try:
         from megatron.bridge.training.utils.packed_seq_utils import get_packed_seq_params
     except ImportError:
-        from packtool.megatron_batch import packed_seq_params as get_packed_seq_params
+        from packtool.runtime.megatron_batch import packed_seq_params as get_packed_seq_params
     keys = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded", "max_seqlen_q",
             "max_seqlen_kv")
     return get_packed_seq_params({k: mb[k].cuda() if k.startswith("cu_") else mb[k] for k in keys})

@@ -8,10 +8,10 @@ import shutil
 import numpy as np
 import pytest
 
-from packtool.chatshape import copies_text_verbatim
-from packtool.encode import Encoder
+from packtool.build.chatshape import copies_text_verbatim
+from packtool.build.encoder import Encoder
+from packtool.build.sources import open_source, read_raw_samples
 from packtool.settings import EncodeSettings
-from packtool.sources import open_source, read_raw_samples
 
 #: Qwen2.5 style: a default system turn, ``message.content`` printed in a concatenation, tool turns merged into a
 #: user turn (looking back and forward with ``loop``), a truthiness test on the content.
@@ -136,7 +136,7 @@ TRANSFORMING = {
 
 
 def _tree(source: str):
-    from packtool.encode import _compile
+    from packtool.build.encoder import _compile
 
     return _compile(source, "t").environment.parse(source)
 

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from packtool.encode import Encoder
+from packtool.build.encoder import Encoder
+from packtool.build.sources import RawSample, open_source, read_raw_samples
+from packtool.families.qwen2_vl import Qwen2VL
 from packtool.settings import EncodeSettings
-from packtool.sources import RawSample, open_source, read_raw_samples
 
 
 def png(w: int, h: int) -> bytes:
@@ -56,7 +57,7 @@ def test_demo_samples_decode_to_their_conversation(encoders, demo_dir):
     targets decode to exactly the assistant replies each followed by <|im_end|>."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    from packtool.sources.conversation import conversation_adapter
+    from packtool.build.sources.conversation import conversation_adapter
 
     src = open_source(demo_dir / "dataset", ["train"])
     raws = list(read_raw_samples(src.root, src.splits["train"][1], src.excluded_samples))
@@ -102,11 +103,11 @@ def test_truncation_never_cuts_media_and_keeps_targets(demo_dir):
     e = enc.encode_many([r])[0]
     assert e.status == "truncated" and len(e.tokens) <= 300 and e.targets.any(), e.reason
     assert len(e.media) == 1 and len(e.tokens) < 300  # the cut moved back before the second image's span
-    pad = enc.image_token_id
+    pad = enc.family.tokens.image_token_id
     for m in e.media:
         assert (e.tokens[m["token_offset"]: m["token_offset"] + m["tokens"]] == pad).all()
     assert int((e.tokens == pad).sum()) == sum(m["tokens"] for m in e.media)
-    assert e.tokens[-1] != enc.vision_start_id  # never a dangling vision start
+    assert e.tokens[-1] != enc.family.tokens.vision_start_id  # never a dangling vision start
     dropped = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=300,
                                      overlong="drop")).encode_many([r])[0]
     assert dropped.status == "dropped" and "tokens >" in dropped.reason
@@ -254,7 +255,8 @@ def test_another_familys_image_processor_is_no_qwen_rule(demo_dir, tmp_path):
     assert [m["tokens"] for m in fixed.encode_many([r])[0].media] == [9]
     qwen25 = Encoder(EncodeSettings(tokenizer=str(folders["Qwen2_5_VLImageProcessor"]), pack_size=2048))
     qwen2 = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048))
-    assert qwen25.rule == qwen2.rule and qwen25.rule is not None
+    assert isinstance(qwen25.family, Qwen2VL) and isinstance(qwen2.family, Qwen2VL)
+    assert qwen25.family.image == qwen2.family.image
     assert qwen25.encode_many([r])[0].tokens.tolist() == qwen2.encode_many([r])[0].tokens.tolist()
 
 
@@ -299,7 +301,10 @@ def test_processor_mode_takes_a_placeholder_that_is_not_the_filled_token(demo_di
     assert e.tokens.tolist() == processor(text=[text], images=[images])["input_ids"][0]
     soft_at = np.flatnonzero(e.tokens == soft).tolist()
     assert [(m["token_offset"], m["tokens"]) for m in e.media] == [(soft_at[0], 4), (soft_at[4], 4)]
-    assert enc.image_token_id == soft
+    assert enc.family.tokens.image_token_id == soft
     assert enc.tok.decode(e.tokens[e.targets.astype(bool)]) == "a cat<|im_end|>"
-    rule = Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048)).encode_many([r])[0]
-    assert rule.status == "error"
+    from packtool.errors import ConfigError
+
+    # Its image settings, nested in processor_config.json, are read like any other folder's: no Qwen2-VL rule.
+    with pytest.raises(ConfigError, match="'Gemma3ImageProcessor' is no Qwen2-VL one"):
+        Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048))

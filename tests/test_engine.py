@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from packtool.engine import Engine
+from packtool.build.engine import Engine
 from packtool.errors import ConfigError, EngineError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +134,7 @@ RUN = r"""
 import os, sys, time
 from pathlib import Path
 import psutil
-from packtool.engine import Engine
+from packtool.build.engine import Engine
 
 def slow(i, marks):
     Path(marks, str(os.getpid())).touch()
@@ -267,7 +267,7 @@ def pack_cli(demo_dir: Path, out: Path, env: dict, *extra: str) -> tuple[subproc
 #: as its own exception. (Functions of ``__main__`` travel by value, so the workers need not import this file.)
 ON_CLUSTER = r"""
 import json, os, sys, time
-from packtool.engine import Engine
+from packtool.build.engine import Engine
 
 def load(log, value):
     os.environ["ENGINE_TEST_LOADED"] = value

@@ -21,10 +21,10 @@ from typer.testing import CliRunner
 
 import demo
 import packfixture as fx
+from packtool.build.pipeline import pack
 from packtool.cli import app
-from packtool.pipeline import pack
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
-from packtool.verify import verify_output
+from packtool.verify.packs import verify_output
 
 PIXEL_LIMIT = 4_000_000
 PACK_SIZE = 2048

@@ -20,13 +20,13 @@ import torch
 from PIL import Image
 
 import demo
+from packtool.build.pipeline import pack
+from packtool.build.sources.mbridge import ChatMLFields, chatml_adapter, chatml_fields
+from packtool.build.sources.safepickle import load_bytes_list, load_videos, png_bytes, safe_loads
+from packtool.build.sources.sample import SampleError
 from packtool.errors import SourceError
-from packtool.pipeline import pack
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
-from packtool.sources.mbridge import ChatMLFields, chatml_adapter, chatml_fields
-from packtool.sources.safepickle import load_bytes_list, load_videos, png_bytes, safe_loads
-from packtool.sources.sample import SampleError
-from packtool.verify import verify_output
+from packtool.verify.packs import verify_output
 from test_hostile import segments
 
 #: ``.nv-meta/dataset.yaml`` as Bridge documents it for this converter's output.
@@ -364,7 +364,7 @@ def test_png_of_an_image_array_is_fixed_and_lossless():
 def test_converter_samples_without_their_dataset_yaml_read_the_same(tmp_path):
     """Without ``ChatMLWebdataset`` in ``dataset.yaml`` the chat JSON adapter takes the sample: same media, and a
     video of decoded frames still quarantines it rather than leaving its ``<video>`` tag as text."""
-    from packtool.sources.conversation import conversation_adapter
+    from packtool.build.sources.conversation import conversation_adapter
 
     samples = converter_samples(tmp_path / "pwned")
     for key in ("s0", "s1", "s2", "s4", "s5"):

@@ -19,10 +19,11 @@ pytest.importorskip("av")
 import mediafixture as mf
 import packfixture as fx
 from mediafixture import write_source
+from packtool.build.pipeline import pack
+from packtool.build.sources.conversation import member_kind
+from packtool.errors import ConfigError
 from packtool.format import Manifest
-from packtool.pipeline import pack
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
-from packtool.sources.conversation import member_kind
 
 PACK_SIZE = 4096
 
@@ -200,7 +201,7 @@ def test_qwen_video_tokens_and_tensors_equal_the_processor(torchvision, qwen_run
 
     from packtool.format import load_manifest
     from packtool.media import decode_frames, decode_video, probe_frames, probe_video
-    from packtool.read import read_packs
+    from packtool.runtime.read import read_packs
 
     folder, samples, out, overrides = qwen_run
     processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(folder),
@@ -411,12 +412,12 @@ def test_processor_mode_packs_another_family_exactly(llava_run):
 def test_without_a_rule_media_need_the_processor_mode(llava_run, tmp_path):
     folder, samples, _, root = llava_run
     settings = PackSettings(EncodeSettings(tokenizer=str(folder), pack_size=PACK_SIZE), PlanSettings(shard_size="4"))
-    pack(root / "src", tmp_path / "out", settings, workers=1, progress=False, max_error_rate=1.0)
-    ledger = {r["key"]: r for r in pq.read_table(tmp_path / "out/ledger.parquet").to_pylist()}
-    for key, (_, sizes) in LLAVA.items():
-        assert ledger[key]["status"] == ("error" if sizes else "packed"), key
-        if sizes:
-            assert "processor mode" in ledger[key]["reason"]
+    # The folder's image settings (nested in processor_config.json, as save_pretrained writes them) are another
+    # family's: refused before OUTPUT is touched, naming the ways out, as for the same settings in
+    # preprocessor_config.json.
+    with pytest.raises(ConfigError, match="'CLIPImageProcessor' is no Qwen2-VL one.*processor mode"):
+        pack(root / "src", tmp_path / "out", settings, workers=1, progress=False, max_error_rate=1.0)
+    assert not (tmp_path / "out").exists()
 
 
 def test_processor_mode_equals_the_qwen_rules(torchvision, demo_dir, tmp_path):
@@ -424,8 +425,8 @@ def test_processor_mode_equals_the_qwen_rules(torchvision, demo_dir, tmp_path):
     fast rules (images, videos, frame lists)."""
     import shutil
 
-    from packtool.encode import Encoder
-    from packtool.sources import RawSample
+    from packtool.build.encoder import Encoder
+    from packtool.build.sources import RawSample
 
     folder = tmp_path / "model"
     shutil.copytree(demo_dir / "tokenizer", folder)

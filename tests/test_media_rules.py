@@ -17,17 +17,9 @@ from PIL import Image
 
 import mediafixture as mf
 from packtool.errors import ConfigError
-from packtool.media import (
-    NemotronOmniSettings,
-    Qwen2VLSettings,
-    decode_audio,
-    decode_frames,
-    decode_video,
-    expand_placeholders,
-    probe_audio,
-    probe_frames,
-    probe_video,
-)
+from packtool.families.nemotron_omni import NemotronOmniSettings, expand_placeholders
+from packtool.families.qwen2_vl import Qwen2VLSettings
+from packtool.media import decode_audio, decode_frames, decode_video, probe_audio, probe_frames, probe_video
 
 MAX_PIXELS = 4096 * 4096
 

@@ -21,14 +21,14 @@ import torch
 from PIL import Image
 
 import packfixture as fx
-from packtool.encode import Encoder
+from packtool.build.encoder import Encoder
+from packtool.build.sources import RawSample, open_source, read_raw_samples
+from packtool.build.sources.conversation import conversation_adapter
 from packtool.errors import ConfigError, FormatError
-from packtool.loader import MegatronBridgeTaskEncoder, PackDataset, PackTaskEncoder, collate_packs
-from packtool.megatron_batch import megatron_bridge_batch
-from packtool.read import read_packs
+from packtool.runtime.loader import MegatronBridgeTaskEncoder, PackDataset, PackTaskEncoder, collate_packs
+from packtool.runtime.megatron_batch import megatron_bridge_batch
+from packtool.runtime.read import read_packs
 from packtool.settings import EncodeSettings, PackSettings
-from packtool.sources import RawSample, open_source, read_raw_samples
-from packtool.sources.conversation import conversation_adapter
 
 DEVICE_KEYS = {"cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"}
 HOST_KEYS = {"max_seqlen_q", "max_seqlen_kv"}
@@ -231,7 +231,7 @@ def test_energon_loader_stops_at_a_corrupt_pack(corrupt_dataset, caplog):
         with pytest.raises(FatalSampleError, match=r"pack-000000\.tar: pack train-000000001, member m0\.jpg"):
             keys(encoder)
     skipping = PackTaskEncoder(on_error="skip")
-    with caplog.at_level(logging.WARNING, logger="packtool.loader"):
+    with caplog.at_level(logging.WARNING, logger="packtool.runtime.loader"):
         assert keys(skipping) == ["train-000000000", "train-000000002"]
     assert skipping.skipped == 1
     assert any("skipped pack 1" in r.message and "train-000000001, member m0.jpg" in r.message
@@ -296,7 +296,7 @@ def test_media_first_moves_image_tags_before_the_turn_text(demo_dir):
     cfg = json.loads((demo_dir / "tokenizer" / "preprocessor_config.json").read_text())
     counts = iter(np.prod(smart_resize(h, w, 28, cfg["min_pixels"], cfg["max_pixels"])) // 784
                   for w, h in ((60, 60), (90, 40)))
-    expected = [t for i in ids for t in ([i] * next(counts) if i == moved.image_token_id else [i])]
+    expected = [t for i in ids for t in ([i] * next(counts) if i == moved.family.tokens.image_token_id else [i])]
     assert got.tokens.tolist() == expected
     for e in (got, plain):  # the targets stay the reply and its end-of-turn token
         assert tok.decode(e.tokens[e.targets.astype(bool)].tolist()) == "ok<|im_end|>"
@@ -315,7 +315,8 @@ def test_preset_pixel_bounds_change_grids(demo_dir):
     h, w = smart_resize(48, 64, 28, 200_704, 1_003_520)
     assert got.media[0]["grid_thw"] == [1, h // 14, w // 14] != plain.media[0]["grid_thw"]
     assert got.media[0]["tokens"] == h * w // 784
-    assert preset.rule.manifest()["min_pixels"] == 200_704 and preset.rule.manifest()["max_pixels"] == 1_003_520
+    image = preset.family.manifest_entries()["image_processor"]
+    assert image["min_pixels"] == 200_704 and image["max_pixels"] == 1_003_520
 
 
 def test_presets_fill_named_settings_and_are_recorded(demo_dir):
@@ -375,8 +376,9 @@ def qwen_video_records(folder):
     from transformers import AutoTokenizer
 
     import mediafixture as mf
+    from packtool.families.qwen2_vl import Qwen2VLSettings
     from packtool.format import MediaRef, PackRecord, Segment, sha256
-    from packtool.media import Qwen2VLSettings, probe_video
+    from packtool.media import probe_video
     from packtool.media.folder import read_folder
 
     settings = Qwen2VLSettings.from_folder(folder)
@@ -431,7 +433,7 @@ def test_qwen_videos_reach_the_megatron_bridge_batch(demo_dir, torchvision):
     """`visual_inputs` carries the reader's video tensors the way Qwen2.5-VL's forward takes them
     (`pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts` through `normalized_for_model()`), alone or beside
     images, also for several packs collated into one row; a batch without videos leaves those fields None."""
-    from packtool.read import pack_to_batch
+    from packtool.runtime.read import pack_to_batch
 
     records, manifest = qwen_video_records(demo_dir / "tokenizer")
     batches = [pack_to_batch({**dict(r.to_members()), "__key__": r.key}, manifest) for r in records]

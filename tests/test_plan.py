@@ -8,13 +8,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from packtool.plan import ALGORITHMS, balance_dp, compare, derive_align, dp_imbalance, l1_bound, pack_lengths
-from packtool.plan._common import decreasing_order
-from packtool.plan._rows import place_by_rows
-from packtool.plan._tree import NEG, MaxTree
-from packtool.plan.bestfit import bfd_by_cost
-from packtool.plan.fill import _fill_by_cost, _fill_by_item
-from packtool.plan.firstfit import ffd_by_cost, first_fit
+from packtool.build.algorithms import (
+    ALGORITHMS,
+    balance_dp,
+    compare,
+    derive_align,
+    dp_imbalance,
+    l1_bound,
+    pack_lengths,
+)
+from packtool.build.algorithms._common import decreasing_order
+from packtool.build.algorithms._rows import place_by_rows
+from packtool.build.algorithms._tree import NEG, MaxTree
+from packtool.build.algorithms.bestfit import bfd_by_cost
+from packtool.build.algorithms.fill import _fill_by_cost, _fill_by_item
+from packtool.build.algorithms.firstfit import ffd_by_cost, first_fit
 
 # -- reference loops: each algorithm's rule written as plainly as possible (O(items * packs)) ---------------
 
@@ -405,7 +413,7 @@ def test_l1_bound_and_compare():
 
 
 def test_auto_under_binding_image_cap_is_no_worse_than_either_candidate():
-    from packtool.plan.bestfit import best_fit_decreasing
+    from packtool.build.algorithms.bestfit import best_fit_decreasing
 
     rng = np.random.default_rng(1)
     n = 4000
@@ -425,7 +433,7 @@ def test_auto_under_binding_image_cap_is_no_worse_than_either_candidate():
 @pytest.mark.parametrize("max_segments", [None, 3])
 def test_rows_bitset_equals_tree(monkeypatch, worst, max_segments):
     """Without extra resources, rows are found through a bitset; the tree gives the same placement."""
-    from packtool.plan import _rows
+    from packtool.build.algorithms import _rows
 
     rng = np.random.default_rng(7)
     units = rng.integers(1, 200, size=3000)

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 import packfixture as fx
 from packtool.errors import FormatError
 from packtool.format import load_manifest
-from packtool.inspect_pack import inspect_pack
-from packtool.loader import PackDataset, PackTaskEncoder, collate_packs
-from packtool.megatron_batch import to_megatron
-from packtool.read import mrope_position_ids, pack_to_batch, read_packs
+from packtool.runtime.loader import PackDataset, PackTaskEncoder, collate_packs
+from packtool.runtime.megatron_batch import to_megatron
+from packtool.runtime.read import mrope_position_ids, pack_to_batch, read_packs
+from packtool.verify.inspect import inspect_pack
 
 MANIFEST = {"pad_token_id": fx.PAD_ID, "image_token_id": fx.IMAGE_PAD_ID, "image_processor": None}
 
@@ -329,8 +329,8 @@ def test_inspect(image_dataset):
 
 def test_shuffle_keeps_dp_balanced_groups_together(demo_dir, tmp_path):
     """Packs written with --balance-dp N move as whole groups when N ranks shuffle: each step's packs are one group."""
-    from packtool.loader import PackDataset
-    from packtool.pipeline import pack
+    from packtool.build.pipeline import pack
+    from packtool.runtime.loader import PackDataset
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
     out = tmp_path / "dp"

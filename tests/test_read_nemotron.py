@@ -23,6 +23,7 @@ from PIL import Image
 
 import mediafixture as mf
 from packtool.errors import FormatError
+from packtool.families.nemotron_omni import NemotronOmniSettings
 from packtool.format import (
     FORMAT_VERSION,
     MANIFEST,
@@ -36,18 +37,10 @@ from packtool.format import (
     shard_path,
     write_energon_metadata,
 )
-from packtool.media import (
-    NemotronOmniSettings,
-    decode_audio,
-    decode_frames,
-    decode_video,
-    probe_audio,
-    probe_frames,
-    probe_video,
-)
-from packtool.megatron_batch import megatron_bridge_batch
-from packtool.read import pack_to_batch
-from packtool.read_nemotron import nemotron_processors
+from packtool.media import decode_audio, decode_frames, decode_video, probe_audio, probe_frames, probe_video
+from packtool.runtime.megatron_batch import megatron_bridge_batch
+from packtool.runtime.nemotron import nemotron_processors
+from packtool.runtime.read import pack_to_batch
 from packtool.shards import write_tar
 
 MAX_PIXELS = 10**8
@@ -354,8 +347,8 @@ def dataset(folder, settings, records, tmp_path_factory) -> Path:
 def test_read_packs_and_energon_encoder(torchvision, folder, settings, records, dataset):
     from megatron.energon import WorkerConfig, get_savable_loader, get_val_dataset
 
-    from packtool.loader import MegatronBridgeTaskEncoder, PackTaskEncoder, collate_packs
-    from packtool.read import read_packs
+    from packtool.runtime.loader import MegatronBridgeTaskEncoder, PackTaskEncoder, collate_packs
+    from packtool.runtime.read import read_packs
 
     manifest = manifest_of(settings)
     direct = [read(r, manifest, nemotron_processors(manifest, folder)) for r in records]

@@ -29,10 +29,10 @@ def qwen(tmp_path_factory) -> Path:
 def test_pack_with_real_qwen2_vocabulary(qwen, demo_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from packtool.pipeline import pack
-    from packtool.read import read_packs
+    from packtool.build.pipeline import pack
+    from packtool.runtime.read import read_packs
     from packtool.settings import EncodeSettings, PackSettings
-    from packtool.verify import verify_output
+    from packtool.verify.packs import verify_output
 
     out = tmp_path / "out"
     result = pack(demo_dir / "dataset", out, PackSettings(EncodeSettings(tokenizer=str(qwen), pack_size=4096, align=8),

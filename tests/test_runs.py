@@ -97,7 +97,7 @@ def test_a_model_folder_inside_the_output_is_refused_and_kept(tok, src, tmp_path
 @pytest.fixture
 def no_pool(monkeypatch):
     """Starting the worker pool raises: a command that gets past its checks says so."""
-    import packtool.workers
+    import packtool.build.workers
 
     class PoolStarted(Exception):
         pass
@@ -105,7 +105,7 @@ def no_pool(monkeypatch):
     def refuse(*_args, **_kwargs):
         raise PoolStarted
 
-    monkeypatch.setattr(packtool.workers, "pack_engine", refuse)
+    monkeypatch.setattr(packtool.build.workers, "pack_engine", refuse)
     return PoolStarted
 
 
@@ -261,7 +261,7 @@ def test_a_corrupt_manifest_stops_the_energon_loader(tmp_path):
     from megatron.energon.errors import FatalSampleError
 
     import packfixture as fx
-    from packtool.loader import PackTaskEncoder
+    from packtool.runtime.loader import PackTaskEncoder
 
     for name in ("good", "bad"):
         fx.write_packs(tmp_path / name, {"train": [[fx.chat_segment("t0", "hi", "hello")],
@@ -282,7 +282,7 @@ def test_a_corrupt_manifest_stops_the_energon_loader(tmp_path):
 def test_a_dead_worker_is_named_with_its_task():
     import os
 
-    from packtool.engine import Engine
+    from packtool.build.engine import Engine
     from packtool.errors import EngineError
 
     with Engine("local", 2) as engine:
@@ -383,7 +383,7 @@ def test_the_reader_checks_the_digests_each_pack_carries(tok, tmp_path, member):
 
 
 def test_verify_sees_a_changed_subflavor_and_an_edited_model_copy(tok, src, tmp_path):
-    from packtool.verify import verify_output
+    from packtool.verify.packs import verify_output
 
     out = tmp_path / "out"
     assert run(*pack_args(src, out, tok)).exit_code == 0

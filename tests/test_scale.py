@@ -20,11 +20,11 @@ import yaml
 from typer.testing import CliRunner
 
 import demo
+from packtool.build.pipeline import pack
 from packtool.cli import app
 from packtool.errors import FatalSampleError
-from packtool.pipeline import pack
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
-from packtool.verify import verify_output
+from packtool.verify.packs import verify_output
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKTOOL = [sys.executable, "-m", "packtool.cli"]

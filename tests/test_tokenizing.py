@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from packtool.tokenizing import ByteTokens, OffsetTokens, Tokenizing, _ByteTable
+from packtool.build.tokenizing import ByteTokens, OffsetTokens, Tokenizing, _ByteTable
 
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<|image_pad|>"]
 PIECES = ["hello", " world", "\n", "  ", "é", "e\u0301", "Ünïcödé", "数据", "😀", "🧑‍💻", "x", "\t", "'s", "123",
@@ -156,9 +156,9 @@ def test_encoder_gives_the_same_rows_on_either_path(demo_dir):
     byte positions and one using only the tokenizer's offsets give the same rows, tokens, targets and media."""
     import json
 
-    from packtool.encode import Encoder
+    from packtool.build.encoder import Encoder
+    from packtool.build.sources import RawSample, open_source, read_raw_samples
     from packtool.settings import EncodeSettings
-    from packtool.sources import RawSample, open_source, read_raw_samples
 
     src = open_source(demo_dir / "dataset")
     raws = [r for split in src.splits.values() for shard in split
@@ -183,7 +183,7 @@ def test_encoder_gives_the_same_rows_on_either_path(demo_dir):
 
 def test_checked_in_groups(monkeypatch):
     """Texts are compared with their tokens in groups of bounded size; the answers do not depend on it."""
-    from packtool import tokenizing
+    from packtool.build import tokenizing
 
     tok = byte_level()
     whole = Tokenizing(tok).encode(TEXTS)

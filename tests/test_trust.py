@@ -184,16 +184,16 @@ def test_each_sample_level_failure_quarantines_only_that_sample(tok, tmp_path):
 def test_a_packtool_bug_stops_the_run_instead_of_quarantining(tok, tmp_path, monkeypatch):
     """An AttributeError or NameError raised inside packtool while one sample is encoded is a bug, not bad data:
     the run stops with it and writes no ledger."""
-    import packtool.encode
+    import packtool.build.encoder
 
-    real = packtool.encode.conversation_adapter
+    real = packtool.build.encoder.conversation_adapter
     for bug in (AttributeError("'NoneType' object has no attribute 'messages'"), NameError("name 'x' is not defined")):
         def broken(parts, *args, _bug=bug, **kwargs):
             if b"BUG" in parts.get("json", b""):
                 raise _bug
             return real(parts, *args, **kwargs)
 
-        monkeypatch.setattr(packtool.encode, "conversation_adapter", broken)
+        monkeypatch.setattr(packtool.build.encoder, "conversation_adapter", broken)
         src = dataset(tmp_path / f"src-{type(bug).__name__}",
                       {"shards/a.tar": [sample(0), ("x0bug", {"json": chat("a BUG here")}), sample(1)]})
         out = tmp_path / f"out-{type(bug).__name__}"
@@ -575,7 +575,7 @@ def test_exif_orientation_is_never_applied(tok, tmp_path):
         smart_resize,
     )
 
-    import packtool.read
+    import packtool.runtime.read
 
     exif = Image.Exif()
     exif[0x0112] = 6
@@ -591,7 +591,7 @@ def test_exif_orientation_is_never_applied(tok, tmp_path):
     [ref] = segments(out)["s0"]["refs"]
     assert (ref["width"], ref["height"]) == (224, 112)
     assert ref["grid_thw"] == [1, h // config["patch_size"], w // config["patch_size"]]
-    [batch] = list(packtool.read.read_packs(out, split="train"))
+    [batch] = list(packtool.runtime.read.read_packs(out, split="train"))
     expected = Qwen2VLImageProcessorPil.from_pretrained(str(tok))(images=[Image.open(io.BytesIO(data))],
                                                                   return_tensors="np")
     assert batch["image_grid_thw"].tolist() == [ref["grid_thw"]] == expected["image_grid_thw"].tolist()

@@ -20,12 +20,12 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from packtool import verify
 from packtool.cli import app
 from packtool.format import PackRecord, SplitYaml, write_energon_metadata
 from packtool.media.image import open_image
 from packtool.shards import index_tar, scan_records, write_tar
-from packtool.verify import TokenCheck, verify_output
+from packtool.verify import packs as verify
+from packtool.verify.packs import TokenCheck, verify_output
 
 
 @pytest.fixture
@@ -309,7 +309,7 @@ def video_pack(demo_dir, tmp_path_factory) -> tuple[Path, Path]:
     import pickle
 
     mf = pytest.importorskip("mediafixture")
-    from packtool.pipeline import pack
+    from packtool.build.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
     def chat(user: str) -> bytes:
@@ -435,7 +435,7 @@ def nemotron_pack(tmp_path_factory) -> tuple[Path, Path]:
     """Nemotron Omni samples with images, videos (members, a frame list) and audio (wav, mp3), alone and mixed,
     several to a pack, packed for the offline model folder: (source, output)."""
     import nemotron_omni_model
-    from packtool.pipeline import pack
+    from packtool.build.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
     from test_media_pack import write_source
     from test_nemotron_pack import SAMPLES, source_sample
@@ -547,7 +547,7 @@ def llava_pack(tmp_path_factory) -> tuple[Path, Path]:
     pytest.importorskip("torchvision")
     mf = pytest.importorskip("mediafixture")
     import nemotron_omni_model
-    from packtool.pipeline import pack
+    from packtool.build.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
     from test_media_pack import llava_folder, write_source
 
@@ -584,8 +584,8 @@ def test_truncated_segment_image_may_keep_the_grid_of_its_whole_sample(tmp_path)
     """Nemotron Omni's image budget depends on the sample's image count; a cut that dropped images leaves the
     segment with fewer, so a truncated segment's image also passes with a larger count's grid, and only then."""
     import nemotron_omni_model
+    from packtool.families.nemotron_omni import NemotronOmniSettings
     from packtool.format import MediaRef, sha256
-    from packtool.media.nemotron_omni import NemotronOmniSettings
 
     mf = pytest.importorskip("mediafixture")
     folder = nemotron_omni_model.write_model_folder(tmp_path / "model")

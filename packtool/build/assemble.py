@@ -1,0 +1,170 @@
+"""Assemble pack records from encoded samples and write one output shard (one task per shard).
+
+A record takes each segment's tokens and targets from the encode store and its media bytes from the source
+shard, byte for byte, at the offsets the scan recorded; each source shard is checked against its stamp before
+its bytes are read, so an edit made after encoding fails the task instead of packing stale bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import pyarrow as pa
+
+from packtool import __version__
+from packtool.build.sources.safepickle import load_bytes_list, video_frames
+from packtool.build.store import NpyReader, SourceStamp
+from packtool.commit import naming
+from packtool.errors import SourceError
+from packtool.format import IndexedRecord, MediaRef, PackRecord, Segment, pack_key, sha256
+from packtool.shards import idx_path, index_tar, write_records, write_tar
+
+#: Columns of a write task's segment table (``pack`` first), sorted by pack, then source order.
+SEGMENT_COLUMNS = ("pack", "src", "row", "key", "shard", "truncated", "tok_offset", "tokens", "media")
+#: Facts of a video the encoder measured that its :class:`MediaRef` carries.
+VIDEO_FIELDS = ("total_frames", "fps", "duration", "frame_indices", "second_per_grid_ts")
+#: Estimated bytes of a record besides its token arrays and media: headers, json, padding.
+_RECORD_OVERHEAD = 4096
+_MEDIA_OVERHEAD = 1024
+_SEGMENT_OVERHEAD = 512
+#: Bytes per token in a record: int32 token + uint8 target.
+_TOKEN_BYTES = 5
+
+
+def estimate_pack_bytes(pack: np.ndarray, lengths: np.ndarray, media_bytes: np.ndarray, n_packs: int) -> np.ndarray:
+    """Estimated tar bytes of each pack, from its segments' lengths and media sizes (``pack``: pack of each
+    segment). Output shards are cut on this estimate."""
+    est = np.full(n_packs, _RECORD_OVERHEAD, dtype=np.int64)
+    np.add.at(est, pack, lengths * _TOKEN_BYTES + media_bytes + _SEGMENT_OVERHEAD)
+    return est
+
+
+def media_bytes_of(media_json: list[str]) -> np.ndarray:
+    """Source bytes (plus per-member overhead) of each encoded row's media."""
+    return np.asarray([0 if s == "[]" else sum(m["size"] + _MEDIA_OVERHEAD for m in json.loads(s))
+                       for s in media_json], dtype=np.int64)
+
+
+class _Sources:
+    """Open source shards and encode stores of one write task, each checked once before use."""
+
+    def __init__(self, root: Path, enc_dirs: list[str], stamps: dict[str, SourceStamp]):
+        self.root, self.enc_dirs, self.stamps = root, enc_dirs, stamps
+        self.arrays: dict[int, tuple[NpyReader, NpyReader]] = {}
+        self.files: dict[str, BinaryIO] = {}
+
+    def tokens(self, src: int) -> tuple[NpyReader, NpyReader]:
+        if src not in self.arrays:
+            d = Path(self.enc_dirs[src])
+            self.arrays[src] = (NpyReader(d / "tokens.npy"), NpyReader(d / "targets.npy"))
+        return self.arrays[src]
+
+    def media(self, shard: str, m: dict) -> bytes:
+        """The bytes of one media item (of a frame list: see :meth:`frames`)."""
+        f = self._open(shard)
+        f.seek(m["offset"])
+        data = f.read(m["size"])
+        if len(data) != m["size"]:
+            raise SourceError(f"{shard}: short read of member {m['part']}")
+        return data if m["item"] is None else load_bytes_list(data)[m["item"]]
+
+    def frames(self, shard: str, m: dict) -> list[bytes]:
+        """The bytes of each frame of a video given as a list of images (members, or a video of a pickled list)."""
+        if m["item"] is not None:
+            _, offset, size = m["frames"][0]
+            data = self.media(shard, {"part": m["part"], "offset": offset, "size": size, "item": None})
+            return [frame for _, frame in video_frames(data, m["part"], m["item"])]
+        return [self.media(shard, {"part": part, "offset": offset, "size": size, "item": None})
+                for part, offset, size in m["frames"]]
+
+    def _open(self, shard: str) -> BinaryIO:
+        if shard not in self.files:
+            if SourceStamp.of(self.root, shard, self.stamps[shard].metadata) != self.stamps[shard]:
+                raise SourceError(f"source shard {shard} changed after it was encoded; run the same command "
+                                  f"again to encode it anew")
+            self.files[shard] = open(self.root / shard, "rb")
+        return self.files[shard]
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        for pair in self.arrays.values():
+            for r in pair:
+                r.close()
+
+
+def write_shard(out_path: str, split: str, root: str, enc_dirs: list[str], stamps: dict[str, SourceStamp],
+                segments: pa.Table, pack_size: int, align: int) -> list[IndexedRecord]:
+    """Write the packs of one output shard (``segments``: :data:`SEGMENT_COLUMNS`). Returns the shard's record
+    index; a shard already committed is indexed, not rewritten."""
+    path = Path(out_path)
+    if path.exists() and idx_path(path).exists():
+        return index_tar(path)
+    sources = _Sources(Path(root), enc_dirs, stamps)
+    try:
+        return write_tar(path, _records(split, segments, sources, pack_size, align))
+    finally:
+        sources.close()
+
+
+def write_part(part_path: str, split: str, root: str, enc_dirs: list[str], stamps: dict[str, SourceStamp],
+               segments: pa.Table, pack_size: int, align: int) -> list[IndexedRecord]:
+    """Write some consecutive packs of an output shard as a part file (see :func:`~packtool.shards.join_tar`):
+    how the packs of one shard are written by several workers. Returns the part's index."""
+    Path(part_path).parent.mkdir(parents=True, exist_ok=True)
+    sources = _Sources(Path(root), enc_dirs, stamps)
+    try:
+        with naming(part_path), open(part_path, "wb") as f:
+            return write_records(f, _records(split, segments, sources, pack_size, align))
+    finally:
+        sources.close()
+
+
+def _records(split: str, segments: pa.Table, sources: _Sources, pack_size: int,
+             align: int) -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
+    """The tar members of each pack of ``segments``, in order."""
+    def rows() -> Iterator[tuple[Any, ...]]:  # a batch of rows at a time as Python values
+        for batch in segments.to_batches(max_chunksize=1024):
+            yield from zip(*(batch.column(c).to_pylist() for c in SEGMENT_COLUMNS))
+
+    for p, group in itertools.groupby(rows(), key=lambda row: row[0]):
+        record = assemble_record(pack_key(split, p), split, list(group), sources, pack_size, align)
+        yield record.key, record.to_members()
+
+
+def assemble_record(key: str, split: str, group: list[tuple[Any, ...]], sources: _Sources, pack_size: int,
+                    align: int) -> PackRecord:
+    """One pack from its segment rows (in pack order)."""
+    toks, tgts, seqlens, segs = [], [], [], []
+    media: dict[str, bytes] = {}
+    items = 0
+    for _, src, _, sample_key, shard, truncated, tok_offset, length, media_json in group:
+        tok, tgt = sources.tokens(src)
+        toks.append(np.asarray(tok[tok_offset: tok_offset + length]))
+        tgts.append(np.asarray(tgt[tok_offset: tok_offset + length]))
+        seqlens.append(length)
+        refs = []
+        for m in json.loads(media_json) if media_json != "[]" else ():
+            items += 1
+            if m.get("frames"):  # a video given as images: one member per frame, in frame order
+                frames = sources.frames(shard, m)
+                names = [f"m{items - 1}.{i}.{part.rsplit('.', 1)[-1].lower()}"
+                         for i, (part, _, _) in enumerate(m["frames"])]
+                media.update(zip(names, frames))
+                data, member = b"".join(frames), names[0]
+            else:
+                names, member = [], f"m{items - 1}.{m['ext']}"
+                data = media[member] = sources.media(shard, m)
+            video = {k: m[k] for k in VIDEO_FIELDS} if m["kind"] == "video" else {}
+            refs.append(MediaRef(member=member, kind=m["kind"], token_offset=m["token_offset"], tokens=m["tokens"],
+                                 grid_thw=m["grid_thw"], width=m["width"], height=m["height"], size=len(data),
+                                 sha256=sha256(data), frames=names, span=m.get("span", []),
+                                 samples=m.get("samples", 0), **video))
+        segs.append(Segment(sample_key, split, shard, bool(truncated), refs))
+    return PackRecord(key, np.concatenate(toks), np.concatenate(tgts), np.asarray(seqlens, dtype=np.int32),
+                      pack_size, align, segs, media, __version__)

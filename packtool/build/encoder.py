@@ -1,0 +1,517 @@
+"""Encode: conversation -> token ids, per-token targets and media spans, with over-long samples cut or dropped.
+
+The tokenizer's own chat template renders each sample. Targets are each assistant reply plus the end-of-turn
+token the template emits after it: from ``{% generation %}`` spans when the template has them, otherwise by
+rendering the conversation up to each assistant turn (with the generation prompt) and taking the reply that
+follows that prefix. A template proven to copy message text verbatim renders each conversation *shape* once
+instead, with the same text and reply positions (:mod:`packtool.build.chatshape`). Each image placeholder token is
+expanded to the image's exact token count.
+
+Media of every kind (image, video, audio) are measured before tokenizing: a member that does not read, or a kind
+the model folder has no rule for, quarantines the sample, so no sample is packed without its media.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from packtool import families
+from packtool.build import hfcompat
+from packtool.build.chatshape import ShapeRenderer
+from packtool.build.sources import Conversation, RawSample
+from packtool.build.sources.conversation import conversation_adapter
+from packtool.build.sources.custom import custom_adapter, load_function
+from packtool.build.sources.mbridge import chatml_adapter, chatml_fields
+from packtool.build.sources.safepickle import load_bytes_list, video_frames
+from packtool.build.sources.sample import MEDIA_TAGS, TAG_PATTERN, Media, tag_kinds
+from packtool.build.sources.typed import sample_type, typed_adapter
+from packtool.build.tokenizing import Tokenizing, Tokens
+from packtool.errors import ConfigError, FatalSampleError, SampleError, is_data_error, sample_reason
+from packtool.families import Family
+from packtool.format import sha256
+from packtool.media import image_size, probe_audio, probe_frames, probe_video
+from packtool.settings import EncodeSettings
+
+#: Texts longer than this many characters per kept token are cut before tokenizing (see ``Encoder._bounded``).
+_CHARS_PER_TOKEN = 64
+#: Tokens past the kept ones that a cut text must still yield for the kept ones to be exact.
+_STABLE_TOKENS = 64
+
+
+@dataclass
+class Encoded:
+    """One encoded sample: what the ledger records and, unless dropped, what a pack segment holds."""
+
+    key: str
+    shard: str
+    index: int
+    status: str  # packed | truncated | dropped | error
+    reason: str = ""
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    targets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
+    #: Media kept, in placeholder order: part, item, kind, ext, token_offset, tokens, span, grid_thw, width, height,
+    #: offset, size (where the member lies in the source shard; for an item of a pickled list, the list's member);
+    #: videos add frames (``[part, offset, size]`` of each frame of a frame list), total_frames, fps, duration,
+    #: frame_indices, second_per_grid_ts and sha256 (of the bytes measured, checked again when the pack is
+    #: written); audio adds samples.
+    media: list[dict] = field(default_factory=list)
+    #: Length before truncation (0 if encoding failed).
+    source_tokens: int = 0
+    #: False when a huge text was cut before tokenizing: ``source_tokens`` is then a lower bound.
+    length_known: bool = True
+
+
+def check_tokenizer_dir(tokenizer_dir: str | Path) -> None:
+    """Raise :class:`ConfigError` if the folder cannot provide a fast tokenizer and a chat template."""
+    d = Path(tokenizer_dir)
+    if not d.is_dir():
+        if not d.exists() and re.fullmatch(r"[\w-][\w.-]*/[\w-][\w.-]*", str(tokenizer_dir)):
+            raise ConfigError(f"tokenizer folder {d} does not exist; {tokenizer_dir} looks like a Hugging Face model "
+                              f"id, and packtool reads local folders only: download it first (hf download "
+                              f"{tokenizer_dir} --local-dir DIR) and pass that folder")
+        raise ConfigError(f"tokenizer folder {d} " + ("is not a folder" if d.exists() else "does not exist"))
+    if not (d / "tokenizer.json").exists():
+        raise ConfigError(f"tokenizer folder {d} has no tokenizer.json (a fast tokenizer is required)")
+    has_template = (d / "chat_template.jinja").exists() or (d / "chat_template.json").exists()
+    if not has_template and (d / "tokenizer_config.json").exists():
+        has_template = "chat_template" in json.loads((d / "tokenizer_config.json").read_text())
+    if not has_template:
+        raise ConfigError(f"tokenizer folder {d} has no chat template (chat_template.jinja)")
+
+
+def _processor_template(tokenizer_dir: str | Path) -> str | None:
+    """The template a VLM folder keeps for its processor (``chat_template.json``), when the tokenizer has none."""
+    path = Path(tokenizer_dir) / "chat_template.json"
+    return json.loads(path.read_text()).get("chat_template") if path.exists() else None
+
+
+def load_tokenizer(tokenizer_dir: str | Path):
+    """The folder's tokenizer class, imported by name (``AutoTokenizer`` would import torch: 300 MB per worker)."""
+    import transformers
+
+    cfg_path = Path(tokenizer_dir) / "tokenizer_config.json"
+    name = json.loads(cfg_path.read_text()).get("tokenizer_class") if cfg_path.exists() else None
+    cls = getattr(transformers, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if cls is None:
+        cls = transformers.AutoTokenizer if name else transformers.PreTrainedTokenizerFast
+    return cls.from_pretrained(str(tokenizer_dir), local_files_only=True)
+
+
+def _compile(source: str, tokenizer_dir: str) -> Any:
+    """The compiled chat template; one that Jinja refuses (a syntax error, an unknown filter or test) is a
+    :class:`ConfigError` naming the model folder, raised before any sample is read."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        template = hfcompat.compile_template(source)
+        env = template.environment
+        # Jinja checks a filter or test only where it runs (inside a macro or a branch: at render time, for every
+        # sample); every one the template names must exist.
+        for node in env.parse(source).find_all((nodes.Filter, nodes.Test)):
+            kind, known = ("filter", env.filters) if isinstance(node, nodes.Filter) else ("test", env.tests)
+            if node.name not in known:
+                raise jinja2.TemplateAssertionError(f"No {kind} named {node.name!r}.", node.lineno)
+    except jinja2.TemplateError as exc:
+        line = getattr(exc, "lineno", None)
+        where = f" (line {line})" if line else ""
+        raise ConfigError(f"{tokenizer_dir}: the chat template does not compile{where}: "
+                          f"{exc.message or exc}") from None
+    return template
+
+
+class Encoder:
+    """Turns raw samples into :class:`Encoded` rows; one per worker process (see :func:`get_encoder`)."""
+
+    def __init__(self, settings: EncodeSettings, dataset_yaml: dict | None = None):
+        check_tokenizer_dir(settings.tokenizer)
+        self.settings = settings
+        self.tok = load_tokenizer(settings.tokenizer)
+        if not getattr(self.tok, "is_fast", False):
+            raise ConfigError(f"{settings.tokenizer}: not a fast tokenizer")
+        self.template_source = self.tok.chat_template or _processor_template(settings.tokenizer)
+        if isinstance(self.template_source, dict):  # named templates: the default one renders conversations
+            self.template_source = self.template_source.get("default")
+        if not isinstance(self.template_source, str):
+            raise ConfigError(f"{settings.tokenizer}: no default chat template")
+        self.template = _compile(self.template_source, settings.tokenizer)
+        self.template_kwargs = dict(self.tok.special_tokens_map)
+        today = datetime.date.fromisoformat(settings.template_date)  # checked by EncodeSettings
+        self.template_kwargs["strftime_now"] = today.strftime  # shadows the global that reads the clock
+        self.generation_tags = re.search(r"\{%-?\s*generation\s*-?%\}", self.template_source) is not None
+        #: Renders by conversation shape where the template provably copies message text verbatim (no
+        #: generation tags: those spans come from the rendering itself).
+        self.shapes = None if self.generation_tags else ShapeRenderer(
+            self.template.environment.parse(self.template_source),
+            lambda m, prompt: self.render(m, add_generation_prompt=prompt))
+        vocab = self.tok.get_vocab()
+        self.tokenizing = Tokenizing(self.tok.backend_tokenizer, vocab)
+        #: The model family under the settings' convention: media plans, placeholders, manifest entries.
+        self.family: Family = families.load(settings, self.tok)
+        self.special_ids = frozenset(self.tok.all_special_ids) | frozenset(self.tok.added_tokens_encoder.values())
+        self.special_array = np.array(sorted(self.special_ids), dtype=np.int64)
+        self.control_tokens = tuple(t for t in self.tok.added_tokens_encoder if t not in MEDIA_TAGS.values())
+        self.control_starts = frozenset(t[0] for t in self.control_tokens if t)
+        self.structured = self._template_takes_image_parts()
+        self.placeholder_text = {kind: self.family.placeholder_text(kind, self.structured)
+                                 for kind in ("image", "video", "audio")}
+        self.kind = sample_type(dataset_yaml or {})
+        self.field_map = (dataset_yaml or {}).get("field_map") or {}
+        if (dataset_yaml or {}).get("sample_loader") and not settings.adapter:
+            raise ConfigError("dataset.yaml uses a sample_loader: give an adapter (module:function) for it")
+        self.custom = load_function(settings.adapter) if settings.adapter else None
+        self.chatml = chatml_fields(dataset_yaml or {})
+        newline = self.tok.backend_tokenizer.encode("\n", add_special_tokens=False).ids
+        self.newline_id = newline[0] if len(newline) == 1 else None
+        if settings.target_newline_after_eot and self.newline_id is None:
+            raise ConfigError(f"{settings.tokenizer}: no single newline token, so target_newline_after_eot cannot "
+                              f"apply")
+
+    # -- rendering -------------------------------------------------------------------------------------------
+    def _template_messages(self, messages: list[dict]) -> list[dict]:
+        """Messages as the template wants them: media parts (structured) or the placeholder text in place."""
+        out = []
+        for m in messages:
+            text = self.family.convention.turn_text(m["content"], m["role"])
+            kinds = tag_kinds(text)
+            if self.structured and kinds:
+                pieces = TAG_PATTERN.split(text)
+                content: list[dict[str, str]] = []
+                for i, piece in enumerate(pieces):
+                    if i:
+                        content.append({"type": kinds[i - 1]})
+                    if piece:
+                        content.append({"type": "text", "text": piece})
+                out.append({"role": m["role"], "content": content})
+            else:
+                for kind, tag in MEDIA_TAGS.items():  # in turn, as the template sees them
+                    text = text.replace(tag, self.placeholder_text[kind])
+                out.append({"role": m["role"], "content": text})
+        return out
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.template.render(
+            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs,
+        )
+
+    def _template_takes_image_parts(self) -> bool:
+        image_token = self.family.tokens.image_token
+        if image_token is None:
+            return False
+        probe: list[dict] = [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]},
+            {"role": "assistant", "content": "y"},
+        ]
+        try:
+            return image_token in self.render(probe)
+        except Exception:
+            return False
+
+    def target_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and the character spans of each assistant reply (end-of-turn token added later)."""
+        tm = self._template_messages(messages)
+        if self.generation_tags:
+            return hfcompat.render_with_spans(self.template, tm, **self.template_kwargs)
+        shaped = self.shapes.render(tm) if self.shapes is not None else None
+        text = shaped[0] if shaped is not None else self.render(tm)
+        spans = []
+        for i, m in enumerate(tm):
+            if m["role"] != "assistant":
+                continue
+            if shaped is not None:  # the length of the prefix rendering, proven a prefix of the text
+                start = shaped[1][i]
+            else:
+                prefix = self.render(tm[:i], add_generation_prompt=True)
+                if not text.startswith(prefix):
+                    if not any(m["role"] == "user" for m in tm[:i]):
+                        raise SampleError(f"the conversation starts with an assistant turn (turn {i}); the chat "
+                                          f"template renders it differently without a user turn before it")
+                    raise SampleError(f"the chat template renders the conversation up to assistant turn {i} "
+                                      f"differently from its start in the whole conversation, so the reply "
+                                      f"cannot be located; a template with {{% generation %}} tags avoids this")
+                start = len(prefix)
+            reply = m["content"] if isinstance(m["content"], str) else ""
+            for candidate in (reply, reply.strip(), reply.lstrip()):
+                if text.startswith(candidate, start):
+                    spans.append((start, start + len(candidate)))
+                    break
+            else:
+                raise SampleError(f"assistant reply {i} does not appear verbatim in the rendered chat")
+        return text, spans
+
+    # -- adapters --------------------------------------------------------------------------------------------
+    def conversation(self, raw: RawSample) -> Conversation:
+        if self.custom is not None:
+            return custom_adapter(raw.parts, raw.key, self.custom)
+        if self.kind is not None:
+            return typed_adapter(raw.parts, kind=self.kind, field_map=self.field_map,
+                                 prompt=self.settings.caption_prompt)
+        if self.chatml is not None:
+            return chatml_adapter(raw.parts, fields=self.chatml, allow_pickle=self.settings.allow_pickle)
+        return conversation_adapter(raw.parts, allow_pickle=self.settings.allow_pickle)
+
+    def _media_facts(self, raw: RawSample, conv: Conversation) -> list[dict]:
+        """What each media item costs and where its bytes lie; a member that does not read, or a kind the model
+        folder has no rule for, raises :class:`SampleError` naming the member."""
+        facts = []
+        lists: dict[str, Sequence[bytes]] = {}
+        n_images = sum(m.kind == "image" for m in conv.media)
+        for m in conv.media:
+            try:
+                if m.kind == "image":
+                    facts.append(self._image_facts(raw, m, lists, n_images))
+                elif m.kind == "video":
+                    facts.append(self._video_facts(raw, m))
+                else:
+                    facts.append(self._audio_facts(raw, m))
+            except SampleError:
+                raise
+            except ValueError as exc:  # the media layer's reasons name no member
+                raise SampleError(f"media {m.part!r}: {exc}") from None
+        return facts
+
+    def _image_facts(self, raw: RawSample, m: Media, lists: dict[str, Sequence[bytes]], n_images: int) -> dict:
+        """An image's size, grid and tokens; ``n_images``: images of the sample (Nemotron Omni's patch budget
+        depends on how many images its processor is given at once)."""
+        if m.item is None:
+            data = raw.parts[m.part]
+            offset, size = raw.ranges[m.part]
+            ext = m.part.rsplit(".", 1)[-1].lower()
+        else:
+            if m.part not in lists:
+                lists[m.part] = load_bytes_list(raw.parts[m.part]) if self.settings.allow_pickle else []
+            items = lists[m.part]
+            if m.item >= len(items):
+                raise SampleError(f"media {m.part}[{m.item}] referenced but missing")
+            data, ext = items[m.item], ""
+            offset, size = raw.ranges[m.part]  # the writer re-reads the list and takes the item
+        width, height, fmt = image_size(data, max_pixels=self.settings.pixel_limit,
+                                        decode=self.settings.media_check == "decode")
+        if not ext or len(ext) > 8 or not ext.isalnum():
+            ext = {"jpeg": "jpg"}.get(fmt, fmt or "bin")
+        item = {"part": m.part, "item": m.item, "kind": m.kind, "ext": ext, "width": width, "height": height,
+                "offset": offset, "size": size}
+        item.update(self.family.media_input("image", [data], False, None))
+        return {**item, **self.family.plan_image(width, height, n_images).fields("image")}
+
+    def _video_facts(self, raw: RawSample, m: Media) -> dict:
+        """A video's plan from its container facts (or its frames' headers): the frames the processor is given,
+        the grid, the tokens and ``second_per_grid_ts``."""
+        decode = self.settings.media_check == "decode"
+        if m.item is not None:  # a video of a pickled list: its encoded frames as stored, named by format
+            named = video_frames(raw.parts[m.part], m.part, m.item)
+        else:
+            named = [(f, raw.parts[f]) for f in m.frames]
+        if named:
+            data = [d for _, d in named]
+            facts = probe_frames(data, max_pixels=self.settings.pixel_limit, decode=decode)
+        else:
+            data = [raw.parts[m.part]]
+            facts = probe_video(data[0], max_pixels=self.settings.pixel_limit, decode=decode)
+        offset, _ = raw.ranges[m.part]
+        item: dict[str, Any] = {
+            "part": m.part, "item": m.item, "kind": "video", "ext": m.part.rsplit(".", 1)[-1].lower(),
+            "width": facts.width, "height": facts.height, "offset": offset, "size": sum(len(d) for d in data),
+            "sha256": sha256(b"".join(data)),
+            "frames": [[f, *raw.ranges[f if m.item is None else m.part]] for f, _ in named],
+            "total_frames": facts.frames, "fps": facts.fps, "duration": facts.duration}
+        item.update(self.family.media_input("video", data, bool(named), facts))
+        return {**item, **self.family.plan_video(facts, m.part).fields("video")}
+
+    def _audio_facts(self, raw: RawSample, m: Media) -> dict:
+        """An audio clip's tokens and the length of the waveform its processor is given (``samples``, at the
+        processor's rate after any length cap); no grid, no pixels."""
+        data = raw.parts[m.part]
+        facts = probe_audio(data, decode=self.settings.media_check == "decode")
+        offset, size = raw.ranges[m.part]
+        item: dict[str, Any] = {"part": m.part, "item": None, "kind": "audio", "ext": m.part.rsplit(".", 1)[-1].lower(),
+                                "grid_thw": [], "width": 0, "height": 0, "offset": offset, "size": size}
+        item.update(self.family.media_input("audio", [data], False, facts))
+        return {**item, **self.family.plan_audio(facts, m.part).fields("audio")}
+
+    # -- encoding --------------------------------------------------------------------------------------------
+    def encode_many(self, raws: list[RawSample], strict: bool = False) -> list[Encoded]:
+        """Encode a batch of samples (one shard); tokenization runs batched. A sample that fails for a reason
+        of its own data becomes an ``error`` row (``strict``: raises :class:`FatalSampleError` naming it);
+        packtool's own bugs propagate (:func:`packtool.errors.is_data_error`)."""
+        staged: list[tuple[RawSample, str, list, list[dict]] | Encoded] = []
+        for raw in raws:
+            with self._guard(raw, strict, staged):
+                if raw.problem:
+                    raise SampleError(raw.problem)
+                conv = self.conversation(raw)
+                self._check_conversation(conv)
+                self.family.check_media([m.kind for m in conv.media])
+                media = self._media_facts(raw, conv)
+                text, spans = self.target_spans(conv.messages)
+                text, spans = self.family.expand_text(text, spans, media)
+                staged.append((raw, text, spans, media))
+        texts = [self._bounded(s[1]) for s in staged if not isinstance(s, Encoded)]
+        batch = self._tokenize(texts)
+        out: list[Encoded] = []
+        j = 0
+        for s in staged:
+            if isinstance(s, Encoded):
+                out.append(s)
+                continue
+            raw, text, spans, media = s
+            encoding = batch[j]
+            j += 1
+            with self._guard(raw, strict, out):
+                tokenized = texts[j - 1]
+                while True:
+                    if isinstance(encoding, Exception):
+                        raise encoding
+                    if len(tokenized) == len(text) or len(encoding) > self.settings.max_tokens + _STABLE_TOKENS:
+                        break
+                    tokenized = text[:len(tokenized) * 8]  # the cut left too few tokens: cut further out
+                    encoding = self._tokenize([tokenized])[0]
+                out.append(self._finish(raw, encoding, len(tokenized), spans, media, cut=len(tokenized) < len(text)))
+        return out
+
+    @contextmanager
+    def _guard(self, raw: RawSample, strict: bool, into: list) -> Iterator[None]:
+        """Turn a data error raised for ``raw`` into its ``error`` row appended to ``into``."""
+        try:
+            yield
+        except Exception as exc:
+            if not is_data_error(exc):
+                raise
+            if strict:
+                raise FatalSampleError(f"{raw.shard}/{raw.key}: {sample_reason(exc)}") from exc
+            into.append(Encoded(raw.key, raw.shard, raw.index, "error", sample_reason(exc)))
+
+    def _bounded(self, text: str) -> str:
+        """The text to tokenize: a sample keeps at most ``max_tokens`` tokens, so a huge text is cut far beyond
+        that (``_CHARS_PER_TOKEN`` characters a token) before the tokenizer sees it; ``encode_many`` checks the
+        cut left enough tokens to be exact, and tokenizes the whole text when not."""
+        limit = max(_CHARS_PER_TOKEN * (self.settings.max_tokens + _STABLE_TOKENS), 1 << 16)
+        return text if len(text) <= limit else text[:limit]
+
+    def _tokenize(self, texts: list[str]) -> list[Tokens | SampleError]:
+        """Each text's :class:`~packtool.build.tokenizing.Tokens`, batched; a text the tokenizer refuses gets a
+        :class:`SampleError` instead."""
+        return [SampleError(f"the tokenizer cannot encode the text: {type(t).__name__}: {t}")
+                if isinstance(t, Exception) else t for t in self.tokenizing.encode(texts)]
+
+    def _check_conversation(self, conv: Conversation) -> None:
+        """Reasons a conversation cannot be trained on, found before rendering (so the reason says what is wrong,
+        not how the template failed). Whatever the adapter, the media tags must name the media, kind for kind."""
+        kinds = [tag_kinds(m["content"]) for m in conv.messages]
+        tags = [k for turn in kinds for k in turn]
+        if tags != [m.kind for m in conv.media]:
+            raise SampleError(f"media tags in the text ({', '.join(tags) or 'none'}) do not match the sample's "
+                              f"media ({', '.join(m.kind for m in conv.media) or 'none'})")
+        for i, (m, turn) in enumerate(zip(conv.messages, kinds)):
+            if m["role"] == "assistant" and not m["content"].strip():
+                raise SampleError(f"assistant reply in turn {i} is empty")
+            if m["role"] == "assistant" and turn:
+                tag = MEDIA_TAGS[turn[0]]
+                raise SampleError(f"a media tag {tag} lies in assistant turn {i}; media belong in user turns")
+            text = m["content"]
+            if any(c in text for c in self.control_starts):  # else no control token can be in it
+                for t in self.control_tokens:
+                    if t in text:
+                        raise SampleError(f"{m['role']} text contains the control token {t!r}")
+            if text.isascii():
+                continue
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise SampleError(f"{m['role']} text of turn {i} is not valid Unicode "
+                                  f"({exc.reason} at character {exc.start})") from None
+
+    def _finish(self, raw: RawSample, encoding: Tokens, text_len: int, spans, media: list[dict],
+                 cut: bool) -> Encoded:
+        """Targets from the reply spans, placeholders expanded, limits applied. ``encoding`` is the tokenizer's
+        of a text of ``text_len`` characters; ``cut``: the text was cut before tokenizing (its last tokens are
+        dropped as unsettled, and so are the media past the cut)."""
+        ids = encoding.ids
+        if cut:
+            ids = ids[:-_STABLE_TOKENS]
+        n = len(ids)
+        targets = np.zeros(n, dtype=np.uint8)
+        for s, e in spans:  # the tokens that start inside the reply (their offsets looked up, not all converted)
+            first, end = encoding.token_at(s, n), encoding.token_at(e, n)
+            targets[first:end] = 1
+            if not self.generation_tags:  # reply found by prefix rendering: add the end-of-turn token after it
+                if end < n and int(ids[end]) in self.special_ids:
+                    targets[end] = 1
+        self.family.convention.mark_targets(ids, targets, self.special_array, self.newline_id)
+        tokens, targets, media = self.family.place(encoding, ids, targets, media, cut, text_len, self.special_ids)
+        enc = Encoded(raw.key, raw.shard, raw.index, "packed", "", tokens, targets, media, len(tokens), not cut)
+        if not targets.any() and not cut:  # cut: the replies lie past the cut, the sample is over-long (_fit)
+            raise SampleError("no training targets")
+        fitted = self._fit(enc)
+        if fitted.status == "packed" and not targets.any():
+            raise SampleError("no training targets")
+        return fitted
+
+    def _fit(self, enc: Encoded) -> Encoded:
+        """Apply the per-pack limits to one sample: cut at a safe boundary, or drop, per ``overlong``."""
+        st = self.settings
+        cut, why = len(enc.tokens), []
+        if cut > st.max_tokens:
+            at_least = "" if enc.length_known else "at least "
+            cut, why = st.max_tokens, [f"{at_least}{len(enc.tokens)} tokens > {st.max_tokens}"]
+        image_total = 0
+        for j, m in enumerate(enc.media):
+            image_total += m["tokens"]
+            over_images = st.max_images is not None and j + 1 > st.max_images
+            over_tokens = st.max_image_tokens is not None and image_total > st.max_image_tokens
+            if over_images or over_tokens:
+                s, _ = self.family.media_span(enc.tokens, m)
+                if s < cut:
+                    cut = s
+                    why.append(f"{m['kind']} {j + 1} over the per-pack " + ("image cap" if over_images else
+                                                                               "image-token cap"))
+                break
+        for m in enc.media:  # never cut inside a media span
+            s, e = self.family.media_span(enc.tokens, m)
+            if s < cut < e:
+                cut = s
+        if cut == len(enc.tokens):
+            return enc
+        reason = "; ".join(why)
+        if st.overlong == "drop":
+            return Encoded(enc.key, enc.shard, enc.index, "dropped", f"over limit: {reason}",
+                           source_tokens=enc.source_tokens, length_known=enc.length_known)
+        if not enc.targets[:cut].any():
+            return Encoded(enc.key, enc.shard, enc.index, "dropped",
+                           f"no training target fits before a safe cut at {cut} tokens ({reason})",
+                           source_tokens=enc.source_tokens, length_known=enc.length_known)
+        kept = [m for m in enc.media if self.family.media_span(enc.tokens, m)[1] <= cut]
+        return Encoded(enc.key, enc.shard, enc.index, "truncated", f"truncated to {cut}: {reason}",
+                       enc.tokens[:cut].copy(), enc.targets[:cut].copy(), kept, enc.source_tokens,
+                       enc.length_known)
+
+
+def model_facts(settings: EncodeSettings, dataset_yaml: dict | None = None) -> dict:
+    """What the manifest records of the model folder (token ids, image rule), from this process's encoder: the
+    pipeline runs it as its first task, so a model folder that cannot encode fails before OUTPUT is touched, and
+    the parent never loads a tokenizer it does not use."""
+    encoder = get_encoder(settings, dataset_yaml)
+    tok = encoder.tok
+    pad = next((int(c) for c in (tok.pad_token_id, tok.eos_token_id) if c is not None), 0)
+    return {"pad_token_id": pad, "eos_token_id": tok.eos_token_id, **encoder.family.manifest_entries()}
+
+
+@lru_cache(maxsize=4)
+def _cached_encoder(settings: EncodeSettings, dataset_yaml_json: str) -> Encoder:
+    return Encoder(settings, json.loads(dataset_yaml_json))
+
+
+def get_encoder(settings: EncodeSettings, dataset_yaml: dict | None = None) -> Encoder:
+    """The encoder for these settings, built once per process."""
+    return _cached_encoder(settings, json.dumps(dataset_yaml or {}, sort_keys=True, default=str))

@@ -1,0 +1,58 @@
+"""The ledger: one :class:`~packtool.format.LedgerRow` per source sample, written once per run from the plans."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from packtool.commit import commit_path
+from packtool.errors import FormatError
+from packtool.format import LEDGER, LEDGER_SCHEMA, STATUSES
+
+if TYPE_CHECKING:
+    from packtool.build.split_plan import SplitPlan
+
+
+def read_ledger(path: str | Path, columns: list[str] | None = None) -> pa.Table:
+    """The ledger of a packed output folder, or a ledger file itself (only ``columns``, when given)."""
+    p = Path(path)
+    file = p / LEDGER if p.is_dir() else p
+    try:
+        return pq.read_table(file, columns=columns)
+    except (pa.ArrowException, KeyError) as exc:  # not Parquet, or a Parquet file without the ledger's columns
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise FormatError(f"{file} is not a packtool ledger ({reason})") from None
+
+
+def ledger_table(split: str, plan: SplitPlan) -> pa.Table:
+    """The ledger rows of one planned split (pack keys computed by Arrow: no Python string per row)."""
+    t, n = plan.table, plan.table.num_rows
+    number = pc.utf8_lpad(pc.cast(pa.array(plan.pack, mask=plan.pack < 0), pa.string()), 9, "0")
+    pack_col = pc.binary_join_element_wise(pa.scalar(f"{split}-"), number, "")
+    return pa.table({
+        "key": t.column("key"), "split": pa.array([split] * n, pa.string()), "shard": t.column("shard"),
+        "status": t.column("status"), "reason": t.column("reason"), "tokens": t.column("tokens"),
+        "targets": t.column("targets"), "images": t.column("images"), "image_tokens": t.column("image_tokens"),
+        "pack": pack_col, "source_tokens": t.column("source_tokens"),
+    }, schema=LEDGER_SCHEMA)
+
+
+def write_ledger(output: Path, plans: Mapping[str, SplitPlan]) -> tuple[dict, dict]:
+    """Write ``ledger.parquet`` and return the counts per split and status, and the packs per split."""
+    tables: list[pa.Table] = []
+    counts: dict[str, dict[str, int]] = {}
+    packs: dict[str, int] = {}
+    for split, plan in plans.items():
+        tables.append(ledger_table(split, plan))
+        statuses = {v["values"]: v["counts"] for v in pc.value_counts(plan.table.column("status")).to_pylist()}
+        counts[split] = {"samples": plan.table.num_rows, **{s: statuses.get(s, 0) for s in STATUSES}}
+        packs[split] = plan.n_packs
+    table = pa.concat_tables(tables) if tables else LEDGER_SCHEMA.empty_table()
+    with commit_path(output / LEDGER) as tmp:
+        pq.write_table(table, tmp)
+    return counts, packs

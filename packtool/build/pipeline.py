@@ -1,0 +1,268 @@
+"""``packtool pack``, the orchestration: scan + encode per source shard, plan per split, write per output shard,
+then the ledger, Energon's metadata and the manifest, last.
+
+Each stage commits its own results (:mod:`packtool.commit`); the manifest is written last, so an OUTPUT with a
+manifest is complete and a rerun of an interrupted run finishes it with the same bytes, whatever the worker
+count, the engine or where it was interrupted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from packtool import __version__
+from packtool.build.assemble import SEGMENT_COLUMNS, write_part, write_shard
+from packtool.build.engine import Engine
+from packtool.build.ledger import write_ledger
+from packtool.build.output import OutputDir, check_paths
+from packtool.build.sources import SourceDataset, open_source
+from packtool.build.sources.energon import shard_layout
+from packtool.build.split_plan import SplitPlan, load_encoded, plan_split
+from packtool.build.store import BYTES_PER_RANGE, SAMPLES_PER_RANGE, FailureLimits, SourceStamp, encode_range
+from packtool.build.workers import model_facts, pack_engine
+from packtool.commit import commit_bytes, temporary_name
+from packtool.errors import ConfigError, FormatError
+from packtool.format import (
+    FORMAT_VERSION,
+    MANIFEST,
+    TOKENIZER_DIR,
+    TOKENIZER_FILES,
+    IndexedRecord,
+    Manifest,
+    check_split_name,
+    shard_path,
+    tokenizer_fingerprint,
+    write_energon_metadata,
+)
+from packtool.settings import PackSettings, RunOptions
+from packtool.shards import idx_path, index_tar, join_tar
+
+
+@dataclass
+class PackResult:
+    """What a run did, for the caller to report."""
+
+    output: Path
+    counts: dict = field(default_factory=dict)
+    packs: dict = field(default_factory=dict)
+    #: Seconds per stage of this invocation (scan+encode, plan, write, finalize).
+    seconds: dict = field(default_factory=dict)
+    #: ``(status, count, total, limit)`` for each ledger status above its limit (``RunOptions.limits``): the run
+    #: wrote everything, and failed.
+    over_limits: list = field(default_factory=list)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = now - self.last
+        self.last = now
+
+
+def pack(source: str | Path, output: str | Path, settings: PackSettings, run: RunOptions | None = None, *,
+         started_engine: Engine | None = None, **options: object) -> PackResult:
+    """Pack every requested split of ``source`` into ``output`` (see the module docstring). ``run`` (or its
+    fields as keyword ``options``) says how the run goes. ``started_engine``: an entered engine from
+    :func:`packtool.build.workers.pack_engine` for the same source and settings, started early by the caller (by
+    default the run starts its own once the source and settings check out).
+
+    >>> pack("dataset", "packed", PackSettings(EncodeSettings(tokenizer="model", pack_size=8192)),
+    ...      workers=2, progress=False)  # doctest: +SKIP
+    """
+    run = run or RunOptions(**options)  # type: ignore[arg-type]
+    clock = _Clock()
+    source, output = Path(source).resolve(), Path(output).resolve()
+    src = check_inputs(source, output, settings)
+    fingerprints = settings.fingerprints(source, tokenizer_fingerprint(settings.encode.tokenizer))
+    # The engine is up (Ray reached) and the model folder proven by a worker before OUTPUT is touched; the OUTPUT
+    # lock outlives every worker.
+    if started_engine is not None:
+        return _pack(started_engine, src, output, settings, run, fingerprints, clock)
+    with pack_engine(source, settings.encode, run) as own:
+        return _pack(own, src, output, settings, run, fingerprints, clock)
+
+
+def check_inputs(source: str | Path, output: str | Path, settings: PackSettings) -> SourceDataset:
+    """Every check that needs no sample, in a fraction of a second (the caller runs it before starting workers):
+    the source's metadata and shards, OUTPUT's place, the model folder's files. Returns the opened source."""
+    from packtool.build.encoder import check_tokenizer_dir
+
+    source, output = Path(source).resolve(), Path(output).resolve()
+    src = open_source(source, list(settings.splits) or None)
+    check_paths(source, output, Path(settings.encode.tokenizer))
+    for split in src.splits:
+        try:
+            check_split_name(split)
+        except FormatError as exc:
+            raise ConfigError(str(exc)) from None
+    check_tokenizer_dir(settings.encode.tokenizer)
+    return src
+
+
+def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettings, run: RunOptions,
+          fingerprints: dict, clock: _Clock) -> PackResult:
+    source = src.root
+    facts = engine.map(model_facts, [(settings.encode, src.dataset_yaml)], progress=False)[0]
+    with OutputDir(output, fingerprints, overwrite=run.overwrite) as out:
+        stamps = {s: SourceStamp.of(source, s, src.metadata) for shards in src.splits.values() for s in shards}
+        if out.drop_stale_encodings(stamps):
+            out.clear_output()  # a source shard changed since it was encoded: every plan is stale
+        done = _finished(output, run)
+        if done is not None:
+            return done
+        enc_dirs = _encode(engine, out, src, settings, run, stamps)
+        clock.lap("scan+encode")
+        plans = {split: plan_split(split, load_encoded(enc_dirs[split]), settings) for split in src.splits}
+        for split, plan in plans.items():
+            _check_packable(split, plan, settings)
+        clock.lap("plan")
+        out_shards = {split: [shard_path(split, k) for k in range(plan.n_shards)] for split, plan in plans.items()}
+        indexes = {} if run.dry_run else _write(engine, source, output, settings, run, plans, out_shards, enc_dirs,
+                                                stamps)
+        clock.lap("write")
+        counts, packs = write_ledger(output, plans)
+        if not run.dry_run:
+            write_energon_metadata(output, {k: v for k, v in out_shards.items() if v}, indexes,
+                                   version("megatron-energon"))
+            _copy_tokenizer(Path(settings.encode.tokenizer), output / TOKENIZER_DIR)
+        commit_bytes(output / MANIFEST, _manifest(settings, fingerprints, source, out_shards, counts, packs,
+                                                  run.dry_run, facts).to_bytes())
+        clock.lap("finalize")
+        return PackResult(output, counts, packs, clock.seconds, over_limits(counts, run))
+
+
+def over_limits(counts: dict, run: RunOptions) -> list[tuple[str, int, int, float]]:
+    """``(status, count, total, limit)`` for each status whose share of all splits' samples exceeds its limit."""
+    total = sum(c["samples"] for c in counts.values())
+    out = []
+    for status, limit in run.limits().items():
+        n = sum(c[status] for c in counts.values())
+        if total and n / total > limit:
+            out.append((status, n, total, limit))
+    return out
+
+
+def _finished(output: Path, run: RunOptions) -> PackResult | None:
+    """The result of a run already complete with these settings; a dry run's manifest is dropped when a full
+    run finishes it (on the same encode work)."""
+    path = output / MANIFEST
+    if not path.exists():
+        return None
+    manifest = Manifest.read(output)
+    if run.dry_run or not manifest.dry_run:
+        return PackResult(output, manifest.counts, manifest.packs, over_limits=over_limits(manifest.counts, run))
+    path.unlink()
+    return None
+
+
+def _encode(engine: Engine, out: OutputDir, src: SourceDataset, settings: PackSettings, run: RunOptions,
+            stamps: dict[str, SourceStamp]) -> dict[str, list[Path]]:
+    """Walk every shard's headers, then encode its ranges; returns each split's range stores in order."""
+    shards = [(split, i, shard) for split, names in src.splits.items() for i, shard in enumerate(names)]
+    layouts = engine.map(shard_layout, [(src.root, shard, src.excluded_samples) for _, _, shard in shards],
+                         desc="scan", unit="shard", progress=run.progress, names=[shard for _, _, shard in shards])
+    tasks: list[tuple] = []
+    names: list[str] = []
+    enc_dirs: dict[str, list[Path]] = {split: [] for split in src.splits}
+    limits = FailureLimits(run.max_failures_in_a_row, run.max_same_failures)
+    for (split, i, shard), layout in zip(shards, layouts):
+        for k, span in enumerate(layout.ranges(SAMPLES_PER_RANGE, BYTES_PER_RANGE)):
+            store = out.encode_dir(split, i, k)
+            enc_dirs[split].append(store)
+            tasks.append((str(src.root), layout, span, src.excluded_samples, settings.encode, src.dataset_yaml,
+                          src.shard_counts.get(shard), stamps[shard], run.strict, str(store), limits))
+            names.append(f"{shard} (samples from {span.first})")
+    engine.map(encode_range, tasks, desc="encode", unit="range", progress=run.progress, names=names)
+    return enc_dirs
+
+
+def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, run: RunOptions,
+           plans: dict[str, SplitPlan],
+           out_shards: dict[str, list[str]], enc_dirs: dict[str, list[Path]],
+           stamps: dict[str, SourceStamp]) -> dict[str, list[IndexedRecord]]:
+    """One task per output shard, each with a compact table of its own rows (no Python object per row); with
+    fewer shards than workers, each shard is written as parts by several tasks and joined (same bytes)."""
+    shards = []
+    for split, plan in plans.items():
+        if not plan.n_shards:
+            continue
+        rows = np.flatnonzero(plan.pack >= 0)
+        rows = rows[np.lexsort((rows, plan.pack[rows]))]
+        bounds = np.searchsorted(plan.shard_of_pack[plan.pack[rows]], np.arange(plan.n_shards + 1))
+        table = plan.table.append_column("pack", pa.array(plan.pack)).select(list(SEGMENT_COLUMNS))
+        split_stamps = {s: stamps[s] for s in src_shards(plan)}
+        for k in range(plan.n_shards):
+            args = (split, str(source), [str(d) for d in enc_dirs[split]], split_stamps,
+                    table.take(rows[bounds[k]:bounds[k + 1]]), settings.encode.pack_size, settings.encode.align)
+            shards.append((output / out_shards[split][k], args))
+    if not shards or len(shards) >= engine.workers:
+        written = engine.map(write_shard, [(str(path), *args) for path, args in shards], desc="write",
+                             unit="shard", progress=run.progress, names=[str(path) for path, _ in shards])
+    else:
+        written = _write_in_parts(engine, shards, engine.workers // len(shards), run.progress)
+    return dict(zip((s for names in out_shards.values() for s in names), written))  # tasks in this order
+
+
+def _write_in_parts(engine: Engine, shards: list[tuple[Path, tuple]], parts: int,
+                    progress: bool) -> list[list[IndexedRecord]]:
+    """Write each shard as ``parts`` part files of consecutive packs (a task each), then join them in order: the
+    workers a shard task alone would leave idle share its work. A shard already committed is indexed."""
+    tasks: list[tuple] = []
+    pieces: list[list[Path]] = []  # each shard's part files, in order (none: already committed)
+    for path, (split, root, dirs, split_stamps, segments, pack_size, align) in shards:
+        pieces.append([])
+        if path.exists() and idx_path(path).exists():
+            continue
+        packs = segments.column("pack").to_numpy()
+        cuts = np.searchsorted(packs, np.linspace(packs[0], packs[-1] + 1, parts + 1)[1:-1])
+        bounds = [0, *cuts.tolist(), segments.num_rows]
+        for a, b in zip(bounds, bounds[1:]):
+            if a < b:
+                part = temporary_name(path.with_name(f"{path.name}.part{len(pieces[-1])}"))
+                pieces[-1].append(part)
+                tasks.append((str(part), split, root, dirs, split_stamps, segments.slice(a, b - a), pack_size,
+                              align))
+    indexes = iter(engine.map(write_part, tasks, desc="write", unit="part", progress=progress,
+                              names=[f"{t[0]} (a part of an output shard)" for t in tasks]))
+    return [join_tar(path, [(part, next(indexes)) for part in parts_of]) if parts_of else index_tar(path)
+            for (path, _), parts_of in zip(shards, pieces)]
+
+
+def src_shards(plan: SplitPlan) -> list[str]:
+    """Source shards of a split's encoded rows."""
+    return plan.table.column("shard").unique().to_pylist() if plan.table.num_rows else []
+
+
+def _check_packable(split: str, plan: SplitPlan, settings: PackSettings) -> None:
+    """A split whose every encodable sample was dropped means the pack size is too small for this data."""
+    status = plan.table.column("status").to_pylist()
+    if status and all(s == "dropped" for s in status if s != "error") and "dropped" in status:
+        need = [r for s, r in zip(status, plan.table.column("reason").to_pylist()) if s == "dropped"][0]
+        raise ConfigError(f"split {split!r}: pack_size {settings.encode.pack_size} is smaller than any sample "
+                          f"can be truncated to (first: {need})")
+
+
+def _manifest(settings: PackSettings, fingerprints: dict, source: Path, out_shards: dict, counts: dict,
+              packs: dict, dry_run: bool, facts: dict) -> Manifest:
+    return Manifest(
+        packtool=__version__, format=FORMAT_VERSION, fingerprint=fingerprints, settings=settings.describe(),
+        source=str(source), splits=out_shards,
+        tokenizer={"fingerprint": fingerprints["encode"]["tokenizer"], "dir": TOKENIZER_DIR},
+        seed=settings.plan.seed, counts=counts, packs=packs, dry_run=dry_run, **facts,
+    )
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            commit_bytes(dst / name, (src / name).read_bytes())

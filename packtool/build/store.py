@@ -1,0 +1,240 @@
+"""The encode stage's store: one folder per range of a source shard, under
+``OUTPUT/.packtool/encode/<split>/<shard number>/<range number>``.
+
+A shard is cut into ranges of consecutive samples (:class:`~packtool.build.sources.energon.SampleRange`, from a walk
+over its headers) so that tasks are even and a task's memory does not grow with its shard. ``encode_range`` (one
+task per range) reads its samples, encodes them and commits the folder atomically: ``samples.parquet`` (one
+:data:`ENCODED_SCHEMA` row per sample, on-disk order), ``tokens.npy`` and ``targets.npy`` (the kept samples'
+tokens, concatenated) and ``source.json`` (what the source shard looked like when it was read, and which of
+its samples the range holds). A rerun keeps a folder only while its source shard still looks the same and the
+range is the same: an edited shard is encoded again, so a resumed run never packs stale bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from packtool.build.sources.energon import SampleRange, ShardLayout, ShardScan
+from packtool.commit import commit_path
+from packtool.errors import LimitError, SourceError
+from packtool.format import KEPT, STATUSES, npy_bytes
+from packtool.settings import EncodeSettings
+
+if TYPE_CHECKING:
+    from packtool.build.encoder import Encoded
+
+#: Raw bytes of source samples held at once by an encode task (at most 256 samples, fewer if media are large).
+CHUNK_BYTES = 64 * 2**20
+CHUNK_SAMPLES = 256
+#: Key of the ledger row that stands for the unreadable rest of a shard.
+UNREADABLE = "#unreadable-after-"
+
+#: Columns of an encoded source shard, one row per sample in on-disk order.
+ENCODED_SCHEMA = pa.schema([
+    ("key", pa.string()), ("shard", pa.string()), ("status", pa.string()), ("reason", pa.string()),
+    ("tokens", pa.int32()), ("source_tokens", pa.int32()), ("targets", pa.int32()), ("images", pa.int32()),
+    ("image_tokens", pa.int32()), ("truncated", pa.bool_()), ("tok_offset", pa.int64()), ("media", pa.string()),
+])
+
+
+@dataclass(frozen=True)
+class SourceStamp:
+    """What a source shard looked like when it was read: any change of it (or of the dataset metadata that
+    decided how it was read) makes its encoded folder stale."""
+
+    shard: str
+    size: int
+    mtime_ns: int
+    #: Changes with every write to the file, and cannot be set back by a user.
+    ctime_ns: int
+    #: SHA-256 of the dataset's ``.nv-meta`` files that decide how the shard is read.
+    metadata: str
+
+    @classmethod
+    def of(cls, root: Path, shard: str, metadata: str) -> SourceStamp:
+        st = os.stat(root / shard)
+        return cls(shard, st.st_size, st.st_mtime_ns, st.st_ctime_ns, metadata)
+
+
+def range_stamp(stamp: SourceStamp, span: SampleRange) -> dict:
+    """What a range's ``source.json`` records: the shard's stamp and which of its samples the range holds (so a
+    store made with other range bounds, e.g. by another packtool version, is never taken for this range)."""
+    return {**asdict(stamp), "range": [span.first, span.start, span.stop]}
+
+
+def is_current(folder: Path, stamp: SourceStamp, span: SampleRange) -> bool:
+    """Whether ``folder`` holds a committed encoding of this range of the shard as ``stamp`` describes it now."""
+    try:
+        return json.loads((folder / "source.json").read_text()) == range_stamp(stamp, span)
+    except (OSError, ValueError):
+        return False
+
+
+#: Samples per encode task, at most.
+SAMPLES_PER_RANGE = 1024
+#: Bytes of source shard per encode task, about (a range closes at the first sample past it): a shard of videos
+#: is split into tasks of even work, whatever its sample count.
+BYTES_PER_RANGE = 32 << 20
+
+
+@dataclass(frozen=True)
+class FailureLimits:
+    """When an encode task stops the run: a failure (error or dropped) that is systematic (a setting, the model
+    folder, the data's layout) would only repeat over the rest of the run. 0 turns a rule off."""
+
+    #: This many failed samples in a row.
+    in_a_row: int = 100
+    #: This many failed samples with the very same reason (a reason that names no property of one sample).
+    same_reason: int = 20
+
+
+class _FailureWatch:
+    def __init__(self, limits: FailureLimits, shard: str):
+        self.limits, self.shard = limits, shard
+        self.streak: list[str] = []
+        self.reasons: Counter[str] = Counter()
+
+    def see(self, encoded: list[Encoded]) -> None:
+        for e in encoded:
+            if e.status not in ("error", "dropped"):
+                self.streak = []
+                continue
+            self.streak.append(e.key)
+            self.reasons[stable_reason(e.reason)] += 1
+            n, same = self.limits.in_a_row, self.limits.same_reason
+            if n and len(self.streak) >= n:
+                raise LimitError(f"stopped early: {n} samples in a row of {self.shard} failed ({self.streak[0]} to "
+                                 f"{e.key}; the last: {e.status}, {e.reason}); fix the cause or raise "
+                                 f"max_failures_in_a_row (0: never stop)")
+            if same and self.reasons[e.reason] >= same:
+                raise LimitError(f"stopped early: {same} samples of {self.shard} failed for the same reason (the "
+                                 f"last {e.key}: {e.status}, {e.reason}); fix the cause or raise max_same_failures "
+                                 f"(0: never stop)")
+
+
+def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: frozenset, settings: EncodeSettings,
+                 dataset_yaml: dict, expected: int | None, stamp: SourceStamp, strict: bool,
+                 out_dir: str, limits: FailureLimits = FailureLimits()) -> dict[str, int]:
+    """Encode the samples of one range of a shard into ``out_dir`` (see the module doc); returns status counts.
+    Raises :class:`LimitError` as soon as the samples fail systematically (``limits``); a stopped range commits
+    nothing.
+
+    ``expected`` is the shard's sample count from the dataset's ``.info.json`` (None if unknown): when the last
+    range finds fewer samples in the shard (a second tar appended after an end-of-archive marker, a lost tail),
+    it adds an error row saying so, so no sample is lost without a ledger row.
+    """
+    out = Path(out_dir)
+    if is_current(out, stamp, span):
+        return status_counts(pq.read_table(out / "samples.parquet", columns=["status"]))
+    from packtool.build.encoder import get_encoder  # here, in the worker: the parent never loads the encoder
+
+    encoder = get_encoder(settings, dataset_yaml)
+    encoded: list[Encoded] = []
+    chunk: list = []
+    chunk_bytes, unreadable = 0, None
+    shard = layout.shard
+    scan = ShardScan(Path(root), shard, excluded, max_sample_bytes=settings.max_sample_bytes, span=span,
+                     layout=layout)
+    samples = iter(scan)
+    watch = _FailureWatch(limits, shard)
+    while True:
+        try:
+            raw = next(samples)
+        except StopIteration:
+            break
+        except SourceError as exc:
+            if strict:
+                raise
+            unreadable = str(exc)
+            break
+        chunk.append(raw)
+        chunk_bytes += sum(len(v) for v in raw.parts.values())
+        if len(chunk) >= CHUNK_SAMPLES or chunk_bytes >= CHUNK_BYTES:  # raw bytes held stay bounded
+            encoded += encoder.encode_many(chunk, strict=strict)
+            watch.see(encoded[len(encoded) - len(chunk):])
+            chunk, chunk_bytes = [], 0
+    encoded += encoder.encode_many(chunk, strict=strict)
+    watch.see(encoded[len(encoded) - len(chunk):])
+    rows, offset = [], 0
+    for e in encoded:
+        rows.append(_row(e, offset))
+        offset += len(e.tokens) if e.status in KEPT else 0
+    lost = f"{UNREADABLE}{span.kept_before + len(encoded)}"
+    if unreadable is not None:
+        rows.append(_error_row(lost, shard, unreadable))
+    elif span.last and expected is not None and span.first + scan.seen < expected:
+        rows.append(_error_row(lost, shard, f"the dataset's .info.json counts {expected} samples in {shard}, the "
+                                            f"tar holds {span.first + scan.seen}"))
+    kept = [e for e in encoded if e.status in KEPT]
+    tokens = np.concatenate([e.tokens for e in kept]).astype(np.int32) if kept else np.zeros(0, np.int32)
+    targets = np.concatenate([e.targets for e in kept]).astype(np.uint8) if kept else np.zeros(0, np.uint8)
+    table = pa.Table.from_pylist(rows, schema=ENCODED_SCHEMA)
+    with commit_path(out) as tmp:
+        tmp.mkdir()
+        (tmp / "tokens.npy").write_bytes(npy_bytes(tokens))
+        (tmp / "targets.npy").write_bytes(npy_bytes(targets))
+        pq.write_table(table, tmp / "samples.parquet")
+        (tmp / "source.json").write_text(json.dumps(range_stamp(stamp, span)))
+    return status_counts(table)
+
+
+#: The address in an object's default repr (``<_io.BytesIO object at 0x7f…>``), which a library's error text may
+#: carry (PIL's does): it differs from run to run.
+_ADDRESS = re.compile(r"(<[^<>]*?) at 0x[0-9a-fA-F]+>")
+
+
+def stable_reason(reason: str) -> str:
+    """A ledger reason without what differs between identical runs (object addresses)."""
+    return _ADDRESS.sub(r"\1>", reason)
+
+
+def _row(e: Encoded, offset: int) -> dict:
+    keep = e.status in KEPT
+    return {"key": e.key, "shard": e.shard, "status": e.status, "reason": stable_reason(e.reason),
+            "tokens": len(e.tokens) if keep else 0, "source_tokens": e.source_tokens,
+            "targets": int(np.count_nonzero(e.targets)) if keep else 0, "images": len(e.media) if keep else 0,
+            "image_tokens": sum(m["tokens"] for m in e.media) if keep else 0,
+            "truncated": e.status == "truncated", "tok_offset": offset if keep else -1,
+            "media": json.dumps(e.media, separators=(",", ":")) if keep and e.media else "[]"}
+
+
+def _error_row(key: str, shard: str, reason: str) -> dict:
+    return {"key": key, "shard": shard, "status": "error", "reason": stable_reason(reason), "tokens": 0,
+            "source_tokens": 0, "targets": 0, "images": 0, "image_tokens": 0, "truncated": False, "tok_offset": -1,
+            "media": "[]"}
+
+
+def status_counts(table: pa.Table) -> dict[str, int]:
+    statuses = table.column("status").to_pylist()
+    return {s: statuses.count(s) for s in STATUSES}
+
+
+class NpyReader:
+    """Slices of a 1-D ``.npy`` file by positioned reads: unlike a memory map, what was read does not stay in
+    the process's resident memory."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "rb")
+        version = np.lib.format.read_magic(self.file)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+            np.lib.format.read_array_header_2_0
+        _, _, self.dtype = read_header(self.file)
+        self.start = self.file.tell()
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        size = self.dtype.itemsize
+        data = os.pread(self.file.fileno(), (s.stop - s.start) * size, self.start + s.start * size)
+        return np.frombuffer(data, self.dtype)
+
+    def close(self) -> None:
+        self.file.close()

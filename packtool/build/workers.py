@@ -1,0 +1,38 @@
+"""The worker processes of a ``pack`` run. They can be started before the parent imports anything heavy (the
+command line does), so their start-ups — an interpreter each, transformers, the tokenizer — overlap the parent's
+own imports and its reading of the source. The functions here run in the workers and import the encoder there:
+the parent never needs it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from packtool.build.engine import Engine
+from packtool.settings import EncodeSettings, RunOptions
+
+
+def pack_engine(source: str | Path, settings: EncodeSettings, run: RunOptions) -> Engine:
+    """The engine for packing ``source`` with these settings (not yet entered): every worker builds its encoder
+    as it starts (:func:`warm`)."""
+    return Engine(run.engine, run.workers, run.ray_address, initializer=warm,
+                  initargs=(settings, str(Path(source).resolve())))
+
+
+def model_facts(settings: EncodeSettings, dataset_yaml: dict) -> dict:
+    """What the manifest records of the model folder, from a worker's encoder (the parent never imports the
+    encoder: :func:`packtool.build.encoder.model_facts`)."""
+    from packtool.build.encoder import model_facts as facts
+
+    return facts(settings, dataset_yaml)
+
+
+def warm(settings: EncodeSettings, source: str) -> None:
+    """Build this worker's encoder as it starts (the workers' start-ups overlap). A model folder or source that
+    does not open is left to the run to report, as its own error."""
+    try:
+        from packtool.build.encoder import get_encoder
+        from packtool.build.sources.energon import read_dataset_yaml
+
+        get_encoder(settings, read_dataset_yaml(source))
+    except Exception:
+        pass

@@ -1,0 +1,92 @@
+"""Model families behind one interface (:class:`~packtool.families.base.Family`), and their registry.
+
+A family knows, for one kind of model folder: how to detect it (:meth:`Family.detect`), its settings from the
+folder plus the overrides (:meth:`Family.load`), the token plan of each media item from the item's facts
+(``plan_image``, ``plan_video``, ``plan_audio``), where its placeholders expand (``expand_in``: in the ids, in the
+text, or by the processor; ``placeholder_text``, ``expand_text``, ``place``), its manifest entries
+(``manifest_entries``) and how to read them back (``owns``, ``from_manifest``), the placeholder ids verify and the
+reader check spans with (``placeholder_ids``) and what verify re-derives (``check_image``, ``check_video``).
+The encoder, verify, the reader and the loaders ask the family; they hold no family branches of their own.
+
+Families: :class:`~.qwen2_vl.Qwen2VL`, :class:`~.nemotron_omni.NemotronOmni`, :class:`~.fixed.FixedCount`
+(``image_tokens``), :class:`~.base.NoMedia` (no media rule), and :class:`~.processor.ProcessorMode` (the folder's
+own processor expands the placeholders), which wraps the folder's family when packtool has one.
+
+Adding a family: one module with a :class:`Family` subclass (``detect``, ``load``, ``owns``, ``from_manifest``,
+``manifest_entries``, and the ``plan_*`` of the kinds it takes; a family that expands in the text subclasses
+:class:`~.base.ExpandsInText` and gives ``placeholders``), one line in :data:`FAMILIES` (detection order: first
+match wins), and its tests (``tests/test_families.py`` shows it for :mod:`.fixed`).
+
+Adding a convention (the same family under another trainer's data path, :mod:`.conventions`):
+
+1. Add a :class:`~.conventions.Convention` value to :data:`~.conventions.CONVENTIONS` under its ``--preset`` name
+   (and the name to ``packtool.settings.Preset``). Its fields are the choices every family shares: which tokens
+   are targets (``target_newline_after_eot``; override :meth:`Convention.mark_targets` for other rules), the
+   layout of a turn around its media (``media_first``; :meth:`Convention.turn_text`), the image resize rule's
+   pixel bounds (``min_pixels``, ``max_pixels``). The preset fills the matching encode settings.
+2. Where it changes one family's media, subclass that family and override: ``plan_image`` (the image resize
+   rule), ``plan_video`` (frame sampling, frame labels and canvas), ``plan_audio`` (audio counts),
+   ``placeholder_text`` / ``expand_text`` (headers and joins around media), ``manifest_entries`` /
+   ``from_manifest`` (what a reader needs to reproduce its pixels), and register the subclass in the family's
+   ``variants`` under the convention's name: ``NemotronOmni.variants["my-convention"] = MyNemotronOmni``.
+   :func:`load` builds the variant when the settings name that convention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from packtool.errors import ConfigError
+from packtool.families.base import Family, ItemPlan, MediaTokens, NoMedia, NoRule
+from packtool.families.conventions import CONVENTIONS, TRANSFORMERS, Convention
+from packtool.families.fixed import FixedCount
+from packtool.families.nemotron_nemo_rl import NemoRLNemotronOmni  # noqa: F401  (registers the variant)
+from packtool.families.nemotron_omni import NemotronOmni
+from packtool.families.processor import ProcessorMode
+from packtool.families.qwen2_vl import Qwen2VL
+
+if TYPE_CHECKING:
+    from packtool.settings import EncodeSettings
+
+__all__ = ["CONVENTIONS", "FAMILIES", "TRANSFORMERS", "Convention", "Family", "ItemPlan", "MediaTokens", "NoRule",
+           "from_manifest", "load"]
+
+#: The families a model folder is matched against, in order (the first whose ``detect`` says yes).
+FAMILIES: tuple[type[Family], ...] = (
+    NemotronOmni,
+    FixedCount,
+    Qwen2VL,
+    NoMedia,
+)
+
+
+def load(settings: EncodeSettings, tok: Any) -> Family:
+    """The family of the model folder ``settings.tokenizer`` under the convention the settings name, with the
+    settings' overrides; the processor mode wraps it. :class:`ConfigError` for a folder or setting it cannot
+    take."""
+    convention = Convention.of(settings)
+    folder = Path(settings.tokenizer)
+    cls = next(c for c in FAMILIES if c.detect(folder, settings))
+    if convention.family is not None and cls.name != convention.family:
+        raise ConfigError(f"{settings.tokenizer}: --preset {convention.name} is for {convention.family} model folders")
+    family: Family = cls.variants.get(convention.name, cls).load(settings, tok, convention)
+    if ProcessorMode.detect(folder, settings):
+        wrapped = ProcessorMode.wrap(None if isinstance(family, NoMedia) else family, settings, tok)
+        wrapped.audio_max_seconds = settings.audio_max_seconds
+        return wrapped
+    if settings.audio_max_seconds is not None and "audio" not in family.kinds:
+        raise ConfigError(f"{settings.tokenizer}: audio_max_seconds applies to Nemotron Omni model folders (or the "
+                          f"processor mode) only")
+    return family
+
+
+def from_manifest(manifest: Mapping) -> Family:
+    """The family a manifest was written by; ``ValueError`` for one no family owns or malformed settings."""
+    owners: tuple[type[Family], ...] = (ProcessorMode, *FAMILIES)
+    for cls in owners:
+        if cls.owns(manifest):
+            return cls.from_manifest(manifest)
+    entry = manifest.get("image_processor")
+    raise ValueError(f"unsupported image processor {entry!r}")

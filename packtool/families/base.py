@@ -1,0 +1,414 @@
+"""The model-family interface: what packtool must know of a model family, on every side.
+
+A :class:`Family` is built from a model folder (:meth:`Family.load`, encode side) or read back from a manifest
+(:meth:`Family.from_manifest`, verify and runtime sides). See :mod:`packtool.families` for the registry and how
+to add a family or a convention.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import numpy as np
+
+from packtool.errors import SampleError
+from packtool.families.conventions import Convention
+
+if TYPE_CHECKING:
+    from packtool.media.audio import AudioFacts
+    from packtool.media.video import VideoFacts
+    from packtool.settings import EncodeSettings
+
+#: Where a family's placeholders become their expansion: the placeholder token repeated in the token ids
+#: (Qwen2-VL), the expansion written into the text before tokenizing (Nemotron Omni), or the folder's own
+#: processor (the processor mode).
+ExpandIn = Literal["ids", "text", "processor"]
+#: The text tags of a conversation (``<image>``, ``<video>``, ``<audio>``).
+IMAGE_TAG, VIDEO_TAG, AUDIO_TAG = "<image>", "<video>", "<audio>"
+
+
+class NoRule(SampleError):
+    """A media item of a kind the family has no token rule for (the sample is quarantined with the reason)."""
+
+
+@dataclass(frozen=True)
+class ItemPlan:
+    """What one media item becomes for a family: its placeholder tokens and what the manifest records of it."""
+
+    tokens: int
+    grid_thw: tuple[int, ...] = ()
+    #: Video: the frames the processor is given.
+    frame_indices: tuple[int, ...] = ()
+    #: Qwen2-VL video: seconds one temporal patch spans.
+    second_per_grid_ts: float | None = None
+    #: Audio: samples of the waveform the processor is given (None: not counted by the family).
+    samples: int | None = None
+    #: The text the placeholder becomes (families that expand in the text).
+    text: str | None = None
+
+    def fields(self, kind: str) -> dict[str, Any]:
+        """The item's encoded fields, in the order the encode store records them."""
+        out: dict[str, Any] = {"tokens": self.tokens}
+        if kind != "audio":
+            out["grid_thw"] = list(self.grid_thw)
+        if kind == "video":
+            out["frame_indices"] = list(self.frame_indices)
+            out["second_per_grid_ts"] = self.second_per_grid_ts
+        if kind == "audio" and self.samples is not None:
+            out["samples"] = self.samples
+        if self.text is not None:
+            out["text"] = self.text
+        return out
+
+
+@dataclass(frozen=True)
+class MediaTokens:
+    """The tokens a family's placeholders are made of, and the text each tag becomes in a rendered template."""
+
+    #: The image placeholder (as text) and the id the model fills with image embeddings.
+    image_token: str | None = None
+    image_token_id: int | None = None
+    #: Markers around an image's (and a video's) placeholders.
+    vision_start_id: int | None = None
+    vision_end_id: int | None = None
+    #: Video placeholder id (None: videos expand into image tokens, or the folder takes no video).
+    video_token_id: int | None = None
+    #: What a ``<video>`` / ``<audio>`` tag becomes in a template that renders text only.
+    video_text: str = "<|video_pad|>"
+    audio_text: str = AUDIO_TAG
+    #: Audio placeholder id and its markers.
+    audio_token_id: int | None = None
+    audio_start_id: int | None = None
+    audio_end_id: int | None = None
+
+    @classmethod
+    def from_vocab(cls, vocab: Mapping[str, int]) -> MediaTokens:
+        """The tokens a Qwen-style vocabulary names (``<|image_pad|>`` or ``<image>``, the vision markers,
+        ``<|video_pad|>``)."""
+        image = next((t for t in ("<|image_pad|>", "<image>") if t in vocab), None)
+        start = vocab.get("<|vision_start|>")
+        return cls(image_token=image, image_token_id=vocab.get(image) if image else None, vision_start_id=start,
+                   vision_end_id=vocab.get("<|vision_end|>"), video_token_id=vocab.get("<|video_pad|>"),
+                   video_text="<|vision_start|><|video_pad|><|vision_end|>" if start is not None else "<|video_pad|>")
+
+    def image_text(self, structured: bool) -> str:
+        """What an ``<image>`` tag becomes in the rendered text (``structured``: the template writes media parts
+        itself): the placeholder, wrapped in the vision markers for a Qwen-style folder."""
+        if structured or self.vision_start_id is None or self.image_token != "<|image_pad|>":
+            return self.image_token or ""
+        return "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+class Family(ABC):
+    """One model family under one convention: its token plan per media item, how its placeholders expand, its
+    manifest entries, and (read back from a manifest) what verify re-derives and what the reader builds.
+
+    An instance from :meth:`load` serves the encoder; one from :meth:`from_manifest` serves verify and the
+    runtime (no model folder, no tokenizer: ``tokens`` then holds the manifest's ids)."""
+
+    #: The family's name (``image_processor.family`` in the manifest where it writes one).
+    name: ClassVar[str]
+    #: Where its placeholders expand (see :data:`ExpandIn`).
+    expand_in: ClassVar[ExpandIn] = "ids"
+    #: Subclasses of this family that a convention needs (convention name -> class); see :mod:`packtool.families`.
+    variants: ClassVar[dict[str, type[Family]]] = {}
+    #: Media kinds the family has a token rule for.
+    kinds: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, tokens: MediaTokens, convention: Convention, folder: str = "") -> None:
+        self.tokens = tokens
+        self.convention = convention
+        self.folder = folder
+
+    # -- which family -----------------------------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def detect(cls, folder: Path, settings: EncodeSettings) -> bool:
+        """Whether the model folder (with these settings) belongs to this family."""
+
+    @classmethod
+    @abstractmethod
+    def load(cls, settings: EncodeSettings, tok: Any, convention: Convention) -> Family:
+        """The family's settings from the folder plus the overrides in ``settings``; :class:`ConfigError` for a
+        folder or setting it cannot take."""
+
+    @classmethod
+    @abstractmethod
+    def owns(cls, manifest: Mapping) -> bool:
+        """Whether a manifest was written by this family."""
+
+    @classmethod
+    @abstractmethod
+    def from_manifest(cls, manifest: Mapping) -> Family:
+        """The family as a manifest describes it (``ValueError`` for malformed settings)."""
+
+    # -- encode: each media item's plan ---------------------------------------------------------------------------
+    def plan_image(self, width: int, height: int, n_images: int) -> ItemPlan:
+        """An image's tokens and grid (``n_images``: images of its sample)."""
+        raise NoRule("sample has images but the model folder has no preprocessor_config.json (set "
+                     "image_tokens for a fixed count per image, or use the processor mode)")
+
+    def plan_video(self, facts: VideoFacts, part: str) -> ItemPlan:
+        """A video's frames, grid and tokens from its container facts."""
+        raise NoRule(f"media {part!r}: the model folder {Path(self.folder).name} has no rule for videos (the "
+                     f"processor mode has)")
+
+    def plan_audio(self, facts: AudioFacts, part: str) -> ItemPlan:
+        """An audio clip's tokens and the waveform length its processor is given."""
+        raise NoRule(f"media {part!r}: the model folder {Path(self.folder).name} has no rule for audio (the "
+                     f"processor mode has)")
+
+    def check_media(self, kinds: list[str]) -> None:
+        """Refuse a sample's media kinds before its media are read (:class:`SampleError`)."""
+        if self.tokens.image_token_id is None and "image" in kinds:
+            raise SampleError("sample has images but the tokenizer has no image token")
+
+    def media_input(self, kind: str, data: list[bytes], framed: bool, facts: Any) -> dict[str, Any]:
+        """Fields an item needs besides its plan before expansion (the processor mode: the decoded media)."""
+        return {}
+
+    # -- encode: placeholders ------------------------------------------------------------------------------------
+    def placeholder_text(self, kind: str, structured: bool) -> str:
+        """What a tag of ``kind`` becomes in the text the template renders."""
+        if kind == "image":
+            return self.tokens.image_text(structured)
+        return self.tokens.video_text if kind == "video" else self.tokens.audio_text
+
+    def expand_text(self, text: str, spans: list[tuple[int, int]],
+                    media: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text with the placeholders expanded where the family does it in the text (and the reply
+        spans moved to match); unchanged for a family that expands in the ids."""
+        return text, spans
+
+    def place(self, encoding: Any, ids: np.ndarray, targets: np.ndarray, media: list[dict], cut: bool,
+              text_len: int, special_ids: frozenset[int]) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+        """Tokens, targets and each kept item's ``token_offset`` and ``span``: each placeholder token repeated to
+        its item's count (``cut``: items past a cut text are left out)."""
+        placeholder = {"image": self.tokens.image_token_id, "video": self.tokens.video_token_id}
+        pads = _positions(ids, [t for t in placeholder.values() if t is not None])
+        if cut:
+            media = media[:len(pads)]
+        if len(pads) != len(media):
+            raise SampleError(f"template produced {len(pads)} media placeholders for {len(media)} media items")
+        if not media:  # text only: nothing to expand
+            return ids.astype(np.int32), targets, media
+        if any(int(ids[p]) != placeholder.get(m["kind"]) for p, m in zip(pads, media)):
+            raise SampleError("the template's media placeholders are not in the order of the media kinds")
+        if np.any(targets[pads]):
+            raise SampleError("a media placeholder lies inside an assistant reply")
+        repeat = np.ones(len(ids), dtype=np.int64)
+        repeat[pads] = [m["tokens"] for m in media]
+        new_start = np.concatenate([[0], np.cumsum(repeat)[:-1]])
+        for m, p in zip(media, pads):
+            m["token_offset"] = int(new_start[p])
+        tokens = np.repeat(ids, repeat).astype(np.int32)
+        targets = np.repeat(targets, repeat)
+        for m in media:
+            m["span"] = list(self.media_span(tokens, m))
+        return tokens, targets, media
+
+    def media_span(self, tokens: np.ndarray, m: dict) -> tuple[int, int]:
+        """``[start, end)`` of an item's whole expansion: recorded (``span``), else its placeholder tokens widened
+        by the vision markers around them."""
+        if m.get("span"):
+            return m["span"][0], m["span"][1]
+        s, e = m["token_offset"], m["token_offset"] + m["tokens"]
+        start, end = self.tokens.vision_start_id, self.tokens.vision_end_id
+        if s > 0 and start is not None and tokens[s - 1] == start:
+            s -= 1
+        if e < len(tokens) and end is not None and tokens[e] == end:
+            e += 1
+        return s, e
+
+    # -- the manifest ---------------------------------------------------------------------------------------------
+    @abstractmethod
+    def manifest_entries(self) -> dict[str, Any]:
+        """The manifest's media entries: ``image_processor``, ``video_processor`` and the media token ids."""
+
+    def placeholder_ids(self) -> dict[str, int | None]:
+        """Placeholder token id of each media kind in the packs (verify and the reader check spans with them)."""
+        return {"image": self.tokens.image_token_id, "video": self.tokens.video_token_id}
+
+    # -- verify: what it re-derives ---------------------------------------------------------------------------------
+    #: Whether verify can derive each item's grid, frames and tokens again from the manifest's settings.
+    rederives: ClassVar[bool] = True
+
+    def check_image(self, width: int, height: int, n_images: int) -> tuple[list[int], int] | None:
+        """``(grid_thw, tokens)`` the manifest's rule gives an image; None when it has no image rule."""
+        try:
+            plan = self.plan_image(width, height, n_images)
+        except NoRule:
+            return None
+        return list(plan.grid_thw), plan.tokens
+
+    def check_video(self, facts: VideoFacts) -> tuple[list[int], int, list[int], float | None] | None:
+        """``(grid_thw, tokens, frame_indices, second_per_grid_ts)`` for a video; None without a video rule."""
+        try:
+            plan = self.plan_video(facts, "")
+        except NoRule:
+            return None
+        return list(plan.grid_thw), plan.tokens, list(plan.frame_indices), plan.second_per_grid_ts
+
+    #: Whether the family's placeholders were expanded in the text (verify's round trip through the tokenizer
+    #: then keeps them as they are; else each run collapses back to one placeholder first).
+    @property
+    def expanded_in_text(self) -> bool:
+        return self.expand_in != "ids"
+
+
+def manifest_tokens(manifest: Mapping) -> MediaTokens:
+    """The media token ids a manifest records."""
+    return MediaTokens(image_token_id=manifest.get("image_token_id"),
+                       vision_start_id=manifest.get("vision_start_token_id"),
+                       vision_end_id=manifest.get("vision_end_token_id"),
+                       video_token_id=manifest.get("video_token_id"), audio_token_id=manifest.get("audio_token_id"),
+                       audio_start_id=manifest.get("audio_start_token_id"),
+                       audio_end_id=manifest.get("audio_end_token_id"))
+
+
+def _positions(ids: np.ndarray, values: list[int]) -> np.ndarray:
+    """Indices of the ids equal to one of a few ``values`` (``np.isin`` costs several times more on a sample)."""
+    hit = np.zeros(len(ids), dtype=bool)
+    for v in values:
+        hit |= ids == v
+    return np.flatnonzero(hit)
+
+
+class ExpandsInText(Family):
+    """A family whose processor writes each placeholder's expansion into the text and then tokenizes the whole
+    text (Nemotron Omni): the encoder does the same, so the tokens are exactly the processor's. Expanding the ids
+    instead would not be exact: a frame label merges with its neighbours under BPE."""
+
+    expand_in: ClassVar[ExpandIn] = "text"
+
+    def embed_ids(self) -> dict[str, int | None]:
+        """Token each kind's embeddings fill (what an item's ``tokens`` counts)."""
+        return self.placeholder_ids()
+
+    def placeholders(self) -> dict[str, tuple[str, str]]:
+        """``kind -> (placeholder in the rendered text, first embedding token of its expansion)``."""
+        raise NotImplementedError
+
+    def expand_text(self, text: str, spans: list[tuple[int, int]],
+                    media: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """Each placeholder of the rendered text replaced by the next expansion of its kind (``media[i]["text"]``,
+        as the processor does it kind by kind), the reply spans shifted to match, and each item's characters
+        recorded as ``media[i]["chars"]`` (start, its first embedding placeholder, end)."""
+        if not media:
+            return text, spans
+        marks = self.placeholders()
+        queues: dict[str, list[dict]] = {}
+        for m in media:
+            queues.setdefault(marks[m["kind"]][0], []).append(m)
+        pattern = re.compile("|".join(re.escape(t) for t in sorted(queues, key=len, reverse=True)))
+        pieces: list[str] = []
+        starts: list[int] = []  # where each placeholder starts and ends in the rendered text
+        ends: list[int] = []
+        shifts: list[int] = []  # how far the text after it moved
+        last = shift = 0
+        for found in pattern.finditer(text):
+            queue = queues[found.group()]
+            if not queue:
+                raise SampleError(f"the chat template renders more {found.group()} placeholders than the sample "
+                                  f"has media of that kind")
+            m = queue.pop(0)
+            expansion = m.pop("text")
+            start = found.start() + shift
+            m["chars"] = [start, start + expansion.index(marks[m["kind"]][1]), start + len(expansion)]
+            pieces += [text[last:found.start()], expansion]
+            last = found.end()
+            shift += len(expansion) - len(found.group())
+            starts.append(found.start())
+            ends.append(found.end())
+            shifts.append(shift)
+        left = {tok: len(q) for tok, q in queues.items() if q}
+        if left:
+            raise SampleError("the chat template renders no placeholder for " + ", ".join(
+                f"{k} {tok} item(s)" for tok, k in left.items()))
+        pieces.append(text[last:])
+        moved = []
+        for s, e in spans:
+            before = bisect.bisect_right(ends, s)  # placeholders that end before the reply starts
+            if bisect.bisect_left(starts, e) > before:
+                raise SampleError("a media placeholder lies inside an assistant reply")
+            delta = shifts[before - 1] if before else 0
+            moved.append((s + delta, e + delta))
+        return "".join(pieces), moved
+
+    def place(self, encoding: Any, ids: np.ndarray, targets: np.ndarray, media: list[dict], cut: bool,
+              text_len: int, special_ids: frozenset[int]) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+        """Each item's ``token_offset`` (its first embedding placeholder) and ``span`` (its whole expansion) from
+        the characters :meth:`expand_text` recorded; items past a cut text are left out (one that runs past it
+        ends at the last token: the sample is longer than a pack, and truncation never keeps it)."""
+        n = len(ids)
+        embed = self.embed_ids()
+        kept: list[dict] = []
+        previous_end = 0
+        for m in media:
+            start, first, end = m.pop("chars")
+            if start < previous_end:
+                raise SampleError("the chat template renders the media placeholders in another order than the "
+                                  "sample's media")
+            previous_end = end
+            if start >= text_len:
+                continue
+            a = covering_token(encoding, start, n)
+            b = n if end > text_len else covering_token(encoding, end - 1, n) + 1
+            if a >= n:
+                continue
+            count = int((ids[a:b] == embed[m["kind"]]).sum())
+            if b < n and count != m["tokens"]:
+                raise SampleError(f"the tokenizer splits the placeholders of {m['kind']} {len(kept) + 1}: "
+                                  f"{count} tokens for {m['tokens']}")
+            if targets[a:b].any():
+                raise SampleError("a media placeholder lies inside an assistant reply")
+            m["token_offset"], m["span"] = (covering_token(encoding, first, n) if first < text_len else n), [a, b]
+            kept.append(m)
+        return ids.astype(np.int32), targets, kept
+
+
+def covering_token(encoding: Any, pos: int, n: int) -> int:
+    """Index of the token covering character ``pos`` (at most ``n``); a character no token covers is a
+    :class:`SampleError` (media expansions start and end on marker tokens, which always cover their characters)."""
+    token = encoding.covering(pos, n)
+    if token is None:
+        raise SampleError(f"no token covers character {pos} of a media expansion")
+    return token
+
+
+class NoMedia(Family):
+    """A model folder with no media rule (a text model, or a VLM whose image settings packtool cannot read without
+    the processor mode or a fixed count): text packs, and every sample with media is quarantined with the reason."""
+
+    name = "none"
+
+    @classmethod
+    def detect(cls, folder: Path, settings: EncodeSettings) -> bool:
+        return True
+
+    @classmethod
+    def load(cls, settings: EncodeSettings, tok: Any, convention: Convention) -> NoMedia:
+        return cls(MediaTokens.from_vocab(tok.get_vocab()), convention, str(settings.tokenizer))
+
+    @classmethod
+    def owns(cls, manifest: Mapping) -> bool:
+        return manifest.get("image_processor") is None
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping) -> NoMedia:
+        from packtool.families.conventions import TRANSFORMERS
+
+        return cls(manifest_tokens(manifest), TRANSFORMERS)
+
+    def manifest_entries(self) -> dict[str, Any]:
+        t = self.tokens
+        return {"image_token_id": t.image_token_id, "vision_start_token_id": t.vision_start_id,
+                "vision_end_token_id": t.vision_end_id, "image_processor": None, "video_token_id": None,
+                "video_processor": None, "audio_token_id": None, "audio_start_token_id": None,
+                "audio_end_token_id": None}

@@ -1,0 +1,139 @@
+"""Conventions: the same model family under another trainer's data path.
+
+A :class:`Convention` is a value a family takes. transformers' processor is the default convention
+(:data:`TRANSFORMERS`); ``--preset NAME`` names another one (:data:`CONVENTIONS`), and the settings a preset fills
+(:data:`packtool.settings.PRESETS`) are the convention's :meth:`Convention.settings`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from packtool.errors import SampleError
+from packtool.families.nemo_rl_rules import assistant_text
+from packtool.format import NEMOTRON_FAMILY
+
+#: The preset of NeMo-RL's Nemotron Omni conventions.
+NEMO_RL_NEMOTRON = "nemo-rl-nemotron-omni"
+
+if TYPE_CHECKING:
+    from packtool.settings import EncodeSettings
+
+
+@dataclass(frozen=True)
+class Convention:
+    """The choices a trainer's data path makes around a family's media and targets.
+
+    Fields are the choices every family shares (each one also an encode setting, so it can be given alone);
+    what a convention changes about one family's media (its resize rule, frame sampling, frame labels and
+    canvas, audio counts, the text around media) is a subclass of that family registered for the convention
+    (see :mod:`packtool.families`)."""
+
+    #: ``--preset`` name; ``transformers`` for the default.
+    name: str = "transformers"
+    #: Which tokens are targets: also the newline token after each reply's end-of-turn token.
+    target_newline_after_eot: bool = False
+    #: Headers and joins around media: each turn's media before its text, the text pieces stripped of edge spaces.
+    media_first: bool = False
+    #: The image resize rule's pixel bounds (None: the model folder's).
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    #: Why the convention cannot be used yet (None: it can).
+    unsupported: str | None = None
+    #: The family the convention is for (its ``name``; None: any).
+    family: str | None = None
+
+    def settings(self) -> dict[str, Any]:
+        """The encode settings this convention sets (those that differ from the default convention)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("name", "unsupported", "family")
+                and getattr(self, f.name) != getattr(TRANSFORMERS, f.name)}
+
+    @classmethod
+    def of(cls, settings: EncodeSettings) -> Convention:
+        """The convention the settings ask for, with the choices given one by one (or filled by the preset)."""
+        base = CONVENTIONS[settings.preset] if settings.preset else TRANSFORMERS
+        return replace(base, target_newline_after_eot=settings.target_newline_after_eot,
+                       media_first=settings.media_first, min_pixels=settings.min_pixels,
+                       max_pixels=settings.max_pixels)
+
+    # -- what the encoder asks of it ------------------------------------------------------------------------------
+    def turn_text(self, text: str, role: str = "user") -> str:
+        """A turn's text (of a ``role`` turn) as this convention lays it out around its media tags."""
+        return media_first(text) if self.media_first else text
+
+    def mark_targets(self, ids: np.ndarray, targets: np.ndarray, special: np.ndarray, newline_id: int | None) -> None:
+        """Extra targets this convention trains on (in place): the newline token right after each reply's
+        end-of-turn token (the token after a run of targets that ends on a special token)."""
+        if not self.target_newline_after_eot:
+            return
+        t = targets.astype(bool)
+        after = np.flatnonzero(t[:-1] & ~t[1:]) + 1
+        ends_on_eot = np.isin(ids[after - 1], special)
+        targets[after[ends_on_eot & (ids[after] == newline_id)]] = 1
+
+
+@dataclass(frozen=True)
+class NemoRLChat(Convention):
+    """NeMo-RL's ``hf_multimodal`` adapter: each assistant message as the chat template adds it is a target, so
+    besides the reply, its end-of-turn token and the newline after it (``target_newline_after_eot``), its role
+    header: the tokens from the special token that opens the turn (``<|im_start|>``) to the reply."""
+
+    def mark_targets(self, ids: np.ndarray, targets: np.ndarray, special: np.ndarray, newline_id: int | None) -> None:
+        super().mark_targets(ids, targets, special, newline_id)
+        t = targets.astype(bool)
+        starts = np.flatnonzero(t & ~np.concatenate([[False], t[:-1]]))
+        opens = np.flatnonzero(np.isin(ids, special))
+        for start, k in zip(starts.tolist(), (np.searchsorted(opens, starts) - 1).tolist()):
+            if k >= 0:
+                targets[opens[k]:start] = 1
+
+
+@dataclass(frozen=True)
+class NemoRLNemotron(Convention):
+    """NeMo-RL's ``nemotron_multimodal`` encoder (prompt format ``nemotron6-moe``): replies laid out as it renders
+    them (:func:`packtool.families.nemo_rl_rules.assistant_text`); its media: the Nemotron Omni variant
+    (:mod:`packtool.families.nemotron_nemo_rl`). Targets: each reply through its end-of-turn token, as by default."""
+
+    def turn_text(self, text: str, role: str = "user") -> str:
+        text = super().turn_text(text, role)
+        if role != "assistant":
+            return text
+        try:
+            return assistant_text(text)
+        except ValueError as exc:
+            raise SampleError(str(exc)) from None
+
+
+def media_first(text: str) -> str:
+    """The turn text with its media tags moved before the text pieces (in their order), each piece stripped of
+    edge spaces (how Megatron-Bridge's Qwen-VL task encoder orders a turn); text without tags is unchanged."""
+    from packtool.build.sources.sample import MEDIA_TAGS, TAG_PATTERN, tag_kinds  # the encode side's tags
+
+    kinds = tag_kinds(text)
+    if not kinds:
+        return text
+    return "".join(MEDIA_TAGS[k] for k in kinds) + "".join(p.strip(" ") for p in TAG_PATTERN.split(text))
+
+
+#: transformers' processor: replies plus their end-of-turn token are targets, media stay where their tags are,
+#: pixel bounds come from the model folder.
+TRANSFORMERS = Convention()
+
+#: Every named convention (``--preset``).
+CONVENTIONS: dict[str, Convention] = {
+    # Megatron-Bridge's QwenVLTaskEncoder: its ``build_assistant_loss_mask`` (the newline after each reply's
+    # end-of-turn token is a target), media first, and its pixel bounds.
+    "megatron-bridge-qwen-vl": Convention("megatron-bridge-qwen-vl", target_newline_after_eot=True,
+                                          media_first=True, min_pixels=200_704, max_pixels=1_003_520),
+    # NeMo-RL's Qwen2.5-VL path (generic_sft + hf_multimodal): whole assistant messages are targets.
+    "nemo-rl-qwen-vl": NemoRLChat("nemo-rl-qwen-vl", target_newline_after_eot=True),
+    NEMO_RL_NEMOTRON: NemoRLNemotron(NEMO_RL_NEMOTRON, family=NEMOTRON_FAMILY),
+    "megatron-bridge-nemotron-omni": Convention(
+        "megatron-bridge-nemotron-omni",
+        unsupported="Megatron-Bridge's Nemotron Omni collate path writes other frame labels and canvases than "
+                    "transformers' processor, which packtool follows (no preset needed for that)"),
+}

@@ -1,0 +1,167 @@
+"""NeMo-RL's Nemotron Omni rules (its ``nemotron_multimodal`` task encoder, prompt format ``nemotron6-moe``), used by
+the ``nemo-rl-nemotron-omni`` convention (:mod:`packtool.families.nemotron_nemo_rl`) and by verify.
+
+They differ from transformers' processor, which packtool follows by default:
+
+* Images: one patch budget for all images and video frames of a sample, from the tokens the sample's text leaves
+  in the sequence (``max_sequence_length - text tokens - 4``, the text counted with each image as
+  ``<img><image></img>``), times the pixel-shuffle area; frames are scaled down together until they fit
+  (:func:`sample_image_grids`). The budget depends on the pack size, so packtool applies it per sample with the pack
+  size as the sequence length, as NeMo-RL's encoder does per sample before packing.
+* Audio: cut into clips of 30 s at the feature extractor's rate (the last one at least 0.1 s); each clip's valid
+  mel frames are its samples // hop, its ``<so_embedding>`` tokens those frames through the encoder's stride-2
+  convolutions (:func:`audio_plan`). The batch carries each clip's mel features and valid frames
+  (``sound_clips``, ``sound_length``).
+* Replies: a reply without a thinking trace starts with an empty ``<think></think>``; a trace is normalised to
+  ``<think>\\n…\\n</think>\\n`` (:func:`assistant_text`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: Tokens NeMo-RL keeps back from the budget (``max_sequence_length - length - 4``).
+BUDGET_RESERVE = 4
+#: Rounds of joint down-scaling before the last grids are taken.
+SCALING_ROUNDS = 10
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One image, or one frame of a video, of a sample: its stored size."""
+
+    width: int
+    height: int
+    is_video: bool = False
+
+
+def _image_grid(frame: Frame, available: int, patch: int, merge: int, min_patches: int) -> tuple[int, int]:
+    """``(grid_h, grid_w)`` of an image given ``available`` patches: its own patch grid scaled into the budget (up
+    to the minimum when there is room for it), each side then made a multiple of ``merge``."""
+    h0, w0 = round(frame.height / patch + 0.5), round(frame.width / patch + 0.5)
+    scale = min(math.sqrt(available / (h0 * w0)), 1.0)
+    gh, gw = math.floor(scale * h0), math.floor(scale * w0)
+    if available > min_patches and gh * gw < min_patches:
+        up = math.sqrt(min_patches / max(gh * gw, 1))
+        uh, uw = math.ceil(up * gh), math.ceil(up * gw)
+        if available > uh * uw:
+            gh, gw = uh, uw
+    if rem := gh % merge:
+        gh = gh + merge - rem if (gh + merge - rem) * gw <= available else max(merge, gh - rem)
+    if rem := gw % merge:
+        gw = gw + merge - rem if gh * (gw + merge - rem) <= available else max(merge, gw - rem)
+    return gh, gw
+
+
+def _video_grid(frame: Frame, target: int, merge: int, keep_aspect: bool) -> tuple[int, int]:
+    """``(grid_h, grid_w)`` of a video frame: a tile of about ``target`` patches (the frame's aspect, or square)."""
+    if keep_aspect:
+        aspect = frame.width / frame.height
+        gh, gw = max(1, round(math.sqrt(target / aspect))), max(1, round(math.sqrt(target * aspect)))
+    else:
+        gh = gw = max(1, int(math.sqrt(target)))
+    down_h, down_w = gh - gh % merge, gw - gw % merge
+    up_h = down_h if gh % merge == 0 else down_h + merge
+    up_w = down_w if gw % merge == 0 else down_w + merge
+    if up_h * up_w <= target:
+        return up_h, up_w
+    return max(merge, down_h), max(merge, down_w)
+
+
+def sample_image_grids(frames: Sequence[Frame], tokens_available: int, *, patch: int, merge: int, min_patches: int,
+                       max_patches: int, video_target_patches: int, video_keep_aspect: bool,
+                       temporal_patch: int = 2) -> list[tuple[int, int]]:
+    """The patch grid ``(h, w)`` of every image and video frame of one sample, planned together under one budget of
+    ``tokens_available`` tokens (see the module docstring). Video frames keep their fixed tile; they count toward
+    the budget (a tubelet of ``temporal_patch`` frames costs one frame's tokens)."""
+    if not frames:
+        return []
+    budget = tokens_available * merge**2
+    videos = sum(f.is_video for f in frames)
+    if temporal_patch > 1 and videos:
+        if videos == len(frames):
+            budget *= temporal_patch
+        else:
+            images = len(frames) - videos
+            budget = int(budget * (images / len(frames) + videos / len(frames) * temporal_patch))
+    budget = max(budget, min_patches * len(frames))
+    allowances = [max(min(budget, max_patches), min_patches)] * len(frames)
+    grids: list[tuple[int, int]] = []
+    for _ in range(SCALING_ROUNDS):
+        grids = [_video_grid(f, video_target_patches, merge, video_keep_aspect) if f.is_video
+                 else _image_grid(f, a, patch, merge, min_patches) for f, a in zip(frames, allowances)]
+        sizes = [h * w for h, w in grids]
+        total = sum(sizes)
+        if total <= budget:
+            break
+        shrunk = [max(min_patches, int(s * budget / total)) for s in sizes]
+        allowances = shrunk if any(n < o for n, o in zip(shrunk, allowances)) else [min_patches] * len(frames)
+    return grids
+
+
+@dataclass(frozen=True)
+class AudioPlan:
+    """How NeMo-RL cuts one audio item: samples of each clip (at the target rate), valid mel frames of each clip,
+    and the item's ``<so_embedding>`` tokens."""
+
+    clip_samples: tuple[int, ...]
+    frames: tuple[int, ...]
+    tokens: int
+
+    @property
+    def samples(self) -> int:
+        """Samples of the whole waveform the clips cover."""
+        return sum(self.clip_samples)
+
+
+def audio_plan(samples: int, sample_rate: int, *, target_rate: int, hop: int, subsampling: int,
+               clip_seconds: float = 30.0, min_seconds: float = 0.1, max_seconds: float = 1800.0) -> AudioPlan:
+    """The clips, mel frames and tokens of ``samples`` samples at ``sample_rate`` (see the module docstring);
+    ``ValueError`` for a clip shorter than ``min_seconds`` or longer than ``max_seconds``."""
+    seconds = samples / sample_rate
+    if seconds < min_seconds or seconds > max_seconds:
+        raise ValueError(f"audio of {seconds:.3f} s is outside NeMo-RL's {min_seconds}-{max_seconds} s")
+    total = round(max(min_seconds, seconds) * target_rate)
+    clip = round(clip_seconds * target_rate)
+    rest = total % clip
+    last = clip if rest == 0 else max(rest, round(min_seconds * target_rate))
+    clips = (clip,) * (math.ceil(total / clip) - 1) + (last,)
+    frames = tuple(n // hop for n in clips)
+    if min(frames) <= 0:
+        raise ValueError("an audio clip gives no mel frames")
+    tokens = 0
+    for f in frames:
+        for _ in range(int(math.log2(subsampling))):
+            f = (f + 1) // 2
+        tokens += max(1, f)
+    return AudioPlan(clips, frames, tokens)
+
+
+def settings_audio_plan(samples: int, sample_rate: int, settings) -> AudioPlan:
+    """:func:`audio_plan` with a Nemotron Omni folder's audio settings (``NemotronOmniSettings``)."""
+    return audio_plan(samples, sample_rate, target_rate=settings.audio_sampling_rate, hop=settings.audio_hop_length,
+                      subsampling=settings.audio_subsampling_factor)
+
+
+_TRACE = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+_AFTER_TRACE = re.compile(r"</think>\s*")
+
+
+def assistant_text(text: str) -> str:
+    """A reply as NeMo-RL's ``nemotron6-moe`` renders it: ``<think></think>`` before a reply without a trace (the
+    reply stripped), a trace's content stripped inside ``<think>\\n…\\n</think>`` and one newline after it;
+    ``ValueError`` unless the reply has no ``<think>`` tags or exactly one pair in order."""
+    opened, closed = text.count("<think>"), text.count("</think>")
+    if opened == closed == 0:
+        return "<think></think>" + text.strip()
+    if opened != 1 or closed != 1 or text.find("<think>") > text.find("</think>"):
+        raise ValueError("a reply needs exactly one <think>…</think> pair, in order, or none")
+
+    def trace(match: re.Match[str]) -> str:
+        content = match.group(1).strip()
+        return f"<think>\n{content}\n</think>" if content else "<think></think>"
+
+    return _AFTER_TRACE.sub("</think>\n", _TRACE.sub(trace, text))

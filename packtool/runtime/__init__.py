@@ -1,0 +1,24 @@
+"""The runtime side: packs to batches (:mod:`.read`, Nemotron Omni media in :mod:`.nemotron`), training loaders
+(:mod:`.loader`) and Megatron / Megatron-Bridge batches (:mod:`.megatron_batch`). It imports nothing from
+:mod:`packtool.build`, so it can be installed into a training container alone.
+
+Public entry points (loaded lazily, so importing this package stays light): :func:`read_packs`,
+:class:`PackTaskEncoder`, :class:`MegatronBridgeTaskEncoder`, :func:`megatron_bridge_batch`.
+"""
+
+_LAZY = {
+    "read_packs": "packtool.runtime.read",
+    "PackTaskEncoder": "packtool.runtime.loader",
+    "MegatronBridgeTaskEncoder": "packtool.runtime.loader",
+    "megatron_bridge_batch": "packtool.runtime.megatron_batch",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'packtool.runtime' has no attribute {name!r}")

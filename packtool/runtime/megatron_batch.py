@@ -1,0 +1,178 @@
+"""Hand a reader batch to Megatron: the batch Megatron-Bridge's training steps consume, or tensors on a device plus
+THD `PackedSeqParams` for a Megatron-Core model called directly.
+
+`megatron_bridge_batch(batch)` gives exactly what Megatron-Bridge's `vlm_step` (Qwen2.5-VL and other VLMs) and
+`gpt_step` (LLMs) read from their data iterator, on the host (the steps move it to the GPU themselves):
+
+| key | dtype, shape | from the reader batch |
+|---|---|---|
+| `tokens`, `labels`, `position_ids` | int64 `[1, ΣL]` | same (`B > 1` rows of `collate_packs` flattened) |
+| `loss_mask` | float32 `[1, ΣL]` | same |
+| `padding_mask` | bool `[1, ΣL]` | same (True on padding; `gpt_step` hands it to MoE routing) |
+| `cu_seqlens_q`, `cu_seqlens_kv` | int32 `[S + 1]` | `cu_seqlens_unpadded` (real boundaries) |
+| `cu_seqlens_q_padded`, `cu_seqlens_kv_padded` | int32 `[S + 1]` | `cu_seqlens_padded` (`[-1]` = row length) |
+| `max_seqlen_q`, `max_seqlen_kv` | int32 0-d tensor (host key) | `max_seqlen` |
+| `total_tokens` | int | row length (Megatron-Core derives `seq_idx` for hybrid/Mamba models from it) |
+| `attention_mask` | None | THD attention builds its own |
+| `visual_inputs` | `VisualInputs` | images: `pixel_values` float32 `[Σpatches, C·t·p·p]`, `image_grid_thw` int64 |
+| | | `[n, 3]`; videos: `pixel_values_videos`, `video_grid_thw`, `second_per_grid_ts` float32 `[v]` |
+| `keys`, `pack_key` | list / str | same (ignored by the steps) |
+
+A kind of media the batch lacks leaves its `VisualInputs` fields None (Qwen2.5-VL's forward skips them).
+
+Nemotron Omni batches (reader batches with `image_grid_hw`, see `packtool.runtime.nemotron`) are laid out for
+Megatron-Bridge's `nemotron_omni_step` and its processor-expanded `NemotronOmniModel` instead:
+
+| key | dtype, shape | content |
+|---|---|---|
+| `visual_inputs` | `VisualInputs`, or None | `pixel_values` float32 `[1, Σpatches, 3·p·p]`: image, frame patches |
+| `imgs_sizes` | int64 `[n_images + Σframes, 2]` | pixel (height, width) of each image and each video frame |
+| `num_frames` | int64 `[n_images + n_videos]` | 1 per image, a video's frame count |
+| `sound_clips` | float32 `[clips, mel frames, mel bins]`, or None | the feature extractor's `input_features` |
+| `sound_length` | int64 `[clips]`, or None | `input_features_mask.sum(-1) + 1` |
+
+Patches follow placeholder order: images and video chunks share the `<image>` placeholder, and the model replaces
+them in order. A one-frame video is repeated to `temporal_patch_dim` frames, as Megatron-Bridge's own collate
+does, so the temporal embedder (not the image one) takes it. `sound_length` is the length transformers' model gives
+the audio encoder's subsampling rule (`get_audio_features`), so the encoder yields exactly each clip's
+`<so_embedding>` count (Megatron-Bridge's own collate counts tokens from `mask.sum(-1)` and would differ by one
+for some lengths).
+
+The steps treat a batch as packed only when it has `cu_seqlens_q`; they build `PackedSeqParams(qkv_format="thd")`
+from the `cu_seqlens_*`/`max_seqlen_*` keys and read the host keys with `.cpu()` (so they are tensors, not ints).
+`visual_inputs` (None for a batch without images) is moved to the GPU attribute by attribute and expanded with
+`normalized_for_model()` into the model's keyword arguments.
+
+`to_megatron(batch, device)` is the same batch with its tensors on `device` plus `packed_seq_params`, for training
+loops that call a Megatron-Core model themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from packtool.runtime.read import ROW_KEYS
+
+#: Keys Megatron-Bridge's steps keep on the host (`.cpu()`); every other tensor goes to the GPU.
+HOST_KEYS = ("max_seqlen_q", "max_seqlen_kv")
+
+
+@dataclass
+class VisualInputs:
+    """Image and video tensors of a batch, in the shape Megatron-Bridge's VLM step expects (the fields of its
+    `GenericVisualInputs` that packtool fills): every attribute a tensor or None (the step moves them one by one),
+    `normalized_for_model()` the model's keyword arguments."""
+
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    second_per_grid_ts: torch.Tensor | None = None
+
+    def normalized_for_model(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def to(self, device) -> VisualInputs:
+        return VisualInputs(**{f.name: None if getattr(self, f.name) is None
+                               else getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
+
+
+def megatron_bridge_batch(batch: dict, *, temporal_patch_dim: int = 2) -> dict:
+    """Reader batch (one pack, or several from `collate_packs`) -> Megatron-Bridge step batch (tables above).
+    `temporal_patch_dim`: frames per video tubelet of a Nemotron Omni model (its processor's
+    `video_temporal_patch_dim`; unused otherwise)."""
+    out = {key: batch[key].reshape(1, -1) for key in ROW_KEYS}
+    length = out["tokens"].shape[1]
+    cu = batch["cu_seqlens_unpadded"].to(torch.int32)
+    cu_padded = batch["cu_seqlens_padded"].to(torch.int32)
+    if int(cu_padded[-1]) != length:
+        raise ValueError(f"cu_seqlens_padded ends at {int(cu_padded[-1])}, the row has {length} tokens")
+    max_seqlen = int(batch["max_seqlen"])
+    if "image_grid_hw" in batch:
+        out.update(_nemotron_inputs(batch, temporal_patch_dim))
+    else:
+        out["visual_inputs"] = _qwen_visual_inputs(batch)
+    out.update(
+        cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
+        max_seqlen_q=torch.tensor(max_seqlen, dtype=torch.int32),
+        max_seqlen_kv=torch.tensor(max_seqlen, dtype=torch.int32),
+        total_tokens=length, attention_mask=None, keys=batch["keys"], pack_key=batch["pack_key"],
+    )
+    return out
+
+
+def _qwen_visual_inputs(batch: dict) -> VisualInputs | None:
+    """Qwen-VL images and videos (each kind only when the batch has some); None without either."""
+    fields_: dict[str, torch.Tensor] = {}
+    if batch.get("pixel_values") is not None and len(batch["pixel_values"]):
+        fields_.update(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
+    if batch.get("pixel_values_videos") is not None and len(batch["pixel_values_videos"]):
+        fields_.update(pixel_values_videos=batch["pixel_values_videos"], video_grid_thw=batch["video_grid_thw"],
+                       second_per_grid_ts=batch["second_per_grid_ts"])
+    return VisualInputs(**fields_) if fields_ else None
+
+
+def _nemotron_inputs(batch: dict, temporal_patch_dim: int) -> dict:
+    """`visual_inputs`, `imgs_sizes`, `num_frames`, `sound_clips`, `sound_length` of a Nemotron Omni batch."""
+    out: dict = {"visual_inputs": None, "imgs_sizes": None, "num_frames": None, "sound_clips": None,
+                 "sound_length": None}
+    kinds = [k for k in batch["media_kinds"] if k != "audio"]
+    if kinds and batch.get("pixel_values") is not None:
+        patch = {key: round((batch[key].shape[-1] // 3) ** 0.5) for key in ("pixel_values", "pixel_values_videos")}
+        images = _split(batch["pixel_values"], batch["image_grid_hw"].prod(-1))
+        videos = _split(batch["pixel_values_videos"], batch["video_grid_thw"].prod(-1))
+        image_grids, video_grids = iter(batch["image_grid_hw"].tolist()), iter(batch["video_grid_thw"].tolist())
+        patches, sizes, frames = [], [], []
+        for kind in kinds:
+            if kind == "image":
+                h, w = next(image_grids)
+                patches.append(next(images))
+                sizes.append([h * patch["pixel_values"], w * patch["pixel_values"]])
+                frames.append(1)
+            else:
+                n, h, w = next(video_grids)
+                video = next(videos)
+                if n == 1 and temporal_patch_dim > 1:  # one frame: repeated, or the model takes it for an image
+                    video, n = video.repeat(temporal_patch_dim, 1), temporal_patch_dim
+                patches.append(video)
+                sizes += [[h * patch["pixel_values_videos"], w * patch["pixel_values_videos"]]] * n
+                frames.append(n)
+        out.update(visual_inputs=VisualInputs(pixel_values=torch.cat(patches)[None]),
+                   imgs_sizes=torch.tensor(sizes, dtype=torch.int64),
+                   num_frames=torch.tensor(frames, dtype=torch.int64))
+    if batch.get("input_features") is not None and len(batch["input_features"]):
+        out.update(sound_clips=batch["input_features"],
+                   sound_length=batch["input_features_mask"].sum(-1).to(torch.int64) + 1)
+    return out
+
+
+def _split(values: torch.Tensor, rows: torch.Tensor):
+    """Iterator over consecutive blocks of `values` holding `rows[i]` rows each."""
+    return iter(torch.split(values, rows.tolist()))
+
+
+def packed_seq_params(mb: dict):
+    """THD `PackedSeqParams` of a Megatron-Bridge batch (or a dict of its fields without `megatron.core`)."""
+    params = dict(qkv_format="thd", cu_seqlens_q=mb["cu_seqlens_q"], cu_seqlens_kv=mb["cu_seqlens_kv"],
+                  cu_seqlens_q_padded=mb["cu_seqlens_q_padded"], cu_seqlens_kv_padded=mb["cu_seqlens_kv_padded"],
+                  max_seqlen_q=int(mb["max_seqlen_q"]), max_seqlen_kv=int(mb["max_seqlen_kv"]))
+    try:
+        from megatron.core.packed_seq_params import PackedSeqParams
+    except ImportError:
+        return params
+    return PackedSeqParams(**params)
+
+
+def to_megatron(batch: dict, device: torch.device | str = "cuda") -> dict:
+    """Reader batch -> `megatron_bridge_batch` with its tensors on `device` (host keys stay on the host) and
+    `packed_seq_params` for a Megatron-Core model's `forward(..., packed_seq_params=...)`."""
+    out = megatron_bridge_batch(batch)
+    for key, value in out.items():
+        if isinstance(value, torch.Tensor) and key not in HOST_KEYS:
+            out[key] = value.to(device, non_blocking=True)
+    if out["visual_inputs"] is not None:
+        out["visual_inputs"] = out["visual_inputs"].to(device)
+    out["packed_seq_params"] = packed_seq_params(out)
+    return out

@@ -1,0 +1,392 @@
+"""NeMo-RL reads packtool's packs: its packed SFT batch from pack records, and a task encoder it loads by file.
+
+NeMo-RL's Energon SFT path (``nemo_rl/data/energon/``) packs online: its task encoder selects samples per loader
+buffer and ``prepare_packed_sft_batch`` (``multimodal/packing.py``) turns each pack into one batch row. Here the packs
+come from packtool, packed offline and globally, and :class:`PacktoolSFTTaskEncoder` yields the same batch:
+
+* ``input_ids`` int64 ``[B, L]``: each pack's samples one after another, each padded with the pad id to a multiple of
+  the recipe's ``make_sequence_length_divisible_by`` (cp·2·tp; the pack's alignment, or the ``sequence_multiple``
+  option when the pack's alignment is a multiple of it); rows padded with the pad id to the longest row of the batch;
+* ``input_lengths`` int32 ``[B]``: each row's length with its samples' padding (not the batch padding);
+* ``token_mask`` float32 ``[B, L]``: 1 on each target token (the token a position predicts is the next one), never on
+  the first token of a sample nor on padding;
+* ``sample_mask`` float32 ``[B]``: 1 where the row has a target;
+* ``cu_seqlens`` / ``cu_seqlens_padded``: per pack, int32 ``[S + 1]`` cumulative sums of the real and of the padded
+  sample lengths (NeMo-RL's ``PackedTensor`` of them when NeMo-RL is importable, else a list);
+* ``source_ids``: per pack, the source keys of its samples;
+* media, per pack in placeholder order (NeMo-RL's ``PackedTensor``; without NeMo-RL, per row the list of its
+  segments, ``None`` for a row without): Qwen2-VL / Qwen2.5-VL packs give the transformers processor's
+  ``pixel_values``, ``image_grid_thw`` (and ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``),
+  what NeMo-RL's ``hf_multimodal`` adapter puts in its messages, one segment per pack; Nemotron Omni packs give
+  NeMo-RL's ``nemotron_multimodal`` inputs, one segment per image: ``pixel_values`` float32 ``[1, 3, H, W]`` (the
+  image resized with PIL to its stored patch grid, CLIP mean/std), ``imgs_sizes`` int32 ``[1, 2]`` (height, width
+  in pixels) and ``num_frames`` int64 ``[1]``; one segment per audio item: ``sound_clips`` float32
+  ``[clips, mel frames, bins]`` (NeMo-RL's 30 s clips, each through the model folder's feature extractor, zero-padded
+  to the item's longest) and ``sound_length`` int64 ``[clips]`` (valid mel frames). Nemotron Omni videos are not
+  served yet (a pack holding one stops the loader with that reason).
+
+The runtime side only: this module imports nothing from packtool's build side, so it runs in a training container
+with packtool's reader installed. NeMo-RL names it in its loader configuration as a file-backed task encoder
+(``data.energon.task_encoder: {python_file: <this file>, object_name: PacktoolSFTTaskEncoder}``, and the cooker
+``cook_packtool_pack`` of the same file); ``examples/nemo_rl/`` holds overlays for its two packing recipes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from megatron.energon import Cooker, DefaultTaskEncoder, Sample, stateless
+from megatron.energon.edataclass import edataclass
+from megatron.energon.errors import FatalSampleError
+
+from packtool.errors import FormatError
+from packtool.format import Manifest, PackRecord, is_nemotron
+from packtool.runtime.loader import PackSample, _manifest, _nemotron_processors, cook_pack
+from packtool.runtime.read import open_stored_image, pack_to_batch
+
+#: The media keys of a Qwen2-VL-style reader batch that NeMo-RL's ``hf_multimodal`` adapter carries (the
+#: transformers processor's own names).
+QWEN_MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+#: CLIP's mean and standard deviation, which NeMo-RL's Nemotron visual path normalises with.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+#: Options of NeMo-RL's own SFT encoders (``nemotron_multimodal``'s keyword arguments) that a recipe overlay
+#: inherits: they decide tokens and media at packing time, which packtool did, so they are accepted and not used.
+RECIPE_OPTIONS = frozenset({
+    "packing_sequence_length", "patch_dim", "temporal_patch_size", "prompt_format", "thinking_trace_format",
+    "relax_thinking_trace_check", "video_min_num_frames", "video_max_num_frames", "video_default_fps",
+    "video_frame_temporal_jitter", "video_aug_scale_frames_up", "video_aug_scale_resolution_up",
+    "video_aug_scale_resolution_only", "allow_large_videos", "tiling_augment_prob", "video_decode_thread_count",
+    "audio_subsampling_factor", "audio_num_mel_bins", "audio_clip_duration_seconds", "min_audio_duration_seconds",
+    "max_audio_duration_seconds", "loss_mask_mode"})
+
+
+@dataclass(frozen=True)
+class NemoRLRow:
+    """One pack laid out as a row of NeMo-RL's packed SFT batch (before the batch pads rows to one length)."""
+
+    input_ids: torch.Tensor  # int64 [L]
+    token_mask: torch.Tensor  # float32 [L]
+    lengths: list[int]  # real length of each sample
+    padded: list[int]  # each sample's length padded to the multiple
+    keys: list[str]  # source key of each sample
+    pack_key: str
+    #: media key -> its segments in placeholder order: one tensor per item (Nemotron Omni) or per pack (Qwen).
+    media: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    #: Nemotron Omni: pixels per patch side, for NeMo-RL's patchify mode; None otherwise.
+    patch_dim: int | None = None
+
+
+def nemo_rl_row(members: Mapping[str, Any], manifest: Mapping, *, multiple: int | None = None, images: bool = True,
+                image_processor=None, source: str = "") -> NemoRLRow:
+    """One pack record (``{part: bytes, "__key__": key}``) as a row of NeMo-RL's packed batch.
+
+    ``multiple``: pad each sample to this multiple (NeMo-RL's ``make_sequence_length_divisible_by``); default the
+    pack's alignment. The pack's alignment must be a multiple of it, so the row still fits the pack size.
+    ``images=False`` leaves the media out; ``image_processor`` as in :func:`packtool.runtime.read.pack_to_batch`.
+    """
+    pack_key = str(members.get("__key__", "?"))
+    where = f"{source}: pack {pack_key}" if source else f"pack {pack_key}"
+    try:
+        record = PackRecord.from_members(pack_key, members)
+    except FormatError as exc:
+        raise FormatError(f"{source}: {exc}" if source else str(exc)) from None
+    step = record.align if multiple is None else multiple
+    if step < 1 or record.align % step:
+        raise FormatError(f"{where}: packed with alignment {record.align}, which is not a multiple of "
+                          f"{step} (NeMo-RL's make_sequence_length_divisible_by = cp·2·tp): pack again with "
+                          f"`packtool pack --align-for nemo-rl --tp-size TP --cp-size CP`")
+    lengths = record.seqlens.astype(np.int64)
+    padded = -(-lengths // step) * step
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    row_starts = np.concatenate([[0], np.cumsum(padded)])
+    seg_of = np.repeat(np.arange(len(lengths)), lengths)
+    dest = np.arange(len(record.tokens)) - starts[seg_of] + row_starts[seg_of]
+    ids = np.full(int(row_starts[-1]), manifest["pad_token_id"], dtype=np.int64)
+    ids[dest] = record.tokens
+    mask = np.zeros(len(ids), dtype=np.float32)
+    mask[dest] = record.targets
+    mask[row_starts[:-1]] = 0.0  # prepare_packed_sft_batch: a sample's first token is never a target
+    media = _media(members, record, manifest, where, images, image_processor, source)
+    patch = int(manifest["image_processor"].get("patch_size", 16)) if is_nemotron(manifest) else None
+    return NemoRLRow(torch.from_numpy(ids), torch.from_numpy(mask), lengths.tolist(), padded.tolist(),
+                     [s.key for s in record.segments], pack_key, media, patch)
+
+
+def _media(members: Mapping[str, Any], record: PackRecord, manifest: Mapping, where: str, images: bool,
+           image_processor, source: str) -> dict[str, list[torch.Tensor]]:
+    if not images or not record.media_refs:
+        return {}
+    if is_nemotron(manifest):
+        return nemotron_inputs(record, manifest, where, getattr(image_processor, "audio", None))
+    batch = pack_to_batch(members, manifest, pad_to="segments", images=True, image_processor=image_processor,
+                          source=source)
+    return {key: [batch[key]] for key in QWEN_MEDIA_KEYS if key in batch}
+
+
+def nemotron_inputs(record: PackRecord, manifest: Mapping, where: str,
+                    feature_extractor=None) -> dict[str, list[torch.Tensor]]:
+    """NeMo-RL's Nemotron Omni inputs of a pack's images and audio (its ``_process_media`` and ``_process_audio``):
+    each image resized with PIL to its stored patch grid, scaled to [0, 1] and normalised with CLIP's mean and std;
+    each audio item cut into NeMo-RL's 30 s clips (its stored sample count), each clip's mel features through the
+    model folder's feature extractor (``feature_extractor``), zero-padded to the item's longest clip, with its
+    valid frames. The waveform is packtool's decode (mono, resampled with soxr where the source has another rate;
+    NeMo-RL resamples with librosa)."""
+    refs = record.media_refs
+    other = [m for m in refs if m.kind not in ("image", "audio")]
+    if other:
+        raise FormatError(f"{where}: {other[0].kind} member {other[0].member}: the NeMo-RL batch of Nemotron Omni "
+                          f"packs carries images and audio only so far")
+    out = _nemotron_images(record, [m for m in refs if m.kind == "image"], manifest, where)
+    audio = [m for m in refs if m.kind == "audio"]
+    if audio:
+        if feature_extractor is None:
+            raise ValueError(f"{where} has audio but no feature extractor: pass the model folder's processors")
+        out.update(_nemotron_sound(record, audio, manifest, where, feature_extractor))
+    return out
+
+
+def _nemotron_sound(record: PackRecord, refs: list, manifest: Mapping, where: str,
+                    feature_extractor) -> dict[str, list[torch.Tensor]]:
+    from packtool.families.nemo_rl_rules import settings_audio_plan
+    from packtool.media import decode_audio
+    from packtool.runtime.nemotron import settings_from_manifest
+
+    s = settings_from_manifest(manifest)
+    rate = s.audio_sampling_rate
+    clips_out, lengths_out = [], []
+    for m in refs:
+        try:
+            wave = decode_audio(record.media[m.member], rate=rate)
+        except (ValueError, OSError, IndexError) as exc:
+            raise FormatError(f"{where}, member {m.member}: audio does not decode ({exc})") from None
+        plan = settings_audio_plan(m.samples, rate, s)
+        wave = np.pad(wave, (0, max(0, plan.samples - len(wave))))[:plan.samples]
+        mels, valid = [], []
+        start = 0
+        for n in plan.clip_samples:
+            result = feature_extractor(wave[start:start + n], sampling_rate=rate, return_tensors="pt",
+                                       return_attention_mask=True)
+            mels.append(result["input_features"][0].to(torch.float32))
+            valid.append(int(result["attention_mask"].sum()))
+            start += n
+        if tuple(valid) != plan.frames:
+            raise FormatError(f"{where}: {m.member} gives {valid} mel frames, NeMo-RL's clips {list(plan.frames)}")
+        clips = torch.zeros((len(mels), max(x.shape[0] for x in mels), mels[0].shape[1]), dtype=torch.float32)
+        for i, mel in enumerate(mels):
+            clips[i, :mel.shape[0]] = mel
+        clips_out.append(clips)
+        lengths_out.append(torch.tensor(valid, dtype=torch.long))
+    return {"sound_clips": clips_out, "sound_length": lengths_out}
+
+
+def _nemotron_images(record: PackRecord, refs: list, manifest: Mapping, where: str) -> dict[str, list[torch.Tensor]]:
+    from PIL import Image
+
+    if not refs:
+        return {}
+    patch = int(manifest["image_processor"].get("patch_size", 16))
+    mean = torch.tensor(CLIP_MEAN, dtype=torch.float32)[:, None, None]
+    std = torch.tensor(CLIP_STD, dtype=torch.float32)[:, None, None]
+    pixels, sizes = [], []
+    for m in refs:
+        _, grid_h, grid_w = m.grid_thw
+        image = open_stored_image(record.media[m.member], f"{where}, member {m.member}")
+        resized = image.convert("RGB").resize((grid_w * patch, grid_h * patch), Image.Resampling.BICUBIC)
+        tensor = torch.from_numpy(np.array(resized, copy=True)).permute(2, 0, 1).to(torch.float32).div_(255)
+        pixels.append(((tensor - mean) / std)[None])
+        sizes.append(torch.tensor([[grid_h * patch, grid_w * patch]], dtype=torch.int32))
+    return {"pixel_values": pixels, "imgs_sizes": sizes, "num_frames": [torch.ones(1, dtype=torch.long)] * len(refs)}
+
+
+def _packed_media(rows: Sequence[list[torch.Tensor] | None], key: str, patch_dim: int | None):
+    """One media key of the batch: per row, its segments (a tensor per media item, or one per pack).
+
+    With NeMo-RL importable this is NeMo-RL's ``PackedTensor`` built as its packed batch builds it (each row's
+    segments merged with ``merge_segments``, the rows joined with ``flattened_concat``; Nemotron pixels in its
+    ``patchify`` mode where its ``PackedTensor`` has one); without, the per-row lists themselves.
+    """
+    try:
+        from nemo_rl.data.multimodal_utils import PackedTensor
+    except ImportError:
+        return list(rows)
+    kwargs: dict[str, Any] = {}
+    params = inspect.signature(PackedTensor.__init__).parameters
+    if key == "sound_clips":
+        kwargs["pad_to_max_shape"] = True
+    if key == "pixel_values" and patch_dim is not None and "preprocess_mode" in params:
+        kwargs.update(preprocess_mode="patchify", preprocess_kwargs={"patch_dim": patch_dim})
+    packed = [None if segs is None else PackedTensor.merge_segments([PackedTensor(t, dim_to_pack=0, **kwargs)
+                                                                      for t in segs]) for segs in rows]
+    template = next(p for p in packed if p is not None)
+    return PackedTensor.flattened_concat([p if p is not None else PackedTensor.empty_rows_like(template, 1)
+                                          for p in packed])
+
+
+def _boundaries(values: list[torch.Tensor]):
+    """Per-pack boundaries as ``prepare_packed_sft_batch`` carries them: ``PackedTensor(values, dim_to_pack=0)``
+    with NeMo-RL importable, else the list."""
+    try:
+        from nemo_rl.data.multimodal_utils import PackedTensor
+    except ImportError:
+        return values
+    return PackedTensor(values, dim_to_pack=0)
+
+
+def nemo_rl_batch(rows: Sequence[NemoRLRow], pad_token_id: int) -> dict[str, Any]:
+    """NeMo-RL's packed SFT batch of one pack per row (module docstring)."""
+    if not rows:
+        raise ValueError("a NeMo-RL batch needs at least one pack")
+    length = max(len(r.input_ids) for r in rows)
+    input_ids = torch.full((len(rows), length), pad_token_id, dtype=torch.int64)
+    token_mask = torch.zeros((len(rows), length), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        input_ids[i, :len(r.input_ids)] = r.input_ids
+        token_mask[i, :len(r.token_mask)] = r.token_mask
+
+    def cumulative(values: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *np.cumsum(values).tolist()], dtype=torch.int32)
+
+    batch: dict[str, Any] = {
+        "input_ids": input_ids,
+        "input_lengths": torch.tensor([len(r.input_ids) for r in rows], dtype=torch.int32),
+        "token_mask": token_mask,
+        "sample_mask": token_mask.bool().any(1).float(),
+        "cu_seqlens": _boundaries([cumulative(r.lengths) for r in rows]),
+        "cu_seqlens_padded": _boundaries([cumulative(r.padded) for r in rows]),
+        "source_ids": [list(r.keys) for r in rows],
+    }
+    for key in sorted({k for r in rows for k in r.media}):
+        batch[key] = _packed_media([r.media.get(key) for r in rows], key, rows[0].patch_dim)
+    try:
+        from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+    except ImportError:
+        return batch
+    return BatchedDataDict(batch)
+
+
+# -- the task encoder NeMo-RL loads ------------------------------------------------------------------------------
+def _base_encoder() -> type:
+    """NeMo-RL's SFT task encoder base where NeMo-RL is installed (its registry accepts only its subclasses), else
+    Energon's default task encoder (the same Energon interface)."""
+    try:
+        from nemo_rl.data.energon.multimodal.task_encoders.base import BaseSFTTaskEncoder
+    except ImportError:
+        return DefaultTaskEncoder
+    return BaseSFTTaskEncoder
+
+
+def _for_every_model_family(obj):
+    """Declare support for every NeMo-RL model family (NeMo-RL's registry checks the declaration)."""
+    try:
+        from nemo_rl.data.energon.multimodal.model_families import ALL_MODEL_FAMILIES, supports_model_families
+    except ImportError:
+        return obj
+    return supports_model_families(ALL_MODEL_FAMILIES)(obj)
+
+
+@_for_every_model_family
+@stateless
+def cook_packtool_pack(sample: dict) -> PackSample:
+    """The cooker to configure beside the task encoder (``has_subflavors: {packtool: 1}``): a pack's raw parts."""
+    return cook_pack(sample)
+
+
+@edataclass
+class NemoRLPack(Sample):
+    """One pack after :func:`nemo_rl_row`."""
+
+    row: Any
+
+
+_BaseEncoder: Any = _base_encoder()
+
+
+@_for_every_model_family
+class PacktoolSFTTaskEncoder(_BaseEncoder):
+    """NeMo-RL's file-backed SFT task encoder for packtool outputs: one pack per batch row, the batch of
+    ``prepare_packed_sft_batch`` (module docstring). NeMo-RL builds it with the keyword arguments of its own
+    encoders; the loader's online packing must be off (no ``task_encoder.packing``: the packs are made).
+
+    Options (``task_encoder.options``): ``sequence_multiple`` pads samples to this multiple instead of the pack's
+    alignment (set it to the policy's ``make_sequence_length_divisible_by``; the pack's alignment must be a
+    multiple of it); ``images`` (default true) decodes the media. The options of NeMo-RL's own encoders that a
+    recipe overlay inherits (:data:`RECIPE_OPTIONS`) are accepted and not used; any other option is an error.
+    """
+
+    cookers = [Cooker(cook_packtool_pack, has_subflavors={"packtool": 1})]
+    decoder = None  # raw bytes: the packs hold npy/json/original media
+
+    def __init__(self, *, adapter: Any = None, cooker_functions: Sequence[Any] = (), include_source_ids: bool = True,
+                 packer: Any = None, tokenizer: Any = None, sequence_length_pad_multiple: int = 1,
+                 only_unmask_final: bool = False, sequence_multiple: int | None = None, images: bool = True,
+                 **recipe_options: Any) -> None:
+        if _BaseEncoder is DefaultTaskEncoder:
+            super().__init__()
+        else:
+            params = inspect.signature(_BaseEncoder.__init__).parameters
+            super().__init__(**({"cooker_functions": list(self.cookers)} if "cooker_functions" in params else {}))
+        self.cookers = list(type(self).cookers)  # packs are read by packtool's cooker, whatever else is configured
+        if packer is not None:
+            raise ValueError("packtool packs are made offline: remove data.energon.task_encoder.packing")
+        if only_unmask_final:
+            raise ValueError("packtool packs carry their targets: only_unmask_final cannot change them")
+        unknown = sorted(set(recipe_options) - RECIPE_OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown PacktoolSFTTaskEncoder options: {unknown}")
+        if sequence_multiple is not None and sequence_multiple < 1:
+            raise ValueError(f"sequence_multiple must be >= 1, got {sequence_multiple}")
+        self.max_sequence_length = getattr(adapter, "max_sequence_length", None)
+        self.include_source_ids, self.tokenizer = include_source_ids, tokenizer
+        self.sequence_multiple, self.images = sequence_multiple, images
+
+    @stateless
+    def encode_sample(self, sample: PackSample) -> NemoRLPack:
+        info = sample.__sources__[0]
+        manifest = _manifest(str(info.dataset_path))
+        where = f"{info.dataset_path}/{info.shard_name}"
+        try:
+            processors = _nemotron_processors(str(info.dataset_path)) if self.images and is_nemotron(manifest) else None
+            row = nemo_rl_row({**sample.members, "__key__": sample.__key__}, manifest,
+                              multiple=self.sequence_multiple, images=self.images, image_processor=processors,
+                              source=where)
+            if self.max_sequence_length is not None and len(row.input_ids) > self.max_sequence_length:
+                raise FormatError(f"{where}: pack {row.pack_key} lays out {len(row.input_ids)} tokens, more than "
+                                  f"NeMo-RL's max_total_sequence_length {self.max_sequence_length}: pack with "
+                                  f"--pack-size at most that")
+        except Exception as exc:  # past Energon's error handler, which would log the pack and skip it
+            message = str(exc) or type(exc).__name__
+            raise FatalSampleError(f"packtool could not read a pack for NeMo-RL: {message}") from exc
+        return NemoRLPack.derive_from(sample, row=row)
+
+    @stateless
+    def batch(self, samples: list[NemoRLPack]) -> Any:
+        manifest: Manifest = _manifest(str(samples[0].__sources__[0].dataset_path))
+        pad = manifest["pad_token_id"]
+        tokenizer_pad = getattr(self.tokenizer, "pad_token_id", None)
+        if self.tokenizer is not None and tokenizer_pad != pad:
+            raise ValueError(f"the packs pad with token {pad}, NeMo-RL's tokenizer with {tokenizer_pad}: give NeMo-RL "
+                             f"the model folder the packs were made with")
+        batch = nemo_rl_batch([s.row for s in samples], pad)
+        if not self.include_source_ids:
+            del batch["source_ids"]
+        return batch
+
+    @stateless
+    def encode_batch(self, batch: Any) -> Any:
+        return batch
+
+
+def encoder_file() -> str:
+    """The absolute path NeMo-RL's ``task_encoder.python_file`` (and the cooker's) takes: this module's file."""
+    return str(Path(__file__).resolve())
+
+
+if __name__ == "__main__":  # `python -m packtool.runtime.nemo_rl` prints the path to configure
+    print(encoder_file())

@@ -1,0 +1,422 @@
+"""Read packed shards at training time: one pack record -> one Megatron-ready micro-batch row.
+
+The core is `pack_to_batch`, a pure function from a record's raw members to tensors; `read_packs` walks a split
+in on-disk order; loaders (`packtool.runtime.loader`) reuse the same function.
+
+Boundary conventions (all offsets are token indices into the row):
+
+* Segment `i` holds its real tokens at `[cu_seqlens_padded[i], cu_seqlens_padded[i] + seqlen_i)`, followed by
+  its alignment padding up to `cu_seqlens_padded[i + 1]`. `cu_seqlens_unpadded` counts real tokens only.
+* No key is called plain `cu_seqlens`: Megatron-Bridge reads a batch key of that name as the PADDED boundaries
+  (its legacy format), so either meaning would be misread by some consumer. The two names used here mean the same
+  in Megatron-Bridge (`cu_seqlens_unpadded`: real) and Megatron-Core (`cu_seqlens_padded`: physical). For a batch
+  Megatron-Bridge's training steps consume directly, see `packtool.runtime.megatron_batch.megatron_bridge_batch`.
+* `pad_to="pack"` makes every row the same length `L = pack_size` rounded down to a multiple of `align` (equal to
+  `pack_size` whenever it is a multiple, the normal case). The tail padding is absorbed into the LAST segment:
+  `cu_seqlens_padded[-1] == L`, so both arrays keep `S + 1` entries (the segment keys line up with them), every
+  boundary stays divisible by `align`, and the padded boundaries cover the whole row as Transformer Engine's THD
+  kernels expect. This is safe for any attention that uses only the padded boundaries too: padding follows the
+  real tokens and attention is causal, so real tokens never see it; its labels are -100.
+  `pad_to="segments"` stops at the last segment's aligned end (variable row length).
+* `position_ids` restart at 0 for each segment and keep counting through its padding (the tail included).
+* `max_seqlen` is the largest padded segment, i.e. `max(diff(cu_seqlens_padded))`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from packtool.errors import FormatError
+from packtool.format import (
+    TOKENIZER_DIR,
+    PackRecord,
+    arrays_digest,
+    is_nemotron,
+    load_manifest,
+    placeholder_ids,
+    sha256,
+    span_problems,
+    split_shard_paths,
+)
+from packtool.runtime.nemotron import nemotron_media, nemotron_processors
+from packtool.shards import iter_records
+
+IGNORE_INDEX = -100
+PAD_TO = ("pack", "segments")
+#: Batch fields shaped `[1, L]` (one value per token of the row).
+ROW_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_processor(settings_json: str):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    s = json.loads(settings_json)
+    return Qwen2VLImageProcessorPil(
+        min_pixels=s["min_pixels"], max_pixels=s["max_pixels"], patch_size=s["patch_size"],
+        merge_size=s["merge_size"], temporal_patch_size=s["temporal_patch_size"],
+        image_mean=s["image_mean"], image_std=s["image_std"],
+    )
+
+
+def image_processor_from_manifest(manifest: Mapping):
+    """The Qwen2-VL image processor (PIL backend: the same numbers with or without torchvision) the manifest
+    describes; None for a text-only dataset, a fixed-count (`"type": "fixed"`) one, whose model's own processor
+    the caller must pass, or a Nemotron Omni one (see `processor_for_output`). Cached: one per process and
+    settings."""
+    settings = manifest.get("image_processor")
+    if settings is None or settings.get("type") == "fixed" or is_nemotron(manifest):
+        return None
+    if settings.get("type") != "qwen2_vl":
+        raise ValueError(f"unsupported image processor type {settings.get('type')!r}")
+    return _cached_processor(json.dumps(settings, sort_keys=True))
+
+
+def check_digests(where: str, record: PackRecord, members: Mapping[str, Any]) -> None:
+    """The SHA-256 digests the pack carries, against its bytes: the token arrays' (``arrays_sha256``) and each
+    media item's (with its size). A pack whose bytes changed after it was written (a flipped bit on disk, a
+    member swapped) is refused, naming what changed, before any of it reaches a batch. A few milliseconds per
+    pack of several MB of media: hashing is far cheaper than decoding."""
+    if record.arrays_sha256 and arrays_digest(members) != record.arrays_sha256:
+        raise FormatError(f"{where}: the token arrays differ from the SHA-256 written with the pack (corrupt)")
+    for ref in record.media_refs:
+        if not (ref.size or ref.sha256):  # records written before format 2 carry none
+            continue
+        data = b"".join(record.media[n] for n in ref.members)
+        if len(data) != ref.size or sha256(data) != ref.sha256:
+            raise FormatError(f"{where}, member {ref.member}: its bytes differ from the size and SHA-256 written "
+                              f"with the pack (corrupt)")
+
+
+def pack_to_batch(
+    members: Mapping[str, Any],
+    manifest: Mapping,
+    *,
+    pad_to: str = "pack",
+    images: bool = True,
+    image_processor=None,
+    source: str = "",
+) -> dict:
+    """One pack record -> one micro-batch row.
+
+    Args:
+        members: part name -> bytes (`tokens.npy`, `targets.npy`, `seqlens.npy`, `json`, `m0.jpg`, ...); keys
+            starting with `__` are ignored except `__key__`, which becomes `pack_key`.
+        manifest: the dataset's `packtool.json` (pad id, image token id, image processor settings).
+        pad_to: "pack" (fixed row length, see module docstring) or "segments" (stop after the last segment).
+        images: decode media into `pixel_values`; when False, only `image_grid_thw` (stored grids) is returned.
+        image_processor: a Hugging Face image processor to use instead of the one the manifest describes
+            (required for media of fixed-count datasets, whose model processor the manifest cannot name).
+        source: where the record came from (shard path), named in errors.
+
+    Returns: tokens, labels, loss_mask, position_ids, padding_mask (`[1, L]`), cu_seqlens_unpadded,
+    cu_seqlens_padded (int32 `[S + 1]`), max_seqlen (int), image_grid_thw (int64 `[n, 3]`, when the dataset has an
+    image processor or the pack has media), pixel_values (when also `images`: float32 `[Σpatches, C·t·p·p]` for
+    Qwen2-VL, else what the given processor returns), keys (segment source keys), pack_key.
+    """
+    if pad_to not in PAD_TO:
+        raise ValueError(f"pad_to must be one of {PAD_TO}, got {pad_to!r}")
+    pack_key = str(members.get("__key__", "?"))
+    where = f"{source}: pack {pack_key}" if source else f"pack {pack_key}"
+    try:
+        record = PackRecord.from_members(pack_key, members)
+    except FormatError as exc:
+        raise FormatError(f"{source}: {exc}" if source else str(exc)) from None
+    check_digests(where, record, members)
+    tokens, targets = record.tokens, record.targets
+    seqlens = record.seqlens.astype(np.int64)
+    segments = record.segments
+    align, pack_size = record.align, record.pack_size
+    cu = np.concatenate([[0], np.cumsum(seqlens)])
+    padded = -(-seqlens // align) * align
+    cu_padded = np.concatenate([[0], np.cumsum(padded)])
+    if pad_to == "pack":
+        length = pack_size // align * align
+        if cu_padded[-1] > length:
+            raise FormatError(f"{where}: aligned length {cu_padded[-1]} exceeds pack size {pack_size}")
+        cu_padded[-1] = length  # tail padding absorbed into the last segment
+    length = int(cu_padded[-1])
+
+    # Destination of each real token: its segment's padded start + its offset inside the segment.
+    seg_of = np.repeat(np.arange(len(seqlens)), seqlens)
+    dest = np.arange(len(tokens)) - cu[seg_of] + cu_padded[seg_of]
+
+    row_tokens = np.full(length, manifest["pad_token_id"], dtype=np.int64)
+    row_tokens[dest] = tokens
+    # Token j predicts token j + 1 when j + 1 is in the same segment and is a target.
+    predicts = np.zeros(len(tokens), dtype=bool)
+    predicts[:-1] = targets[1:].astype(bool)
+    predicts[cu[1:] - 1] = False
+    labels = np.full(length, IGNORE_INDEX, dtype=np.int64)
+    predictors = np.flatnonzero(predicts)
+    labels[dest[predictors]] = tokens[predictors + 1]
+    padding_mask = np.ones(length, dtype=bool)
+    padding_mask[dest] = False
+    padded_lengths = np.diff(cu_padded)
+    position_ids = np.arange(length) - np.repeat(cu_padded[:-1], padded_lengths)
+
+    batch = {
+        "tokens": torch.from_numpy(row_tokens)[None],
+        "labels": torch.from_numpy(labels)[None],
+        "loss_mask": torch.from_numpy(labels != IGNORE_INDEX).float()[None],
+        "position_ids": torch.from_numpy(position_ids)[None],
+        "cu_seqlens_unpadded": torch.from_numpy(cu.astype(np.int32)),
+        "cu_seqlens_padded": torch.from_numpy(cu_padded.astype(np.int32)),
+        "max_seqlen": int(padded_lengths.max()),
+        "padding_mask": torch.from_numpy(padding_mask)[None],
+        "keys": [s.key for s in segments],
+        "pack_key": pack_key,
+    }
+    batch.update(_media(record, manifest, cu, where, images, image_processor))
+    return batch
+
+
+def _check_spans(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str) -> None:
+    """Each media item's placeholders must lie where the record says (see :func:`span_problems`)."""
+    ids = placeholder_ids(manifest)
+    for seg, start, end in zip(record.segments, cu[:-1], cu[1:]):
+        problems = span_problems(seg.key, record.tokens[start:end], seg.media, ids)
+        if problems:
+            raise FormatError(f"{where}: {problems[0]}")
+
+
+def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, images: bool,
+           image_processor) -> dict:
+    """image_grid_thw (+ pixel_values) for the pack's images and video_grid_thw, second_per_grid_ts
+    (+ pixel_values_videos) for its videos, after checking each media span in the tokens."""
+    everything = record.media_refs
+    processor = manifest.get("image_processor")
+    if not everything and processor is None:
+        return {}
+    _check_spans(record, manifest, cu, where)
+    if is_nemotron(manifest):
+        return nemotron_media(record, image_processor, where, images)
+    for m in everything:
+        if m.kind not in ("image", "video"):
+            raise FormatError(f"{where}: media kind {m.kind!r} (member {m.member}) is not supported by the reader "
+                              f"yet")
+    out = _videos(record, manifest, where, images) if manifest.get("video_processor") else {}
+    if any(m.kind == "video" for m in everything) and not out:
+        raise FormatError(f"{where}: the pack holds videos but the manifest describes no video processor")
+    media = [m for m in everything if m.kind == "image"]
+    stored = np.array([m.grid_thw for m in media], dtype=np.int64).reshape(-1, 3)
+    out["image_grid_thw"] = torch.from_numpy(stored)
+    if not images:
+        return out
+    proc = image_processor if image_processor is not None else image_processor_from_manifest(manifest)
+    if proc is None:
+        if media:
+            raise ValueError(f"{where} has media but no image processor: pass the model's image_processor= "
+                             f"(dataset image rule: {(processor or {}).get('type')}) or images=False")
+        return out
+    if not media:
+        if hasattr(proc, "temporal_patch_size"):  # Qwen2-VL layout: [patches, C·t·p·p]
+            dim = 3 * proc.temporal_patch_size * proc.patch_size ** 2
+            out["pixel_values"] = torch.zeros((0, dim), dtype=torch.float32)
+        return out
+    pil = [open_stored_image(record.media[m.member], f"{where}, member {m.member}") for m in media]
+    try:
+        result = proc(images=pil, return_tensors="np")
+    except (ValueError, TypeError, OSError) as exc:
+        raise FormatError(f"{where}: the image processor refuses its media ({type(exc).__name__}: {exc})") from None
+    if "image_grid_thw" in result:
+        grid = np.asarray(result["image_grid_thw"], dtype=np.int64)
+        if not np.array_equal(grid, stored):
+            bad = next(i for i in range(len(media)) if not np.array_equal(grid[i], stored[i]))
+            raise FormatError(f"{where}: {media[bad].member} processes to grid {grid[bad].tolist()}, "
+                              f"stored {stored[bad].tolist()}")
+    out["pixel_values"] = torch.from_numpy(np.ascontiguousarray(result["pixel_values"], dtype=np.float32))
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_video_processor(settings_json: str):
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    s = json.loads(settings_json)
+    config = {k: v for k, v in s["config"].items() if not k.endswith(("_type", "_class", "_auto_map"))}
+    config.update(size={"shortest_edge": s["video_min_pixels"], "longest_edge": s["video_max_pixels"]},
+                  patch_size=s["video_patch_size"], temporal_patch_size=s["video_temporal_patch_size"],
+                  merge_size=s["video_merge_size"], do_sample_frames=False,
+                  cap_pixels_per_frame=s["cap_pixels_per_frame"], max_video_tokens=s["max_video_tokens"])
+    config.pop("min_pixels", None), config.pop("max_pixels", None)
+    return Qwen2VLVideoProcessor(**config)
+
+
+def video_processor_from_manifest(manifest: Mapping):
+    """transformers' Qwen2-VL video processor with the settings the tokens were counted with, told not to sample
+    (the reader hands it the planned frames); None when the dataset has no video settings. Needs torchvision."""
+    settings = manifest.get("video_processor")
+    if settings is None:
+        return None
+    if settings.get("family") != "qwen2_vl":
+        raise ValueError(f"unsupported video processor family {settings.get('family')!r}")
+    return _cached_video_processor(json.dumps(settings, sort_keys=True))
+
+
+def _videos(record: PackRecord, manifest: Mapping, where: str, decode: bool) -> dict:
+    """video_grid_thw and second_per_grid_ts of the pack's videos (+ pixel_values_videos when ``decode``): only
+    the planned frames are decoded, and the processor is told not to sample again."""
+    from packtool.media import decode_frames, decode_video
+
+    videos = [m for m in record.media_refs if m.kind == "video"]
+    grids = np.array([m.grid_thw for m in videos], dtype=np.int64).reshape(-1, 3)
+    out = {"video_grid_thw": torch.from_numpy(grids),
+           "second_per_grid_ts": torch.tensor([float(m.second_per_grid_ts or 0.0) for m in videos],
+                                              dtype=torch.float32)}
+    if not decode:
+        return out
+    if not videos:  # the same keys in every batch, without building a processor
+        s = manifest["video_processor"]
+        dim = 3 * s["video_temporal_patch_size"] * s["video_patch_size"] ** 2
+        out["pixel_values_videos"] = torch.zeros((0, dim), dtype=torch.float32)
+        return out
+    proc = video_processor_from_manifest(manifest)
+    from transformers.video_utils import VideoMetadata
+
+    arrays, metadata = [], []
+    for m in videos:
+        try:
+            if m.frames:
+                arrays.append(decode_frames([record.media[f] for f in m.frames], m.frame_indices))
+            else:
+                arrays.append(decode_video(record.media[m.member], m.frame_indices))
+        except (ValueError, OSError) as exc:
+            raise FormatError(f"{where}, member {m.member}: video does not decode ({exc})") from None
+        metadata.append(VideoMetadata(total_num_frames=m.total_frames, fps=m.fps, width=m.width, height=m.height,
+                                      duration=m.duration, frames_indices=list(m.frame_indices)))
+    result = proc(videos=arrays, video_metadata=metadata, do_sample_frames=False, return_tensors="pt")
+    grid = result["video_grid_thw"].numpy().astype(np.int64)
+    if not np.array_equal(grid, grids):
+        bad = next(i for i in range(len(videos)) if not np.array_equal(grid[i], grids[i]))
+        raise FormatError(f"{where}: {videos[bad].member} processes to grid {grid[bad].tolist()}, "
+                          f"stored {grids[bad].tolist()}")
+    out["pixel_values_videos"] = result["pixel_values_videos"].to(torch.float32).contiguous()
+    return out
+
+
+def open_stored_image(data: bytes, where: str):
+    """The decoded image (as stored: no EXIF rotation, the same pixels the grid was computed from)."""
+    from PIL import Image
+
+    from packtool.media.image import open_image
+
+    try:
+        image = open_image(data)
+        image.load()
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise FormatError(f"{where}: media does not decode ({type(exc).__name__}: {exc})") from None
+    return image
+
+
+def processor_for_output(path: str | Path, manifest: Mapping):
+    """The processor a reader of the packed dataset at `path` uses for its media: Qwen2-VL's image processor
+    (`image_processor_from_manifest`), Nemotron Omni's processors built from the model folder copied into the
+    output (`packtool.runtime.nemotron.nemotron_processors`), or None."""
+    if is_nemotron(manifest):
+        return nemotron_processors(manifest, Path(path) / TOKENIZER_DIR)
+    return image_processor_from_manifest(manifest)
+
+
+def batch_to(batch: dict, device) -> dict:
+    """Move every tensor of a batch to `device` (non-tensors unchanged)."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def read_packs(
+    path: str | Path,
+    split: str = "train",
+    *,
+    pad_to: str = "pack",
+    images: bool = True,
+    device=None,
+    image_processor=None,
+) -> Iterator[dict]:
+    """Batches of a packed dataset's split, one per pack, in on-disk order (deterministic). See `pack_to_batch`."""
+    manifest = load_manifest(path)
+    processor = image_processor
+    if processor is None and images:
+        processor = processor_for_output(path, manifest)
+    for shard in split_shard_paths(path, split):
+        for key, members in iter_records(shard):
+            batch = pack_to_batch({**members, "__key__": key}, manifest, pad_to=pad_to, images=images,
+                                  image_processor=processor, source=str(shard))
+            yield batch if device is None else batch_to(batch, device)
+
+
+def mrope_position_ids(
+    tokens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+    *,
+    image_token_id: int,
+    spatial_merge_size: int = 2,
+    video_grid_thw: torch.Tensor | None = None,
+    second_per_grid_ts: torch.Tensor | None = None,
+    video_token_id: int | None = None,
+    tokens_per_second: int = 2,
+) -> torch.Tensor:
+    """Qwen2/2.5-VL 3-D RoPE positions `[3, 1, L]` for a packed row, computed per segment.
+
+    Each segment starts again at 0: text tokens advance all three rows by one; an image's or a video's
+    `t·(h/m)·(w/m)` tokens get (temporal, row, column) offsets from the current position, after which the position
+    advances by `max(h, w) / m`. A video's temporal offsets are `int(k · tokens_per_second · second_per_grid_ts)`
+    for temporal patch `k` (transformers' `get_rope_index`; `tokens_per_second` is the model's
+    `vision_config.tokens_per_second`), an image's are 0. Padding continues counting like text. Images and videos
+    are taken from their grids in order. For transformers' Qwen2.5-VL packed forward use
+    `torch.cat([batch["position_ids"][None], mrope_position_ids(...)])` (`[4, 1, L]`, row 0 the per-segment text
+    positions) with `attention_mask=None, use_cache=False`.
+    """
+    row = tokens.reshape(-1).cpu().numpy()
+    bounds = cu_seqlens_padded.cpu().numpy().astype(np.int64)
+
+    def grids(thw: torch.Tensor | None):
+        return iter([] if thw is None else thw.cpu().numpy().astype(np.int64).tolist())
+
+    queues = {image_token_id: grids(image_grid_thw), video_token_id: grids(video_grid_thw)}
+    seconds: Iterator[torch.Tensor] = iter(
+        [] if second_per_grid_ts is None else second_per_grid_ts.cpu().to(torch.float32).reshape(-1))
+    media_ids = [t for t in (image_token_id, video_token_id) if t is not None]
+    out = np.empty((3, len(row)), dtype=np.int64)
+    m = spatial_merge_size
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        media_at = np.flatnonzero(np.isin(row[a:b], media_ids)) + a
+        pos, i = 0, a
+        while i < b:
+            nxt = media_at[np.searchsorted(media_at, i)] if len(media_at) and media_at[-1] >= i else b
+            out[:, i:nxt] = pos + np.arange(nxt - i)
+            pos += nxt - i
+            if nxt == b:
+                break
+            token = int(row[nxt])
+            kind = "video" if token == video_token_id else "image"
+            grid = next(queues[token], None)
+            if grid is None:
+                raise ValueError(f"{kind} tokens at {nxt} but no {kind} grid left")
+            t, h, w = grid
+            h, w = h // m, w // m
+            n = t * h * w
+            if (row[nxt:nxt + n] != token).any():
+                raise ValueError(f"{kind} at {nxt} has fewer than its {n} tokens")
+            temporal = np.zeros(t, dtype=np.int64)
+            if kind == "video":
+                spgt = next(seconds, None)
+                if spgt is None:
+                    raise ValueError(f"video at {nxt} has no second_per_grid_ts")
+                temporal = (torch.arange(t) * (tokens_per_second * spgt)).long().numpy()
+            tt, hh, ww = np.meshgrid(temporal, np.arange(h), np.arange(w), indexing="ij")
+            out[:, nxt:nxt + n] = pos + np.stack([tt.ravel(), hh.ravel(), ww.ravel()])
+            pos += max(h, w)
+            i = nxt + n
+    for queued, queue in queues.items():
+        if queued is not None and next(queue, None) is not None:
+            kind = "video" if queued == video_token_id else "image"
+            raise ValueError(f"more {kind} grids than {kind}s in the tokens")
+    return torch.from_numpy(out)[:, None, :].to(tokens.device)

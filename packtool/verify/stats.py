@@ -1,0 +1,187 @@
+"""``packtool stats``: how well a run packed, from its ledger and manifest (no shard is read)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from packtool.build.ledger import read_ledger
+from packtool.errors import FormatError
+from packtool.format import MANIFEST, STATUSES
+
+#: The ledger columns the report reads (keys and shards are never needed: they are most of its bytes).
+STATS_COLUMNS = ["split", "status", "reason", "tokens", "images", "image_tokens", "pack"]
+_NUMBER = re.compile(r"\d+")
+
+
+def _manifest(path: Path) -> dict:
+    folder = path if path.is_dir() else path.parent
+    m = folder / MANIFEST
+    return json.loads(m.read_text()) if m.exists() else {}
+
+
+def _settings(path: Path, pack_size: int | None = None) -> dict:
+    s = dict(_manifest(path).get("settings", {}))
+    if pack_size is not None:
+        s["pack_size"] = pack_size
+    if not s.get("pack_size"):
+        raise FormatError(f"{path}: no manifest beside the ledger to take the pack size from; give pack_size")
+    s.setdefault("align", 1)
+    return s
+
+
+def split_arrays(ledger, split: str) -> dict:
+    """Per-split numpy views of the packed rows: lengths, images, image tokens and pack numbers."""
+    t = ledger.filter(pc.and_(pc.equal(ledger.column("split"), split), pc.is_valid(ledger.column("pack"))))
+    # Pack keys end in their 9-digit number (format.pack_key): parsed by Arrow, no Python string per row.
+    packs = pc.cast(pc.utf8_slice_codeunits(t.column("pack"), start=-9), pa.int64()).to_numpy()
+    return {
+        "lengths": t.column("tokens").to_numpy().astype(np.int64),
+        "images": t.column("images").to_numpy().astype(np.int64),
+        "image_tokens": t.column("image_tokens").to_numpy().astype(np.int64),
+        "pack": packs,
+    }
+
+
+def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int | None = None) -> dict:
+    """The report as a dict: per split packs, fill, L1 bound, padding by cause, segments/images per pack, statuses
+    with reasons grouped (numbers folded to N), and DP-group imbalance when ``balance_dp`` is given."""
+    from packtool.build.algorithms import dp_imbalance
+
+    path = Path(path)
+    ledger = read_ledger(path, STATS_COLUMNS)
+    st = _settings(path, pack_size)
+    size, align = int(st["pack_size"]), int(st["align"])
+    groups = balance_dp or st.get("balance_dp")
+    splits: dict[str, dict[str, Any]] = {}
+    report = {"pack_size": size, "align": align, "algorithm": st.get("algorithm"), "splits": splits}
+    for split in sorted(set(ledger.column("split").to_pylist())):
+        a = split_arrays(ledger, split)
+        rows = ledger.filter(pc.equal(ledger.column("split"), split))
+        statuses = rows.column("status").to_pylist()
+        reasons = Counter(
+            (s, _NUMBER.sub("N", r)) for s, r in zip(statuses, rows.column("reason").to_pylist()) if s != "packed")
+        lengths, pack = a["lengths"], a["pack"]
+        n_packs = int(pack.max()) + 1 if pack.size else 0
+        cost = -(-lengths // align) * align
+        tokens, costs = int(lengths.sum()), int(cost.sum())
+        seg_per_pack = np.bincount(pack, minlength=n_packs) if n_packs else np.zeros(0, np.int64)
+        img_per_pack = np.bincount(pack, weights=a["images"], minlength=n_packs) if n_packs else seg_per_pack
+        entry: dict[str, Any] = {
+            "samples": len(statuses),
+            "status": {s: statuses.count(s) for s in STATUSES},
+            "reasons": [{"status": s, "reason": r, "count": c} for (s, r), c in sorted(reasons.items())],
+            "packs": n_packs,
+            "l1_bound": -(-costs // size) if costs else 0,
+            "tokens": tokens,
+            "fill": tokens / (n_packs * size) if n_packs else 0.0,
+            "padding_align": costs - tokens,
+            "padding_tail": n_packs * size - costs,
+            "segments_per_pack": _summary(seg_per_pack),
+            "images_per_pack": _summary(img_per_pack),
+            "image_tokens": int(a["image_tokens"].sum()),
+        }
+        if groups and groups > 1 and n_packs:
+            entry["dp_group"] = groups
+            entry["dp_imbalance"] = float(dp_imbalance(pack, lengths, groups))
+            natural = np.argsort(_first_index(pack, n_packs), kind="stable")
+            entry["dp_imbalance_unbalanced_order"] = float(dp_imbalance(pack, lengths, groups, order=natural))
+        splits[split] = entry
+    return report
+
+
+def _first_index(pack: np.ndarray, n: int) -> np.ndarray:
+    first = np.full(n, len(pack), dtype=np.int64)
+    np.minimum.at(first, pack, np.arange(len(pack)))
+    return first
+
+
+def _summary(x: np.ndarray) -> dict:
+    if not len(x):
+        return {"mean": 0.0, "min": 0, "max": 0}
+    return {"mean": float(np.mean(x)), "min": int(np.min(x)), "max": int(np.max(x))}
+
+
+def compare(path: str | Path, algorithms: list[str], *, pack_size: int | None = None) -> dict:
+    """Replan each split's packed lengths with every named algorithm under the run's constraints."""
+    from packtool.build.algorithms import ALGORITHMS
+    from packtool.build.algorithms import compare as plan_compare
+    from packtool.errors import ConfigError
+
+    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    if unknown:
+        raise ConfigError(f"unknown algorithm {unknown[0]!r}; choose from {', '.join(ALGORITHMS)}")
+    path = Path(path)
+    ledger = read_ledger(path, STATS_COLUMNS)
+    st = _settings(path, pack_size)
+    out = {}
+    for split in sorted(set(ledger.column("split").to_pylist())):
+        a = split_arrays(ledger, split)
+        if not a["lengths"].size:
+            continue
+        out[split] = plan_compare(
+            a["lengths"], int(st["pack_size"]), algorithms, align=int(st["align"]),
+            max_segments=st.get("max_segments"), images=a["images"], max_images=st.get("max_images"),
+            image_tokens=a["image_tokens"], max_image_tokens=st.get("max_image_tokens"), seed=st.get("seed", 0),
+        )
+    return out
+
+
+def format_report(report: dict) -> str:
+    lines = [f"pack size {report['pack_size']}, align {report['align']}, algorithm {report['algorithm']}"]
+    for split, e in report["splits"].items():
+        lines += [
+            "",
+            f"[{split}] {e['samples']} samples: " + ", ".join(f"{k} {v}" for k, v in e["status"].items()),
+            f"  packs            {e['packs']}  (L1 bound {e['l1_bound']})",
+            f"  fill             {e['fill']:.4f}",
+            f"  tokens           {e['tokens']}  (image tokens {e['image_tokens']})",
+            f"  padding          alignment {e['padding_align']}, tail {e['padding_tail']}",
+            "  segments/pack    mean {mean:.2f}  min {min}  max {max}".format(**e["segments_per_pack"]),
+            "  images/pack      mean {mean:.2f}  min {min}  max {max}".format(**e["images_per_pack"]),
+        ]
+        if "dp_imbalance" in e:
+            lines.append(f"  DP imbalance     {e['dp_imbalance']:.4f} over groups of {e['dp_group']} "
+                         f"(natural order {e['dp_imbalance_unbalanced_order']:.4f})")
+        for r in e["reasons"]:
+            lines.append(f"  {r['status']:<10} {r['count']:>7}  {r['reason']}")
+    for split, rows in report.get("compare", {}).items():
+        lines += ["", f"[{split}] replanned", f"  {'algorithm':<26}{'packs':>8}{'L1':>8}{'fill':>9}{'seconds':>10}"]
+        for r in rows:
+            lines.append(f"  {r['algorithm']:<26}{r['packs']:>8}{r['l1_bound']:>8}{r['fill']:>9.4f}"
+                         f"{r['seconds']:>10.3f}")
+    return "\n".join(lines)
+
+
+def plot(path: str | Path, png: str | Path) -> None:
+    """Fill per pack, segments per pack and sample lengths, one row per split."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    ledger = read_ledger(path, STATS_COLUMNS)
+    size = int(_settings(path)["pack_size"])
+    splits = sorted(set(ledger.column("split").to_pylist()))
+    fig, axes = plt.subplots(len(splits) or 1, 3, figsize=(13, 3.2 * max(1, len(splits))), squeeze=False)
+    for row, split in zip(axes, splits):
+        a = split_arrays(ledger, split)
+        n = int(a["pack"].max()) + 1 if a["pack"].size else 0
+        fill = np.bincount(a["pack"], weights=a["lengths"], minlength=n) / size if n else np.zeros(0)
+        row[0].hist(fill, bins=40, range=(0, 1))
+        row[0].set_title(f"{split}: fill per pack")
+        row[1].hist(np.bincount(a["pack"], minlength=n) if n else [], bins=30)
+        row[1].set_title(f"{split}: segments per pack")
+        row[2].hist(a["lengths"], bins=50)
+        row[2].set_title(f"{split}: sample length (tokens)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,121 @@
+"""The model-family interface: the registry, a family written as one module (the fixed count), one reader of a
+model folder's settings whatever its layout, and a runtime side that imports nothing from the build side."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from packtool import families
+from packtool.build.encoder import Encoder
+from packtool.build.pipeline import pack
+from packtool.families.fixed import FixedCount
+from packtool.families.qwen2_vl import Qwen2VL
+from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+from test_encode import png, raw
+
+
+def test_fixed_count_is_one_module_and_one_registry_line(demo_dir):
+    """``image_tokens`` selects the fixed-count family from the registry; every image costs that many tokens
+    whatever its size, its manifest entries read back to the same family, and verify re-derives the same plan."""
+    assert FixedCount in families.FAMILIES
+    enc = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048, image_tokens=7))
+    assert isinstance(enc.family, FixedCount)
+    sample = raw({"json": {"conversations": [{"from": "human", "value": "<image> and <image>?"},
+                                             {"from": "gpt", "value": "two"}]},
+                  "img0.png": png(640, 480), "img1.png": png(20, 30)})
+    e = enc.encode_many([sample])[0]
+    assert e.status == "packed", e.reason
+    assert [(m["tokens"], m["grid_thw"]) for m in e.media] == [(7, [1, 1, 1]), (7, [1, 1, 1])]
+    pad = enc.family.tokens.image_token_id
+    assert int((e.tokens == pad).sum()) == 14
+    entries = enc.family.manifest_entries()
+    assert entries["image_processor"]["type"] == "fixed" and entries["image_processor"]["fixed_tokens"] == 7
+    back = families.from_manifest({**entries, "pad_token_id": 0})
+    assert isinstance(back, FixedCount) and back.count == 7
+    assert back.check_image(640, 480, 2) == ([1, 1, 1], 7)
+    assert back.placeholder_ids()["image"] == pad
+    # Without image_tokens the same folder is Qwen2-VL's, whose counts depend on the size: the control.
+    qwen = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048))
+    assert isinstance(qwen.family, Qwen2VL)
+    assert [m["tokens"] for m in qwen.encode_many([sample])[0].media] != [7, 7]
+
+
+def test_a_convention_is_a_value_the_family_takes(demo_dir):
+    """``--preset`` names a convention; the preset's settings are the convention's, and the family holds it."""
+    from packtool.families.conventions import CONVENTIONS
+    from packtool.settings import PRESETS
+
+    assert PRESETS["megatron-bridge-qwen-vl"] == CONVENTIONS["megatron-bridge-qwen-vl"].settings()
+    enc = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048,
+                                 preset="megatron-bridge-qwen-vl"))
+    assert enc.family.convention.name == "megatron-bridge-qwen-vl" and enc.family.convention.media_first
+    plain = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048))
+    assert plain.family.convention == families.TRANSFORMERS
+
+
+def test_a_folder_written_by_save_pretrained_packs_like_the_hub_layout(demo_dir, tmp_path):
+    """The installed transformers' ``save_pretrained`` nests the image settings in ``processor_config.json`` (no
+    ``preprocessor_config.json``): that folder packs the demo's val split byte for byte like the hub layout it
+    was made from (every image sample kept)."""
+    from transformers import AutoProcessor
+
+    hub = tmp_path / "hub"
+    shutil.copytree(demo_dir / "tokenizer", hub)
+    (hub / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
+    saved = tmp_path / "saved"
+    AutoProcessor.from_pretrained(str(hub), local_files_only=True).save_pretrained(str(saved))
+    assert not (saved / "preprocessor_config.json").exists()
+    assert "image_processor" in json.loads((saved / "processor_config.json").read_text())
+    outs = {}
+    for name, folder in (("hub", hub), ("saved", saved)):
+        settings = PackSettings(EncodeSettings(tokenizer=str(folder), pack_size=2048), PlanSettings(),
+                                splits=("val",))
+        pack(demo_dir / "dataset", tmp_path / f"out-{name}", settings, workers=1, progress=False)
+        outs[name] = tmp_path / f"out-{name}"
+    files = sorted(p.relative_to(outs["hub"]) for p in outs["hub"].rglob("*")
+                   if p.suffix in (".tar", ".parquet") and ".packtool" not in p.parts)
+    assert any(f.suffix == ".tar" for f in files)
+    for f in files:
+        assert (outs["hub"] / f).read_bytes() == (outs["saved"] / f).read_bytes(), f
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(outs["saved"] / "ledger.parquet").to_pylist()
+    assert all(r["status"] != "error" for r in rows) and sum(r["images"] for r in rows) > 0
+
+
+def test_the_runtime_side_imports_nothing_from_the_build_side():
+    """``packtool.runtime`` and its entry points load without one module of ``packtool.build`` (the runtime can
+    be installed into a training container alone)."""
+    code = ("import sys, packtool.runtime.read, packtool.runtime.loader, packtool.runtime.megatron_batch, "
+            "packtool.runtime.nemotron; from packtool.runtime import read_packs, megatron_bridge_batch; "
+            "print([m for m in sys.modules if m.startswith('packtool.build')])")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip() == "[]", out.stdout
+    # The control: the build side's encoder does import it.
+    control = subprocess.run([sys.executable, "-c", code.replace("packtool.runtime.nemotron;",
+                                                                 "packtool.runtime.nemotron, packtool.build.encoder;")],
+                             capture_output=True, text=True, check=True, env={"PYTHONPATH": str(root),
+                                                                             "PATH": "/usr/bin:/bin"})
+    assert "packtool.build.encoder" in control.stdout
+
+
+def test_images_without_a_rule_are_quarantined_with_the_reason(demo_dir, tmp_path):
+    """A folder with no media rule (no image settings) packs text and quarantines image samples with the reason."""
+    folder = tmp_path / "text"
+    shutil.copytree(demo_dir / "tokenizer", folder)
+    (folder / "preprocessor_config.json").unlink()
+    enc = Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048))
+    assert isinstance(enc.family, families.base.NoMedia)
+    assert enc.family.manifest_entries()["image_processor"] is None
+    image = raw({"json": {"conversations": [{"from": "human", "value": "<image> what?"},
+                                            {"from": "gpt", "value": "x"}]}, "png": png(32, 32)})
+    text = raw({"json": {"conversations": [{"from": "human", "value": "what?"}, {"from": "gpt", "value": "x"}]}})
+    got = enc.encode_many([image, text])
+    assert got[0].status == "error" and "image_tokens" in got[0].reason and "processor mode" in got[0].reason
+    assert got[1].status == "packed"

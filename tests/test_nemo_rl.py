@@ -1,0 +1,661 @@
+"""NeMo-RL reads packtool's packs: the task encoder NeMo-RL loads by file, its packed SFT batch, the alignment.
+
+NeMo-RL does not install from the package registry, so each behaviour of it these tests rely on is re-derived here
+in a few lines from its code (NVIDIA-NeMo/RL, ``nemo_rl/data/energon/``), each helper naming the function it stands
+for. The packs are real ``packtool pack`` output read through Energon's own loader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import io
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_savable_loader, get_val_dataset
+
+import packfixture as fx
+from packtool.errors import FormatError
+from packtool.format import PackRecord, load_manifest
+from packtool.runtime import nemo_rl
+from packtool.settings import alignment_for, derive_align, nemo_rl_align
+from packtool.shards import scan_records
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- re-derivations of NeMo-RL ----------------------------------------------------------------------------------
+def resolve_file_backed(python_file: str, object_name: str, base: type | None) -> object:
+    """``LazyRegistry.resolve_configured`` (``multimodal/registry.py``) for a file-backed component: the path must be
+    absolute and end in ``.py``; the file is executed as a module named after its path and digest; the object must
+    be a task encoder subclass (``base``) or, for a cooker (``base`` None), callable."""
+    path = Path(python_file)
+    assert path.is_absolute() and path.suffix == ".py"
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    name = "_nemo_rl_energon_component_" + hashlib.sha256(f"{path.resolve()}:{digest}".encode()).hexdigest()
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, path.resolve())
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    obj = getattr(module, object_name)
+    assert (isinstance(obj, type) and issubclass(obj, base)) if base is not None else callable(obj)
+    return obj
+
+
+def nemo_rl_encoder_kwargs(*, max_sequence_length: int, tokenizer=None, packer=None, options=None) -> dict:
+    """The keyword arguments ``_task_encoder`` (``sft_dataloader.py``) builds a configured encoder class with."""
+
+    class Adapter:  # HFMultimodalSFTProcessorAdapter: the attribute an encoder may read
+        pass
+
+    adapter = Adapter()
+    adapter.max_sequence_length = max_sequence_length  # type: ignore[attr-defined]
+    return {"adapter": adapter, "cooker_functions": [], "include_source_ids": True, "packer": packer,
+            "tokenizer": tokenizer, "sequence_length_pad_multiple": 1, "only_unmask_final": False,
+            **(options or {})}
+
+
+def reference_packed_batch(packs: list[list[tuple[list[int], list[int]]]], multiple: int, pad_id: int) -> dict:
+    """``prepare_packed_sft_batch`` (``multimodal/packing.py``) with ``pack_selected_samples``' padded lengths and
+    ``batched_message_log_to_flat_message``'s right padding, for samples given as (token ids, token loss mask): each
+    sample's first token loses its loss, each sample is padded with the pad id to ``ceil(cost / multiple) *
+    multiple``, rows are padded to the longest; ``cu_seqlens`` sums real lengths, ``cu_seqlens_padded`` padded."""
+    rows, masks, real, padded = [], [], [], []
+    for pack in packs:
+        ids, mask, lengths, widths = [], [], [], []
+        for tokens, loss in pack:
+            loss = list(loss)
+            loss[0] = 0
+            width = math.ceil(len(tokens) / multiple) * multiple
+            ids += list(tokens) + [pad_id] * (width - len(tokens))
+            mask += loss + [0] * (width - len(tokens))
+            lengths.append(len(tokens))
+            widths.append(width)
+        rows.append(ids)
+        masks.append(mask)
+        real.append(torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32))
+        padded.append(torch.tensor([0, *np.cumsum(widths)], dtype=torch.int32))
+    length = max(map(len, rows))
+    input_ids = torch.tensor([r + [pad_id] * (length - len(r)) for r in rows], dtype=torch.int64)
+    token_mask = torch.tensor([m + [0] * (length - len(m)) for m in masks], dtype=torch.float32)
+    return {"input_ids": input_ids, "input_lengths": torch.tensor([len(r) for r in rows], dtype=torch.int32),
+            "token_mask": token_mask, "sample_mask": token_mask.bool().any(1).float(), "cu_seqlens": real,
+            "cu_seqlens_padded": padded}
+
+
+def nemotron_image_inputs(image, patch_sizes: tuple[int, int], patch_dim: int = 16) -> tuple[torch.Tensor, tuple]:
+    """``_NemotronVisualProcessorAdapter._process_media`` (``nemotron_visual.py``) for one image planned at
+    ``patch_sizes`` (width, height in patches): PIL resize, [0, 1], CLIP mean/std; its ``imgs_sizes`` row."""
+    width, height = patch_sizes[0] * patch_dim, patch_sizes[1] * patch_dim
+    array = np.array(image.convert("RGB").resize((width, height)), copy=True)
+    pixels = torch.from_numpy(array).permute(2, 0, 1).float() / 255
+    mean = torch.tensor([0.48145466, 0.4578275, 0.40821073])[:, None, None]
+    std = torch.tensor([0.26862954, 0.26130258, 0.27577711])[:, None, None]
+    return (pixels - mean) / std, (height, width)
+
+
+# -- helpers ----------------------------------------------------------------------------------------------------
+def loaded_encoder_class() -> type:
+    return resolve_file_backed(nemo_rl.encoder_file(), "PacktoolSFTTaskEncoder", DefaultTaskEncoder)  # type: ignore
+
+
+def nemo_rl_loader(path: Path, batch_size: int, split: str = "val", **options):
+    cls = loaded_encoder_class()
+    encoder = cls(**nemo_rl_encoder_kwargs(max_sequence_length=load_manifest(path)["settings"]["pack_size"],
+                                           options=options))
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    return get_savable_loader(get_val_dataset(path, split_part=split, worker_config=wc, batch_size=batch_size,
+                                              task_encoder=encoder))
+
+
+def samples_of(path: Path, split: str = "val") -> dict[str, tuple[list[int], list[int]]]:
+    """Every packed sample's (tokens, targets) by source key, read from the tars."""
+    return {seg.key: (tokens.tolist(), targets.tolist()) for seg, tokens, targets, _ in fx.packed_segments(path, split)}
+
+
+def assert_batch_equal(batch: dict, want: dict) -> None:
+    for key, value in want.items():
+        got = batch[key]
+        if isinstance(value, list):
+            assert len(got) == len(value) and all(torch.equal(a, b) for a, b in zip(got, value)), key
+        else:
+            assert got.dtype == value.dtype and torch.equal(got, value), key
+
+
+@pytest.fixture(scope="module")
+def nemo_rl_packed(demo_dir, tmp_path_factory) -> Path:
+    """The demo dataset's val split (text, images, videos) packed for a NeMo-RL recipe at TP4 / CP2."""
+    out = tmp_path_factory.mktemp("nemorl") / "out"
+    cmd = [sys.executable, "-m", "packtool.cli", "pack", str(demo_dir / "dataset"), str(out), "--tokenizer",
+           str(demo_dir / "tokenizer"), "--pack-size", "2048", "--split", "val", "--align-for", "nemo-rl",
+           "--tp-size", "4", "--cp-size", "2", "--workers", "1", "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+# -- alignment --------------------------------------------------------------------------------------------------
+def test_alignment_for_nemo_rl_is_its_sequence_multiple():
+    # NeMo-RL's Megatron recipes: make_sequence_length_divisible_by = ${mul:${mul:tp, cp}, 2}
+    assert nemo_rl_align(cp_size=2, tp_size=4) == 16 and derive_align(cp_size=2, tp_size=4) == 4
+    assert alignment_for("nemo-rl", cp_size=2, tp_size=4) == 16
+    assert alignment_for("megatron", cp_size=2, tp_size=4, sequence_parallel=True) == 8
+    assert nemo_rl_align() == 2
+    with pytest.raises(ValueError, match="align_for"):
+        alignment_for("nemo", cp_size=2)  # type: ignore[arg-type]
+
+
+def test_cli_aligns_packs_for_nemo_rl(nemo_rl_packed):
+    assert load_manifest(nemo_rl_packed)["settings"]["align"] == 16
+
+
+# -- the task encoder through Energon -----------------------------------------------------------------------------
+def test_packs_become_nemo_rl_packed_batches(nemo_rl_packed):
+    """Sample by sample, the encoder's batch equals `prepare_packed_sft_batch` of the packed samples (tokens and
+    targets as NeMo-RL's message logs would carry them), at the recipe's multiple 16 and at 8."""
+    samples = samples_of(nemo_rl_packed)
+    pad = load_manifest(nemo_rl_packed)["pad_token_id"]
+    seen = set()
+    for multiple, batch_size in ((None, 1), (8, 2)):
+        for batch in nemo_rl_loader(nemo_rl_packed, batch_size, sequence_multiple=multiple):
+            packs = [[samples[k] for k in keys] for keys in batch["source_ids"]]
+            want = reference_packed_batch(packs, multiple or 16, pad)
+            assert_batch_equal(batch, want)
+            assert all(int(p[-1]) <= 2048 for p in batch["cu_seqlens_padded"])
+            seen.update(k for keys in batch["source_ids"] for k in keys)
+            if multiple is None:
+                assert all((p % 16 == 0).all() for p in batch["cu_seqlens_padded"])
+    assert seen == set(samples)
+
+
+def test_control_pack_tail_padding_is_not_nemo_rl_layout(nemo_rl_packed):
+    """Control: the reader's own layout (one pad run at the pack's tail) is not NeMo-RL's, so the comparison above
+    can fail."""
+    samples = samples_of(nemo_rl_packed)
+    pad = load_manifest(nemo_rl_packed)["pad_token_id"]
+    differs = 0
+    for batch in nemo_rl_loader(nemo_rl_packed, 1):
+        pack = [samples[k] for k in batch["source_ids"][0]]
+        tail = reference_packed_batch([[(sum((t for t, _ in pack), []), sum((m for _, m in pack), []))]], 16, pad)
+        differs += not torch.equal(tail["input_ids"], batch["input_ids"])
+    assert differs > 0
+
+
+def test_qwen_media_are_the_processors(nemo_rl_packed):
+    """Qwen2.5-VL packs carry what NeMo-RL's hf_multimodal adapter puts in its messages: the transformers
+    processor's pixel_values and image_grid_thw, per row in placeholder order (here: the reader's, which equals the
+    processor's)."""
+    from packtool.runtime.read import read_packs
+
+    by_key = {b["pack_key"]: b for b in read_packs(nemo_rl_packed, split="val")}
+    with_images = 0
+    for batch in nemo_rl_loader(nemo_rl_packed, 1):
+        reader = next(b for b in by_key.values() if b["keys"] == batch["source_ids"][0])
+        if batch.get("image_grid_thw") is None or batch["image_grid_thw"][0] is None:
+            assert int(reader["image_grid_thw"].shape[0]) == 0
+            continue
+        with_images += 1
+        (grid,), (pixels,) = batch["image_grid_thw"][0], batch["pixel_values"][0]  # one segment per pack
+        assert torch.equal(grid, reader["image_grid_thw"]) and torch.equal(pixels, reader["pixel_values"])
+    assert with_images > 0
+
+
+def test_encoder_refuses_what_cannot_hold(nemo_rl_packed, tmp_path):
+    cls = loaded_encoder_class()
+    with pytest.raises(ValueError, match="packing"):
+        cls(**nemo_rl_encoder_kwargs(max_sequence_length=2048, packer=object()))
+    with pytest.raises(ValueError, match="options"):
+        cls(**nemo_rl_encoder_kwargs(max_sequence_length=2048, options={"pad_multiple": 16}))
+    # a Nemotron recipe's own encoder options are inherited by its overlay: accepted
+    cls(**nemo_rl_encoder_kwargs(max_sequence_length=2048, options={"prompt_format": "nemotron6-moe"}))
+    with pytest.raises(Exception, match="max_total_sequence_length"):
+        encoder = cls(**nemo_rl_encoder_kwargs(max_sequence_length=1024))
+        wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+        next(iter(get_savable_loader(get_val_dataset(nemo_rl_packed, split_part="val", worker_config=wc,
+                                                     batch_size=1, task_encoder=encoder))))
+
+
+def test_alignment_must_be_a_multiple_of_the_recipes():
+    seg = fx.chat_segment("a", "q", "an answer")
+    members = {**fx.pack_record([seg], pack_size=64, align=8, split="train"), "__key__": "train-000000000"}
+    manifest = {"pad_token_id": fx.PAD_ID}
+    with pytest.raises(FormatError, match="--align-for nemo-rl"):
+        nemo_rl.nemo_rl_row(members, manifest, multiple=16)
+    row = nemo_rl.nemo_rl_row(members, manifest, multiple=4)
+    assert row.padded == [math.ceil(len(seg["tokens"]) / 4) * 4]
+
+
+def test_nemotron_images_are_nemo_rls_visual_inputs(tmp_path):
+    """A Nemotron Omni pack's images become `_process_media`'s pixel_values / imgs_sizes / num_frames."""
+    from PIL import Image
+
+    segments, images = [], []
+    for i, (w, h, grid) in enumerate([(60, 90, (1, 4, 2)), (200, 120, (1, 6, 10)), (33, 47, (1, 2, 2))]):
+        data = fx.image_bytes(w, h, i, "PNG")
+        seg = fx.chat_segment(f"s{i}", "what?", "this.")
+        seg["media"] = [{"bytes": data, "ext": "png", "token_offset": 1, "tokens": 0, "grid_thw": list(grid),
+                         "width": w, "height": h}]
+        segments.append(seg)
+        images.append((Image.open(io.BytesIO(data)), grid))
+    members = {**fx.pack_record(segments, pack_size=512, align=1, split="train"), "__key__": "train-000000000"}
+    manifest = {"pad_token_id": fx.PAD_ID, "image_processor": {"family": "nemotron_omni", "patch_size": 16}}
+    row = nemo_rl.nemo_rl_row(members, manifest)
+    for index, (image, (_, gh, gw)) in enumerate(images):
+        pixels, size = nemotron_image_inputs(image, (gw, gh))
+        assert torch.allclose(row.media["pixel_values"][index][0], pixels, atol=1e-6)
+        assert tuple(row.media["imgs_sizes"][index][0].tolist()) == size
+    assert [n.tolist() for n in row.media["num_frames"]] == [[1], [1], [1]]
+    # control: a resize to the transposed grid is not the same input
+    pixels, _ = nemotron_image_inputs(images[1][0], (6, 10))
+    assert pixels.shape != row.media["pixel_values"][1][0].shape
+    batch = nemo_rl.nemo_rl_batch([row, row], fx.PAD_ID)  # per row: its items in placeholder order
+    assert len(batch["pixel_values"]) == 2 and len(batch["pixel_values"][1]) == 3
+
+
+# -- recipe overlays --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["vlm_sft-qwen2.5-vl-energon-packtool.yaml",
+                                  "vlm_sft-nemotron-omni-energon-packtool.yaml"])
+def test_recipe_overlays_name_a_loadable_encoder(name, monkeypatch):
+    """Each overlay's loader block follows NeMo-RL's configuration rules (``EnergonTaskEncoderConfig`` and
+    ``EnergonCookerConfig`` in ``config.py``: a file-backed component has no name, a python_file and an
+    object_name; ``_loader_config``: at least one cooker) and resolves to packtool's encoder and cooker."""
+    overlay = yaml.safe_load((ROOT / "examples" / "nemo_rl" / name).read_text())
+    energon = overlay["data"]["energon"]
+    encoder, cookers = energon["task_encoder"], energon["cookers"]
+    assert encoder["name"] is None and encoder["packing"] is None and energon["packing_buffer_size"] is None
+    assert cookers and all(c["name"] is None for c in cookers)
+    assert cookers[0]["has_subflavors"] == {"packtool": 1}
+    env = "${oc.env:PACKTOOL_NEMO_RL_ENCODER}"
+    assert encoder["python_file"] == env and cookers[0]["python_file"] == env
+    assert loaded_encoder_class().__name__ == encoder["object_name"]
+    assert resolve_file_backed(nemo_rl.encoder_file(), cookers[0]["object_name"], None)
+    multiple = encoder["options"]["sequence_multiple"]
+    assert multiple.startswith("${policy.make_sequence_length_divisible_by")
+    done = subprocess.run([sys.executable, "-m", "packtool.runtime.nemo_rl"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.strip() == nemo_rl.encoder_file()
+
+
+def test_runtime_side_imports_nothing_of_the_build_side():
+    code = ("import sys, packtool.runtime.nemo_rl; "
+            "print([m for m in sys.modules if m.startswith('packtool.build')])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "[]", done.stderr
+
+
+# -- --preset nemo-rl-qwen-vl ------------------------------------------------------------------------------------
+def nemo_rl_qwen_log(tok, messages: list[dict], *, add_eos: bool = True) -> tuple[list[int], list[int]]:
+    """``get_formatted_message_log`` (``nemo_rl/data/llm_message_utils.py``) for text turns, then
+    ``add_loss_mask_to_message_log(roles_to_train_on=["assistant"])``: each message's chunk is what the chat
+    template adds after the rendering of the messages before it, the eos token is appended to the last chunk when
+    it does not end with it (trailing newlines aside), and every token of an assistant chunk is a target."""
+    ids: list[int] = []
+    mask: list[int] = []
+    previous = ""
+    for i, message in enumerate(messages):
+        text = tok.apply_chat_template(messages[:i + 1], tokenize=False, add_generation_prompt=False)
+        start = next((k for k, (a, b) in enumerate(zip(previous, text)) if a != b), min(len(previous), len(text)))
+        chunk = text[start:]
+        if i == len(messages) - 1 and add_eos and tok.eos_token and not chunk.rstrip("\n").endswith(tok.eos_token):
+            chunk += tok.eos_token
+        new = tok(chunk, add_special_tokens=False)["input_ids"]
+        ids += new
+        mask += [int(message["role"] == "assistant")] * len(new)
+        previous = text
+    return ids, mask
+
+
+def demo_text_samples(demo_dir):
+    from packtool.build.sources import open_source, read_raw_samples
+    from packtool.build.sources.conversation import conversation_adapter
+
+    src = open_source(demo_dir / "dataset", ["train"])
+    for shard in src.splits["train"]:
+        for raw in read_raw_samples(src.root, shard, src.excluded_samples):
+            conversation = conversation_adapter(raw.parts)
+            if not conversation.media:
+                yield raw, [{"role": m["role"], "content": m["content"]} for m in conversation.messages]
+
+
+def test_qwen_preset_targets_equal_nemo_rls(demo_dir):
+    """Under --preset nemo-rl-qwen-vl, tokens and targets of each demo text sample equal NeMo-RL's hf_multimodal
+    message log with its assistant-role mask (the reply's role header and the newline after its end-of-turn token
+    are targets); the first token is never a target in NeMo-RL's batch, nor here (it is the template's start)."""
+    from packtool.build.encoder import Encoder
+    from packtool.settings import EncodeSettings
+
+    samples = list(demo_text_samples(demo_dir))
+    preset = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048, preset="nemo-rl-qwen-vl"))
+    plain = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048))
+    checked = differs = 0
+    for (raw, messages), got, base in zip(samples, preset.encode_many([r for r, _ in samples]),
+                                          plain.encode_many([r for r, _ in samples])):
+        if got.status != "packed":
+            continue
+        ids, mask = nemo_rl_qwen_log(preset.tok, messages)
+        assert got.tokens.tolist() == ids, raw.key
+        mask[0] = 0  # prepare_packed_sft_batch
+        assert got.targets.tolist() == mask, raw.key
+        differs += base.targets.tolist() != mask  # control: packtool's default convention is not NeMo-RL's
+        checked += 1
+    assert checked >= 20 and differs == checked
+
+
+def test_qwen_preset_with_images_equals_nemo_rls(demo_dir):
+    """An image sample: the processor's expansion of each `<|image_pad|>` (n = the grid the folder's pixel bounds
+    give / 4), inside the user chunk; the assistant chunk is the target."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    from packtool.build.encoder import Encoder
+    from packtool.build.sources import RawSample
+    from packtool.settings import EncodeSettings
+
+    sizes = [(60, 60), (90, 40)]
+    turns = [{"role": "user", "content": "<image><image>Compare them."}, {"role": "assistant", "content": "Same."},
+             {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}]
+    raw = RawSample(key="k0", shard="shards/x.tar", index=0)
+    parts = {"json": json.dumps({"messages": turns}).encode(),
+             **{f"{i}.png": fx.image_bytes(w, h, i, "PNG") for i, (w, h) in enumerate(sizes)}}
+    for name, data in parts.items():
+        raw.parts[name], raw.ranges[name] = data, (0, len(data))
+    enc = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048, preset="nemo-rl-qwen-vl"))
+    got = enc.encode_many([raw])[0]
+    assert got.status == "packed", got.reason
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                             {"type": "text", "text": "Compare them."}]}, *turns[1:]]
+    ids, mask = nemo_rl_qwen_log(enc.tok, messages)
+    cfg = json.loads((demo_dir / "tokenizer" / "preprocessor_config.json").read_text())
+    counts = iter(int(np.prod(smart_resize(h, w, 28, cfg["min_pixels"], cfg["max_pixels"]))) // 784
+                  for w, h in sizes)
+    pad = enc.family.tokens.image_token_id
+    ids, mask = zip(*[(i, m) for i, m in zip(ids, mask) for _ in range(next(counts) if i == pad else 1)])
+    mask = [0, *mask[1:]]
+    assert got.tokens.tolist() == list(ids) and got.targets.tolist() == mask
+
+
+# -- --preset nemo-rl-nemotron-omni ------------------------------------------------------------------------------
+MM_MARKER = "\ue000"
+
+
+def nemo_rl_reply(text: str) -> str:
+    """``_normalize_assistant_thinking`` (``nemotron_visual.py``), prompt format nemotron6-moe, trace format
+    normalized."""
+    if "<think>" not in text and "</think>" not in text:
+        return "<think></think>" + text.strip()
+    inner = text[text.index("<think>") + 7:text.index("</think>")].strip()
+    text = text[:text.index("<think>")] + (f"<think>\n{inner}\n</think>" if inner else "<think></think>") + \
+        text[text.index("</think>") + 8:]
+    head, tail = text.split("</think>")
+    return head + "</think>\n" + tail.lstrip()
+
+
+def nemo_rl_image_grids(sizes, available: int, *, min_patches=1024, max_patches=13312, patch=16):
+    """``_plan_visual_occurrences`` (``nemotron_visual.py``) for images only, no augmentation: a budget of
+    ``available * 4`` patches, each image's own grid scaled into its allowance (up to the minimum where it fits),
+    sides rounded to 2, allowances shrunk together until the grids fit. Returns (grid_h, grid_w) per image."""
+    budget = max(available * 4, min_patches * len(sizes))
+    allow = [max(min(budget, max_patches), min_patches)] * len(sizes)
+    for _ in range(10):
+        grids = []
+        for (w, h), a in zip(sizes, allow):
+            ch, cw = round(h / patch + 0.5), round(w / patch + 0.5)
+            f = min(math.sqrt(a / (ch * cw)), 1.0)
+            th, tw = math.floor(f * ch), math.floor(f * cw)
+            if a > min_patches and th * tw < min_patches:
+                u = math.sqrt(min_patches / max(th * tw, 1))
+                if a > math.ceil(u * th) * math.ceil(u * tw):
+                    th, tw = math.ceil(u * th), math.ceil(u * tw)
+            if th % 2:
+                th = th + 1 if (th + 1) * tw <= a else max(2, th - 1)
+            if tw % 2:
+                tw = tw + 1 if th * (tw + 1) <= a else max(2, tw - 1)
+            grids.append((th, tw))
+        total = sum(h * w for h, w in grids)
+        if total <= budget:
+            break
+        scaled = [max(min_patches, int(h * w * budget / total)) for h, w in grids]
+        allow = scaled if any(s < o for s, o in zip(scaled, allow)) else [min_patches] * len(sizes)
+    return grids
+
+
+def nemo_rl_audio_clips(samples: int, rate: int, target: int = 16000, hop: int = 160, factor: int = 8):
+    """``_audio_plan`` (``nemotron_multimodal.py``) with its defaults (30 s clips, 0.1 s minimum): samples per clip
+    at the target rate, valid mel frames (samples // hop) and ``<so_embedding>`` tokens per clip."""
+    total = round(max(0.1, samples / rate) * target)
+    clip = 30 * target
+    per = [clip] * (math.ceil(total / clip) - 1) + [clip if total % clip == 0 else max(total % clip, 1600)]
+    frames = [n // hop for n in per]
+    tokens = []
+    for f in frames:
+        for _ in range(int(math.log2(factor))):
+            f = (f + 1) // 2
+        tokens.append(max(1, f))
+    return per, frames, tokens
+
+
+def nemo_rl_nemotron_sample(tok, messages: list[dict], sizes, max_len: int, audio=()):
+    """NeMo-RL's nemotron_multimodal for text and images (``NemotronMultiModalProcessorAdapter.preencode`` and
+    ``postencode``): replies normalised; each image part rendered ``<img>`` + marker + ``</img>``; the chat
+    template's text encoded piece by piece with the image token spliced at each marker
+    (``_encode_with_marker_splices``); targets each reply after its ``<|im_start|>assistant\\n`` header through
+    its ``<|im_end|>`` (``tokenize_nemotron_conversation``, nemotron6-moe, with this tokenizer's ids); one image
+    budget from ``max_len - tokens - 4``; each marker expanded to its image's tokens
+    (``_expand_visual_placeholders``); the first token's loss dropped (``prepare_packed_sft_batch``)."""
+    rendered = []
+    for m in messages:
+        text = m["content"]
+        if m["role"] == "assistant":
+            text = nemo_rl_reply(text)
+        text = text.replace("<audio>", "<so_start><so_embedding><so_end>")
+        rendered.append({"role": m["role"], "content": text.replace("<image>", f"<img>{MM_MARKER}</img>")})
+    text = tok.apply_chat_template(rendered, tokenize=False)
+    image_id = tok.convert_tokens_to_ids("<image>")
+    ids: list[int] = []
+    for i, piece in enumerate(text.split(MM_MARKER)):
+        ids += tok.encode(piece, add_special_tokens=False) if piece else []
+        ids += [image_id] if i < text.count(MM_MARKER) else []
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    end, newline = tok.convert_tokens_to_ids("<|im_end|>"), tok.encode("\n", add_special_tokens=False)[0]
+    mask = [0] * len(ids)
+    for p in range(len(ids) - len(header) + 1):
+        if ids[p:p + len(header)] == header:
+            upper = ids.index(end, p + len(header))
+            assert ids[upper + 1] == newline
+            mask[p + len(header):upper + 1] = [1] * (upper + 1 - p - len(header))
+    sound = tok.convert_tokens_to_ids("<so_embedding>")  # _expand_audio_placeholders, before the image budget
+    counts = iter(sum(nemo_rl_audio_clips(n, rate)[2]) for n, rate in audio)
+    ids, mask = map(list, zip(*[(i, k) for i, k in zip(ids, mask) for _ in range(next(counts) if i == sound else 1)]))
+    grids = nemo_rl_image_grids(sizes, max_len - len(ids) - 4)
+    widths = iter(h * w // 4 for h, w in grids)
+    ids, mask = map(list, zip(*[(i, k) for i, k in zip(ids, mask) for _ in range(next(widths) if i == image_id
+                                                                                    else 1)]))
+    mask[0] = 0
+    return ids, mask, grids
+
+
+def nemo_rl_sound_inputs(data: bytes, extractor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_process_audio`` (``nemotron_multimodal.py``) for a mono source at the extractor's rate: the waveform
+    (int16 / 32768) padded to 0.1 s and to its plan, split into 30 s clips, each clip's planned samples through the
+    feature extractor; ``sound_clips`` zero-padded to the longest clip's mel frames, ``sound_length`` the valid
+    frames."""
+    import wave as wavfile
+
+    with wavfile.open(io.BytesIO(data)) as f:
+        assert f.getsampwidth() == 2 and f.getnchannels() == 1
+        rate = f.getframerate()
+        wave = np.frombuffer(f.readframes(f.getnframes()), dtype="<i2").astype(np.float32) / 32768.0
+    per, frames, _ = nemo_rl_audio_clips(len(wave), rate)
+    wave = np.pad(wave, (0, max(0, sum(per) - len(wave))))[:sum(per)]
+    mels, valid, start = [], [], 0
+    for n in per:
+        out = extractor(wave[start:start + n], sampling_rate=rate, return_tensors="pt", return_attention_mask=True)
+        mels.append(out["input_features"][0])
+        valid.append(int(out["attention_mask"].sum()))
+        start += n
+    assert valid == frames
+    clips = torch.zeros((len(mels), max(m.shape[0] for m in mels), mels[0].shape[1]))
+    for i, mel in enumerate(mels):
+        clips[i, :mel.shape[0]] = mel
+    return clips, torch.tensor(valid, dtype=torch.long)
+
+
+def raw_sample(key: str, turns: list[dict], images: list[bytes], audio: list[bytes] = ()):
+    from packtool.build.sources import RawSample
+
+    raw = RawSample(key=key, shard="shards/x.tar", index=0)
+    parts = {"json": json.dumps({"messages": turns}).encode(), **{f"{i}.jpg": b for i, b in enumerate(images)},
+             **{f"{i}.wav": b for i, b in enumerate(audio)}}
+    for name, data in parts.items():
+        raw.parts[name], raw.ranges[name] = data, (0, len(data))
+    return raw
+
+
+@pytest.fixture(scope="module")
+def nemotron_folder(tmp_path_factory) -> Path:
+    import nemotron_omni_model
+
+    return nemotron_omni_model.write_model_folder(tmp_path_factory.mktemp("nemotron") / "model")
+
+
+def test_nemotron_preset_equals_nemo_rls_images_audio_and_replies(nemotron_folder):
+    """Images of several sizes with short and long texts, several images sharing one budget, audio shorter and
+    longer than 30 s (and at another rate), replies with and without a thinking trace: tokens, targets, grids and
+    audio lengths equal NeMo-RL's for each sample; a control without the preset differs."""
+    import mediafixture as mf
+    from packtool.build.encoder import Encoder
+    from packtool.settings import EncodeSettings
+
+    words = " ".join(f"word{i % 97}" for i in range(900))
+    cases = [  # (user text, reply, image sizes)
+        ("<image>What is this?", "A cat.", [(60, 90)]),
+        ("<image>Describe it.", "<think>It has stripes.\n</think>  A zebra.", [(1600, 1200)]),
+        (f"<image>{words}\nSummarise.", "<think> </think>Words.", [(1600, 1200)]),
+        ("<image><image><image><image>Compare.", "Similar.", [(1600, 1200), (1000, 1500), (300, 200), (1200, 1600)]),
+        (f"{words[:3000]} <image> and <image>?", "<think>\nhmm\n</think>\nNo.", [(1600, 1200), (1400, 1000)]),
+        ("Just text.", "<think>Thinking.</think>Answer.", []),
+        ("<audio>Transcribe.", "Hello.", [], [(3 * 16000, 16000)]),  # audio shorter and longer than 30 s
+        ("<audio><image>Both?", "<think>\nyes\n</think>Yes.", [(1600, 1200)], [(65 * 16000 + 123, 16000)]),
+        ("<audio>Rate?", "Fine.", [], [(2 * 22050 + 7, 22050)]),
+    ]
+    raws, expected = [], []
+    for i, (question, reply, sizes, *rest) in enumerate(cases):
+        audio = rest[0] if rest else []
+        turns = [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+        raws.append(raw_sample(f"s{i}", turns, [fx.image_bytes(w, h, i * 10 + k) for k, (w, h) in enumerate(sizes)],
+                               [mf.make_audio("wav", samples=n, rate=r) for n, r in audio]))
+        expected.append((turns, sizes, audio))
+    settings = dict(tokenizer=str(nemotron_folder), pack_size=4096)
+    preset = Encoder(EncodeSettings(**settings, preset="nemo-rl-nemotron-omni"))
+    plain = Encoder(EncodeSettings(**settings))
+    budget_bound = differs = 0
+    for (turns, sizes, audio), got, base in zip(expected, preset.encode_many(raws), plain.encode_many(raws)):
+        assert got.status == "packed", got.reason
+        ids, mask, grids = nemo_rl_nemotron_sample(preset.tok, turns, sizes, 4096, audio)
+        assert got.tokens.tolist() == ids
+        targets = got.targets.tolist()
+        targets[0] = 0
+        assert targets == mask
+        assert [m["grid_thw"] for m in got.media if m["kind"] == "image"] == [[1, h, w] for h, w in grids]
+        assert [m["samples"] for m in got.media if m["kind"] == "audio"] == [
+            sum(nemo_rl_audio_clips(n, r)[0]) for n, r in audio]
+        differs += base.tokens.tolist() != ids  # control: transformers' convention is not NeMo-RL's
+        budget_bound += [m["grid_thw"] for m in got.media] != [m["grid_thw"] for m in base.media]
+    assert differs >= len(cases) - 2  # (a reply already in NeMo-RL's layout, images that fit both ways, ...)
+    assert budget_bound >= 3  # the text-dependent, shared budget changed grids, not only the replies
+
+
+def test_nemotron_preset_refuses_what_it_cannot_do_yet(nemotron_folder, demo_dir):
+    from packtool.build.encoder import Encoder
+    from packtool.errors import ConfigError
+    from packtool.settings import EncodeSettings
+
+    with pytest.raises(ConfigError, match="is for nemotron_omni model folders"):
+        Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=4096, preset="nemo-rl-nemotron-omni"))
+    enc = Encoder(EncodeSettings(tokenizer=str(nemotron_folder), pack_size=4096, preset="nemo-rl-nemotron-omni"))
+    bad = raw_sample("b", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>a<think>b"}],
+                     [])
+    got = enc.encode_many([bad])[0]
+    assert got.status == "error" and "<think>" in got.reason
+
+
+def test_nemotron_preset_pack_verify_and_batch(nemotron_folder, tmp_path):
+    """`pack --preset nemo-rl-nemotron-omni` end to end: verify re-derives each image's grid from NeMo-RL's budget
+    (control: the same packs read as transformers' convention fail), and the NeMo-RL batch's pixel_values /
+    imgs_sizes / num_frames equal `_process_media` of each image at NeMo-RL's grid."""
+    from PIL import Image
+
+    import mediafixture as mf
+    from packtool.build.pipeline import pack
+    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+    from packtool.verify.packs import verify_output
+
+    words = " ".join(f"word{i % 97}" for i in range(700))
+    cases = {"small": ("<image>What?", "A dot.", [(60, 90)], []),
+             "long": (f"<image>{words}", "<think>Long.</think>Yes.", [(1600, 1200)], []),
+             "many": ("<image><image><image>Same?", "No.", [(1600, 1200), (1200, 1600), (500, 300)], []),
+             "audio": ("<audio> and <audio>?", "Two.", [], [3 * 16000 + 5, 35 * 16000 + 77])}
+    samples = {}
+    waves = []
+    for key, (question, reply, sizes, audio) in cases.items():
+        turns = [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+        samples[key] = {"json": json.dumps({"messages": turns}).encode(),
+                        **{f"{i}.png": mf.make_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)},
+                        **{f"{i}.wav": mf.make_audio("wav", samples=n, rate=16000) for i, n in enumerate(audio)}}
+        waves += [samples[key][f"{i}.wav"] for i in range(len(audio))]
+    mf.write_source(tmp_path / "src", samples)
+    settings = PackSettings(EncodeSettings(tokenizer=str(nemotron_folder), pack_size=4096, align=16,
+                                           preset="nemo-rl-nemotron-omni"), PlanSettings(shard_size="8"))
+    pack(tmp_path / "src", tmp_path / "out", settings, workers=1, progress=False)
+    assert verify_output(tmp_path / "out", source=tmp_path / "src") == []
+
+    from transformers import AutoProcessor
+
+    from packtool.runtime.nemotron import nemotron_processors
+
+    manifest = load_manifest(tmp_path / "out")
+    processors = nemotron_processors(manifest, tmp_path / "out" / ".nv-meta" / "tokenizer")
+    extractor = AutoProcessor.from_pretrained(nemotron_folder).feature_extractor  # what NeMo-RL's adapter holds
+    checked = heard = 0
+    for shard in sorted((tmp_path / "out" / "train").glob("*.tar")):
+        for key, members in scan_records(shard):
+            row = nemo_rl.nemo_rl_row({**members, "__key__": key}, manifest, image_processor=processors)
+            refs = [m for s in PackRecord.from_members(key, members).segments for m in s.media]
+            images = [(m, members[m.member]) for m in refs if m.kind == "image"]
+            for index, (ref, data) in enumerate(images):
+                pixels, size = nemotron_image_inputs(Image.open(io.BytesIO(data)), (ref.grid_thw[2], ref.grid_thw[1]))
+                assert torch.allclose(row.media["pixel_values"][index][0], pixels, atol=1e-5)
+                assert tuple(row.media["imgs_sizes"][index][0].tolist()) == size
+                checked += 1
+            for index, ref in enumerate(m for m in refs if m.kind == "audio"):
+                clips, lengths = nemo_rl_sound_inputs(members[ref.member], extractor)
+                assert torch.equal(row.media["sound_clips"][index], clips)
+                assert torch.equal(row.media["sound_length"][index], lengths)
+                heard += 1
+    assert checked == 5 and heard == 2
+    # through Energon, the task encoder gives the same media (the processors from OUTPUT's model folder copy)
+    rows = {row.pack_key: row for row in (
+        nemo_rl.nemo_rl_row({**m, "__key__": k}, manifest, image_processor=processors)
+        for shard in sorted((tmp_path / "out" / "train").glob("*.tar")) for k, m in scan_records(shard))}
+    for batch in nemo_rl_loader(tmp_path / "out", 1, split="train"):
+        row = next(r for r in rows.values() if r.keys == batch["source_ids"][0])
+        for key, segments in row.media.items():
+            assert all(torch.equal(a, b) for a, b in zip(batch[key][0], segments)), key
+
+    # control: the same packs checked as transformers' convention (preset removed from the manifest) fail
+    path = tmp_path / "out" / ".nv-meta" / "packtool.json"
+    data = json.loads(path.read_text())
+    data["settings"]["preset"] = None
+    path.write_text(json.dumps(data))
+    problems = verify_output(tmp_path / "out")
+    assert problems and all("image rule gives grid" in p for p in problems), problems[:3]
