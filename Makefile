@@ -13,9 +13,6 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
-	# A real 151k-rank vocabulary for the integration test (Qwen2's BPE ranks ship in this wheel): fetched here,
-	# never while tests run.
-	$(BIN)/pip download -q --no-deps qwen-agent==0.0.34 -d $(VENV)/wheels
 	touch $(STAMP)
 
 # The second test environment: Megatron-Bridge's own pins (Python 3.12, transformers <=5.12.1, tokenizers <0.23) with
@@ -32,6 +29,13 @@ $(MB_STAMP): pyproject.toml constraints-mbridge.txt
 	$(MB_VENV)/bin/pip install -q -c constraints-mbridge.txt -e '.[test,media]'
 	$(MB_VENV)/bin/pip install -q --no-deps --target $(MB_VENV)/mbridge megatron-bridge==0.6.2 qwen-vl-utils==0.0.14
 	touch $(MB_STAMP)
+
+# A real 151k-rank vocabulary for the integration test (Qwen2's BPE ranks ship in this wheel): fetched for the
+# tests only (`make run` does not need it), never while tests run.
+TEST_STAMP := $(VENV)/.test-data
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip download -q --no-deps qwen-agent==0.0.34 -d $(VENV)/wheels
+	touch $(TEST_STAMP)
 
 # The Nemotron Omni demo (audio, video, images) packs too; `make run OMNI_DEMO=0` skips it.
 OMNI_DEMO ?= 1
@@ -55,7 +59,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check packtool tests bench scripts examples
 	$(BIN)/mypy
 
-test: lint $(MB_STAMP)
+test: lint $(MB_STAMP) $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests
 	$(MB_VENV)/bin/python -m pytest -q -n 2 $(MB_TESTS)
 

@@ -4,7 +4,13 @@ Public API: :func:`pack_lengths` and :data:`ALGORITHMS` (the planner), :func:`re
 batches) and :func:`to_megatron`. They load lazily so that ``import packtool`` stays light.
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:  # one owner: the version pyproject.toml gives the installed package
+    __version__ = version("packtool")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
+del PackageNotFoundError, version
 
 _LAZY = {
     "pack_lengths": "packtool.build.algorithms",

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import typer
 
-from packtool.errors import ConfigError, PacktoolError
+from packtool.errors import ConfigError, LimitError, PacktoolError
 from packtool.settings import (
     Algorithm,
     AlignFor,
@@ -23,9 +23,9 @@ from packtool.settings import (
     PlanSettings,
     Preset,
     RunOptions,
-    alignment_for,
     choices,
     default,
+    resolve_align,
 )
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -51,7 +51,8 @@ def _one_line(call: Callable[[], T]) -> T:
         return call()
     except PacktoolError as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        _fail(message + (f"; pass --{exc.option.replace('_', '-')} to go ahead" if exc.option else ""))
+        _fail(message + (f"; pass --{exc.option.replace('_', '-')} to go ahead" if exc.option else ""),
+              code=3 if isinstance(exc, LimitError) else 2)
     except OSError as exc:
         # a library may raise e.g. FileNotFoundError(path) with neither errno nor file name set (pyarrow does)
         bare = exc.strerror is None and len(exc.args) == 1 and isinstance(exc.args[0], str)
@@ -60,6 +61,20 @@ def _one_line(call: Callable[[], T]) -> T:
         where = exc.filename or (exc.args[0] if bare else None)
         _fail(f"{reason}" + (f" ({where})" if where else ""))
     raise AssertionError("unreachable")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from packtool import __version__
+
+        typer.echo(f"packtool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print packtool's version and exit.")) -> None:
+    """Offline global sequence packing of Energon multimodal SFT datasets."""
 
 
 @app.command()
@@ -128,7 +143,17 @@ def pack(
     seed: int = typer.Option(default(P, "seed"), help="Seed for seeded algorithms."),
     balance_dp: int | None = typer.Option(None, help="Order packs so each group of N ranks balances."),
     strict: bool = typer.Option(default(R, "strict"), help="Stop at the first bad sample."),
-    max_error_rate: float = typer.Option(default(R, "max_error_rate"), help="Exit non-zero above this error rate."),
+    max_error_rate: float = typer.Option(default(R, "max_error_rate"), help="Exit 3 above this share of error "
+                                                                           "samples."),
+    max_drop_rate: float = typer.Option(default(R, "max_drop_rate"), help="Exit 3 above this share of dropped "
+                                                                         "samples."),
+    max_truncate_rate: float = typer.Option(default(R, "max_truncate_rate"), help="Exit 3 above this share of "
+                                                                                 "truncated samples."),
+    max_failures_in_a_row: int = typer.Option(default(R, "max_failures_in_a_row"),
+                                              help="Stop at once when this many samples in a row fail (0: never)."),
+    max_same_failures: int = typer.Option(default(R, "max_same_failures"),
+                                          help="Stop at once when this many samples of a shard range fail for the "
+                                               "same reason (0: never)."),
     dry_run: bool = typer.Option(default(R, "dry_run"), help="Stop after planning: ledger and plan statistics."),
     overwrite: bool = typer.Option(default(R, "overwrite"), help="Replace an OUTPUT made with other settings."),
     progress: bool = typer.Option(default(R, "progress"), help="Show progress bars."),
@@ -143,10 +168,11 @@ def pack(
             raise ConfigError("--preset megatron-bridge-qwen-vl with --cp-size > 1: Megatron-Bridge's Qwen2.5-VL "
                               "model does not split sequences across context-parallel ranks (its recipes use CP 1); "
                               "pack with --cp-size 1 and train with context parallel 1")
-        aligned = align or alignment_for(align_for, cp_size=cp_size, tp_size=tp_size,  # type: ignore[arg-type]
-                                         sequence_parallel=sequence_parallel)
+        aligned = resolve_align(align, align_for, cp_size=cp_size, tp_size=tp_size,  # type: ignore[arg-type]
+                                sequence_parallel=sequence_parallel)
         enc = EncodeSettings(
-            tokenizer=str(tokenizer.resolve()), pack_size=pack_size, align=aligned, overlong=overlong,  # type: ignore[arg-type]
+            tokenizer=str(tokenizer.resolve() if tokenizer.exists() else tokenizer),  # unresolved: a model id?
+            pack_size=pack_size, align=aligned, overlong=overlong,  # type: ignore[arg-type]
             min_pixels=min_pixels, max_pixels=max_pixels, image_tokens=image_tokens, max_images=max_images,
             max_image_tokens=max_image_tokens, adapter=adapter, allow_pickle=allow_pickle, pixel_limit=pixel_limit,
             media_check=media_check, caption_prompt=caption_prompt, template_date=template_date,  # type: ignore[arg-type]
@@ -160,13 +186,18 @@ def pack(
                             seed=seed, shard_size=shard_size, balance_dp=balance_dp)  # type: ignore[arg-type]
         options = RunOptions(workers=workers or default_workers(), engine=engine, ray_address=ray_address,  # type: ignore[arg-type]
                              strict=strict, dry_run=dry_run, overwrite=overwrite, progress=progress,
-                             max_error_rate=max_error_rate)
+                             max_error_rate=max_error_rate, max_drop_rate=max_drop_rate,
+                             max_truncate_rate=max_truncate_rate, max_failures_in_a_row=max_failures_in_a_row,
+                             max_same_failures=max_same_failures)
         return PackSettings(enc, plan, tuple(split or ())), options
 
     settings, options = _one_line(build)
-    with ExitStack() as stack:  # the workers start first: their start-ups overlap this process's imports
+    from packtool.build.pipeline import check_inputs
+    from packtool.build.pipeline import pack as run_pack
+
+    _one_line(lambda: check_inputs(source, output, settings))  # what needs no sample fails before any worker
+    with ExitStack() as stack:
         pool = _one_line(lambda: stack.enter_context(pack_engine(source, settings.encode, options)))
-        from packtool.build.pipeline import pack as run_pack
 
         result = _one_line(lambda: run_pack(source, output, settings, options, started_engine=pool))
     from packtool.verify.stats import compute
@@ -180,11 +211,11 @@ def pack(
     if result.seconds:
         typer.echo("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in result.seconds.items()))
     typer.echo(f"wrote {result.output}" + (" (dry run: ledger only)" if dry_run else ""))
-    total = sum(c["samples"] for c in result.counts.values())
-    errors = sum(c["error"] for c in result.counts.values())
-    if total and errors / total > options.max_error_rate:
-        _fail(f"error rate {errors / total:.2%} exceeds --max-error-rate {options.max_error_rate:.2%} "
-              f"(see {result.output / 'ledger.parquet'})", code=3)
+    if result.over_limits:
+        flag = {"error": "--max-error-rate", "dropped": "--max-drop-rate", "truncated": "--max-truncate-rate"}
+        _fail("; ".join(f"{status} rate {n / total:.2%} ({n} of {total}) exceeds {flag[status]} {limit:.2%}"
+                        for status, n, total, limit in result.over_limits)
+              + f" (see {result.output / 'ledger.parquet'})", code=3)
 
 
 @app.command()

@@ -55,6 +55,17 @@ def _fsync_tree(path: Path) -> None:
 
 
 @contextmanager
+def naming(path: str | Path) -> Iterator[None]:
+    """Add ``path`` to a full-filesystem error raised inside without a file name (``write``, ``fsync``)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and exc.errno in _FULL:
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise
+
+
+@contextmanager
 def commit_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path to create ``path`` at (a file, or a folder, made by any writer); on success the
     result is fsynced and renamed onto ``path`` (replacing it), on failure removed.
@@ -66,20 +77,17 @@ def commit_path(path: str | Path) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_name(path)
     try:
-        yield tmp
-        if tmp.is_dir():
-            _fsync_tree(tmp)
-            if path.is_dir():
-                shutil.rmtree(path)
-        else:
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except OSError as exc:
-        if exc.filename is None and exc.errno in _FULL:
-            raise OSError(exc.errno, exc.strerror, str(path)) from None
-        raise
+        with naming(path):
+            yield tmp
+            if tmp.is_dir():
+                _fsync_tree(tmp)
+                if path.is_dir():
+                    shutil.rmtree(path)
+            else:
+                with open(tmp, "rb") as f:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
     finally:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)

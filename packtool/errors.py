@@ -90,6 +90,11 @@ def bug_in(exc: BaseException, sample: str) -> None:
     exc.add_note(f"packtool failed on sample {sample}: a bug in packtool, not in the data")
 
 
+class LimitError(PacktoolError):
+    """The run's samples broke a limit the user set (error, drop or truncation rate, failures in a row): the
+    run stops, early where what already happened decides it (the CLI exits 3)."""
+
+
 def is_data_error(exc: BaseException) -> bool:
     """Whether ``exc``, raised while one sample was processed, is about that sample's data (quarantine it) rather
     than a bug or an interruption (let it propagate): only a :class:`SampleError` is."""

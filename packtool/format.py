@@ -605,6 +605,12 @@ class IndexedRecord:
     parts: tuple[tuple[str, int, int], ...]
 
 
+def energon_dataset_yaml() -> dict:
+    """What a packed dataset's ``dataset.yaml`` holds: a crude dataset with :data:`SUBFLAVOR` (the task encoders'
+    cooker matches it: with another subflavor, Energon would hand them no pack)."""
+    return {"__module__": "megatron.energon", "__class__": "CrudeWebdataset", "subflavors": dict(SUBFLAVOR)}
+
+
 def write_energon_metadata(out: Path, splits: dict[str, list[str]],
                            indexes: Mapping[str, list[IndexedRecord]], energon_version: str) -> None:
     """Write ``dataset.yaml``, ``split.yaml``, ``.info.json``/``.info.yaml``, ``index.sqlite`` and ``index.uuid``.
@@ -615,8 +621,7 @@ def write_energon_metadata(out: Path, splits: dict[str, list[str]],
     meta = Path(out) / META
     shards = [s for split in splits for s in splits[split]]
     counts = {s: len(indexes[s]) for s in shards}
-    commit_bytes(meta / "dataset.yaml", _yaml_bytes(
-        {"__module__": "megatron.energon", "__class__": "CrudeWebdataset", "subflavors": dict(SUBFLAVOR)}))
+    commit_bytes(meta / "dataset.yaml", _yaml_bytes(energon_dataset_yaml()))
     commit_bytes(meta / "split.yaml", SplitYaml({k: list(v) for k, v in splits.items()}).to_bytes())
     commit_bytes(meta / ".info.json",
                  json.dumps({"energon_version": energon_version, "shard_counts": counts}, indent=2).encode())

@@ -55,6 +55,19 @@ DEFAULT_PIXEL_LIMIT = 89_478_485
 DEFAULT_MAX_SAMPLE_BYTES = 1 << 30
 
 
+def resolve_align(align: int | None, align_for: AlignFor = "megatron", cp_size: int = 1, tp_size: int = 1,
+                  sequence_parallel: bool = False) -> int:
+    """The alignment to pack with: ``align`` when given, which must then be a multiple of what the parallel
+    sizes need (:func:`alignment_for`), else that."""
+    need = alignment_for(align_for, cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
+    if align is None:
+        return need
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align % need:
+        raise ConfigError(f"align {align!r} conflicts with cp_size {cp_size}, tp_size {tp_size}, sequence_parallel "
+                          f"{sequence_parallel}: they need a multiple of {need}; give a multiple or leave align unset")
+    return align
+
+
 def derive_align(cp_size: int = 1, tp_size: int = 1, sequence_parallel: bool = False) -> int:
     """Segment alignment Megatron needs: lcm(2*cp if cp > 1, cp*tp if sequence parallel and tp > 1); else 1.
 
@@ -366,8 +379,19 @@ class RunOptions:
     #: Replace an OUTPUT made with other settings (or not made by packtool).
     overwrite: bool = False
     progress: bool = True
-    #: Above this fraction of error rows the run fails (after writing the ledger).
+    #: Above this fraction of error rows the run fails (after writing the ledger; as soon as it is certain, during
+    #: the encode stage).
     max_error_rate: float = 0.01
+    #: The same for samples dropped (too long, or no training targets left).
+    max_drop_rate: float = 0.05
+    #: The same for samples truncated.
+    max_truncate_rate: float = 0.5
+    #: This many samples in a row (of one shard) failing (error or dropped) stop the run at once: the cause is
+    #: systematic (a setting, the model folder, the data's layout); 0 never stops.
+    max_failures_in_a_row: int = 100
+    #: This many samples of one shard's range failing with the very same reason (one that names no property of a
+    #: sample, such as a media kind the model folder has no rule for) stop the run at once; 0 never stops.
+    max_same_failures: int = 20
 
     def __post_init__(self) -> None:
         _check_int(self.workers, "workers")
@@ -376,5 +400,13 @@ class RunOptions:
             from packtool.build.engine import split_address
 
             split_address(self.ray_address)
-        if not 0.0 <= self.max_error_rate <= 1.0 or math.isnan(self.max_error_rate):
-            raise ConfigError(f"max_error_rate must be between 0 and 1, not {self.max_error_rate}")
+        for name in ("max_error_rate", "max_drop_rate", "max_truncate_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ConfigError(f"{name} must be between 0 and 1, not {value!r}")
+        _check_int(self.max_failures_in_a_row, "max_failures_in_a_row", low=0)
+        _check_int(self.max_same_failures, "max_same_failures", low=0)
+
+    def limits(self) -> dict[str, float]:
+        """Ledger status -> the largest fraction of a run's samples it may have."""
+        return {"error": self.max_error_rate, "dropped": self.max_drop_rate, "truncated": self.max_truncate_rate}

@@ -20,6 +20,7 @@ import pyarrow as pa
 from packtool import __version__
 from packtool.build.sources.safepickle import load_bytes_list, video_frames
 from packtool.build.store import NpyReader, SourceStamp
+from packtool.commit import naming
 from packtool.errors import SourceError
 from packtool.format import IndexedRecord, MediaRef, PackRecord, Segment, pack_key, sha256
 from packtool.shards import idx_path, index_tar, write_records, write_tar
@@ -119,7 +120,7 @@ def write_part(part_path: str, split: str, root: str, enc_dirs: list[str], stamp
     Path(part_path).parent.mkdir(parents=True, exist_ok=True)
     sources = _Sources(Path(root), enc_dirs, stamps)
     try:
-        with open(part_path, "wb") as f:
+        with naming(part_path), open(part_path, "wb") as f:
             return write_records(f, _records(split, segments, sources, pack_size, align))
     finally:
         sources.close()

@@ -84,7 +84,11 @@ def check_tokenizer_dir(tokenizer_dir: str | Path) -> None:
     """Raise :class:`ConfigError` if the folder cannot provide a fast tokenizer and a chat template."""
     d = Path(tokenizer_dir)
     if not d.is_dir():
-        raise ConfigError(f"tokenizer folder {d} does not exist")
+        if not d.exists() and re.fullmatch(r"[\w-][\w.-]*/[\w-][\w.-]*", str(tokenizer_dir)):
+            raise ConfigError(f"tokenizer folder {d} does not exist; {tokenizer_dir} looks like a Hugging Face model "
+                              f"id, and packtool reads local folders only: download it first (hf download "
+                              f"{tokenizer_dir} --local-dir DIR) and pass that folder")
+        raise ConfigError(f"tokenizer folder {d} " + ("is not a folder" if d.exists() else "does not exist"))
     if not (d / "tokenizer.json").exists():
         raise ConfigError(f"tokenizer folder {d} has no tokenizer.json (a fast tokenizer is required)")
     has_template = (d / "chat_template.jinja").exists() or (d / "chat_template.json").exists()
@@ -116,14 +120,23 @@ def _compile(source: str, tokenizer_dir: str) -> Any:
     """The compiled chat template; one that Jinja refuses (a syntax error, an unknown filter or test) is a
     :class:`ConfigError` naming the model folder, raised before any sample is read."""
     import jinja2
+    from jinja2 import nodes
 
     try:
-        return hfcompat.compile_template(source)
+        template = hfcompat.compile_template(source)
+        env = template.environment
+        # Jinja checks a filter or test only where it runs (inside a macro or a branch: at render time, for every
+        # sample); every one the template names must exist.
+        for node in env.parse(source).find_all((nodes.Filter, nodes.Test)):
+            kind, known = ("filter", env.filters) if isinstance(node, nodes.Filter) else ("test", env.tests)
+            if node.name not in known:
+                raise jinja2.TemplateAssertionError(f"No {kind} named {node.name!r}.", node.lineno)
     except jinja2.TemplateError as exc:
         line = getattr(exc, "lineno", None)
         where = f" (line {line})" if line else ""
         raise ConfigError(f"{tokenizer_dir}: the chat template does not compile{where}: "
                           f"{exc.message or exc}") from None
+    return template
 
 
 class Encoder:
@@ -486,9 +499,12 @@ class Encoder:
         self.family.convention.mark_targets(ids, targets, self.special_array, self.newline_id)
         tokens, targets, media = self.family.place(encoding, ids, targets, media, cut, text_len, self.special_ids)
         enc = Encoded(raw.key, raw.shard, raw.index, "packed", "", tokens, targets, media, len(tokens), not cut)
-        if not targets.any():
+        if not targets.any() and not cut:  # cut: the replies lie past the cut, the sample is over-long (_fit)
             raise SampleError("no training targets")
-        return self._fit(enc)
+        fitted = self._fit(enc)
+        if fitted.status == "packed" and not targets.any():
+            raise SampleError("no training targets")
+        return fitted
 
     def _fit(self, enc: Encoded) -> Encoded:
         """Apply the per-pack limits to one sample: cut at a safe boundary, or drop, per ``overlong``."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,7 +26,7 @@ import pyarrow.parquet as pq
 
 from packtool.build.sources.energon import SampleRange, ShardLayout, ShardScan
 from packtool.commit import commit_path
-from packtool.errors import SourceError
+from packtool.errors import LimitError, SourceError
 from packtool.format import KEPT, STATUSES, npy_bytes
 from packtool.settings import EncodeSettings
 
@@ -85,10 +87,47 @@ SAMPLES_PER_RANGE = 1024
 BYTES_PER_RANGE = 32 << 20
 
 
+@dataclass(frozen=True)
+class FailureLimits:
+    """When an encode task stops the run: a failure (error or dropped) that is systematic (a setting, the model
+    folder, the data's layout) would only repeat over the rest of the run. 0 turns a rule off."""
+
+    #: This many failed samples in a row.
+    in_a_row: int = 100
+    #: This many failed samples with the very same reason (a reason that names no property of one sample).
+    same_reason: int = 20
+
+
+class _FailureWatch:
+    def __init__(self, limits: FailureLimits, shard: str):
+        self.limits, self.shard = limits, shard
+        self.streak: list[str] = []
+        self.reasons: Counter[str] = Counter()
+
+    def see(self, encoded: list[Encoded]) -> None:
+        for e in encoded:
+            if e.status not in ("error", "dropped"):
+                self.streak = []
+                continue
+            self.streak.append(e.key)
+            self.reasons[stable_reason(e.reason)] += 1
+            n, same = self.limits.in_a_row, self.limits.same_reason
+            if n and len(self.streak) >= n:
+                raise LimitError(f"stopped early: {n} samples in a row of {self.shard} failed ({self.streak[0]} to "
+                                 f"{e.key}; the last: {e.status}, {e.reason}); fix the cause or raise "
+                                 f"max_failures_in_a_row (0: never stop)")
+            if same and self.reasons[e.reason] >= same:
+                raise LimitError(f"stopped early: {same} samples of {self.shard} failed for the same reason (the "
+                                 f"last {e.key}: {e.status}, {e.reason}); fix the cause or raise max_same_failures "
+                                 f"(0: never stop)")
+
+
 def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: frozenset, settings: EncodeSettings,
                  dataset_yaml: dict, expected: int | None, stamp: SourceStamp, strict: bool,
-                 out_dir: str) -> dict[str, int]:
+                 out_dir: str, limits: FailureLimits = FailureLimits()) -> dict[str, int]:
     """Encode the samples of one range of a shard into ``out_dir`` (see the module doc); returns status counts.
+    Raises :class:`LimitError` as soon as the samples fail systematically (``limits``); a stopped range commits
+    nothing.
 
     ``expected`` is the shard's sample count from the dataset's ``.info.json`` (None if unknown): when the last
     range finds fewer samples in the shard (a second tar appended after an end-of-archive marker, a lost tail),
@@ -107,6 +146,7 @@ def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: fr
     scan = ShardScan(Path(root), shard, excluded, max_sample_bytes=settings.max_sample_bytes, span=span,
                      layout=layout)
     samples = iter(scan)
+    watch = _FailureWatch(limits, shard)
     while True:
         try:
             raw = next(samples)
@@ -121,8 +161,10 @@ def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: fr
         chunk_bytes += sum(len(v) for v in raw.parts.values())
         if len(chunk) >= CHUNK_SAMPLES or chunk_bytes >= CHUNK_BYTES:  # raw bytes held stay bounded
             encoded += encoder.encode_many(chunk, strict=strict)
+            watch.see(encoded[len(encoded) - len(chunk):])
             chunk, chunk_bytes = [], 0
     encoded += encoder.encode_many(chunk, strict=strict)
+    watch.see(encoded[len(encoded) - len(chunk):])
     rows, offset = [], 0
     for e in encoded:
         rows.append(_row(e, offset))
@@ -146,9 +188,19 @@ def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: fr
     return status_counts(table)
 
 
+#: The address in an object's default repr (``<_io.BytesIO object at 0x7f…>``), which a library's error text may
+#: carry (PIL's does): it differs from run to run.
+_ADDRESS = re.compile(r"(<[^<>]*?) at 0x[0-9a-fA-F]+>")
+
+
+def stable_reason(reason: str) -> str:
+    """A ledger reason without what differs between identical runs (object addresses)."""
+    return _ADDRESS.sub(r"\1>", reason)
+
+
 def _row(e: Encoded, offset: int) -> dict:
     keep = e.status in KEPT
-    return {"key": e.key, "shard": e.shard, "status": e.status, "reason": e.reason,
+    return {"key": e.key, "shard": e.shard, "status": e.status, "reason": stable_reason(e.reason),
             "tokens": len(e.tokens) if keep else 0, "source_tokens": e.source_tokens,
             "targets": int(np.count_nonzero(e.targets)) if keep else 0, "images": len(e.media) if keep else 0,
             "image_tokens": sum(m["tokens"] for m in e.media) if keep else 0,
@@ -157,8 +209,9 @@ def _row(e: Encoded, offset: int) -> dict:
 
 
 def _error_row(key: str, shard: str, reason: str) -> dict:
-    return {"key": key, "shard": shard, "status": "error", "reason": reason, "tokens": 0, "source_tokens": 0,
-            "targets": 0, "images": 0, "image_tokens": 0, "truncated": False, "tok_offset": -1, "media": "[]"}
+    return {"key": key, "shard": shard, "status": "error", "reason": stable_reason(reason), "tokens": 0,
+            "source_tokens": 0, "targets": 0, "images": 0, "image_tokens": 0, "truncated": False, "tok_offset": -1,
+            "media": "[]"}
 
 
 def status_counts(table: pa.Table) -> dict[str, int]:

@@ -143,9 +143,20 @@ class PackDataset(torch.utils.data.IterableDataset):
                                 image_processor=processor, source=str(self.shards[shard]))
 
 
-@functools.lru_cache(maxsize=16)
 def _manifest(dataset_path: str) -> Manifest:
-    """The manifest of a dataset Energon opened (its path may be remote: read through Energon's own paths)."""
+    """The manifest of a dataset Energon opened (its path may be remote: read through Energon's own paths). One
+    that cannot be read stops the loader whatever ``on_error`` says (Energon's handler would skip every pack of
+    the dataset, one by one, and a loader would yield nothing)."""
+    try:
+        return _read_manifest(dataset_path)
+    except Exception as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise FatalSampleError(f"packtool could not read the manifest {EPath(dataset_path) / MANIFEST}: "
+                               f"{type(exc).__name__}: {message}") from exc
+
+
+@functools.lru_cache(maxsize=16)
+def _read_manifest(dataset_path: str) -> Manifest:
     path = EPath(dataset_path) / MANIFEST
     return Manifest.parse(json.loads(path.read_text()), str(path))
 

@@ -7,6 +7,7 @@ Needs only OUTPUT: the tokenizer copy in `.nv-meta/tokenizer` and the manifest.
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from itertools import groupby
 from pathlib import Path
@@ -18,6 +19,14 @@ from packtool.format import META, InfoJson, PackRecord, SplitYaml, aligned_lengt
 from packtool.shards import iter_records
 
 OPEN, CLOSE = "⟦", "⟧"
+#: Characters a terminal acts on (C0 and C1 controls, DEL, bidirectional overrides and isolates); inspect shows
+#: them escaped (``\x1b``), so a sample's text cannot move the cursor, recolour or reorder what is printed.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every terminal control character but newline and tab written as an escape."""
+    return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
 def find_pack(path: str | Path, key: str | None = None, split: str | None = None) -> tuple[str, Path, dict]:
@@ -74,12 +83,12 @@ def inspect_pack(path: str | Path, key: str | None = None, split: str | None = N
     for i, seg in enumerate(record.segments):
         a, b = int(starts[i]), int(starts[i + 1])
         trunc = "  TRUNCATED" if seg.truncated else ""
-        lines += ["", f"[{i}] {seg.key}  (shard {seg.shard}, split {seg.split})  tokens {b - a}  "
-                      f"targets {int(targets[a:b].sum())}{trunc}"]
+        lines += ["", printable(f"[{i}] {seg.key}  (shard {seg.shard}, split {seg.split})  tokens {b - a}  "
+                                f"targets {int(targets[a:b].sum())}{trunc}")]
         for m in seg.media:
-            lines.append(f"    {m.member}  {m.kind}  {len(record.media[m.member])} bytes  {m.width}×{m.height}"
-                         f"  grid {m.grid_thw}  {m.tokens} tokens at +{m.token_offset}")
-        text = render_text(tokenizer, tokens[a:b], targets[a:b], manifest.image_token_id).rstrip("\n")
+            lines.append(f"    {printable(m.member)}  {m.kind}  {len(record.media[m.member])} bytes  "
+                         f"{m.width}×{m.height}  grid {m.grid_thw}  {m.tokens} tokens at +{m.token_offset}")
+        text = printable(render_text(tokenizer, tokens[a:b], targets[a:b], manifest.image_token_id).rstrip("\n"))
         lines.append("    " + text.replace("\n", "\n    "))
     return "\n".join(lines)
 

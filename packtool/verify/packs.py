@@ -56,13 +56,16 @@ from packtool.format import (
     SplitYaml,
     aligned_lengths,
     arrays_digest,
+    energon_dataset_yaml,
     in_split,
     placeholder_ids,
     processor_family,
+    read_mapping,
     row_length,
     safe_relative,
     sha256,
     span_problems,
+    tokenizer_fingerprint,
 )
 from packtool.media import image_size, probe_audio, probe_frames, probe_video
 from packtool.media.audio import decode_audio
@@ -617,6 +620,16 @@ def _verify(out: Path, source: Path | None, runner: Engine, retokenize: bool = F
         tok_dir = out / (manifest.tokenizer or {}).get("dir", f"{META}/tokenizer")
         if not (tok_dir / "tokenizer.json").is_file():
             problems.append(f"{tok_dir.relative_to(out)}: no tokenizer.json (readers need it; token ids unchecked)")
+        elif (manifest.tokenizer or {}).get("fingerprint") not in (None, tokenizer_fingerprint(tok_dir)):
+            problems.append(f"{tok_dir.relative_to(out)}: the model files differ from those the packs were made "
+                            f"with (their SHA-256 is not the manifest's tokenizer fingerprint)")
+        try:
+            described = read_mapping(out / META / "dataset.yaml", "dataset file")
+            if described != energon_dataset_yaml():
+                problems.append(f"{META}/dataset.yaml: {described} is not what packtool writes "
+                                f"({energon_dataset_yaml()}; the task encoders match its subflavors)")
+        except FormatError as exc:
+            problems.append(_relative(exc, out))
         tasks = [(str(out), split, shard, fid, info.shard_counts.get(shard), manifest, retokenize)
                  for fid, (split, shard) in enumerate(shards)]
         done = runner.map(check_shard, tasks, desc="verify", unit="shard", progress=False)

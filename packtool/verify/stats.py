@@ -109,8 +109,13 @@ def _summary(x: np.ndarray) -> dict:
 
 def compare(path: str | Path, algorithms: list[str], *, pack_size: int | None = None) -> dict:
     """Replan each split's packed lengths with every named algorithm under the run's constraints."""
+    from packtool.build.algorithms import ALGORITHMS
     from packtool.build.algorithms import compare as plan_compare
+    from packtool.errors import ConfigError
 
+    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    if unknown:
+        raise ConfigError(f"unknown algorithm {unknown[0]!r}; choose from {', '.join(ALGORITHMS)}")
     path = Path(path)
     ledger = read_ledger(path, STATS_COLUMNS)
     st = _settings(path, pack_size)

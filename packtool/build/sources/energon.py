@@ -63,8 +63,11 @@ def open_source(root: str | Path, splits: list[str] | None = None) -> SourceData
     inside ``root`` and exist."""
     root = Path(root)
     meta = root / META
+    if not root.is_dir():
+        raise SourceError(f"source {root} " + ("is not a folder" if root.exists() else "does not exist"))
     if not meta.is_dir():
-        raise SourceError(f"{root} is not an Energon dataset: no {META} folder")
+        raise SourceError(f"{root} is not an Energon dataset: no {META} folder; prepare it with `energon prepare "
+                          f"{root}` (choose \"Crude sample\" when asked: packtool reads crude datasets)")
     try:
         split_cfg = SplitYaml.read(root)
         dataset_yaml = read_dataset_yaml(root)
@@ -79,6 +82,17 @@ def open_source(root: str | Path, splits: list[str] | None = None) -> SourceData
     if unknown:
         raise SourceError(f"unknown split {unknown[0]!r}; split.yaml has {', '.join(split_cfg.split_parts)}")
     shards_by_split = {}
+    owner: dict[str, str] = {}  # shard -> the split that lists it (every split: a shard in two leaks across them)
+    for split in split_cfg.split_parts:
+        for shard in (n for pattern in split_cfg.split_parts[split] for n in _expand(pattern)):
+            if shard in excludes:
+                continue
+            if shard in owner:
+                where = "twice" if owner[shard] == split else f"in splits {owner[shard]!r} and {split!r}"
+                raise SourceError(f"split.yaml lists shard {shard} {where}: its samples would be packed twice"
+                                  + ("" if owner[shard] == split else " and leak across the splits"))
+            owner[shard] = split
+    inside = root.resolve()
     for split in chosen:
         shards = [n for pattern in split_cfg.split_parts[split] for n in _expand(pattern)]
         bad = [s for s in shards if not safe_relative(s)]
@@ -88,6 +102,10 @@ def open_source(root: str | Path, splits: list[str] | None = None) -> SourceData
         missing = [s for s in shards_by_split[split] if not (root / s).is_file()]
         if missing:
             raise SourceError(f"split {split!r}: shard {missing[0]} does not exist under {root}")
+        outside = [s for s in shards_by_split[split] if inside not in (root / s).resolve().parents]
+        if outside:
+            raise SourceError(f"split {split!r}: shard {outside[0]} is a link to {(root / outside[0]).resolve()}, "
+                              f"outside the dataset folder {inside}")
     all_shards = {s for shards in shards_by_split.values() for s in shards}
     sample_excludes = frozenset(e for e in excludes if e not in all_shards and "/" in e)
     counts = info.shard_counts if info is not None else {}
