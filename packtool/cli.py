@@ -120,7 +120,13 @@ def pack(
                                       help="Read pickled media lists (through a restricted unpickler)."),
     pixel_limit: int = typer.Option(default(E, "pixel_limit"), help="Images with more pixels are quarantined."),
     max_sample_bytes: int = typer.Option(default(E, "max_sample_bytes"),
-                                         help="Samples with more bytes are quarantined."),
+                                         help="Samples with more bytes (read, or media written) are "
+                                              "quarantined."),
+    max_sample_pixels: int = typer.Option(default(E, "max_sample_pixels"),
+                                          help="Samples whose media give a processor more decoded pixels (images "
+                                               "and frames together) are quarantined."),
+    max_turns: int = typer.Option(default(E, "max_turns"), help="Conversations with more messages are "
+                                                                "quarantined."),
     media_tokens: str = typer.Option(default(E, "media_tokens"), help="rule (packtool's exact rules from media "
                                                                       "headers) or processor (the model folder's "
                                                                       "own processor on every sample; any family, "
@@ -176,7 +182,8 @@ def pack(
             min_pixels=min_pixels, max_pixels=max_pixels, image_tokens=image_tokens, max_images=max_images,
             max_image_tokens=max_image_tokens, adapter=adapter, allow_pickle=allow_pickle, pixel_limit=pixel_limit,
             media_check=media_check, caption_prompt=caption_prompt, template_date=template_date,  # type: ignore[arg-type]
-            max_sample_bytes=max_sample_bytes, target_newline_after_eot=target_newline_after_eot,
+            max_sample_bytes=max_sample_bytes, max_sample_pixels=max_sample_pixels, max_turns=max_turns,
+            target_newline_after_eot=target_newline_after_eot,
             media_first=media_first, preset=preset, video_fps=video_fps, video_frames=video_frames,  # type: ignore[arg-type]
             video_min_frames=video_min_frames, video_max_frames=video_max_frames, video_min_pixels=video_min_pixels,
             video_max_pixels=video_max_pixels, audio_max_seconds=audio_max_seconds,

@@ -405,16 +405,50 @@ def read_mapping(path: Path, what: str) -> dict:
         raise FormatError(f"{path}: missing")
     try:
         text = path.read_bytes().decode("utf-8")
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if path.suffix == ".json" else _safe_yaml(text)
     except UnicodeDecodeError:
         raise FormatError(f"{path}: not UTF-8 text") from None
     except (ValueError, yaml.YAMLError) as exc:
         raise FormatError(f"{path}: unreadable {what} ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+    except RecursionError:
+        raise FormatError(f"{path}: unreadable {what} (nested too deeply)") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise FormatError(f"{path}: {what} must be a mapping, not {type(data).__name__}")
     return data
+
+
+#: Nodes a metadata YAML file may hold once its aliases are expanded: an alias repeats a value without repeating
+#: its text, so a few hundred bytes of nested aliases would otherwise expand to billions of values (in every
+#: later walk of the data: hashing, JSON, comparison).
+MAX_YAML_NODES = 1_000_000
+
+
+def _safe_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that refuses a document whose aliases expand it past :data:`MAX_YAML_NODES` nodes
+    (counted on the node graph, each shared node once, so the count itself stays linear in the text)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        sizes: dict[int, int] = {}
+
+        def size(n: yaml.Node) -> int:
+            if id(n) not in sizes:
+                sizes[id(n)] = 1  # a recursive alias counts once (the constructor refuses nothing for it)
+                children = (n.value if isinstance(n, yaml.SequenceNode) else
+                            [c for pair in n.value for c in pair] if isinstance(n, yaml.MappingNode) else [])
+                sizes[id(n)] = min(MAX_YAML_NODES + 1, 1 + sum(size(c) for c in children))
+            return sizes[id(n)]
+
+        expanded = size(node)
+        if expanded > MAX_YAML_NODES:
+            raise ValueError(f"its aliases expand it to more than {MAX_YAML_NODES:,} values; write the values out")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def _yaml_bytes(data: dict) -> bytes:

@@ -53,6 +53,12 @@ MAX_PACK_SIZE = 2**31 - 1
 DEFAULT_PIXEL_LIMIT = 89_478_485
 #: Default cap on the bytes of one source sample (all its members).
 DEFAULT_MAX_SAMPLE_BYTES = 1 << 30
+#: Decoded pixels one sample's media may hand a processor (every image, every frame a processor is given): 2^28
+#: pixels are 0.8 GB as RGB bytes before a processor's float copies.
+DEFAULT_MAX_SAMPLE_PIXELS = 1 << 28
+#: Messages of one conversation: locating the replies renders a prefix per reply, so the work grows with the square
+#: of the turns.
+DEFAULT_MAX_TURNS = 512
 
 
 def resolve_align(align: int | None, align_for: AlignFor = "megatron", cp_size: int = 1, tp_size: int = 1,
@@ -218,8 +224,13 @@ class EncodeSettings:
     caption_prompt: str = ""
     #: The date templates see through ``strftime_now``, fixed so reruns on another day give the same tokens.
     template_date: str = "2026-01-01"
-    #: Samples whose members hold more bytes are quarantined before they are parsed.
+    #: Samples whose members hold more bytes are quarantined before they are parsed, and so are samples whose
+    #: media members written into the pack would hold more (a pickled list can name one image many times).
     max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES
+    #: Samples whose media hand their processor more decoded pixels (images and frames together) are quarantined.
+    max_sample_pixels: int = DEFAULT_MAX_SAMPLE_PIXELS
+    #: Conversations with more messages are quarantined before they are rendered.
+    max_turns: int = DEFAULT_MAX_TURNS
     #: Also train on the newline token the chat template emits right after each reply's end-of-turn token.
     target_newline_after_eot: bool = False
     #: Move the image tags of each turn before its text; the text pieces around a tag lose their edge spaces.
@@ -270,6 +281,8 @@ class EncodeSettings:
             raise ConfigError(f"audio_max_seconds must be a positive number, not {self.audio_max_seconds!r}")
         _check_int(self.pixel_limit, "pixel_limit")
         _check_int(self.max_sample_bytes, "max_sample_bytes")
+        _check_int(self.max_sample_pixels, "max_sample_pixels")
+        _check_int(self.max_turns, "max_turns")
         if self.adapter is not None and not re.fullmatch(r"[\w.]+:\w+", self.adapter):
             raise ConfigError(f"adapter must be module:function, not {self.adapter!r}")
         try:

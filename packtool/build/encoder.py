@@ -171,7 +171,8 @@ class Encoder:
         self.special_array = np.array(sorted(self.special_ids), dtype=np.int64)
         self.control_tokens = tuple(t for t in self.tok.added_tokens_encoder if t not in MEDIA_TAGS.values())
         self.control_starts = frozenset(t[0] for t in self.control_tokens if t)
-        self.structured = self._template_takes_image_parts()
+        self.structured = any(self._template_takes_parts(kind, self.family.template_placeholder(kind))
+                              for kind in ("image", "video", "audio"))
         self.placeholder_text = {kind: self.family.placeholder_text(kind, self.structured)
                                  for kind in ("image", "video", "audio")}
         self.kind = sample_type(dataset_yaml or {})
@@ -216,16 +217,17 @@ class Encoder:
                 **self.template_kwargs,
             )
 
-    def _template_takes_image_parts(self) -> bool:
-        image_token = self.family.tokens.image_token
-        if image_token is None:
+    def _template_takes_parts(self, kind: str, placeholder: str | None) -> bool:
+        """Whether the template renders a ``{"type": kind}`` content part as ``placeholder`` (a model without
+        image input, such as Qwen2-Audio, is probed with its audio part)."""
+        if not placeholder:
             return False
         probe: list[dict] = [
-            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]},
+            {"role": "user", "content": [{"type": kind}, {"type": "text", "text": "x"}]},
             {"role": "assistant", "content": "y"},
         ]
         try:
-            return image_token in self.render(probe)
+            return placeholder in self.render(probe)
         except Exception:
             return False
 
@@ -291,7 +293,25 @@ class Encoder:
                 raise
             except ValueError as exc:  # the media layer's reasons name no member
                 raise SampleError(f"media {m.part!r}: {exc}") from None
+        self._check_media_budget(conv, facts, lists)
         return facts
+
+    def _check_media_budget(self, conv: Conversation, facts: list[dict], lists: dict[str, Sequence[bytes]]) -> None:
+        """A sample's media may write at most ``max_sample_bytes`` into the pack (an item of a pickled list is
+        written once per reference) and hand its processor at most ``max_sample_pixels`` decoded pixels (each
+        image, each frame it is given)."""
+        st = self.settings
+        written = pixels = 0
+        for m, f in zip(conv.media, facts):
+            written += len(lists[m.part][m.item]) if m.kind == "image" and m.item is not None else f["size"]
+            frames = len(f.get("frame_indices") or []) if m.kind == "video" else int(m.kind == "image")
+            pixels += frames * f["width"] * f["height"]
+        if written > st.max_sample_bytes:
+            raise SampleError(f"its media would write {written} bytes into the pack > max_sample_bytes "
+                              f"{st.max_sample_bytes}")
+        if pixels > st.max_sample_pixels:
+            raise SampleError(f"its media give the processor {pixels} decoded pixels > max_sample_pixels "
+                              f"{st.max_sample_pixels}")
 
     def _image_facts(self, raw: RawSample, m: Media, lists: dict[str, Sequence[bytes]], n_images: int) -> dict:
         """An image's size, grid and tokens; ``n_images``: images of the sample (Nemotron Omni's patch budget
@@ -456,6 +476,9 @@ class Encoder:
     def _check_conversation(self, conv: Conversation) -> None:
         """Reasons a conversation cannot be trained on, found before rendering (so the reason says what is wrong,
         not how the template failed). Whatever the adapter, the media tags must name the media, kind for kind."""
+        if len(conv.messages) > self.settings.max_turns:
+            raise SampleError(f"{len(conv.messages)} messages > max_turns {self.settings.max_turns} (locating the "
+                              f"replies costs the square of the turns)")
         kinds = [tag_kinds(m["content"]) for m in conv.messages]
         tags = [k for turn in kinds for k in turn]
         if tags != [m.kind for m in conv.media]:

@@ -178,6 +178,11 @@ class Family(ABC):
         return {}
 
     # -- encode: placeholders ------------------------------------------------------------------------------------
+    def template_placeholder(self, kind: str) -> str | None:
+        """What the chat template writes for a ``{"type": kind}`` content part, if it takes such parts (probed
+        once per run); None: no part of that kind is probed."""
+        return self.tokens.image_token if kind == "image" else None
+
     def placeholder_text(self, kind: str, structured: bool) -> str:
         """What a tag of ``kind`` becomes in the text the template renders."""
         if kind == "image":

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from packtool.errors import FormatError
+from packtool.families.processor import load_processor, processor_media
 from packtool.format import (
     TOKENIZER_DIR,
     PackRecord,
@@ -42,6 +43,7 @@ from packtool.format import (
     is_nemotron,
     load_manifest,
     placeholder_ids,
+    processor_family,
     row_length,
     sha256,
     span_problems,
@@ -59,10 +61,13 @@ ROW_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
 @functools.lru_cache(maxsize=8)
 def _cached_processor(settings_json: str):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.utils import is_torchvision_available
 
     s = json.loads(settings_json)
     cls: Any = Qwen2VLImageProcessorPil
-    if s.get("backend") == "torchvision":
+    # The backend the manifest names (a convention's), else the one AutoProcessor picks: torchvision when it is
+    # installed (the two resize differently, so the pixels are always the model processor's).
+    if s.get("backend", "torchvision" if is_torchvision_available() else "pil") == "torchvision":
         from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
         cls = Qwen2VLImageProcessor
@@ -74,12 +79,14 @@ def _cached_processor(settings_json: str):
 
 
 def image_processor_from_manifest(manifest: Mapping):
-    """The Qwen2-VL image processor (PIL backend: the same numbers with or without torchvision) the manifest
-    describes; None for a text-only dataset, a fixed-count (`"type": "fixed"`) one, whose model's own processor
-    the caller must pass, or a Nemotron Omni one (see `processor_for_output`). Cached: one per process and
-    settings."""
+    """The Qwen2-VL image processor the manifest describes, on the backend ``AutoProcessor`` picks (torchvision
+    when it is installed, else PIL; the two resize differently, so the pixels are always the model processor's);
+    None for a text-only dataset, a fixed-count (`"type": "fixed"`) one, whose model's own processor the caller
+    must pass, a Nemotron Omni one (see `processor_for_output`) or a processor-mode one. Cached: one per process
+    and settings."""
     settings = manifest.get("image_processor")
-    if settings is None or settings.get("type") == "fixed" or is_nemotron(manifest):
+    if settings is None or settings.get("type") == "fixed" or is_nemotron(manifest) or \
+            processor_family(settings) == "processor":
         return None
     if settings.get("type") != "qwen2_vl":
         raise ValueError(f"unsupported image processor type {settings.get('type')!r}")
@@ -205,6 +212,9 @@ def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, im
     _check_spans(record, manifest, cu, where)
     if is_nemotron(manifest):
         return nemotron_media(record, image_processor, where, images)
+    if processor_family(processor) == "processor" and not _plain_image_processor(image_processor):
+        return processor_media(record, image_processor, where, images,
+                               (manifest.get("settings") or {}).get("audio_max_seconds"))
     for m in everything:
         if m.kind not in ("image", "video"):
             raise FormatError(f"{where}: media kind {m.kind!r} (member {m.member}) is not supported by the reader "
@@ -243,6 +253,16 @@ def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, im
                               f"stored {stored[bad].tolist()}")
     out["pixel_values"] = torch.from_numpy(np.ascontiguousarray(result["pixel_values"], dtype=np.float32))
     return out
+
+
+def _plain_image_processor(processor) -> bool:
+    """Whether a caller passed an image processor alone (not a whole model processor): a processor-mode pack's
+    images then go through it as before."""
+    if processor is None:
+        return False
+    from transformers.processing_utils import ProcessorMixin
+
+    return not isinstance(processor, ProcessorMixin)
 
 
 @functools.lru_cache(maxsize=8)
@@ -302,10 +322,16 @@ def _videos(record: PackRecord, manifest: Mapping, where: str, decode: bool) -> 
         metadata.append(VideoMetadata(total_num_frames=m.total_frames, fps=m.fps, width=m.width, height=m.height,
                                       duration=m.duration, frames_indices=list(m.frame_indices)))
     clips: list[Any] = arrays
-    extra: dict[str, Any] = {"video_metadata": metadata}
+    # Frames are THWC (a video 1 or 3 pixels high would otherwise be read as channels first).
+    extra: dict[str, Any] = {"video_metadata": metadata, "input_data_format": "channels_last"}
     if manifest["video_processor"].get("fetch_video"):  # as Megatron-Bridge hands them over: no metadata
         clips, extra = [fetch_video_frames(a, manifest["video_processor"]) for a in arrays], {}
-    result = proc(videos=clips, do_sample_frames=False, return_tensors="pt", **extra)
+    try:
+        result = proc(videos=clips, do_sample_frames=False, return_tensors="pt", **extra)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        members = ", ".join(m.member for m in videos)
+        raise FormatError(f"{where}: the video processor refuses its videos ({members}; "
+                          f"{type(exc).__name__}: {exc})") from None
     grid = result["video_grid_thw"].numpy().astype(np.int64)
     if not np.array_equal(grid, grids):
         bad = next(i for i in range(len(videos)) if not np.array_equal(grid[i], grids[i]))
@@ -367,6 +393,8 @@ def processor_for_output(path: str | Path, manifest: Mapping):
     output (`packtool.runtime.nemotron.nemotron_processors`), or None."""
     if is_nemotron(manifest):
         return nemotron_processors(manifest, Path(path) / TOKENIZER_DIR)
+    if processor_family(manifest.get("image_processor")) == "processor":
+        return load_processor(str(Path(path) / TOKENIZER_DIR))
     return image_processor_from_manifest(manifest)
 
 
