@@ -559,6 +559,9 @@ class Manifest(Mapping[str, Any]):
     audio_token_id: int | None = None
     audio_start_token_id: int | None = None
     audio_end_token_id: int | None = None
+    #: The run's settings as a config file holds them (:func:`packtool.config.recorded_config`: the source, the
+    #: tokenizer folder, every setting as it took effect); None in manifests of older packtool versions.
+    run_config: dict | None = None
 
     @classmethod
     def read(cls, root: str | Path) -> Manifest:
@@ -580,7 +583,10 @@ class Manifest(Mapping[str, Any]):
         return manifest
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), indent=1).encode()
+        data = asdict(self)
+        if data["run_config"] is None:
+            del data["run_config"]
+        return json.dumps(data, indent=1).encode()
 
     # A read-only mapping of its fields too, so readers take a Manifest or the plain dict of one alike.
     def __getitem__(self, name: str) -> Any:

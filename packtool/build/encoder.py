@@ -78,6 +78,10 @@ class Encoded:
     source_tokens: int = 0
     #: False when a huge text was cut before tokenizing: ``source_tokens`` is then a lower bound.
     length_known: bool = True
+    #: Facts of the sample before any cut, so another pack size can be judged without encoding again: its
+    #: first target token, and ``[start, end, placeholder tokens]`` of every media item's span.
+    first_target: int = -1
+    source_media: list[list[int]] = field(default_factory=list)
 
 
 def check_tokenizer_dir(tokenizer_dir: str | Path) -> None:
@@ -530,7 +534,15 @@ class Encoder:
         return fitted
 
     def _fit(self, enc: Encoded) -> Encoded:
-        """Apply the per-pack limits to one sample: cut at a safe boundary, or drop, per ``overlong``."""
+        """Apply the per-pack limits to one sample: cut at a safe boundary, or drop, per ``overlong``; the result
+        carries the uncut sample's facts (:attr:`Encoded.first_target`, :attr:`Encoded.source_media`)."""
+        first_target = int(np.argmax(enc.targets)) if enc.targets.any() else -1
+        spans = [[*self.family.media_span(enc.tokens, m), int(m["tokens"])] for m in enc.media]
+        out = self._limit(enc)
+        out.first_target, out.source_media = first_target, spans
+        return out
+
+    def _limit(self, enc: Encoded) -> Encoded:
         st = self.settings
         cut, why = len(enc.tokens), []
         if cut > st.max_tokens:

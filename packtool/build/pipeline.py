@@ -27,6 +27,7 @@ from packtool.build.split_plan import SplitPlan, load_encoded, plan_split
 from packtool.build.store import BYTES_PER_RANGE, SAMPLES_PER_RANGE, FailureLimits, SourceStamp, encode_range
 from packtool.build.workers import model_facts, pack_engine
 from packtool.commit import commit_bytes, temporary_name
+from packtool.config import recorded_config
 from packtool.errors import ConfigError, FormatError
 from packtool.format import (
     FORMAT_VERSION,
@@ -259,6 +260,7 @@ def _manifest(settings: PackSettings, fingerprints: dict, source: Path, out_shar
         source=str(source), splits=out_shards,
         tokenizer={"fingerprint": fingerprints["encode"]["tokenizer"], "dir": TOKENIZER_DIR},
         seed=settings.plan.seed, counts=counts, packs=packs, dry_run=dry_run, **facts,
+        run_config=recorded_config(settings, source),
     )
 
 

@@ -5,9 +5,10 @@ A shard is cut into ranges of consecutive samples (:class:`~packtool.build.sourc
 over its headers) so that tasks are even and a task's memory does not grow with its shard. ``encode_range`` (one
 task per range) reads its samples, encodes them and commits the folder atomically: ``samples.parquet`` (one
 :data:`ENCODED_SCHEMA` row per sample, on-disk order), ``tokens.npy`` and ``targets.npy`` (the kept samples'
-tokens, concatenated) and ``source.json`` (what the source shard looked like when it was read, and which of
-its samples the range holds). A rerun keeps a folder only while its source shard still looks the same and the
-range is the same: an edited shard is encoded again, so a resumed run never packs stale bytes.
+tokens, concatenated), :data:`SOURCE_FACTS` (each sample before any cut) and ``source.json`` (what the source
+shard looked like when it was read, and which of its samples the range holds). A rerun keeps a folder only
+while its source shard still looks the same and the range is the same: an edited shard is encoded again, so a
+resumed run never packs stale bytes.
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ def is_current(folder: Path, stamp: SourceStamp, span: SampleRange) -> bool:
     except (OSError, ValueError):
         return False
 
+
+#: A range's facts of every sample before any cut, row for row with ``samples.parquet`` (first target token,
+#: whether the length is exact, media spans): what ``packtool stats`` judges other pack sizes by.
+SOURCE_FACTS = "source_facts.parquet"
 
 #: Samples per encode task, at most.
 SAMPLES_PER_RANGE = 1024
@@ -179,8 +184,15 @@ def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: fr
     tokens = np.concatenate([e.tokens for e in kept]).astype(np.int32) if kept else np.zeros(0, np.int32)
     targets = np.concatenate([e.targets for e in kept]).astype(np.uint8) if kept else np.zeros(0, np.uint8)
     table = pa.Table.from_pylist(rows, schema=ENCODED_SCHEMA)
+    facts = pa.table({"first_target": pa.array([e.first_target for e in encoded] + [-1] * (len(rows) - len(encoded)),
+                                               pa.int32()),
+                      "length_known": pa.array([e.length_known for e in encoded] + [False] * (len(rows) -
+                                                                                             len(encoded))),
+                      "source_media": pa.array([json.dumps(e.source_media, separators=(",", ":")) for e in encoded]
+                                               + ["[]"] * (len(rows) - len(encoded)))})
     with commit_path(out) as tmp:
         tmp.mkdir()
+        pq.write_table(facts, tmp / SOURCE_FACTS)
         (tmp / "tokens.npy").write_bytes(npy_bytes(tokens))
         (tmp / "targets.npy").write_bytes(npy_bytes(targets))
         pq.write_table(table, tmp / "samples.parquet")
