@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := examples/demo
-EXTRAS := test,media,plot,ray
+EXTRAS := test,media,plot,ray,storage
 
 .PHONY: run test lint browser bench clean
 

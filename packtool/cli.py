@@ -80,9 +80,11 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
 @app.command()
 def pack(
     ctx: typer.Context,
-    source: Path | None = typer.Argument(None, help="Energon dataset, .json/.jsonl conversations (LLaVA, ShareGPT, "
-                                            "OpenAI messages), Parquet, or a save_to_disk folder."),
-    output: Path | None = typer.Argument(None, help="Output folder: a packed Energon dataset."),
+    source: str | None = typer.Argument(None, help="Energon dataset (a folder or msc://PROFILE/path), .json/.jsonl "
+                                           "conversations (LLaVA, ShareGPT, OpenAI messages), Parquet, or a "
+                                           "save_to_disk folder."),
+    output: str | None = typer.Argument(None, help="Output folder (or msc://PROFILE/path): a packed Energon "
+                                                    "dataset."),
     config: Path | None = typer.Option(None, help="YAML file of settings (flags override it)."),
     print_config: bool = typer.Option(False, help="Print the run's settings as a config file and stop."),
     media_dir: Path | None = typer.Option(None, help="Folder of the media a JSON/Parquet source names "
@@ -90,7 +92,8 @@ def pack(
     staging: Path | None = typer.Option(None, help="Where a non-Energon source is staged as an Energon "
                                                    "dataset (default: OUTPUT.source)."),
     tokenizer: str | None = typer.Option(None, help="Model folder, or a model id in the local Hugging Face "
-                                                    "cache (tokenizer, chat template, processor config)."),
+                                                    "cache, or msc://PROFILE/path (tokenizer, chat template, "
+                                                    "processor config)."),
     pack_size: int | None = typer.Option(None, help="Tokens per pack."),
     split: list[str] | None = typer.Option(None, help="Split to pack (repeatable); default: all in split.yaml."),
     algorithm: str = typer.Option(default(P, "algorithm"), help=", ".join(choices(Algorithm))),
@@ -191,19 +194,19 @@ def pack(
     if print_config:
         typer.echo(cfg.dump(run.config), nl=False)
         return
-    settings, options, output = run.settings, run.options, run.output
+    settings, options, out = run.settings, run.options, run.output
     from packtool.build.sources.files import resolve_source
 
-    source = _one_line(lambda: resolve_source(run.source, output, media_dir=run.media_dir, staging=run.staging,
-                                              log=typer.echo if options.progress else None))
+    src = _one_line(lambda: resolve_source(run.source, out, media_dir=run.media_dir, staging=run.staging,
+                                           log=typer.echo if options.progress else None))
     from packtool.build.pipeline import check_inputs
     from packtool.build.pipeline import pack as run_pack
 
-    _one_line(lambda: check_inputs(source, output, settings))  # what needs no sample fails before any worker
+    _one_line(lambda: check_inputs(src, out, settings))  # what needs no sample fails before any worker
     with ExitStack() as stack:  # the workers start first: their start-ups overlap this process's imports
-        pool = _one_line(lambda: stack.enter_context(pack_engine(source, settings.encode, options)))
+        pool = _one_line(lambda: stack.enter_context(pack_engine(src, settings.encode, options)))
 
-        result = _one_line(lambda: run_pack(source, output, settings, options, started_engine=pool))
+        result = _one_line(lambda: run_pack(src, out, settings, options, started_engine=pool))
     from packtool.verify.stats import compute
 
     fills = compute(result.output)["splits"]
@@ -224,7 +227,7 @@ def pack(
 
 @app.command()
 def stats(
-    path: Path = typer.Argument(..., help="A packed OUTPUT folder, or a ledger.parquet."),
+    path: str = typer.Argument(..., help="A packed OUTPUT folder, or a ledger.parquet."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     plot: Path | None = typer.Option(None, help="Write a PNG: fill, segments per pack, lengths."),
     html: Path | None = typer.Option(None, help="Write one self-contained HTML report with the plots."),
@@ -266,9 +269,9 @@ def stats(
 
 @app.command()
 def verify(
-    output: Path = typer.Argument(..., help="A packed OUTPUT folder."),
-    source: Path | None = typer.Option(None, help="Also check media bytes and tokens against SOURCE (for a "
-                                                  "JSON/Parquet source: its staging, brought up to date)."),
+    output: str = typer.Argument(..., help="A packed OUTPUT folder (or msc://PROFILE/path)."),
+    source: str | None = typer.Option(None, help="Also check media bytes and tokens against SOURCE (for a "
+                                                 "JSON/Parquet source: its staging, brought up to date)."),
     workers: int | None = typer.Option(None, help="Worker processes (default: all cores)."),
     engine: str = typer.Option(default(R, "engine"), help="local or ray."),
     ray_address: str | None = typer.Option(None, help="Ray cluster address host:port (with --engine ray)."),
@@ -280,11 +283,12 @@ def verify(
     from packtool.build.sources.files import source_for_verify
     from packtool.verify.packs import verify_output
 
+    checked = None
     if source is not None:
         given = source
-        source = _one_line(lambda: source_for_verify(given, output))
+        checked = _one_line(lambda: source_for_verify(given, output))
     problems = _one_line(lambda: verify_output(
-        output, source=source, workers=workers or default_workers(), engine=engine,  # type: ignore[arg-type]
+        output, source=checked, workers=workers or default_workers(), engine=engine,  # type: ignore[arg-type]
         ray_address=ray_address, retokenize=retokenize))
     if problems:
         for p in problems:
@@ -295,7 +299,7 @@ def verify(
 
 @app.command()
 def inspect(
-    output: Path = typer.Argument(..., help="A packed OUTPUT folder."),
+    output: str = typer.Argument(..., help="A packed OUTPUT folder."),
     key: str | None = typer.Argument(None, help="Pack key (default: the first pack)."),
     split: str | None = typer.Option(None, help="Split to look in (default: the first)."),
     config: bool = typer.Option(False, "--config", help="Print the settings OUTPUT was packed with, as a "

@@ -30,6 +30,7 @@ from packtool.settings import (
     RunOptions,
     resolve_align,
 )
+from packtool.storage import is_remote, location
 
 _ENCODE = tuple(f.name for f in fields(EncodeSettings))
 _PLAN = tuple(f.name for f in fields(PlanSettings))
@@ -83,6 +84,8 @@ def read(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path}: unknown setting {unknown[0]!r} (see `packtool pack --help`)")
     for key in PATH_KEYS:
         value = data.get(key)
+        if isinstance(value, str) and is_remote(value):
+            continue
         if isinstance(value, str) and key != "tokenizer" and not Path(value).expanduser().is_absolute():
             data[key] = str(path.parent / value)
         elif key == "tokenizer" and isinstance(value, str) and (path.parent / value).is_dir():
@@ -131,7 +134,7 @@ def build(values: Mapping[str, Any], given: Collection[str]) -> PackRun:
                 raise ConfigError(f"preset {preset!r} sets {name} to {value!r}, not {values[name]!r} (given "
                                   f"explicitly); leave it unset or drop the preset")
             values[name] = value
-    tokenizer = resolve_model(values["tokenizer"])
+    tokenizer = values["tokenizer"] if is_remote(values["tokenizer"]) else resolve_model(values["tokenizer"])
     if preset == "megatron-bridge-qwen-vl" and values["cp_size"] > 1:
         raise ConfigError("preset megatron-bridge-qwen-vl with cp_size > 1: Megatron-Bridge's Qwen2.5-VL model does "
                           "not split sequences across context-parallel ranks (its recipes use CP 1); pack with "
@@ -149,9 +152,9 @@ def build(values: Mapping[str, Any], given: Collection[str]) -> PackRun:
     config = {k: _plain(values[k]) for k in KEYS}
     for key in PATH_KEYS:  # recorded absolute, so the printed config runs from anywhere
         value = config[key]
-        if value is not None and (key != "tokenizer" or Path(value).expanduser().is_dir()):
+        if value is not None and not is_remote(value) and (key != "tokenizer" or Path(value).expanduser().is_dir()):
             config[key] = str(Path(value).expanduser().resolve())
-    return PackRun(Path(values["source"]), Path(values["output"]), settings, options,
+    return PackRun(location(values["source"]), location(values["output"]), settings, options,
                    Path(media_dir) if media_dir is not None else None,
                    Path(staging) if staging is not None else None, config)
 

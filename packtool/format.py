@@ -39,6 +39,7 @@ import yaml
 
 from packtool.commit import commit_bytes, commit_path
 from packtool.errors import FormatError
+from packtool.storage import location
 
 #: Version of the on-disk format (``Manifest.format``); a reader refuses a newer one.
 FORMAT_VERSION = 2
@@ -388,7 +389,7 @@ def tokenizer_fingerprint(tokenizer_dir: str | Path) -> str:
     """SHA-256 over the files that decide the encoding."""
     h = hashlib.sha256()
     for name in TOKENIZER_FILES:
-        path = Path(tokenizer_dir) / name
+        path = location(tokenizer_dir) / name
         if path.exists():
             h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
@@ -466,7 +467,7 @@ class SplitYaml:
 
     @classmethod
     def read(cls, root: str | Path) -> SplitYaml:
-        meta = Path(root) / META
+        meta = location(root) / META
         path = next((p for p in (meta / "split.yaml", meta / "split.json") if p.exists()), meta / "split.yaml")
         data = read_mapping(path, "split file")
         parts, exclude = data.get("split_parts") or {}, data.get("exclude") or []
@@ -507,7 +508,7 @@ class InfoJson:
 
     @classmethod
     def read(cls, root: str | Path) -> InfoJson:
-        meta = Path(root) / META
+        meta = location(root) / META
         path = meta / ".info.json" if (meta / ".info.json").exists() else meta / ".info.yaml"
         data = read_mapping(path, "info file")
         counts = data.get("shard_counts") or {}
@@ -565,7 +566,7 @@ class Manifest(Mapping[str, Any]):
 
     @classmethod
     def read(cls, root: str | Path) -> Manifest:
-        path = Path(root) / MANIFEST
+        path = location(root) / MANIFEST
         return cls.parse(read_mapping(path, "manifest"), str(path))
 
     @classmethod
@@ -611,7 +612,7 @@ def load_manifest(root: str | Path) -> Manifest:
 
 def split_shard_paths(root: str | Path, split: str) -> list[Path]:
     """Shard paths of ``split`` of a packed dataset, in ``split.yaml`` order."""
-    return [Path(root) / s for s in SplitYaml.read(root).shards(split)]
+    return [location(root) / s for s in SplitYaml.read(root).shards(split)]
 
 
 # -- the ledger -----------------------------------------------------------------------------------------------
@@ -658,7 +659,7 @@ def write_energon_metadata(out: Path, splits: dict[str, list[str]],
     ``splits`` maps split -> shard paths (relative to ``out``); ``indexes`` maps shard path -> its records. The
     uuid derives from the content, so reruns write the same bytes.
     """
-    meta = Path(out) / META
+    meta = location(out) / META
     shards = [s for split in splits for s in splits[split]]
     counts = {s: len(indexes[s]) for s in shards}
     commit_bytes(meta / "dataset.yaml", _yaml_bytes(energon_dataset_yaml()))

@@ -596,5 +596,8 @@ def _cached_encoder(settings: EncodeSettings, dataset_yaml_json: str) -> Encoder
 
 
 def get_encoder(settings: EncodeSettings, dataset_yaml: dict | None = None) -> Encoder:
-    """The encoder for these settings, built once per process."""
-    return _cached_encoder(settings, json.dumps(dataset_yaml or {}, sort_keys=True, default=str))
+    """The encoder for these settings, built once per process (a model folder in an object store is fetched to
+    this machine's cache first)."""
+    from packtool.storage import fetched
+
+    return _cached_encoder(fetched(settings), json.dumps(dataset_yaml or {}, sort_keys=True, default=str))

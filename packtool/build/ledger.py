@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 from packtool.commit import commit_path
 from packtool.errors import FormatError
 from packtool.format import LEDGER, LEDGER_SCHEMA, STATUSES, pack_keys
+from packtool.storage import location, read_parquet
 
 if TYPE_CHECKING:
     from packtool.build.split_plan import SplitPlan
@@ -21,10 +22,10 @@ if TYPE_CHECKING:
 
 def read_ledger(path: str | Path, columns: list[str] | None = None) -> pa.Table:
     """The ledger of a packed output folder, or a ledger file itself (only ``columns``, when given)."""
-    p = Path(path)
+    p = location(path)
     file = p / LEDGER if p.is_dir() else p
     try:
-        return pq.read_table(file, columns=columns)
+        return read_parquet(file, columns=columns)
     except (pa.ArrowException, KeyError) as exc:  # not Parquet, or a Parquet file without the ledger's columns
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise FormatError(f"{file} is not a packtool ledger ({reason})") from None

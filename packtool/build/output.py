@@ -10,23 +10,27 @@ Only what packtool writes is ever removed (:func:`written_by_packtool` names it:
 Energon metadata, the ledger, the model files' copy, the pack shards, temporaries). A folder packtool did not make
 is used only when empty, and one that holds anything else is refused, with the foreign files named, before
 anything is deleted: no flag removes a user's file.
+
+OUTPUT may be an object-store location (:mod:`packtool.storage`): ``.packtool/`` is then in the object store
+too (workers on any node read the encode store), except the lock, which is a local file (:func:`lock_file`).
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
-import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, cast
 
 from packtool.build.store import SourceStamp
 from packtool.commit import commit_bytes, is_temporary, remove_temporaries
 from packtool.errors import OutputError
 from packtool.format import MANIFEST, META, TOKENIZER_DIR, TOKENIZER_FILES
+from packtool.storage import is_remote, location, remove_tree, resolved
 
 #: The work folder inside OUTPUT: lock, stamps, encode store.
 WORK = ".packtool"
@@ -54,6 +58,9 @@ def written_by_packtool(relative: str) -> bool:
 
 def foreign_files(output: Path) -> list[str]:
     """Files (and links) under ``output`` that packtool did not write, relative and sorted."""
+    if is_remote(output):
+        return sorted(rel for rel in (f.relative_to(output).as_posix() for f in cast(Any, output).files())
+                      if not written_by_packtool(rel))
     found = []
     for folder, dirs, files in os.walk(output):
         rel = Path(folder).relative_to(output)
@@ -72,14 +79,20 @@ def check_paths(source: Path, output: Path, model: Path | None = None) -> None:
     """Refuse an OUTPUT that is, holds or lies in SOURCE (a run or ``overwrite`` would delete source shards),
     that holds the model folder (its copy in the output would be written from files a rerun deletes), or that
     is not a folder."""
-    source, output = source.resolve(), output.resolve()
+    source, output = resolved(source), resolved(output)
     if output == source or source in output.parents or output in source.parents:
         raise OutputError(f"output {output} overlaps the source {source}; choose a folder outside it")
     if model is not None:
-        model = model.resolve()
+        model = resolved(model)
         if model == output or output in model.parents:
             raise OutputError(f"the model folder {model} lies inside the output {output}; copy it to a folder "
                               f"outside the output and pass that")
+    if is_remote(output):
+        if not output.parents:  # msc://PROFILE alone: --overwrite would empty the whole bucket
+            raise OutputError(f"output {output} is a whole profile; choose a folder inside it")
+        if output.is_file():
+            raise OutputError(f"output {output} exists and is not a folder")
+        return
     if output.exists() and not output.is_dir():
         raise OutputError(f"output {output} exists and is not a folder")
     parent = next((p for p in output.parents if p.exists()), None)
@@ -91,7 +104,7 @@ class OutputDir:
     """An OUTPUT folder opened for one run (use as a context manager: the lock is held inside)."""
 
     def __init__(self, path: Path, fingerprints: dict[str, dict], *, overwrite: bool = False):
-        self.path = Path(path)
+        self.path = location(path)
         self.fingerprints = fingerprints
         self.overwrite = overwrite
         self._lock: IO[str] | None = None
@@ -104,7 +117,7 @@ class OutputDir:
                               f"{_named(sorted(p.name for p in out.iterdir()))}); choose a new or empty folder")
         try:
             work.mkdir(parents=True, exist_ok=True)
-            lock = open(work / "lock", "a")
+            lock = open(lock_file(out), "a")
         except OSError as exc:
             raise OutputError(f"cannot write {out}: {exc.strerror}") from None
         try:
@@ -165,11 +178,9 @@ class OutputDir:
                 for inner in child.iterdir():
                     if inner.name == "lock" or (keep_encode and inner.name in ("encode", "encode.json")):
                         continue
-                    shutil.rmtree(inner) if inner.is_dir() else inner.unlink()
-            elif child.is_dir():
-                shutil.rmtree(child)
+                    remove_tree(inner)
             else:
-                child.unlink()
+                remove_tree(child)
 
     def clear_output(self) -> None:
         """Drop the written output (shards, ledger, metadata) but keep the encode work: a source shard changed
@@ -193,11 +204,22 @@ class OutputDir:
             if recorded is None or recorded != asdict(stamps.get(recorded.get("shard", ""), _NO_STAMP)):
                 stale.add(stamp_file.parent.parent)
         for folder in sorted(stale):
-            shutil.rmtree(folder)
+            remove_tree(folder)
         return bool(stale)
 
 
 _NO_STAMP = SourceStamp("", -1, -1, -1, "")
+
+
+def lock_file(output: Path) -> Path:
+    """The file a run locks while it writes ``output``: ``OUTPUT/.packtool/lock``; for an object-store OUTPUT a
+    local file under ``PACKTOOL_WORK`` (default ``~/.cache/packtool``), ``locks/<digest of the URL>`` (runs on
+    other machines are not excluded: start one run per OUTPUT)."""
+    if not is_remote(output):
+        return output / WORK / "lock"
+    root = Path(os.environ.get("PACKTOOL_WORK") or Path.home() / ".cache" / "packtool") / "locks"
+    root.mkdir(parents=True, exist_ok=True)
+    return root / hashlib.sha256(str(output).encode()).hexdigest()[:32]
 
 
 def _read_json(path: Path) -> dict | None:

@@ -3,7 +3,9 @@ then the ledger, Energon's metadata and the manifest, last.
 
 Each stage commits its own results (:mod:`packtool.commit`); the manifest is written last, so an OUTPUT with a
 manifest is complete and a rerun of an interrupted run finishes it with the same bytes, whatever the worker
-count, the engine or where it was interrupted.
+count, the engine or where it was interrupted. SOURCE and OUTPUT may be object-store locations
+(``msc://PROFILE/path``, :mod:`packtool.storage`): the same stages read by ranged requests and commit by whole
+objects, the manifest still last.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from packtool.format import (
 )
 from packtool.settings import PackSettings, RunOptions
 from packtool.shards import idx_path, index_tar, join_tar
+from packtool.storage import is_remote, location, resolved
 
 
 @dataclass
@@ -82,7 +85,7 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, run: Ru
     """
     run = run or RunOptions(**options)  # type: ignore[arg-type]
     clock = _Clock()
-    source, output = Path(source).resolve(), Path(output).resolve()
+    source, output = resolved(source), resolved(output)
     src = check_inputs(source, output, settings)
     fingerprints = settings.fingerprints(source, tokenizer_fingerprint(settings.encode.tokenizer))
     # The engine is up (Ray reached) and the model folder proven by a worker before OUTPUT is touched; the OUTPUT
@@ -98,15 +101,16 @@ def check_inputs(source: str | Path, output: str | Path, settings: PackSettings)
     the source's metadata and shards, OUTPUT's place, the model folder's files. Returns the opened source."""
     from packtool.build.encoder import check_tokenizer_dir
 
-    source, output = Path(source).resolve(), Path(output).resolve()
+    source, output = resolved(source), resolved(output)
     src = open_source(source, list(settings.splits) or None)
-    check_paths(source, output, Path(settings.encode.tokenizer))
+    check_paths(source, output, location(settings.encode.tokenizer))
     for split in src.splits:
         try:
             check_split_name(split)
         except FormatError as exc:
             raise ConfigError(str(exc)) from None
-    check_tokenizer_dir(settings.encode.tokenizer)
+    if not is_remote(settings.encode.tokenizer):  # a model folder in an object store is fetched by the workers
+        check_tokenizer_dir(settings.encode.tokenizer)
     return src
 
 
@@ -135,7 +139,7 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
         if not run.dry_run:
             write_energon_metadata(output, {k: v for k, v in out_shards.items() if v}, indexes,
                                    version("megatron-energon"))
-            _copy_tokenizer(Path(settings.encode.tokenizer), output / TOKENIZER_DIR)
+            _copy_tokenizer(location(settings.encode.tokenizer), output / TOKENIZER_DIR)
         commit_bytes(output / MANIFEST, _manifest(settings, fingerprints, source, out_shards, counts, packs,
                                                   run.dry_run, facts).to_bytes())
         clock.lap("finalize")
@@ -206,7 +210,8 @@ def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, r
             args = (split, str(source), [str(d) for d in enc_dirs[split]], split_stamps,
                     table.take(rows[bounds[k]:bounds[k + 1]]), settings.encode.pack_size, settings.encode.align)
             shards.append((output / out_shards[split][k], args))
-    if not shards or len(shards) >= engine.workers:
+    # Parts are joined where the output is (a local file system): an object store only takes whole objects.
+    if not shards or len(shards) >= engine.workers or is_remote(output):
         written = engine.map(write_shard, [(str(path), *args) for path, args in shards], desc="write",
                              unit="shard", progress=run.progress, names=[str(path) for path, _ in shards])
     else:

@@ -13,6 +13,7 @@ resumed run never packs stale bytes.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import re
@@ -30,6 +31,7 @@ from packtool.commit import commit_path
 from packtool.errors import LimitError, SourceError
 from packtool.format import KEPT, STATUSES, npy_bytes
 from packtool.settings import EncodeSettings
+from packtool.storage import ObjectPath, file_version, location, open_read, read_parquet
 
 if TYPE_CHECKING:
     from packtool.build.encoder import Encoded
@@ -60,11 +62,13 @@ class SourceStamp:
     ctime_ns: int
     #: SHA-256 of the dataset's ``.nv-meta`` files that decide how the shard is read.
     metadata: str
+    #: The object's ETag when the source is in an object store (which has no ctime), else empty.
+    etag: str = ""
 
     @classmethod
     def of(cls, root: Path, shard: str, metadata: str) -> SourceStamp:
-        st = os.stat(root / shard)
-        return cls(shard, st.st_size, st.st_mtime_ns, st.st_ctime_ns, metadata)
+        size, mtime_ns, ctime_ns, etag = file_version(location(root) / shard)
+        return cls(shard, size, mtime_ns, ctime_ns, metadata, etag)
 
 
 def range_stamp(stamp: SourceStamp, span: SampleRange) -> dict:
@@ -76,7 +80,7 @@ def range_stamp(stamp: SourceStamp, span: SampleRange) -> dict:
 def is_current(folder: Path, stamp: SourceStamp, span: SampleRange) -> bool:
     """Whether ``folder`` holds a committed encoding of this range of the shard as ``stamp`` describes it now."""
     try:
-        return json.loads((folder / "source.json").read_text()) == range_stamp(stamp, span)
+        return json.loads((location(folder) / "source.json").read_text()) == range_stamp(stamp, span)
     except (OSError, ValueError):
         return False
 
@@ -138,9 +142,9 @@ def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: fr
     range finds fewer samples in the shard (a second tar appended after an end-of-archive marker, a lost tail),
     it adds an error row saying so, so no sample is lost without a ledger row.
     """
-    out = Path(out_dir)
+    out = location(out_dir)
     if is_current(out, stamp, span):
-        return status_counts(pq.read_table(out / "samples.parquet", columns=["status"]))
+        return status_counts(read_parquet(out / "samples.parquet", columns=["status"]))
     from packtool.build.encoder import get_encoder  # here, in the worker: the parent never loads the encoder
 
     encoder = get_encoder(settings, dataset_yaml)
@@ -148,7 +152,7 @@ def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: fr
     chunk: list = []
     chunk_bytes, unreadable = 0, None
     shard = layout.shard
-    scan = ShardScan(Path(root), shard, excluded, max_sample_bytes=settings.max_sample_bytes, span=span,
+    scan = ShardScan(location(root), shard, excluded, max_sample_bytes=settings.max_sample_bytes, span=span,
                      layout=layout)
     samples = iter(scan)
     watch = _FailureWatch(limits, shard)
@@ -232,21 +236,47 @@ def status_counts(table: pa.Table) -> dict[str, int]:
 
 
 class NpyReader:
-    """Slices of a 1-D ``.npy`` file by positioned reads: unlike a memory map, what was read does not stay in
-    the process's resident memory."""
+    """Slices of a 1-D ``.npy`` file (or object) by positioned (ranged) reads: unlike a memory map, what was read
+    does not stay in the process's resident memory."""
 
     def __init__(self, path: Path):
-        self.file = open(path, "rb")
+        self.path = location(path)
+        self.file = open_read(self.path, readahead=4096)
         version = np.lib.format.read_magic(self.file)
         read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
             np.lib.format.read_array_header_2_0
         _, _, self.dtype = read_header(self.file)
         self.start = self.file.tell()
+        #: Blocks of an object fetched by :meth:`prefetch`: their byte offsets, and their bytes.
+        self.block_starts: list[int] = []
+        self.blocks: list[bytes] = []
+
+    def prefetch(self, spans: list[tuple[int, int]], gap: int = 1 << 16) -> None:
+        """For an object: fetch the bytes of these element spans ``(start, stop)`` at once, spans less than
+        ``gap`` bytes apart by one ranged request; slices inside them are then served from memory (until the
+        next prefetch). A local file is read where it lies."""
+        if not isinstance(self.path, ObjectPath):
+            return
+        size, merged = self.dtype.itemsize, []
+        for a, b in sorted(spans):
+            lo, hi = self.start + a * size, self.start + b * size
+            if merged and lo - merged[-1][1] <= gap:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self.block_starts = [lo for lo, _ in merged]
+        self.blocks = self.path.read_ranges([(lo, hi - lo) for lo, hi in merged])
 
     def __getitem__(self, s: slice) -> np.ndarray:
         size = self.dtype.itemsize
-        data = os.pread(self.file.fileno(), (s.stop - s.start) * size, self.start + s.start * size)
-        return np.frombuffer(data, self.dtype)
+        n, at = (s.stop - s.start) * size, self.start + s.start * size
+        if not isinstance(self.path, ObjectPath):
+            return np.frombuffer(os.pread(self.file.fileno(), n, at), self.dtype)
+        k = bisect.bisect_right(self.block_starts, at) - 1
+        if k >= 0 and at + n <= self.block_starts[k] + len(self.blocks[k]):
+            offset = at - self.block_starts[k]
+            return np.frombuffer(self.blocks[k][offset:offset + n], self.dtype)
+        return np.frombuffer(self.path.read_range(at, n), self.dtype)
 
     def close(self) -> None:
         self.file.close()

@@ -51,6 +51,7 @@ from packtool.format import (
 )
 from packtool.runtime.nemotron import nemotron_media, nemotron_processors
 from packtool.shards import iter_records
+from packtool.storage import local_copy, location
 
 IGNORE_INDEX = -100
 PAD_TO = ("pack", "segments")
@@ -392,9 +393,9 @@ def processor_for_output(path: str | Path, manifest: Mapping):
     (`image_processor_from_manifest`), Nemotron Omni's processors built from the model folder copied into the
     output (`packtool.runtime.nemotron.nemotron_processors`), or None."""
     if is_nemotron(manifest):
-        return nemotron_processors(manifest, Path(path) / TOKENIZER_DIR)
+        return nemotron_processors(manifest, local_copy(location(path) / TOKENIZER_DIR))
     if processor_family(manifest.get("image_processor")) == "processor":
-        return load_processor(str(Path(path) / TOKENIZER_DIR))
+        return load_processor(str(local_copy(location(path) / TOKENIZER_DIR)))
     return image_processor_from_manifest(manifest)
 
 

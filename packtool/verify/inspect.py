@@ -17,6 +17,7 @@ import numpy as np
 from packtool.errors import FormatError
 from packtool.format import META, InfoJson, PackRecord, SplitYaml, aligned_lengths, in_split, load_manifest
 from packtool.shards import iter_records
+from packtool.storage import local_copy, location
 
 OPEN, CLOSE = "⟦", "⟧"
 #: Characters a terminal acts on (C0 and C1 controls, DEL, bidirectional overrides and isolates); inspect shows
@@ -32,7 +33,7 @@ def printable(text: str) -> str:
 def find_pack(path: str | Path, key: str | None = None, split: str | None = None) -> tuple[str, Path, dict]:
     """(key, shard, members) of pack ``key`` (looked up in ``index.sqlite``), or of the first pack of ``split``
     (default: the first split)."""
-    root = Path(path)
+    root = location(path)
     splits = SplitYaml.read(root)
     names = [split] if split is not None else list(splits.split_parts)
     if key is None:
@@ -52,7 +53,7 @@ def find_pack(path: str | Path, key: str | None = None, split: str | None = None
 def _lookup(root: Path, key: str) -> tuple[str, int] | None:
     """(shard, record index) of pack ``key`` through Energon's sample index (one indexed query)."""
     shards = list(InfoJson.read(root).shard_counts)
-    con = sqlite3.connect(f"file:{root / META / 'index.sqlite'}?mode=ro", uri=True)
+    con = sqlite3.connect(f"file:{local_copy(root / META / 'index.sqlite')}?mode=ro", uri=True)
     try:
         hit = con.execute("SELECT tar_file_id, sample_index FROM samples WHERE sample_key=?", (key,)).fetchone()
     except sqlite3.Error as exc:
@@ -69,12 +70,12 @@ def inspect_pack(path: str | Path, key: str | None = None, split: str | None = N
     manifest = load_manifest(path)
     found, shard, members = find_pack(path, key, split)
     record = PackRecord.from_members(found, members)
-    tokenizer = Tokenizer.from_file(str(Path(path) / manifest.tokenizer.get("dir", f"{META}/tokenizer") /
-                                        "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(local_copy(location(path) / manifest.tokenizer.get("dir", f"{META}/tokenizer")
+                                                   / "tokenizer.json")))
     tokens, targets, seqlens, align = record.tokens, record.targets, record.seqlens, record.align
     aligned = int(aligned_lengths(seqlens, align).sum())
     lines = [
-        f"pack {found}  ({Path(shard).relative_to(path)})",
+        f"pack {found}  ({shard.relative_to(location(path))})",
         f"pack_size {record.pack_size}  align {align}  segments {len(seqlens)}  tokens {len(tokens)} "
         f"(aligned {aligned}, fill {aligned / record.pack_size:.1%})  targets {int(targets.sum())}  "
         f"media {len(record.media_refs)}",

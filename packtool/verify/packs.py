@@ -33,7 +33,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from packtool.build.engine import Engine
 from packtool.errors import FormatError
@@ -72,6 +71,7 @@ from packtool.media.audio import decode_audio
 from packtool.media.video import VideoFacts
 from packtool.settings import EngineKind
 from packtool.shards import idx_path, index_tar, parse_record, record_offsets, scan_records
+from packtool.storage import local_copy, location, open_read, parquet_file
 
 MAX_LISTED = 200
 #: Segments whose tokens are re-encoded in one tokenizer call.
@@ -176,7 +176,7 @@ class TokenCheck:
 
 @lru_cache(maxsize=2)
 def _token_check(tokenizer_dir: str, expanded_in_ids: bool) -> TokenCheck:
-    return TokenCheck(Path(tokenizer_dir), expanded_in_ids)
+    return TokenCheck(local_copy(location(tokenizer_dir)), expanded_in_ids)
 
 
 @dataclass(frozen=True)
@@ -469,7 +469,7 @@ def check_shard(output: str, split: str, shard: str, fid: int, count: int | None
     """Check one output shard (see the module docstring); the task :func:`verify_output` runs per shard. The
     token arrays of a record that carries their SHA-256 are proven by it; the others, and all with
     ``retokenize``, are also encoded again from their own text."""
-    out = Path(output)
+    out = location(output)
     report = ShardReport()
     problems = report.problems
     path = out / shard
@@ -557,7 +557,7 @@ def _check_sqlite(path: Path, shard: str, fid: int, index: list) -> list[str]:
     """The shard's rows of ``index.sqlite`` (``tar_file_id`` = its position in ``split.yaml``) against its tar."""
     if not path.is_file():
         return [f"{META}/index.sqlite: missing"]
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    con = sqlite3.connect(f"file:{local_copy(path)}?mode=ro", uri=True)
     try:
         rows = con.execute("SELECT sample_key, sample_index, byte_offset, byte_size FROM samples "
                            "WHERE tar_file_id = ? ORDER BY sample_index", (fid,)).fetchall()
@@ -580,7 +580,7 @@ def _check_sqlite_extent(path: Path, n_shards: int) -> list[str]:
     """Rows of ``index.sqlite`` for shards ``split.yaml`` does not list (the per-shard checks cannot see them)."""
     if not path.is_file():
         return []  # reported by every shard task
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    con = sqlite3.connect(f"file:{local_copy(path)}?mode=ro", uri=True)
     try:
         extra = con.execute("SELECT COUNT(*) FROM samples WHERE tar_file_id < 0 OR tar_file_id >= ?",
                             (n_shards,)).fetchone()[0]
@@ -598,7 +598,7 @@ def verify_output(output: str | Path, *, source: str | Path | None = None, worke
     (the shards, and with ``source`` the source shards, are checked in parallel on one engine). ``retokenize``
     also encodes every segment's text again even where the pack's array digest proves its tokens intact."""
     with Engine(engine, workers, ray_address) as runner:
-        return _verify(Path(output), None if source is None else Path(source), runner, retokenize)
+        return _verify(location(output), None if source is None else location(source), runner, retokenize)
 
 
 def _verify(out: Path, source: Path | None, runner: Engine, retokenize: bool = False) -> list[str]:
@@ -666,7 +666,7 @@ class LedgerScan:
 
 def _ledger_batches(out: Path):
     """The ledger as record batches (schema checked first)."""
-    pf = pq.ParquetFile(out / LEDGER)
+    pf = parquet_file(out / LEDGER)
     missing = [n for n in LEDGER_SCHEMA.names if n not in pf.schema_arrow.names]
     if missing:
         raise FormatError(f"{LEDGER}: columns {missing} missing")
@@ -801,7 +801,7 @@ class _Segments:
     def get(self, shard: int, ordinal: int, ident: int) -> tuple[str, str, str, tuple]:
         """``(output shard, pack key, "source shard/key", facts)`` of the segment with digest ``ident``."""
         rec = self.index(shard)[ordinal]
-        with open(self.out / self.shards[shard], "rb") as f:
+        with open_read(self.out / self.shards[shard]) as f:
             f.seek(rec.offset)
             key, members = parse_record(f.read(rec.size))
         record = PackRecord.from_members(key, members)

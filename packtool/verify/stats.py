@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 from packtool.build.ledger import read_ledger
 from packtool.errors import FormatError
 from packtool.format import MANIFEST, STATUSES, aligned_lengths, pack_numbers
+from packtool.storage import location
 
 #: The ledger columns the report reads (keys and shards are never needed: they are most of its bytes).
 STATS_COLUMNS = ["split", "status", "reason", "tokens", "images", "image_tokens", "pack"]
@@ -73,7 +74,7 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
     with reasons grouped (numbers folded to N), and DP-group imbalance when ``balance_dp`` is given."""
     from packtool.build.algorithms import dp_imbalance
 
-    path = Path(path)
+    path = location(path)
     ledger = _ledger(path, STATS_COLUMNS)
     st = _settings(path, pack_size)
     size, align = int(st["pack_size"]), int(st["align"])
@@ -138,7 +139,7 @@ def compare(path: str | Path, algorithms: list[str], *, pack_size: int | None = 
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if unknown:
         raise ConfigError(f"unknown algorithm {unknown[0]!r}; choose from {', '.join(ALGORITHMS)}")
-    path = Path(path)
+    path = location(path)
     ledger = _ledger(path, [*STATS_COLUMNS, "source_tokens"])
     st = _settings(path, pack_size)
     size, align = int(st["pack_size"]), int(st["align"])
@@ -245,7 +246,7 @@ def plot(path: str | Path, png: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = Path(path)
+    path = location(path)
     ledger = _ledger(path, STATS_COLUMNS)
     size = int(_settings(path)["pack_size"])
     splits = sorted(set(ledger.column("split").to_pylist()))
