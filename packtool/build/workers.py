@@ -10,13 +10,14 @@ from pathlib import Path
 
 from packtool.build.engine import Engine
 from packtool.settings import EncodeSettings, RunOptions
+from packtool.storage import fetched, resolved
 
 
 def pack_engine(source: str | Path, settings: EncodeSettings, run: RunOptions) -> Engine:
     """The engine for packing ``source`` with these settings (not yet entered): every worker builds its encoder
     as it starts (:func:`warm`)."""
     return Engine(run.engine, run.workers, run.ray_address, initializer=warm,
-                  initargs=(settings, str(Path(source).resolve())))
+                  initargs=(settings, str(resolved(source))))
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ def model_facts(task: FactsTask) -> dict:
     encoder: :func:`packtool.build.encoder.model_facts`)."""
     from packtool.build.encoder import model_facts as facts
 
-    return facts(task.settings, task.dataset_yaml)
+    return facts(fetched(task.settings), task.dataset_yaml)
 
 
 def warm(settings: EncodeSettings, source: str) -> None:

@@ -36,8 +36,19 @@ import torch
 from packtool import families
 from packtool.errors import FormatError
 from packtool.families import Family
-from packtool.format import TOKENIZER_DIR, PackRecord, load_manifest, span_problems, split_shard_paths
+from packtool.format import (
+    TOKENIZER_DIR,
+    PackRecord,
+    aligned_lengths,
+    arrays_digest,
+    load_manifest,
+    row_length,
+    sha256,
+    span_problems,
+    split_shard_paths,
+)
 from packtool.shards import iter_records
+from packtool.storage import local_copy, location
 
 IGNORE_INDEX = -100
 PAD_TO = ("pack", "segments")
@@ -54,9 +65,17 @@ def qwen_image_processor(settings: Mapping):
 @functools.lru_cache(maxsize=8)
 def _cached_processor(settings_json: str):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.utils import is_torchvision_available
 
     s = json.loads(settings_json)
-    return Qwen2VLImageProcessorPil(
+    cls: Any = Qwen2VLImageProcessorPil
+    # The backend the manifest names (a convention's), else the one AutoProcessor picks: torchvision when it is
+    # installed (the two resize differently, so the pixels are always the model processor's).
+    if s.get("backend", "torchvision" if is_torchvision_available() else "pil") == "torchvision":
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+        cls = Qwen2VLImageProcessor
+    return cls(
         min_pixels=s["min_pixels"], max_pixels=s["max_pixels"], patch_size=s["patch_size"],
         merge_size=s["merge_size"], temporal_patch_size=s["temporal_patch_size"],
         image_mean=s["image_mean"], image_std=s["image_std"],
@@ -65,9 +84,27 @@ def _cached_processor(settings_json: str):
 
 def image_processor_from_manifest(manifest: Mapping):
     """The image processor the manifest's family gives the reader without the model folder (Qwen2-VL's,
-    `qwen_image_processor`); None for a text-only dataset, a fixed-count one, whose model's own processor the
-    caller must pass, or a Nemotron Omni one (see `processor_for_output`)."""
+    `qwen_image_processor`, on the backend ``AutoProcessor`` picks: torchvision when it is installed, else PIL;
+    the two resize differently, so the pixels are always the model processor's); None for a text-only dataset,
+    a fixed-count one, whose model's own processor the caller must pass, a Nemotron Omni one (see
+    `processor_for_output`) or a processor-mode one."""
     return families.from_manifest(manifest).reader_processor(None)
+
+
+def check_digests(where: str, record: PackRecord, members: Mapping[str, Any]) -> None:
+    """The SHA-256 digests the pack carries, against its bytes: the token arrays' (``arrays_sha256``) and each
+    media item's (with its size). A pack whose bytes changed after it was written (a flipped bit on disk, a
+    member swapped) is refused, naming what changed, before any of it reaches a batch. A few milliseconds per
+    pack of several MB of media: hashing is far cheaper than decoding."""
+    if record.arrays_sha256 and arrays_digest(members) != record.arrays_sha256:
+        raise FormatError(f"{where}: the token arrays differ from the SHA-256 written with the pack (corrupt)")
+    for ref in record.media_refs:
+        if not (ref.size or ref.sha256):  # records written before format 2 carry none
+            continue
+        data = b"".join(record.media[n] for n in ref.members)
+        if len(data) != ref.size or sha256(data) != ref.sha256:
+            raise FormatError(f"{where}, member {ref.member}: its bytes differ from the size and SHA-256 written "
+                              f"with the pack (corrupt)")
 
 
 def pack_to_batch(
@@ -104,15 +141,16 @@ def pack_to_batch(
         record = PackRecord.from_members(pack_key, members)
     except FormatError as exc:
         raise FormatError(f"{source}: {exc}" if source else str(exc)) from None
+    check_digests(where, record, members)
     tokens, targets = record.tokens, record.targets
     seqlens = record.seqlens.astype(np.int64)
     segments = record.segments
     align, pack_size = record.align, record.pack_size
     cu = np.concatenate([[0], np.cumsum(seqlens)])
-    padded = -(-seqlens // align) * align
+    padded = aligned_lengths(seqlens, align)
     cu_padded = np.concatenate([[0], np.cumsum(padded)])
     if pad_to == "pack":
-        length = pack_size // align * align
+        length = row_length(pack_size, align)
         if cu_padded[-1] > length:
             raise FormatError(f"{where}: aligned length {cu_padded[-1]} exceeds pack size {pack_size}")
         cu_padded[-1] = length  # tail padding absorbed into the last segment
@@ -202,6 +240,9 @@ def vision_media(family: Family, record: PackRecord, image_processor, where: str
             out["pixel_values"] = torch.zeros((0, dim), dtype=torch.float32)
         return out
     pil = [open_stored_image(record.media[m.member], f"{where}, member {m.member}") for m in media]
+    entry = family.manifest_entries()["image_processor"]
+    if entry is not None and entry.get("prefit_factor"):
+        pil = [prefit_image(image, entry) for image in pil]
     try:
         result = proc(images=pil, return_tensors="np")
     except (ValueError, TypeError, OSError) as exc:
@@ -272,7 +313,17 @@ def _videos(record: PackRecord, settings: Mapping, where: str, decode: bool) -> 
             raise FormatError(f"{where}, member {m.member}: video does not decode ({exc})") from None
         metadata.append(VideoMetadata(total_num_frames=m.total_frames, fps=m.fps, width=m.width, height=m.height,
                                       duration=m.duration, frames_indices=list(m.frame_indices)))
-    result = proc(videos=arrays, video_metadata=metadata, do_sample_frames=False, return_tensors="pt")
+    clips: list[Any] = arrays
+    # Frames are THWC (a video 1 or 3 pixels high would otherwise be read as channels first).
+    extra: dict[str, Any] = {"video_metadata": metadata, "input_data_format": "channels_last"}
+    if settings.get("fetch_video"):  # as Megatron-Bridge hands them over: no metadata
+        clips, extra = [fetch_video_frames(a, settings) for a in arrays], {}
+    try:
+        result = proc(videos=clips, do_sample_frames=False, return_tensors="pt", **extra)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        members = ", ".join(m.member for m in videos)
+        raise FormatError(f"{where}: the video processor refuses its videos ({members}; "
+                          f"{type(exc).__name__}: {exc})") from None
     grid = result["video_grid_thw"].numpy().astype(np.int64)
     if not np.array_equal(grid, grids):
         bad = next(i for i in range(len(videos)) if not np.array_equal(grid[i], grids[i]))
@@ -280,6 +331,27 @@ def _videos(record: PackRecord, settings: Mapping, where: str, decode: bool) -> 
                           f"stored {grids[bad].tolist()}")
     out["pixel_values_videos"] = result["pixel_values_videos"].to(torch.float32).contiguous()
     return out
+
+
+def fetch_video_frames(frames: np.ndarray, settings: Mapping) -> torch.Tensor:
+    """Frames ``(T, H, W, 3)`` as qwen_vl_utils' ``fetch_video`` hands them to the processor in Megatron-Bridge's
+    Qwen-VL path: each resized as an image (bicubic), the last repeated to an even count, then the clip resized
+    (torchvision, bicubic, antialiased) and made float: ``(T', 3, h, w)``."""
+    from PIL import Image
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as F
+
+    from packtool.families.qwen2_vl import Qwen2VLSettings, fetch_image_resize
+
+    rule = Qwen2VLSettings.from_manifest(settings)
+    factor = 2 * rule.video_patch_size * rule.video_merge_size
+    t, height, width = frames.shape[:3]
+    h, w = fetch_image_resize(height, width, factor, 4 * factor**2, 16384 * factor**2)
+    resized = [np.asarray(Image.fromarray(f).convert("RGB").resize((w, h), Image.Resampling.BICUBIC)) for f in frames]
+    resized += resized[-1:] * (t % 2)
+    clip = torch.from_numpy(np.stack(resized)).permute(0, 3, 1, 2)
+    size = list(rule.fetched_size(height, width, len(resized)))
+    return F.resize(clip, size, interpolation=InterpolationMode.BICUBIC, antialias=True).float()
 
 
 def open_stored_image(data: bytes, where: str):
@@ -296,11 +368,23 @@ def open_stored_image(data: bytes, where: str):
     return image
 
 
+def prefit_image(image, settings: Mapping):
+    """The image resized first as the manifest's image settings say (``prefit_*``: qwen_vl_utils' ``fetch_image``
+    in Megatron-Bridge's Qwen-VL path, which receives RGB images from Energon's decoder), before the processor."""
+    from PIL import Image
+
+    from packtool.families.qwen2_vl import ImageRule
+
+    width, height = ImageRule.from_manifest(settings).prefit(image.width, image.height)
+    return image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
+
+
 def processor_for_output(path: str | Path, manifest: Mapping):
     """The processor a reader of the packed dataset at `path` uses for its media: its family's
-    (:meth:`Family.reader_processor`: Qwen2-VL's image processor, Nemotron Omni's processors built from the model
-    folder copied into the output), or None."""
-    return families.from_manifest(manifest).reader_processor(Path(path) / TOKENIZER_DIR)
+    (:meth:`Family.reader_processor`: Qwen2-VL's image processor, Nemotron Omni's processors or the processor
+    mode's model processor, built from the model folder copied into the output), or None."""
+    family = families.from_manifest(manifest)
+    return family.reader_processor(local_copy(location(path) / TOKENIZER_DIR) if family.reads_folder else None)
 
 
 def batch_to(batch: dict, device) -> dict:
