@@ -287,7 +287,7 @@ def test_a_dead_worker_is_named_with_its_task():
 
     with Engine("local", 2) as engine:
         with pytest.raises(EngineError, match=r"worker process died .* while working on .*shards/x\.tar"):
-            engine.map(os._exit, [(3,)], names=["shards/x.tar"], progress=False)
+            engine.map(os._exit, [3], names=["shards/x.tar"], progress=False)
 
 
 def test_inspect_escapes_terminal_controls(tok, tmp_path):
