@@ -21,9 +21,9 @@ come from packtool, packed offline and globally, and :class:`PacktoolSFTTaskEnco
   NeMo-RL's ``nemotron_multimodal`` inputs, one segment per image or video: ``pixel_values`` float32
   ``[frames, 3, H, W]`` (the image, or the video frames Energon's ``AVDecoder.get_clips`` decodes at the seconds
   NeMo-RL's frame rule takes, resized with PIL to the stored patch grid, CLIP mean/std), ``imgs_sizes`` int32
-  ``[frames, 2]`` (height, width in pixels) and ``num_frames`` int64 ``[1]``; one segment per audio item: ``sound_clips`` float32
-  ``[clips, mel frames, bins]`` (NeMo-RL's 30 s clips, each through the model folder's feature extractor, zero-padded
-  to the item's longest) and ``sound_length`` int64 ``[clips]`` (valid mel frames).
+  ``[frames, 2]`` (height, width in pixels) and ``num_frames`` int64 ``[1]``; one segment per audio item:
+  ``sound_clips`` float32 ``[clips, mel frames, bins]`` (NeMo-RL's 30 s clips, each through the model folder's
+  feature extractor, zero-padded to the item's longest) and ``sound_length`` int64 ``[clips]`` (valid mel frames).
 
 The runtime side only: this module imports nothing from packtool's build side, so it runs in a training container
 with packtool's reader installed. NeMo-RL names it in its loader configuration as a file-backed task encoder
@@ -136,11 +136,12 @@ def _media(members: Mapping[str, Any], record: PackRecord, manifest: Mapping, wh
 def nemotron_inputs(record: PackRecord, manifest: Mapping, where: str,
                     feature_extractor=None) -> dict[str, list[torch.Tensor]]:
     """NeMo-RL's Nemotron Omni inputs of a pack's images, videos and audio (its ``_process_media`` and
-    ``_process_audio``): each image, and each video's frames (:func:`_nemotron_video_frames`), resized with PIL to its stored patch grid, scaled to [0, 1] and normalised with CLIP's mean and std;
-    each audio item cut into NeMo-RL's 30 s clips (its stored sample count), each clip's mel features through the
-    model folder's feature extractor (``feature_extractor``), zero-padded to the item's longest clip, with its
-    valid frames. The waveform is packtool's decode (mono, resampled with soxr where the source has another rate;
-    NeMo-RL resamples with librosa)."""
+    ``_process_audio``): each image, and each video's frames (:func:`_nemotron_video_frames`), resized with PIL
+    to its stored patch grid, scaled to [0, 1] and normalised with CLIP's mean and std; each audio item cut into
+    NeMo-RL's 30 s clips (its stored sample count), each clip's mel features through the model folder's feature
+    extractor (``feature_extractor``), zero-padded to the item's longest clip, with its valid frames. The waveform
+    is packtool's decode (mono, resampled with soxr where the source has another rate; NeMo-RL resamples with
+    librosa)."""
     refs = record.media_refs
     other = [m for m in refs if m.kind not in ("image", "video", "audio")]
     if other:
