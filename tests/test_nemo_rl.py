@@ -853,6 +853,24 @@ def test_nemotron_preset_video_pack_verify_and_batch(nemotron_folder, tmp_path):
                 assert row.media["num_frames"][index].tolist() == want[2].tolist()
                 seen[ref.kind] += 1
     assert seen == {"image": 1, "video": 4} and shifted == 4
+    # through Energon, the task encoder gives the same media
+    loaded = 0
+    for batch in nemo_rl_loader(tmp_path / "out", 1, split="train"):
+        key = next(k for k, m in (kv for shard in sorted((tmp_path / "out" / "train").glob("*.tar"))
+                                  for kv in scan_records(shard))
+                   if [s.key for s in PackRecord.from_members(k, m).segments] == batch["source_ids"][0])
+        members = next(m for shard in sorted((tmp_path / "out" / "train").glob("*.tar"))
+                       for k, m in scan_records(shard) if k == key)
+        row = nemo_rl.nemo_rl_row({**members, "__key__": key}, manifest)
+        for name, segments in row.media.items():
+            assert all(torch.equal(a, b) for a, b in zip(batch[name][0], segments)), name
+            loaded += len(segments)
+    assert loaded == 3 * 5  # pixel_values, imgs_sizes, num_frames of 1 image and 4 videos
+    # packtool's own reader, which takes frames by number, says where such videos are read
+    from packtool.runtime.read import read_packs
+
+    with pytest.raises(FormatError, match="NeMo-RL's task encoder"):
+        list(read_packs(tmp_path / "out", split="train"))
 
     # control: the same packs checked as transformers' convention (preset removed from the manifest) fail
     path = tmp_path / "out" / ".nv-meta" / "packtool.json"
