@@ -5,18 +5,37 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := examples/demo
-EXTRAS := test,media,plot,ray
+EXTRAS := test,media,plot,ray,storage
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint browser bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
-	# A real 151k-rank vocabulary for the integration test (Qwen2's BPE ranks ship in this wheel): fetched here,
-	# never while tests run.
-	$(BIN)/pip download -q --no-deps qwen-agent==0.0.34 -d $(VENV)/wheels
 	touch $(STAMP)
+
+# The second test environment: Megatron-Bridge's own pins (Python 3.12, transformers <=5.12.1, tokenizers <0.23) with
+# the runtime side's dependencies only, plus Megatron-Bridge's data code for the comparison tests: its wheel (pure
+# Python) and qwen-vl-utils, --no-deps (its CUDA-only dependencies are left out), in a folder of their own.
+PY312 ?= $(shell command -v python3.12 2>/dev/null || echo "$$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python")
+MB_VENV := .venv-mbridge
+MB_STAMP := $(MB_VENV)/.installed
+MB_TESTS := tests/test_read.py tests/test_megatron_bridge.py tests/test_mbridge_input.py tests/test_mbridge_parity.py
+
+$(MB_STAMP): pyproject.toml constraints-mbridge.txt
+	$(PY312) -m venv $(MB_VENV)
+	$(MB_VENV)/bin/pip install -q --upgrade pip
+	$(MB_VENV)/bin/pip install -q -c constraints-mbridge.txt -e '.[test,media]'
+	$(MB_VENV)/bin/pip install -q --no-deps --target $(MB_VENV)/mbridge megatron-bridge==0.6.2 qwen-vl-utils==0.0.14
+	touch $(MB_STAMP)
+
+# A real 151k-rank vocabulary for the integration test (Qwen2's BPE ranks ship in this wheel): fetched for the
+# tests only (`make run` does not need it), never while tests run.
+TEST_STAMP := $(VENV)/.test-data
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip download -q --no-deps qwen-agent==0.0.34 -d $(VENV)/wheels
+	touch $(TEST_STAMP)
 
 # The Nemotron Omni demo (audio, video, images) packs too; `make run OMNI_DEMO=0` skips it.
 OMNI_DEMO ?= 1
@@ -40,8 +59,17 @@ lint: $(STAMP)
 	$(BIN)/ruff check packtool tests bench scripts examples
 	$(BIN)/mypy
 
-test: lint
+# The HTML report test opens the report in a real headless browser: Debian's chromium, installed when missing
+# (as root, or through passwordless sudo); where it cannot be installed, that test skips and says why.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+		{ $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q \
+		  --no-install-recommends chromium; } || echo "chromium could not be installed; the HTML report test skips"
+
+test: lint browser $(MB_STAMP) $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests
+	$(MB_VENV)/bin/python -m pytest -q -n 2 $(MB_TESTS)
 
 # Quick runs of every benchmark (each prints its numbers); see bench/*.py --help for full-size runs.
 bench: $(STAMP)
@@ -54,4 +82,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_memory.py --samples 20000
 
 clean:
-	rm -rf $(VENV) $(DEMO)
+	rm -rf $(VENV) $(MB_VENV) $(DEMO)

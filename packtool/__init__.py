@@ -1,12 +1,21 @@
 """packtool: offline global sequence packing of Energon multimodal SFT datasets.
 
-Public API: :func:`pack_lengths` and :data:`ALGORITHMS` (the planner), :func:`read_packs` (packs -> Megatron-ready
-batches) and :func:`to_megatron`. They load lazily so that ``import packtool`` stays light.
+Public API: :func:`pack` (a whole run, as ``packtool pack``; returns a :class:`PackSummary`),
+:func:`pack_lengths` and :data:`ALGORITHMS` (the planner), :func:`read_packs` (packs -> Megatron-ready batches) and
+:func:`to_megatron`. They load lazily so that ``import packtool`` stays light.
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:  # one owner: the version pyproject.toml gives the installed package
+    __version__ = version("packtool")
+except PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
+del PackageNotFoundError, version
 
 _LAZY = {
+    "pack": "packtool.api",
+    "PackSummary": "packtool.api",
     "pack_lengths": "packtool.build.algorithms",
     "ALGORITHMS": "packtool.build.algorithms",
     "read_packs": "packtool.runtime.read",

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import typer
 
-from packtool.errors import PacktoolError
+from packtool.errors import LimitError, PacktoolError
 from packtool.settings import (
     Algorithm,
     AlignFor,
@@ -23,12 +23,12 @@ from packtool.settings import (
     PlanSettings,
     Preset,
     RunOptions,
-    alignment_for,
     choices,
     default,
 )
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
+                  context_settings={"max_content_width": 80},
                   help="Offline global sequence packing of Energon multimodal SFT datasets.")
 
 T = TypeVar("T")
@@ -51,7 +51,8 @@ def _one_line(call: Callable[[], T]) -> T:
         return call()
     except PacktoolError as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        _fail(message + (f"; pass --{exc.option.replace('_', '-')} to go ahead" if exc.option else ""))
+        _fail(message + (f"; pass --{exc.option.replace('_', '-')} to go ahead" if exc.option else ""),
+              code=3 if isinstance(exc, LimitError) else 2)
     except OSError as exc:
         # a library may raise e.g. FileNotFoundError(path) with neither errno nor file name set (pyarrow does)
         bare = exc.strerror is None and len(exc.args) == 1 and isinstance(exc.args[0], str)
@@ -62,13 +63,38 @@ def _one_line(call: Callable[[], T]) -> T:
     raise AssertionError("unreachable")
 
 
+def _version(value: bool) -> None:
+    if value:
+        from packtool import __version__
+
+        typer.echo(f"packtool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print packtool's version and exit.")) -> None:
+    """Offline global sequence packing of Energon multimodal SFT datasets."""
+
+
 @app.command()
 def pack(
-    source: Path = typer.Argument(..., help="Energon dataset (WebDataset shards + .nv-meta)."),
-    output: Path = typer.Argument(..., help="Output folder: a packed Energon dataset."),
-    tokenizer: Path = typer.Option(..., help="Local Hugging Face model folder (tokenizer, chat template, "
-                                             "optional preprocessor_config.json)."),
-    pack_size: int = typer.Option(..., help="Tokens per pack."),
+    ctx: typer.Context,
+    source: str | None = typer.Argument(None, help="Energon dataset (a folder or msc://PROFILE/path), .json/.jsonl "
+                                           "conversations (LLaVA, ShareGPT, OpenAI messages), Parquet, or a "
+                                           "save_to_disk folder."),
+    output: str | None = typer.Argument(None, help="Output folder (or msc://PROFILE/path): a packed Energon "
+                                                    "dataset."),
+    config: Path | None = typer.Option(None, help="YAML file of settings (flags override it)."),
+    print_config: bool = typer.Option(False, help="Print the run's settings as a config file and stop."),
+    media_dir: Path | None = typer.Option(None, help="Folder of the media a JSON/Parquet source names "
+                                                     "(default: the source's folder)."),
+    staging: Path | None = typer.Option(None, help="Where a non-Energon source is staged as an Energon "
+                                                   "dataset (default: OUTPUT.source)."),
+    tokenizer: str | None = typer.Option(None, help="Model folder, or a model id in the local Hugging Face "
+                                                    "cache, or msc://PROFILE/path (tokenizer, chat template, "
+                                                    "processor config)."),
+    pack_size: int | None = typer.Option(None, help="Tokens per pack."),
     split: list[str] | None = typer.Option(None, help="Split to pack (repeatable); default: all in split.yaml."),
     algorithm: str = typer.Option(default(P, "algorithm"), help=", ".join(choices(Algorithm))),
     balanced_delta: int = typer.Option(default(P, "balanced_delta"), help="Extra packs for balanced_greedy_knapsack."),
@@ -105,7 +131,13 @@ def pack(
                                       help="Read pickled media lists (through a restricted unpickler)."),
     pixel_limit: int = typer.Option(default(E, "pixel_limit"), help="Images with more pixels are quarantined."),
     max_sample_bytes: int = typer.Option(default(E, "max_sample_bytes"),
-                                         help="Samples with more bytes are quarantined."),
+                                         help="Samples with more bytes (read, or media written) are "
+                                              "quarantined."),
+    max_sample_pixels: int = typer.Option(default(E, "max_sample_pixels"),
+                                          help="Samples whose media give a processor more decoded pixels (images "
+                                               "and frames together) are quarantined."),
+    max_turns: int = typer.Option(default(E, "max_turns"), help="Conversations with more messages are "
+                                                                "quarantined."),
     media_tokens: str = typer.Option(default(E, "media_tokens"), help="rule (packtool's exact rules from media "
                                                                       "headers) or processor (the model folder's "
                                                                       "own processor on every sample; any family, "
@@ -128,43 +160,53 @@ def pack(
     seed: int = typer.Option(default(P, "seed"), help="Seed for seeded algorithms."),
     balance_dp: int | None = typer.Option(None, help="Order packs so each group of N ranks balances."),
     strict: bool = typer.Option(default(R, "strict"), help="Stop at the first bad sample."),
-    max_error_rate: float = typer.Option(default(R, "max_error_rate"), help="Exit non-zero above this error rate."),
+    max_error_rate: float = typer.Option(default(R, "max_error_rate"), help="Exit 3 above this share of error "
+                                                                           "samples."),
+    max_drop_rate: float = typer.Option(default(R, "max_drop_rate"), help="Exit 3 above this share of dropped "
+                                                                         "samples."),
+    max_truncate_rate: float = typer.Option(default(R, "max_truncate_rate"), help="Exit 3 above this share of "
+                                                                                 "truncated samples."),
+    max_failures_in_a_row: int = typer.Option(default(R, "max_failures_in_a_row"),
+                                              help="Stop at once when this many samples in a row fail (0: never)."),
+    max_same_failures: int = typer.Option(default(R, "max_same_failures"),
+                                          help="Stop at once when this many samples of a shard range fail for the "
+                                               "same reason (0: never)."),
     dry_run: bool = typer.Option(default(R, "dry_run"), help="Stop after planning: ledger and plan statistics."),
     overwrite: bool = typer.Option(default(R, "overwrite"), help="Replace an OUTPUT made with other settings."),
     progress: bool = typer.Option(default(R, "progress"), help="Show progress bars."),
 ) -> None:
     """Pack SOURCE into OUTPUT."""
-    from packtool.build.engine import default_workers
+    from packtool import config as cfg
     from packtool.build.workers import pack_engine
-    from packtool.settings import PackSettings
 
-    def build() -> tuple[PackSettings, RunOptions]:
-        aligned = align or alignment_for(align_for, cp_size=cp_size, tp_size=tp_size,  # type: ignore[arg-type]
-                                         sequence_parallel=sequence_parallel)
-        enc = EncodeSettings(
-            tokenizer=str(tokenizer.resolve()), pack_size=pack_size, align=aligned, overlong=overlong,  # type: ignore[arg-type]
-            min_pixels=min_pixels, max_pixels=max_pixels, image_tokens=image_tokens, max_images=max_images,
-            max_image_tokens=max_image_tokens, adapter=adapter, allow_pickle=allow_pickle, pixel_limit=pixel_limit,
-            media_check=media_check, caption_prompt=caption_prompt, template_date=template_date,  # type: ignore[arg-type]
-            max_sample_bytes=max_sample_bytes, target_newline_after_eot=target_newline_after_eot,
-            media_first=media_first, preset=preset, video_fps=video_fps, video_frames=video_frames,  # type: ignore[arg-type]
-            video_min_frames=video_min_frames, video_max_frames=video_max_frames, video_min_pixels=video_min_pixels,
-            video_max_pixels=video_max_pixels, audio_max_seconds=audio_max_seconds,
-            media_tokens=media_tokens,  # type: ignore[arg-type]
-        )
-        plan = PlanSettings(algorithm=algorithm, balanced_delta=balanced_delta, max_segments=max_segments,  # type: ignore[arg-type]
-                            seed=seed, shard_size=shard_size, balance_dp=balance_dp)  # type: ignore[arg-type]
-        options = RunOptions(workers=workers or default_workers(), engine=engine, ray_address=ray_address,  # type: ignore[arg-type]
-                             strict=strict, dry_run=dry_run, overwrite=overwrite, progress=progress,
-                             max_error_rate=max_error_rate)
-        return PackSettings(enc, plan, tuple(split or ())), options
+    def given(name: str) -> bool:  # typed on the command line (even if equal to the default)
+        source = ctx.get_parameter_source(name)
+        return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
 
-    settings, options = _one_line(build)
+    explicit = {name: value for name, value in ctx.params.items()
+                if name not in ("config", "print_config") and given(name)}
+
+    def build() -> cfg.PackRun:
+        values, given = cfg.merge(cfg.read(config) if config is not None else None, explicit)
+        return cfg.build(values, given)
+
+    run = _one_line(build)
+    if print_config:
+        typer.echo(cfg.dump(run.config), nl=False)
+        return
+    settings, options, out = run.settings, run.options, run.output
+    from packtool.build.sources.files import resolve_source
+
+    src = _one_line(lambda: resolve_source(run.source, out, media_dir=run.media_dir, staging=run.staging,
+                                           log=typer.echo if options.progress else None))
+    from packtool.build.pipeline import check_inputs
+    from packtool.build.pipeline import pack as run_pack
+
+    _one_line(lambda: check_inputs(src, out, settings))  # what needs no sample fails before any worker
     with ExitStack() as stack:  # the workers start first: their start-ups overlap this process's imports
-        pool = _one_line(lambda: stack.enter_context(pack_engine(source, settings.encode, options)))
-        from packtool.build.pipeline import pack as run_pack
+        pool = _one_line(lambda: stack.enter_context(pack_engine(src, settings.encode, options)))
 
-        result = _one_line(lambda: run_pack(source, output, settings, options, started_engine=pool))
+        result = _one_line(lambda: run_pack(src, out, settings, options, started_engine=pool))
     from packtool.verify.stats import compute
 
     fills = compute(result.output)["splits"]
@@ -175,24 +217,31 @@ def pack(
                    f"truncated {c['truncated']}, dropped {c['dropped']}, error {c['error']})")
     if result.seconds:
         typer.echo("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in result.seconds.items()))
-    typer.echo(f"wrote {result.output}" + (" (dry run: ledger only)" if dry_run else ""))
-    total = sum(c["samples"] for c in result.counts.values())
-    errors = sum(c["error"] for c in result.counts.values())
-    if total and errors / total > options.max_error_rate:
-        _fail(f"error rate {errors / total:.2%} exceeds --max-error-rate {options.max_error_rate:.2%} "
-              f"(see {result.output / 'ledger.parquet'})", code=3)
+    typer.echo(f"wrote {result.output}" + (" (dry run: ledger only)" if options.dry_run else ""))
+    if result.over_limits:
+        flag = {"error": "--max-error-rate", "dropped": "--max-drop-rate", "truncated": "--max-truncate-rate"}
+        _fail("; ".join(f"{status} rate {n / total:.2%} ({n} of {total}) exceeds {flag[status]} {limit:.2%}"
+                        for status, n, total, limit in result.over_limits)
+              + f" (see {result.output / 'ledger.parquet'})", code=3)
 
 
 @app.command()
 def stats(
-    path: Path = typer.Argument(..., help="A packed OUTPUT folder, or a ledger.parquet."),
+    path: str = typer.Argument(..., help="A packed OUTPUT folder, or a ledger.parquet."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     plot: Path | None = typer.Option(None, help="Write a PNG: fill, segments per pack, lengths."),
+    html: Path | None = typer.Option(None, help="Write one self-contained HTML report with the plots."),
+    candidates: str | None = typer.Option(None, help="Pack sizes to judge from the source lengths, e.g. "
+                                                     "4096,8192 (no encoding again)."),
+    dp: int = typer.Option(1, help="Data-parallel ranks, for the global batch and steps per epoch."),
+    micro_batches: int = typer.Option(1, help="Micro-batches per step per rank (gradient accumulation)."),
+    micro_batch_size: int = typer.Option(1, help="Packs per micro-batch."),
+    algorithm: str | None = typer.Option(None, help="Algorithm for --candidates (default: the run's)."),
     compare: str | None = typer.Option(None, help="Replan the ledger with these algorithms (comma-separated)."),
     pack_size: int | None = typer.Option(None, help="Pack size for --compare (default: the run's)."),
     balance_dp: int | None = typer.Option(None, help="Report DP-group imbalance for this many ranks."),
 ) -> None:
-    """Report how well OUTPUT packed."""
+    """Report how well OUTPUT packed; judge other pack sizes and batch sizes."""
     from packtool.verify import stats as st
 
     def run() -> dict:
@@ -200,8 +249,18 @@ def stats(
         if compare:
             report["compare"] = st.compare(path, [a.strip() for a in compare.split(",") if a.strip()],
                                            pack_size=pack_size)
+        if candidates or html is not None:
+            from packtool.verify.candidates import check_sizes
+
+            sizes = check_sizes(candidates) if candidates else [report["pack_size"]]
+            report["decide"] = st.decide(path, sizes, dp=dp, micro_batches=micro_batches,
+                                         micro_batch_size=micro_batch_size, algorithm=algorithm)
         if plot is not None:
             st.plot(path, plot)
+        if html is not None:
+            from packtool.verify.report import write_html
+
+            write_html(path, report, html)
         return report
 
     report = _one_line(run)
@@ -210,8 +269,9 @@ def stats(
 
 @app.command()
 def verify(
-    output: Path = typer.Argument(..., help="A packed OUTPUT folder."),
-    source: Path | None = typer.Option(None, help="Also check media bytes and tokens against SOURCE."),
+    output: str = typer.Argument(..., help="A packed OUTPUT folder (or msc://PROFILE/path)."),
+    source: str | None = typer.Option(None, help="Also check media bytes and tokens against SOURCE (for a "
+                                                 "JSON/Parquet source: its staging, brought up to date)."),
     workers: int | None = typer.Option(None, help="Worker processes (default: all cores)."),
     engine: str = typer.Option(default(R, "engine"), help="local or ray."),
     ray_address: str | None = typer.Option(None, help="Ray cluster address host:port (with --engine ray)."),
@@ -220,10 +280,15 @@ def verify(
 ) -> None:
     """Check OUTPUT: every pack well-formed, every source sample accounted for, metadata consistent."""
     from packtool.build.engine import default_workers
+    from packtool.build.sources.files import source_for_verify
     from packtool.verify.packs import verify_output
 
+    checked = None
+    if source is not None:
+        given = source
+        checked = _one_line(lambda: source_for_verify(given, output))
     problems = _one_line(lambda: verify_output(
-        output, source=source, workers=workers or default_workers(), engine=engine,  # type: ignore[arg-type]
+        output, source=checked, workers=workers or default_workers(), engine=engine,  # type: ignore[arg-type]
         ray_address=ray_address, retokenize=retokenize))
     if problems:
         for p in problems:
@@ -234,12 +299,20 @@ def verify(
 
 @app.command()
 def inspect(
-    output: Path = typer.Argument(..., help="A packed OUTPUT folder."),
+    output: str = typer.Argument(..., help="A packed OUTPUT folder."),
     key: str | None = typer.Argument(None, help="Pack key (default: the first pack)."),
     split: str | None = typer.Option(None, help="Split to look in (default: the first)."),
+    config: bool = typer.Option(False, "--config", help="Print the settings OUTPUT was packed with, as a "
+                                                       "config file for `pack --config`."),
 ) -> None:
     """Show one pack: segments, decoded text with targets marked, media."""
     from packtool.verify.inspect import inspect_pack
+
+    if config:
+        from packtool.config import recorded
+
+        typer.echo(_one_line(lambda: recorded(output)), nl=False)
+        return
 
     typer.echo(_one_line(lambda: inspect_pack(output, key=key, split=split)))
 

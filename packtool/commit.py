@@ -18,6 +18,9 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+from packtool.storage import commit_remote, is_remote, remove_dead_scratch
 
 #: Errors of a full filesystem: raised by ``write`` or ``fsync`` without a file name, so :func:`commit_path` adds
 #: the path being written (the user learns which disk is full).
@@ -55,31 +58,46 @@ def _fsync_tree(path: Path) -> None:
 
 
 @contextmanager
-def commit_path(path: str | Path) -> Iterator[Path]:
+def naming(path: str | Path) -> Iterator[None]:
+    """Add ``path`` to a full-filesystem error raised inside without a file name (``write``, ``fsync``)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and exc.errno in _FULL:
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise
+
+
+@contextmanager
+def commit_path(path: str | Path | Any) -> Iterator[Path]:
     """Yield a temporary path to create ``path`` at (a file, or a folder, made by any writer); on success the
     result is fsynced and renamed onto ``path`` (replacing it), on failure removed.
 
     >>> with commit_path(out / "ledger.parquet") as tmp:   # doctest: +SKIP
     ...     pyarrow.parquet.write_table(table, tmp)
+
+    An object-store ``path`` is made in a local scratch folder and put in the store once complete
+    (:func:`packtool.storage.commit_remote`).
     """
+    if is_remote(path):
+        with commit_remote(path) as remote_tmp:  # type: ignore[arg-type]
+            yield remote_tmp
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_name(path)
     try:
-        yield tmp
-        if tmp.is_dir():
-            _fsync_tree(tmp)
-            if path.is_dir():
-                shutil.rmtree(path)
-        else:
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except OSError as exc:
-        if exc.filename is None and exc.errno in _FULL:
-            raise OSError(exc.errno, exc.strerror, str(path)) from None
-        raise
+        with naming(path):
+            yield tmp
+            if tmp.is_dir():
+                _fsync_tree(tmp)
+                if path.is_dir():
+                    shutil.rmtree(path)
+            else:
+                with open(tmp, "rb") as f:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
     finally:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -87,7 +105,7 @@ def commit_path(path: str | Path) -> Iterator[Path]:
             tmp.unlink()
 
 
-def commit_bytes(path: str | Path, data: bytes) -> None:
+def commit_bytes(path: str | Path | Any, data: bytes) -> None:
     """Write ``data`` as ``path``, atomically."""
     with commit_path(path) as tmp:
         tmp.write_bytes(data)
@@ -95,7 +113,11 @@ def commit_bytes(path: str | Path, data: bytes) -> None:
 
 def remove_temporaries(root: str | Path) -> None:
     """Remove what interrupted writers left under temporary names anywhere below ``root``. Nothing under such a
-    name is part of any output: it is renamed away the moment it is complete."""
+    name is part of any output: it is renamed away the moment it is complete. An object store holds none (its
+    files are made in local scratch folders, those of dead processes removed here)."""
+    if is_remote(root):
+        remove_dead_scratch()  # what a killed writer of an object store left is local
+        return
     for folder, dirs, files in os.walk(root):
         for name in [d for d in dirs if is_temporary(d)]:
             shutil.rmtree(Path(folder, name), ignore_errors=True)

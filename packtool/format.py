@@ -1,18 +1,19 @@
-"""The packed format: every file packtool writes or reads, one typed class each, and the one tar-key rule.
+"""The packed format: every file packtool writes or reads (a typed class, or the function that writes it), and the
+rules of keys and rows.
 
 This module is the contract (with the README): the writer, the reader, ``verify``, ``inspect`` and the tests all
 go through it, so a field is defined once.
 
 OUTPUT layout::
 
-    .nv-meta/dataset.yaml    DatasetYaml   CrudeWebdataset with subflavors {packtool: 1}
+    .nv-meta/dataset.yaml    CrudeWebdataset with subflavors {packtool: 1} (write_energon_metadata)
     .nv-meta/split.yaml      SplitYaml     split -> shard paths (also read from the source dataset)
     .nv-meta/.info.json      InfoJson      shard -> record count (+ .info.yaml for Energon <= 6)
-    .nv-meta/index.sqlite    Energon's sample index (Energon's schema) + index.uuid
+    .nv-meta/index.sqlite    Energon's sample index (Energon's schema) + index.uuid (write_energon_metadata)
     .nv-meta/packtool.json   Manifest      written last: an OUTPUT with a manifest is complete
     .nv-meta/tokenizer/      the model folder's tokenizer files, so readers need nothing but OUTPUT
     <split>/pack-NNNNNN.tar  one PackRecord per pack (+ .tar.idx)
-    ledger.parquet           one LedgerRow per source sample
+    ledger.parquet           one row per source sample (LEDGER_SCHEMA)
 
 Keys follow WebDataset's and Energon's rule (:func:`split_member`): a tar member ``dir/KEY.part.ext`` belongs to
 sample ``dir/KEY`` as part ``part.ext``; the members of a sample are adjacent.
@@ -33,10 +34,12 @@ from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import yaml
 
 from packtool.commit import commit_bytes, commit_path
 from packtool.errors import FormatError
+from packtool.storage import location
 
 #: Version of the on-disk format (``Manifest.format``); a reader refuses a newer one.
 FORMAT_VERSION = 2
@@ -80,9 +83,44 @@ def member_name(key: str, part: str) -> str:
     return f"{key}.{part}"
 
 
+#: Digits of the pack number that ends a pack key.
+PACK_NUMBER_DIGITS = 9
+
+
 def pack_key(split: str, number: int) -> str:
     """Key of pack ``number`` (output order) of ``split``: unique across the dataset, no dots."""
-    return f"{split}-{number:09d}"
+    return f"{split}-{number:0{PACK_NUMBER_DIGITS}d}"
+
+
+def pack_keys(split: str, numbers: np.ndarray) -> pa.Array:
+    """:func:`pack_key` of each of ``numbers`` as an Arrow column (no Python string per row); null where a
+    number is negative (a sample in no pack)."""
+    digits = pc.utf8_lpad(pc.cast(pa.array(numbers, mask=numbers < 0), pa.string()), PACK_NUMBER_DIGITS, "0")
+    return pc.binary_join_element_wise(pa.scalar(f"{split}-"), digits, "")
+
+
+def pack_numbers(keys: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """The pack number of each of ``keys`` (made by :func:`pack_key`; no nulls), parsed by Arrow."""
+    return pc.cast(pc.utf8_slice_codeunits(keys, start=-PACK_NUMBER_DIGITS), pa.int64()).to_numpy()
+
+
+def in_split(key: str, split: str) -> bool:
+    """Whether a pack key (see :func:`pack_key`) names a pack of ``split``."""
+    number = key[len(split) + 1:]
+    return key.startswith(f"{split}-") and len(number) == PACK_NUMBER_DIGITS and number.isdigit()
+
+
+# -- rows ------------------------------------------------------------------------------------------------------
+def aligned_lengths(lengths: np.ndarray, align: int) -> np.ndarray:
+    """Each length rounded up to a multiple of ``align``: what a sample takes in a pack row (the planner's cost,
+    the steps of ``cu_seqlens_padded``)."""
+    return -(-lengths // align) * align
+
+
+def row_length(pack_size: int, align: int) -> int:
+    """Length of a full pack row: ``pack_size`` rounded down to a multiple of ``align``. The aligned lengths of a
+    pack's samples sum to at most this, and no sample is longer."""
+    return pack_size // align * align
 
 
 def check_split_name(split: str) -> None:
@@ -351,7 +389,7 @@ def tokenizer_fingerprint(tokenizer_dir: str | Path) -> str:
     """SHA-256 over the files that decide the encoding."""
     h = hashlib.sha256()
     for name in TOKENIZER_FILES:
-        path = Path(tokenizer_dir) / name
+        path = location(tokenizer_dir) / name
         if path.exists():
             h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
@@ -368,16 +406,50 @@ def read_mapping(path: Path, what: str) -> dict:
         raise FormatError(f"{path}: missing")
     try:
         text = path.read_bytes().decode("utf-8")
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if path.suffix == ".json" else _safe_yaml(text)
     except UnicodeDecodeError:
         raise FormatError(f"{path}: not UTF-8 text") from None
     except (ValueError, yaml.YAMLError) as exc:
         raise FormatError(f"{path}: unreadable {what} ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+    except RecursionError:
+        raise FormatError(f"{path}: unreadable {what} (nested too deeply)") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise FormatError(f"{path}: {what} must be a mapping, not {type(data).__name__}")
     return data
+
+
+#: Nodes a metadata YAML file may hold once its aliases are expanded: an alias repeats a value without repeating
+#: its text, so a few hundred bytes of nested aliases would otherwise expand to billions of values (in every
+#: later walk of the data: hashing, JSON, comparison).
+MAX_YAML_NODES = 1_000_000
+
+
+def _safe_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that refuses a document whose aliases expand it past :data:`MAX_YAML_NODES` nodes
+    (counted on the node graph, each shared node once, so the count itself stays linear in the text)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        sizes: dict[int, int] = {}
+
+        def size(n: yaml.Node) -> int:
+            if id(n) not in sizes:
+                sizes[id(n)] = 1  # a recursive alias counts once (the constructor refuses nothing for it)
+                children = (n.value if isinstance(n, yaml.SequenceNode) else
+                            [c for pair in n.value for c in pair] if isinstance(n, yaml.MappingNode) else [])
+                sizes[id(n)] = min(MAX_YAML_NODES + 1, 1 + sum(size(c) for c in children))
+            return sizes[id(n)]
+
+        expanded = size(node)
+        if expanded > MAX_YAML_NODES:
+            raise ValueError(f"its aliases expand it to more than {MAX_YAML_NODES:,} values; write the values out")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def _yaml_bytes(data: dict) -> bytes:
@@ -395,7 +467,7 @@ class SplitYaml:
 
     @classmethod
     def read(cls, root: str | Path) -> SplitYaml:
-        meta = Path(root) / META
+        meta = location(root) / META
         path = next((p for p in (meta / "split.yaml", meta / "split.json") if p.exists()), meta / "split.yaml")
         data = read_mapping(path, "split file")
         parts, exclude = data.get("split_parts") or {}, data.get("exclude") or []
@@ -436,7 +508,7 @@ class InfoJson:
 
     @classmethod
     def read(cls, root: str | Path) -> InfoJson:
-        meta = Path(root) / META
+        meta = location(root) / META
         path = meta / ".info.json" if (meta / ".info.json").exists() else meta / ".info.yaml"
         data = read_mapping(path, "info file")
         counts = data.get("shard_counts") or {}
@@ -488,10 +560,13 @@ class Manifest(Mapping[str, Any]):
     audio_token_id: int | None = None
     audio_start_token_id: int | None = None
     audio_end_token_id: int | None = None
+    #: The run's settings as a config file holds them (:func:`packtool.config.recorded_config`: the source, the
+    #: tokenizer folder, every setting as it took effect); None in manifests of older packtool versions.
+    run_config: dict | None = None
 
     @classmethod
     def read(cls, root: str | Path) -> Manifest:
-        path = Path(root) / MANIFEST
+        path = location(root) / MANIFEST
         return cls.parse(read_mapping(path, "manifest"), str(path))
 
     @classmethod
@@ -509,7 +584,10 @@ class Manifest(Mapping[str, Any]):
         return manifest
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), indent=1).encode()
+        data = asdict(self)
+        if data["run_config"] is None:
+            del data["run_config"]
+        return json.dumps(data, indent=1).encode()
 
     # A read-only mapping of its fields too, so readers take a Manifest or the plain dict of one alike.
     def __getitem__(self, name: str) -> Any:
@@ -534,42 +612,24 @@ def load_manifest(root: str | Path) -> Manifest:
 
 def split_shard_paths(root: str | Path, split: str) -> list[Path]:
     """Shard paths of ``split`` of a packed dataset, in ``split.yaml`` order."""
-    return [Path(root) / s for s in SplitYaml.read(root).shards(split)]
+    return [location(root) / s for s in SplitYaml.read(root).shards(split)]
 
 
 # -- the ledger -----------------------------------------------------------------------------------------------
-@dataclass
-class LedgerRow:
-    """One row of ``ledger.parquet``: the fate of one source sample."""
-
-    #: Sample key in its source shard (``#unreadable-after-N`` for the unreadable tail of a shard).
-    key: str
-    split: str
-    #: Source shard path relative to the source root.
-    shard: str
-    status: Status
-    #: Why, unless ``packed`` (empty then).
-    reason: str
-    #: Tokens in the pack (after truncation; 0 unless kept).
-    tokens: int
-    #: Training targets in the pack.
-    targets: int
-    #: Media items in the pack.
-    images: int
-    #: Placeholder tokens of those media.
-    image_tokens: int
-    #: Pack key, or None unless kept.
-    pack: str | None
-    #: Length before truncation (0 if encoding failed).
-    source_tokens: int
-
-
+#: ``ledger.parquet``: one row per source sample, its fate.
 LEDGER_SCHEMA = pa.schema([
-    ("key", pa.string()), ("split", pa.string()), ("shard", pa.string()), ("status", pa.string()),
-    ("reason", pa.string()), ("tokens", pa.int32()), ("targets", pa.int32()), ("images", pa.int32()),
-    ("image_tokens", pa.int32()), ("pack", pa.string()), ("source_tokens", pa.int32()),
+    ("key", pa.string()),  # sample key in its source shard (``#unreadable-after-N``: a shard's unreadable tail)
+    ("split", pa.string()),
+    ("shard", pa.string()),  # source shard path relative to the source root
+    ("status", pa.string()),  # one of STATUSES
+    ("reason", pa.string()),  # why, unless ``packed`` (empty then)
+    ("tokens", pa.int32()),  # tokens in the pack (after truncation; 0 unless kept)
+    ("targets", pa.int32()),  # training targets in the pack
+    ("images", pa.int32()),  # media items in the pack
+    ("image_tokens", pa.int32()),  # placeholder tokens of those media
+    ("pack", pa.string()),  # pack key (see pack_key), null unless kept
+    ("source_tokens", pa.int32()),  # length before truncation (0 if encoding failed)
 ])
-assert LEDGER_SCHEMA.names == [f.name for f in fields(LedgerRow)]
 
 
 # -- writing Energon's metadata ---------------------------------------------------------------------------------
@@ -586,6 +646,12 @@ class IndexedRecord:
     parts: tuple[tuple[str, int, int], ...]
 
 
+def energon_dataset_yaml() -> dict:
+    """What a packed dataset's ``dataset.yaml`` holds: a crude dataset with :data:`SUBFLAVOR` (the task encoders'
+    cooker matches it: with another subflavor, Energon would hand them no pack)."""
+    return {"__module__": "megatron.energon", "__class__": "CrudeWebdataset", "subflavors": dict(SUBFLAVOR)}
+
+
 def write_energon_metadata(out: Path, splits: dict[str, list[str]],
                            indexes: Mapping[str, list[IndexedRecord]], energon_version: str) -> None:
     """Write ``dataset.yaml``, ``split.yaml``, ``.info.json``/``.info.yaml``, ``index.sqlite`` and ``index.uuid``.
@@ -593,11 +659,10 @@ def write_energon_metadata(out: Path, splits: dict[str, list[str]],
     ``splits`` maps split -> shard paths (relative to ``out``); ``indexes`` maps shard path -> its records. The
     uuid derives from the content, so reruns write the same bytes.
     """
-    meta = Path(out) / META
+    meta = location(out) / META
     shards = [s for split in splits for s in splits[split]]
     counts = {s: len(indexes[s]) for s in shards}
-    commit_bytes(meta / "dataset.yaml", _yaml_bytes(
-        {"__module__": "megatron.energon", "__class__": "CrudeWebdataset", "subflavors": dict(SUBFLAVOR)}))
+    commit_bytes(meta / "dataset.yaml", _yaml_bytes(energon_dataset_yaml()))
     commit_bytes(meta / "split.yaml", SplitYaml({k: list(v) for k, v in splits.items()}).to_bytes())
     commit_bytes(meta / ".info.json",
                  json.dumps({"energon_version": energon_version, "shard_counts": counts}, indent=2).encode())

@@ -26,19 +26,20 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from packtool.build.algorithms.registry import Algorithm  # the one list of algorithm names (re-exported for the CLI)
 from packtool.errors import ConfigError
 from packtool.families.conventions import CONVENTIONS
+from packtool.format import row_length
 
 Overlong = Literal["truncate", "drop"]
 MediaCheck = Literal["decode", "header"]
 MediaTokens = Literal["rule", "processor"]
-Algorithm = Literal["auto", "bfd", "ffd", "greedy_knapsack", "balanced_greedy_knapsack", "first_fit_shuffle",
-                    "sequential"]
 EngineKind = Literal["local", "ray"]
 Preset = Literal["megatron-bridge-qwen-vl", "megatron-bridge-nemotron-omni", "nemo-rl-qwen-vl",
                  "nemo-rl-nemotron-omni"]
 #: Whose rule derives the per-segment alignment from the parallel sizes (``--align-for``).
 AlignFor = Literal["megatron", "nemo-rl"]
+ImageResize = Literal["processor", "qwen_vl_utils"]
 
 #: The encode settings each preset sets: those of its convention (:mod:`packtool.families.conventions`).
 PRESETS: dict[str, dict[str, Any]] = {name: c.settings() for name, c in CONVENTIONS.items()}
@@ -52,6 +53,25 @@ MAX_PACK_SIZE = 2**31 - 1
 DEFAULT_PIXEL_LIMIT = 89_478_485
 #: Default cap on the bytes of one source sample (all its members).
 DEFAULT_MAX_SAMPLE_BYTES = 1 << 30
+#: Decoded pixels one sample's media may hand a processor (every image, every frame a processor is given): 2^28
+#: pixels are 0.8 GB as RGB bytes before a processor's float copies.
+DEFAULT_MAX_SAMPLE_PIXELS = 1 << 28
+#: Messages of one conversation: locating the replies renders a prefix per reply, so the work grows with the square
+#: of the turns.
+DEFAULT_MAX_TURNS = 512
+
+
+def resolve_align(align: int | None, align_for: AlignFor = "megatron", cp_size: int = 1, tp_size: int = 1,
+                  sequence_parallel: bool = False) -> int:
+    """The alignment to pack with: ``align`` when given, which must then be a multiple of what the parallel
+    sizes need (:func:`alignment_for`), else that."""
+    need = alignment_for(align_for, cp_size=cp_size, tp_size=tp_size, sequence_parallel=sequence_parallel)
+    if align is None:
+        return need
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1 or align % need:
+        raise ConfigError(f"align {align!r} conflicts with cp_size {cp_size}, tp_size {tp_size}, sequence_parallel "
+                          f"{sequence_parallel}: they need a multiple of {need}; give a multiple or leave align unset")
+    return align
 
 
 def derive_align(cp_size: int = 1, tp_size: int = 1, sequence_parallel: bool = False) -> int:
@@ -204,12 +224,29 @@ class EncodeSettings:
     caption_prompt: str = ""
     #: The date templates see through ``strftime_now``, fixed so reruns on another day give the same tokens.
     template_date: str = "2026-01-01"
-    #: Samples whose members hold more bytes are quarantined before they are parsed.
+    #: Samples whose members hold more bytes are quarantined before they are parsed, and so are samples whose
+    #: media members written into the pack would hold more (a pickled list can name one image many times).
     max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES
+    #: Samples whose media hand their processor more decoded pixels (images and frames together) are quarantined.
+    max_sample_pixels: int = DEFAULT_MAX_SAMPLE_PIXELS
+    #: Conversations with more messages are quarantined before they are rendered.
+    max_turns: int = DEFAULT_MAX_TURNS
     #: Also train on the newline token the chat template emits right after each reply's end-of-turn token.
     target_newline_after_eot: bool = False
     #: Move the image tags of each turn before its text; the text pieces around a tag lose their edge spaces.
     media_first: bool = False
+    #: How an image is resized before its patches are cut: ``processor``, once by the processor's rule;
+    #: ``qwen_vl_utils``, first by qwen_vl_utils' ``fetch_image`` (sides to multiples of patch·merge within its
+    #: own bounds, 4 to 16,384 tokens), then by the processor's rule (Megatron-Bridge's Qwen-VL path: other grids
+    #: for many images, and the reader resamples twice too).
+    image_resize: ImageResize = "processor"
+    #: A sample with more images, or whose images and videos take more placeholder tokens (each image counted by
+    #: the processor's rule from its stored size), is dropped (Megatron-Bridge's ``max_num_images`` and
+    #: ``max_visual_tokens``, which skip the sample); unlike ``max_images`` and ``max_image_tokens`` nothing is cut.
+    sample_max_images: int | None = None
+    sample_max_visual_tokens: int | None = None
+    #: Only the first this many frames of each video are kept (Megatron-Bridge's ``max_num_frames``).
+    video_keep_frames: int | None = None
     #: A named set of the settings above (:data:`PRESETS`): it fills those still at their default, and any of them
     #: given a different value is an error, so the recorded preset always means what it says.
     preset: Preset | None = None
@@ -223,8 +260,10 @@ class EncodeSettings:
         _check_choice(self.overlong, Overlong, "overlong")
         _check_choice(self.media_check, MediaCheck, "media_check")
         _check_choice(self.media_tokens, MediaTokens, "media_tokens")
+        _check_choice(self.image_resize, ImageResize, "image_resize")
         for name in ("min_pixels", "max_pixels", "image_tokens", "max_images", "max_image_tokens", "video_frames",
-                     "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels"):
+                     "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels",
+                     "sample_max_images", "sample_max_visual_tokens", "video_keep_frames"):
             _check_int(getattr(self, name), name, optional=True)
         for lo, hi in (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pixels"),
                        ("video_min_frames", "video_max_frames")):
@@ -242,6 +281,8 @@ class EncodeSettings:
             raise ConfigError(f"audio_max_seconds must be a positive number, not {self.audio_max_seconds!r}")
         _check_int(self.pixel_limit, "pixel_limit")
         _check_int(self.max_sample_bytes, "max_sample_bytes")
+        _check_int(self.max_sample_pixels, "max_sample_pixels")
+        _check_int(self.max_turns, "max_turns")
         if self.adapter is not None and not re.fullmatch(r"[\w.]+:\w+", self.adapter):
             raise ConfigError(f"adapter must be module:function, not {self.adapter!r}")
         try:
@@ -266,7 +307,20 @@ class EncodeSettings:
     @property
     def max_tokens(self) -> int:
         """Longest sample that fits a pack once its length is rounded up to the alignment."""
-        return self.pack_size // self.align * self.align
+        return row_length(self.pack_size, self.align)
+
+
+#: Encode settings added after the manifest's fields were fixed: recorded (manifest, stamps) only when they differ
+#: from their default, so an output made without them keeps its bytes and its stamps.
+RECORDED_WHEN_SET = ("image_resize", "sample_max_images", "sample_max_visual_tokens", "video_keep_frames")
+
+
+def _recorded(encode: EncodeSettings) -> dict[str, Any]:
+    values = asdict(encode)
+    for name in RECORDED_WHEN_SET:
+        if values[name] == default(EncodeSettings, name):
+            del values[name]
+    return values
 
 
 @dataclass(frozen=True)
@@ -311,14 +365,14 @@ class PackSettings:
         """``{"encode": ..., "output": ...}`` as JSON values (so a stamp read back compares equal): the encode
         stamp covers the source, the model files and the encode settings; the output stamp adds the plan and
         the splits."""
-        encode = {**asdict(self.encode), "tokenizer": tokenizer_fingerprint, "source": str(source)}
+        encode = {**_recorded(self.encode), "tokenizer": tokenizer_fingerprint, "source": str(source)}
         plan = {**asdict(self.plan), "shard_size": str(self.plan.shard_size)}
         output = {"encode": encode, "plan": plan, "splits": list(self.splits)}
         return json.loads(json.dumps({"encode": encode, "output": output}))
 
     def describe(self) -> dict:
         """Every setting as plain values, for the manifest."""
-        return {**asdict(self.encode), "tokenizer": Path(self.encode.tokenizer).name,
+        return {**_recorded(self.encode), "tokenizer": Path(self.encode.tokenizer).name,
                 **asdict(self.plan), "shard_size": str(self.plan.shard_size), "splits": list(self.splits)}
 
 
@@ -338,8 +392,19 @@ class RunOptions:
     #: Replace an OUTPUT made with other settings (or not made by packtool).
     overwrite: bool = False
     progress: bool = True
-    #: Above this fraction of error rows the run fails (after writing the ledger).
+    #: Above this fraction of error rows the run fails (after writing the ledger; as soon as it is certain, during
+    #: the encode stage).
     max_error_rate: float = 0.01
+    #: The same for samples dropped (too long, or no training targets left).
+    max_drop_rate: float = 0.05
+    #: The same for samples truncated.
+    max_truncate_rate: float = 0.5
+    #: This many samples in a row (of one shard) failing (error or dropped) stop the run at once: the cause is
+    #: systematic (a setting, the model folder, the data's layout); 0 never stops.
+    max_failures_in_a_row: int = 100
+    #: This many samples of one shard's range failing with the very same reason (one that names no property of a
+    #: sample, such as a media kind the model folder has no rule for) stop the run at once; 0 never stops.
+    max_same_failures: int = 20
 
     def __post_init__(self) -> None:
         _check_int(self.workers, "workers")
@@ -348,5 +413,13 @@ class RunOptions:
             from packtool.build.engine import split_address
 
             split_address(self.ray_address)
-        if not 0.0 <= self.max_error_rate <= 1.0 or math.isnan(self.max_error_rate):
-            raise ConfigError(f"max_error_rate must be between 0 and 1, not {self.max_error_rate}")
+        for name in ("max_error_rate", "max_drop_rate", "max_truncate_rate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ConfigError(f"{name} must be between 0 and 1, not {value!r}")
+        _check_int(self.max_failures_in_a_row, "max_failures_in_a_row", low=0)
+        _check_int(self.max_same_failures, "max_same_failures", low=0)
+
+    def limits(self) -> dict[str, float]:
+        """Ledger status -> the largest fraction of a run's samples it may have."""
+        return {"error": self.max_error_rate, "dropped": self.max_drop_rate, "truncated": self.max_truncate_rate}

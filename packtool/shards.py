@@ -13,15 +13,18 @@ import shutil
 import tarfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from packtool.commit import commit_bytes, commit_path
 from packtool.errors import FormatError
 from packtool.format import IndexedRecord, member_name, split_member
+from packtool.storage import is_remote, location, open_read
 
 BLOCK = 512
+#: Bytes read at once from an object while walking a tar's headers.
+_HEADER_READAHEAD = 64 << 10
 
 
 def _header(name: str, size: int) -> bytes:
@@ -57,7 +60,7 @@ def write_tar(path: Path, records: Iterable[tuple[str, list[tuple[str, bytes]]]]
     record's first header offset, then the end of the data (native uint64, as Energon reads it). Returns the
     index of every record.
     """
-    path = Path(path)
+    path = location(path)
     with commit_path(path) as tmp:
         with open(tmp, "wb") as f:
             index = write_records(f, records)
@@ -142,7 +145,7 @@ def _commit_idx(path: Path, index: list[IndexedRecord]) -> None:
     commit_bytes(idx_path(path), np.asarray([r.offset for r in index] + [end], dtype=np.uint64).tobytes())
 
 
-def idx_path(shard: Path) -> Path:
+def idx_path(shard: Path | Any) -> Path | Any:
     return shard.with_name(shard.name + ".idx")
 
 
@@ -165,7 +168,7 @@ def _grouped(tar: tarfile.TarFile) -> Iterator[tuple[str, list[tuple[str, tarfil
 
 def index_tar(path: Path) -> list[IndexedRecord]:
     """The record index of a tar, from its headers (data is not read)."""
-    with tarfile.open(path, "r:") as tar:
+    with open_read(location(path), readahead=_HEADER_READAHEAD) as f, tarfile.open(fileobj=f, mode="r:") as tar:
         return [IndexedRecord(key, group[0][1].offset,
                               group[-1][1].offset_data + group[-1][1].size + (-group[-1][1].size % BLOCK)
                               - group[0][1].offset,
@@ -175,9 +178,11 @@ def index_tar(path: Path) -> list[IndexedRecord]:
 
 def record_offsets(shard: str | Path) -> np.ndarray:
     """Byte offset of each record's first header, then the end of the last record (``.tar.idx``)."""
-    path = idx_path(Path(shard))
+    path = idx_path(location(shard))
     if not path.is_file():
         raise FormatError(f"{path}: missing")
+    if is_remote(path):
+        return np.frombuffer(path.read_bytes(), dtype=np.uint64).astype(np.int64)
     return np.fromfile(path, dtype=np.uint64).astype(np.int64)
 
 
@@ -216,7 +221,7 @@ def iter_records(shard: str | Path, indices: Iterable[int] | None = None) -> Ite
     """Records of one shard as ``(key, members)``, in on-disk order or in the order of ``indices``, found through
     the shard's ``.tar.idx``."""
     offsets = record_offsets(shard)
-    with open(shard, "rb") as f:
+    with open_read(location(shard)) as f:
         for i in range(len(offsets) - 1) if indices is None else indices:
             f.seek(offsets[i])
             yield parse_record(f.read(offsets[i + 1] - offsets[i]), f"{shard} record {i}")
@@ -225,6 +230,6 @@ def iter_records(shard: str | Path, indices: Iterable[int] | None = None) -> Ite
 def scan_records(path: Path) -> Iterator[tuple[str, dict[str, bytes]]]:
     """Records of a tar read front to back from its headers alone (no ``.tar.idx``): what ``verify`` uses to
     check the index against."""
-    with tarfile.open(path, "r:") as tar:
+    with open_read(location(path), readahead=1 << 20) as f, tarfile.open(fileobj=f, mode="r:") as tar:
         for key, group in _grouped(tar):
             yield key, {part: _member_data(tar, m) for part, m in group}

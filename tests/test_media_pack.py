@@ -195,7 +195,7 @@ def test_qwen_video_tokens_and_tensors_equal_the_processor(torchvision, qwen_run
     from PIL import Image
     from transformers import AutoTokenizer
     from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
     from transformers.video_utils import VideoMetadata
 
@@ -204,7 +204,7 @@ def test_qwen_video_tokens_and_tensors_equal_the_processor(torchvision, qwen_run
     from packtool.runtime.read import read_packs
 
     folder, samples, out, overrides = qwen_run
-    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(folder),
+    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor.from_pretrained(folder),
                                     tokenizer=AutoTokenizer.from_pretrained(folder),
                                     video_processor=Qwen2VLVideoProcessor.from_pretrained(folder))
     manifest = load_manifest(out)

@@ -312,11 +312,48 @@ def test_preset_pixel_bounds_change_grids(demo_dir):
                                         {"role": "assistant", "content": "ok"}]}, "0.png": png(64, 48)})
     preset = encoder(demo_dir, preset="megatron-bridge-qwen-vl")
     got, plain = preset.encode_many([sample])[0], encoder(demo_dir).encode_many([sample])[0]
-    h, w = smart_resize(48, 64, 28, 200_704, 1_003_520)
+    # qwen_vl_utils' fetch_image first: 64x48 -> 56x56 (multiples of 28, at least 4·28² pixels); then the
+    # processor's rule with the preset's bounds on the resized image (one step from 64x48 would give 28x38).
+    h, w = smart_resize(56, 56, 28, 200_704, 1_003_520)
+    assert (h, w) == (448, 448) and smart_resize(48, 64, 28, 200_704, 1_003_520) == (392, 532)
     assert got.media[0]["grid_thw"] == [1, h // 14, w // 14] != plain.media[0]["grid_thw"]
     assert got.media[0]["tokens"] == h * w // 784
-    image = preset.family.manifest_entries()["image_processor"]
-    assert image["min_pixels"] == 200_704 and image["max_pixels"] == 1_003_520
+    described = preset.family.manifest_entries()["image_processor"]
+    assert described["min_pixels"] == 200_704 and described["max_pixels"] == 1_003_520
+    assert (described["prefit_factor"], described["prefit_min_pixels"], described["prefit_max_pixels"],
+            described["backend"]) == (28, 4 * 784, 16384 * 784, "torchvision")
+    assert "prefit_factor" not in encoder(demo_dir).family.manifest_entries()["image_processor"]  # others unchanged
+
+
+def test_fetch_image_resize_rounds_like_qwen_vl_utils():
+    """qwen_vl_utils' rounding (a side at least one factor first, no floor when scaling down), not the
+    processor's: they differ for very thin images."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    from packtool.families.qwen2_vl import fetch_image_resize
+
+    assert fetch_image_resize(10, 1500, 28, 3136, 12_845_056) == (28, 1512)
+    assert smart_resize(10, 1500, 28, 3136, 12_845_056) == (28, 700)
+    assert fetch_image_resize(172, 604, 28, 3136, 12_845_056) == (168, 616)
+    with pytest.raises(ValueError, match="aspect ratio"):
+        fetch_image_resize(2, 500, 28, 3136, 12_845_056)
+
+
+def test_sample_limits_drop_the_sample(demo_dir):
+    """Megatron-Bridge's per-sample limits skip the whole sample: more than 10 images, or more visual tokens
+    (counted by the processor's rule from the stored sizes) than the limit."""
+    turns = [{"role": "user", "content": "<image>" * 11 + "how many?"}, {"role": "assistant", "content": "11"}]
+    sample = raw({"json": {"messages": turns}, **{f"{i}.png": png(30, 30, i) for i in range(11)}})
+    got = encoder(demo_dir, preset="megatron-bridge-qwen-vl").encode_many([sample])[0]
+    assert (got.status, got.reason) == ("dropped", "over limit: 11 images > sample_max_images 10")
+    assert encoder(demo_dir).encode_many([sample])[0].status == "packed"
+    turns = [{"role": "user", "content": "<image><image>what?"}, {"role": "assistant", "content": "ok"}]
+    sample = raw({"json": {"messages": turns}, "0.png": png(64, 48), "1.png": png(64, 48, 1)})
+    limited = encoder(demo_dir, min_pixels=200_704, max_pixels=1_003_520, image_resize="qwen_vl_utils",
+                      sample_max_visual_tokens=520)
+    got = limited.encode_many([sample])[0]
+    # 2 x 14·19 one-step tokens (what Megatron-Bridge counts for its limit), though each grid holds 16·16 tokens
+    assert (got.status, got.reason) == ("dropped", "over limit: 532 visual tokens > sample_max_visual_tokens 520")
 
 
 def test_presets_fill_named_settings_and_are_recorded(demo_dir):
@@ -349,6 +386,8 @@ def test_cli_preset(demo_dir, tmp_path):
     assert result.exit_code == 2 and "not supported yet" in result.output
     result = CliRunner().invoke(app, args + ["--preset", "megatron-bridge-qwen-vl", "--max-pixels", "5000"])
     assert result.exit_code == 2 and "sets max_pixels to 1003520, not 5000" in result.output
+    result = CliRunner().invoke(app, args + ["--preset", "megatron-bridge-qwen-vl", "--cp-size", "2"])
+    assert result.exit_code == 2 and "does not split sequences across context-parallel ranks" in result.output
 
 
 def test_collate_then_bridge_keeps_segments(image_dataset):
@@ -360,14 +399,47 @@ def test_collate_then_bridge_keeps_segments(image_dataset):
 
 def test_recipe_settings_follow_the_output(tmp_path):
     """The recipe's seq_length is the row length the reader gives; an alignment too small for the parallelism is
-    refused (context parallelism splits each padded segment into 2·cp chunks)."""
+    refused (context parallelism splits each padded segment into 2·cp chunks); no val split turns validation off."""
     import megatron_bridge_recipe as recipe
 
     fx.write_packs(tmp_path, {"train": [[fx.chat_segment("a", "q", "x")]]}, pack_size=100, align=4)
     got = recipe.packed_settings(tmp_path, context_parallel=2)
-    assert got == {"seq_length": next(read_packs(tmp_path))["tokens"].shape[1], "micro_batch_size": 1}
+    assert got == {"seq_length": next(read_packs(tmp_path))["tokens"].shape[1], "micro_batch_size": 1,
+                   "has_val": False}
     with pytest.raises(ValueError, match="needs a multiple of 8"):
         recipe.packed_settings(tmp_path, context_parallel=4)
+    with pytest.raises(ValueError, match="FP8 needs a row length that is a multiple of 16, .* rows of 100"):
+        recipe.packed_settings(tmp_path, fp8=True)
+    both = tmp_path / "both"
+    fx.write_packs(both, {"train": [[fx.chat_segment("a", "q", "x")]], "val": [[fx.chat_segment("b", "q", "y")]]},
+                   pack_size=96, align=4)
+    assert recipe.packed_settings(both, fp8=True) == {"seq_length": 96, "micro_batch_size": 1, "has_val": True}
+
+
+def test_recipe_refuses_context_parallel_for_qwen2_5_vl(tmp_path):
+    import megatron_bridge_recipe as recipe
+
+    fx.write_packs(tmp_path, {"train": [[fx.chat_segment("a", "q", "x")]]}, pack_size=128, align=4,
+                   image_processor=fx.QWEN_PROCESSOR)
+    assert recipe.packed_settings(tmp_path)["seq_length"] == 128
+    with pytest.raises(ValueError, match="Qwen2.5-VL model does not split sequences across context-parallel"):
+        recipe.packed_settings(tmp_path, context_parallel=2)
+
+
+def test_recipe_schedule_from_samples_per_pack(tmp_path):
+    """Global batch size in packs from the samples per pack the manifest records, a multiple of the data-parallel
+    size; iterations cover the epochs."""
+    import megatron_bridge_recipe as recipe
+
+    fx.write_packs(tmp_path, {"train": [[fx.chat_segment(f"k{i}", "q", "x")] for i in range(40)]}, pack_size=64)
+    path = tmp_path / ".nv-meta" / "packtool.json"
+    manifest = json.loads(path.read_text())
+    manifest["counts"] = {"train": {"samples": 170, "packed": 150, "truncated": 10, "dropped": 5, "error": 5}}
+    path.write_text(json.dumps(manifest))
+    got = recipe.schedule(tmp_path, samples_per_step=64, epochs=2, data_parallel=4)
+    assert got == {"global_batch_size": 16, "train_iters": 5, "samples_per_pack": 4.0, "packs": 40}
+    assert recipe.schedule(tmp_path, samples_per_step=1, data_parallel=4)["global_batch_size"] == 4
+    assert recipe.schedule(tmp_path, samples_per_step=10_000)["global_batch_size"] == 40
 
 
 # -- Qwen2.5-VL videos ------------------------------------------------------------------------------------------

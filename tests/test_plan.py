@@ -23,6 +23,7 @@ from packtool.build.algorithms._tree import NEG, MaxTree
 from packtool.build.algorithms.bestfit import bfd_by_cost
 from packtool.build.algorithms.fill import _fill_by_cost, _fill_by_item
 from packtool.build.algorithms.firstfit import ffd_by_cost, first_fit
+from packtool.errors import ConfigError
 
 # -- reference loops: each algorithm's rule written as plainly as possible (O(items * packs)) ---------------
 
@@ -443,3 +444,36 @@ def test_rows_bitset_equals_tree(monkeypatch, worst, max_segments):
     slow = _rows.place_by_rows(units, 256, order, max_segments, worst=worst, start=5 if worst else 0)
     assert np.array_equal(fast, slow)
     assert len(np.unique(fast)) > 1000 // 256
+
+
+# -- the registry: one list of names, one implementation each ------------------------------------------------
+def test_one_list_of_algorithm_names_and_every_name_runs_its_own_implementation(monkeypatch):
+    """The settings' type, the CLI's choices and the planner take the names from one registry; each name runs
+    the implementation the registry gives it (no name falls through to another algorithm); a name without an
+    implementation (or an implementation without a name) is refused when the table is checked."""
+    import typing
+
+    import packtool.build.algorithms.pack as pack_module
+    from packtool import settings
+    from packtool.build.algorithms import PLANNERS
+    from packtool.build.algorithms.registry import Algorithm, check_registry
+
+    assert settings.Algorithm is Algorithm and typing.get_args(Algorithm) == ALGORITHMS
+    assert list(PLANNERS) == list(ALGORITHMS)
+    ran: list[str] = []
+    for name in ALGORITHMS:
+        def marker(units, cap, max_segments, resources, *, seed, balanced_delta, _name=name):
+            ran.append(_name)
+            return np.arange(units.size, dtype=np.int64)
+
+        monkeypatch.setitem(pack_module.PLANNERS, name, marker)
+        assert pack_lengths([3, 4, 5], 8, algorithm=name).tolist() == [0, 1, 2]
+    assert ran == list(ALGORITHMS)
+    with pytest.raises(TypeError, match="new_fit without an implementation"):
+        check_registry(PLANNERS, (*ALGORITHMS, "new_fit"))
+    with pytest.raises(TypeError, match="sequential without a name"):
+        check_registry(PLANNERS, tuple(a for a in ALGORITHMS if a != "sequential"))
+    with pytest.raises(ValueError, match="unknown algorithm 'new_fit'"):
+        pack_lengths([3], 8, algorithm="new_fit")
+    with pytest.raises(ConfigError, match="new_fit"):
+        settings.PlanSettings(algorithm="new_fit")  # type: ignore[arg-type]

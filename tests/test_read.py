@@ -115,11 +115,14 @@ def image_dataset(tmp_path):
 def test_read_packs_order_fields_and_images(image_dataset):
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.utils import is_torchvision_available
 
     path, packs = image_dataset
     p = fx.QWEN_PROCESSOR
-    processor = Qwen2VLImageProcessorPil(min_pixels=p["min_pixels"], max_pixels=p["max_pixels"],
-                                         image_mean=p["image_mean"], image_std=p["image_std"])
+    backend = Qwen2VLImageProcessor if is_torchvision_available() else Qwen2VLImageProcessorPil  # AutoProcessor's
+    processor = backend(min_pixels=p["min_pixels"], max_pixels=p["max_pixels"], image_mean=p["image_mean"],
+                        image_std=p["image_std"])
     batches = list(read_packs(path))
     assert [b["pack_key"] for b in batches] == [f"train-{i:09d}" for i in range(3)]
     for batch, segments in zip(batches, packs):

@@ -182,12 +182,15 @@ def test_each_sample_level_failure_quarantines_only_that_sample(tok, tmp_path):
 
 
 def test_a_packtool_bug_stops_the_run_instead_of_quarantining(tok, tmp_path, monkeypatch):
-    """An AttributeError or NameError raised inside packtool while one sample is encoded is a bug, not bad data:
-    the run stops with it and writes no ledger."""
+    """Any exception packtool's own code raises while one sample is encoded is a bug, not bad data, whatever its
+    type (KeyError, TypeError, IndexError, ValueError as much as AttributeError): the run stops with it, its
+    traceback names the sample, and no ledger is written."""
     import packtool.build.encoder
 
     real = packtool.build.encoder.conversation_adapter
-    for bug in (AttributeError("'NoneType' object has no attribute 'messages'"), NameError("name 'x' is not defined")):
+    for bug in (AttributeError("'NoneType' object has no attribute 'messages'"), NameError("name 'x' is not defined"),
+                KeyError("grid_thw"), TypeError("'NoneType' object is not subscriptable"),
+                IndexError("list index out of range"), ValueError("too many values to unpack")):
         def broken(parts, *args, _bug=bug, **kwargs):
             if b"BUG" in parts.get("json", b""):
                 raise _bug
@@ -199,7 +202,66 @@ def test_a_packtool_bug_stops_the_run_instead_of_quarantining(tok, tmp_path, mon
         out = tmp_path / f"out-{type(bug).__name__}"
         result = CliRunner().invoke(app, pack_args(src, out, tok, "--max-error-rate", "1"))
         assert result.exit_code != 0 and isinstance(result.exception, type(bug)), (result.output, result.exception)
+        assert any("shards/a.tar/x0bug" in note and "bug in packtool" in note
+                   for note in getattr(result.exception, "__notes__", [])), result.exception
         assert not (out / "ledger.parquet").exists()
+
+
+#: A user's adapter that fails on some samples the way user code does (each key names the exception) and calls
+#: ``sys.exit(3)`` on ``x9exit``.
+FAILING_ADAPTER = '''
+import json, sys
+
+def deep(n):
+    return deep(n + 1)
+
+def adapt(sample):
+    key = sample["__key__"]
+    if key == "x1attr":
+        return None.messages
+    if key == "x2recursion":
+        return deep(0)
+    if key == "x3memory":
+        raise MemoryError("cannot allocate the frames")
+    if key == "x4notimpl":
+        raise NotImplementedError("this layout")
+    if key == "x9exit":
+        sys.exit(3)
+    return {"messages": json.loads(sample["json"])["conversations"], "media": []}
+'''
+
+
+def test_user_code_and_user_data_are_not_packtool_bugs(tok, tmp_path):
+    """A JSON member nested 200,000 deep (RecursionError in the parser) is a quarantine row with a reason, in pack
+    and in ``verify --source``; an adapter that raises AttributeError, RecursionError, MemoryError or
+    NotImplementedError on a sample quarantines that sample with the adapter and its error; ``sys.exit(3)`` in an
+    adapter stops the run with one line naming the adapter and the sample."""
+    good = [sample(i) for i in range(4)]
+    deep = ("x0deep", {"json": b"[" * 200_000})
+    src = dataset(tmp_path / "src", {"shards/a.tar": good[:2] + [deep] + good[2:]})
+    out = tmp_path / "out"
+    ok(cli(*pack_args(src, out, tok, "--max-error-rate", "0.5")))
+    rows = ledger(out)
+    assert rows["x0deep"]["status"] == "error" and "invalid json in 'json'" in rows["x0deep"]["reason"], rows
+    assert set(segments(out)) == {k for k, _ in good}
+    ok(cli("verify", str(out), "--source", str(src)))
+
+    (tmp_path / "failing_adapter.py").write_text(FAILING_ADAPTER)
+    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+    bad = [(key, {"json": chat(f"sample {key}")}) for key in ("x1attr", "x2recursion", "x3memory", "x4notimpl")]
+    src2 = dataset(tmp_path / "src2", {"shards/a.tar": good[:2] + bad + good[2:]})
+    out2 = tmp_path / "out2"
+    ok(cli(*pack_args(src2, out2, tok, "--adapter", "failing_adapter:adapt", "--max-error-rate", "0.9"), env=env))
+    rows = ledger(out2)
+    for key, error in zip(("x1attr", "x2recursion", "x3memory", "x4notimpl"),
+                          ("AttributeError", "RecursionError", "MemoryError", "NotImplementedError")):
+        assert rows[key]["status"] == "error", rows[key]
+        assert rows[key]["reason"].startswith(f"adapter failing_adapter:adapt: {error}: "), rows[key]
+    assert set(segments(out2)) == {k for k, _ in good}
+
+    src3 = dataset(tmp_path / "src3", {"shards/a.tar": good[:2] + [("x9exit", {"json": chat("bye")})]})
+    one_line_error(cli(*pack_args(src3, tmp_path / "out3", tok, "--adapter", "failing_adapter:adapt"), env=env),
+                   "shards/a.tar/x9exit", "adapter failing_adapter:adapt called sys.exit(3)")
 
 
 # -- 2. a rerun never packs stale bytes ---------------------------------------------------------------------------
@@ -570,10 +632,8 @@ def test_bad_turns_are_quarantined_with_a_reason_that_says_what_is_wrong(tok, tm
 def test_exif_orientation_is_never_applied(tok, tmp_path):
     """A JPEG stored 224x112 with EXIF orientation 6 (display rotated to 112x224): its tokens are counted from the
     stored size, and the reader's pixel values are the image processor's on the stored pixels, unrotated."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-        smart_resize,
-    )
+    from transformers import AutoImageProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
     import packtool.runtime.read
 
@@ -592,8 +652,8 @@ def test_exif_orientation_is_never_applied(tok, tmp_path):
     assert (ref["width"], ref["height"]) == (224, 112)
     assert ref["grid_thw"] == [1, h // config["patch_size"], w // config["patch_size"]]
     [batch] = list(packtool.runtime.read.read_packs(out, split="train"))
-    expected = Qwen2VLImageProcessorPil.from_pretrained(str(tok))(images=[Image.open(io.BytesIO(data))],
-                                                                  return_tensors="np")
+    expected = AutoImageProcessor.from_pretrained(str(tok))(images=[Image.open(io.BytesIO(data))],
+                                                            return_tensors="np")
     assert batch["image_grid_thw"].tolist() == [ref["grid_thw"]] == expected["image_grid_thw"].tolist()
     np.testing.assert_array_equal(batch["pixel_values"].numpy(), expected["pixel_values"])
 
@@ -661,3 +721,16 @@ def test_changing_only_the_plan_with_overwrite_replans_without_re_encoding(tok, 
         fresh = tmp_path / f"fresh{i}"
         ok(cli(*pack_args(src, fresh, tok, *change)))
         assert output_files(out) == output_files(fresh)
+
+
+def test_odd_shapes_of_a_samples_json_are_its_data_errors():
+    """Now that any other exception is a packtool bug, the adapters refuse every odd JSON shape with a
+    SampleError of their own: a role that is a list, a typed field read from a list by name."""
+    from packtool.build.sources.conversation import conversation_adapter
+    from packtool.build.sources.typed import typed_adapter
+    from packtool.errors import SampleError
+
+    with pytest.raises(SampleError, match="unknown role"):
+        conversation_adapter({"json": b'[{"role": ["user"], "content": "x"}, {"role": "assistant", "content": "y"}]'})
+    with pytest.raises(SampleError, match="field 'json\\[question\\]' not found"):
+        typed_adapter({"json": b"[1, 2]", "jpg": b""}, kind="VQASample", field_map={"context": "json[question]"})

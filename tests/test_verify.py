@@ -340,6 +340,36 @@ def test_output_with_videos_passes_verify_with_source(video_pack):
     assert verify_output(out, source=source, retokenize=True) == []
 
 
+def test_video_bytes_are_checked_against_the_encoded_sha256_when_the_pack_is_written(video_pack, demo_dir, tmp_path):
+    """The encoder records the SHA-256 of each video's bytes it measured; the writer checks the bytes it packs
+    against it (here the encode store says other bytes were measured for one video of each form): a one-line
+    error naming the sample and member, and no pack."""
+    from packtool.build.pipeline import pack
+    from packtool.errors import SourceError
+    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+
+    source, _ = video_pack
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048, allow_pickle=True),
+                            PlanSettings(shard_size="2"))
+    for form in ("mp4", "numbered", "pickled"):
+        out = tmp_path / form
+        pack(source, out, settings, workers=1, progress=False, dry_run=True)
+        [store] = {p.parent for p in (out / ".packtool").rglob("samples.parquet")}
+        table = pq.read_table(store / "samples.parquet")
+        rows = table.to_pylist()
+        for r in rows:
+            media = json.loads(r["media"])
+            videos = [m for m in media if m["kind"] == "video"]
+            if r["key"] == form:
+                assert len(videos) == 1 and len(videos[0]["sha256"]) == 64
+                videos[0]["sha256"] = "0" * 64
+                r["media"] = json.dumps(media, separators=(",", ":"))
+        pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), store / "samples.parquet")
+        with pytest.raises(SourceError, match=f"sample {form} differ from those encoded"):
+            pack(source, out, settings, workers=1, progress=False)
+        assert not list(out.rglob("*.tar")), "a pack was written with bytes other than those encoded"
+
+
 def _swap_video_member(out: Path, tmp_path: Path, replace, *, keep_digest: bool) -> tuple[Path, str, str]:
     """A copy of ``out`` whose first video member for which ``replace(ref, record)`` gives ``(member, bytes)`` holds
     those bytes instead; with ``keep_digest`` the record's size and SHA-256 are recomputed (as a packing bug would
@@ -605,3 +635,27 @@ def test_truncated_segment_image_may_keep_the_grid_of_its_whole_sample(tmp_path)
     assert "image rule gives grid" in problems(of_three, truncated=False)[0]
     wrong = (of_three[0] + 2, of_three[1])
     assert "image rule gives grid" in problems(wrong, truncated=True)[0]
+
+
+# -- the format's rules have one owner ------------------------------------------------------------------------
+def test_pack_key_and_row_length_rules_have_one_owner():
+    """format.py writes the pack-key rule (key from number, numbers back from keys, the split a key belongs to)
+    and the row-length rule (aligned lengths, the row of a full pack); the writer, ledger, stats, verify, inspect,
+    reader, settings and planner call them instead of their own copies (a split ``train-x`` shares no packs with
+    ``train``)."""
+    import re
+
+    from packtool.format import aligned_lengths, in_split, pack_key, pack_keys, pack_numbers, row_length
+
+    numbers = np.array([0, 7, -1, 123456789])
+    keys = pack_keys("train", numbers)
+    assert keys.to_pylist() == [pack_key("train", 0), pack_key("train", 7), None, "train-123456789"]
+    assert pack_numbers(keys.drop_null()).tolist() == [0, 7, 123456789]
+    assert in_split(pack_key("train", 3), "train") and not in_split(pack_key("train-x", 3), "train")
+    assert not in_split("train-12", "train") and not in_split(pack_key("val", 3), "train")
+    assert aligned_lengths(np.array([1, 8, 9]), 8).tolist() == [8, 8, 16] and row_length(100, 8) == 96
+    root = Path(__file__).resolve().parents[1] / "packtool"
+    copies = re.compile(r"09d|start=-9|//\s*\(?align\)?\s*\)\s*\*|//\s*align\s*\*\s*align|utf8_lpad")
+    found = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py")) if p.name != "format.py"
+             for i, line in enumerate(p.read_text().splitlines(), 1) if copies.search(line)]
+    assert found == [], f"pack-key or row-length rule written outside format.py: {found}"

@@ -2,7 +2,8 @@
 
 A record takes each segment's tokens and targets from the encode store and its media bytes from the source
 shard, byte for byte, at the offsets the scan recorded; each source shard is checked against its stamp before
-its bytes are read, so an edit made after encoding fails the task instead of packing stale bytes.
+its bytes are read, and each video's bytes against the SHA-256 the encoder took of those it measured, so an edit
+made after encoding fails the task instead of packing stale bytes.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import pyarrow as pa
 from packtool import __version__
 from packtool.build.sources.safepickle import load_bytes_list, video_frames
 from packtool.build.store import NpyReader, SourceStamp
+from packtool.commit import naming
 from packtool.errors import SourceError
 from packtool.format import IndexedRecord, MediaRef, PackRecord, Segment, pack_key, sha256
 from packtool.shards import idx_path, index_tar, write_records, write_tar
+from packtool.storage import RangedReader as _ObjectReader
+from packtool.storage import is_remote, location, open_read
 
 #: Columns of a write task's segment table (``pack`` first), sorted by pack, then source order.
 SEGMENT_COLUMNS = ("pack", "src", "row", "key", "shard", "truncated", "tok_offset", "tokens", "media")
@@ -33,6 +37,8 @@ _MEDIA_OVERHEAD = 1024
 _SEGMENT_OVERHEAD = 512
 #: Bytes per token in a record: int32 token + uint8 target.
 _TOKEN_BYTES = 5
+#: Media bytes of a batch of segments fetched ahead from an object store, at most.
+PREFETCH_MEDIA_BYTES = 64 << 20
 
 
 def estimate_pack_bytes(pack: np.ndarray, lengths: np.ndarray, media_bytes: np.ndarray, n_packs: int) -> np.ndarray:
@@ -56,18 +62,51 @@ class _Sources:
         self.root, self.enc_dirs, self.stamps = root, enc_dirs, stamps
         self.arrays: dict[int, tuple[NpyReader, NpyReader]] = {}
         self.files: dict[str, BinaryIO] = {}
+        self.remote = any(is_remote(d) for d in enc_dirs[:1]) or is_remote(root)
+        #: Media bytes fetched ahead by :meth:`prefetch`, by (shard, offset, size).
+        self.fetched: dict[tuple[str, int, int], bytes] = {}
 
     def tokens(self, src: int) -> tuple[NpyReader, NpyReader]:
         if src not in self.arrays:
-            d = Path(self.enc_dirs[src])
+            d = location(self.enc_dirs[src])
             self.arrays[src] = (NpyReader(d / "tokens.npy"), NpyReader(d / "targets.npy"))
         return self.arrays[src]
+
+    def prefetch(self, batch: pa.RecordBatch) -> None:
+        """Fetch what a batch of segment rows needs from an object store with concurrent ranged requests: the
+        token spans (few requests: see :meth:`NpyReader.prefetch`) and the media items' bytes, up to
+        :data:`PREFETCH_MEDIA_BYTES` (the rest is read when used)."""
+        src, offset, length = (batch.column(c).to_numpy() for c in ("src", "tok_offset", "tokens"))
+        for s in np.unique(src).tolist():
+            mine = src == s
+            spans = list(zip(offset[mine].tolist(), (offset[mine] + length[mine]).tolist()))
+            for reader in self.tokens(s):
+                reader.prefetch(spans)
+        self.fetched.clear()
+        wanted: dict[str, list[tuple[int, int]]] = {}
+        total = 0
+        for shard, media_json in zip(batch.column("shard").to_pylist(), batch.column("media").to_pylist()):
+            for m in json.loads(media_json) if media_json != "[]" else ():
+                reads = [(o, n) for _, o, n in m["frames"][:1 if m["item"] is not None else None]] \
+                    if m.get("frames") else [(m["offset"], m["size"])]
+                for o, n in reads:
+                    if total + n <= PREFETCH_MEDIA_BYTES:
+                        wanted.setdefault(shard, []).append((o, n))
+                        total += n
+        for shard, reads in wanted.items():
+            f = self._open(shard)  # the stamp is checked before any byte is used
+            path = getattr(f, "raw", None)
+            if isinstance(path, _ObjectReader):
+                for (o, n), data in zip(reads, path.path.read_ranges(reads)):
+                    self.fetched[(shard, o, n)] = data
 
     def media(self, shard: str, m: dict) -> bytes:
         """The bytes of one media item (of a frame list: see :meth:`frames`)."""
         f = self._open(shard)
-        f.seek(m["offset"])
-        data = f.read(m["size"])
+        data = self.fetched.get((shard, m["offset"], m["size"]))
+        if data is None:
+            f.seek(m["offset"])
+            data = f.read(m["size"])
         if len(data) != m["size"]:
             raise SourceError(f"{shard}: short read of member {m['part']}")
         return data if m["item"] is None else load_bytes_list(data)[m["item"]]
@@ -86,7 +125,7 @@ class _Sources:
             if SourceStamp.of(self.root, shard, self.stamps[shard].metadata) != self.stamps[shard]:
                 raise SourceError(f"source shard {shard} changed after it was encoded; run the same command "
                                   f"again to encode it anew")
-            self.files[shard] = open(self.root / shard, "rb")
+            self.files[shard] = open_read(self.root / shard)  # an object: one ranged read per item
         return self.files[shard]
 
     def close(self) -> None:
@@ -101,10 +140,10 @@ def write_shard(out_path: str, split: str, root: str, enc_dirs: list[str], stamp
                 segments: pa.Table, pack_size: int, align: int) -> list[IndexedRecord]:
     """Write the packs of one output shard (``segments``: :data:`SEGMENT_COLUMNS`). Returns the shard's record
     index; a shard already committed is indexed, not rewritten."""
-    path = Path(out_path)
+    path = location(out_path)
     if path.exists() and idx_path(path).exists():
         return index_tar(path)
-    sources = _Sources(Path(root), enc_dirs, stamps)
+    sources = _Sources(location(root), enc_dirs, stamps)
     try:
         return write_tar(path, _records(split, segments, sources, pack_size, align))
     finally:
@@ -118,7 +157,7 @@ def write_part(part_path: str, split: str, root: str, enc_dirs: list[str], stamp
     Path(part_path).parent.mkdir(parents=True, exist_ok=True)
     sources = _Sources(Path(root), enc_dirs, stamps)
     try:
-        with open(part_path, "wb") as f:
+        with naming(part_path), open(part_path, "wb") as f:
             return write_records(f, _records(split, segments, sources, pack_size, align))
     finally:
         sources.close()
@@ -129,6 +168,8 @@ def _records(split: str, segments: pa.Table, sources: _Sources, pack_size: int,
     """The tar members of each pack of ``segments``, in order."""
     def rows() -> Iterator[tuple[Any, ...]]:  # a batch of rows at a time as Python values
         for batch in segments.to_batches(max_chunksize=1024):
+            if sources.remote:
+                sources.prefetch(batch)
             yield from zip(*(batch.column(c).to_pylist() for c in SEGMENT_COLUMNS))
 
     for p, group in itertools.groupby(rows(), key=lambda row: row[0]):
@@ -159,10 +200,15 @@ def assemble_record(key: str, split: str, group: list[tuple[Any, ...]], sources:
             else:
                 names, member = [], f"m{items - 1}.{m['ext']}"
                 data = media[member] = sources.media(shard, m)
+            digest = sha256(data)
+            if m.get("sha256") and digest != m["sha256"]:  # a video's bytes as the encoder measured them
+                raise SourceError(f"{shard}: the bytes of {m['kind']} {m['part']!r} of sample {sample_key} differ "
+                                  f"from those encoded (sha256 {digest[:12]}, encoded {m['sha256'][:12]}); run "
+                                  f"the same command again to encode them anew")
             video = {k: m[k] for k in VIDEO_FIELDS} if m["kind"] == "video" else {}
             refs.append(MediaRef(member=member, kind=m["kind"], token_offset=m["token_offset"], tokens=m["tokens"],
                                  grid_thw=m["grid_thw"], width=m["width"], height=m["height"], size=len(data),
-                                 sha256=sha256(data), frames=names, span=m.get("span", []),
+                                 sha256=digest, frames=names, span=m.get("span", []),
                                  samples=m.get("samples", 0), **video))
         segs.append(Segment(sample_key, split, shard, bool(truncated), refs))
     return PackRecord(key, np.concatenate(toks), np.concatenate(tgts), np.asarray(seqlens, dtype=np.int32),

@@ -18,7 +18,7 @@ import json
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,16 @@ from packtool.build.sources.safepickle import load_bytes_list, video_frames
 from packtool.build.sources.sample import MEDIA_TAGS, TAG_PATTERN, Media, tag_kinds
 from packtool.build.sources.typed import sample_type, typed_adapter
 from packtool.build.tokenizing import Tokenizing, Tokens
-from packtool.errors import ConfigError, FatalSampleError, SampleError, is_data_error, sample_reason
+from packtool.errors import (
+    ConfigError,
+    FatalSampleError,
+    SampleError,
+    UserCodeExit,
+    bug_in,
+    is_data_error,
+    sample_reason,
+    user_code,
+)
 from packtool.families import Family
 from packtool.format import sha256
 from packtool.media import image_size, probe_audio, probe_frames, probe_video
@@ -69,13 +78,21 @@ class Encoded:
     source_tokens: int = 0
     #: False when a huge text was cut before tokenizing: ``source_tokens`` is then a lower bound.
     length_known: bool = True
+    #: Facts of the sample before any cut, so another pack size can be judged without encoding again: its
+    #: first target token, and ``[start, end, placeholder tokens]`` of every media item's span.
+    first_target: int = -1
+    source_media: list[list[int]] = field(default_factory=list)
 
 
 def check_tokenizer_dir(tokenizer_dir: str | Path) -> None:
     """Raise :class:`ConfigError` if the folder cannot provide a fast tokenizer and a chat template."""
     d = Path(tokenizer_dir)
     if not d.is_dir():
-        raise ConfigError(f"tokenizer folder {d} does not exist")
+        if not d.exists() and re.fullmatch(r"[\w-][\w.-]*/[\w-][\w.-]*", str(tokenizer_dir)):
+            raise ConfigError(f"tokenizer folder {d} does not exist; {tokenizer_dir} looks like a Hugging Face model "
+                              f"id, and packtool reads local folders only: download it first (hf download "
+                              f"{tokenizer_dir} --local-dir DIR) and pass that folder")
+        raise ConfigError(f"tokenizer folder {d} " + ("is not a folder" if d.exists() else "does not exist"))
     if not (d / "tokenizer.json").exists():
         raise ConfigError(f"tokenizer folder {d} has no tokenizer.json (a fast tokenizer is required)")
     has_template = (d / "chat_template.jinja").exists() or (d / "chat_template.json").exists()
@@ -107,14 +124,23 @@ def _compile(source: str, tokenizer_dir: str) -> Any:
     """The compiled chat template; one that Jinja refuses (a syntax error, an unknown filter or test) is a
     :class:`ConfigError` naming the model folder, raised before any sample is read."""
     import jinja2
+    from jinja2 import nodes
 
     try:
-        return hfcompat.compile_template(source)
+        template = hfcompat.compile_template(source)
+        env = template.environment
+        # Jinja checks a filter or test only where it runs (inside a macro or a branch: at render time, for every
+        # sample); every one the template names must exist.
+        for node in env.parse(source).find_all((nodes.Filter, nodes.Test)):
+            kind, known = ("filter", env.filters) if isinstance(node, nodes.Filter) else ("test", env.tests)
+            if node.name not in known:
+                raise jinja2.TemplateAssertionError(f"No {kind} named {node.name!r}.", node.lineno)
     except jinja2.TemplateError as exc:
         line = getattr(exc, "lineno", None)
         where = f" (line {line})" if line else ""
         raise ConfigError(f"{tokenizer_dir}: the chat template does not compile{where}: "
                           f"{exc.message or exc}") from None
+    return template
 
 
 class Encoder:
@@ -149,7 +175,8 @@ class Encoder:
         self.special_array = np.array(sorted(self.special_ids), dtype=np.int64)
         self.control_tokens = tuple(t for t in self.tok.added_tokens_encoder if t not in MEDIA_TAGS.values())
         self.control_starts = frozenset(t[0] for t in self.control_tokens if t)
-        self.structured = self._template_takes_image_parts()
+        self.structured = any(self._template_takes_parts(kind, self.family.template_placeholder(kind))
+                              for kind in ("image", "video", "audio"))
         self.placeholder_text = {kind: self.family.placeholder_text(kind, self.structured)
                                  for kind in ("image", "video", "audio")}
         self.kind = sample_type(dataset_yaml or {})
@@ -187,21 +214,24 @@ class Encoder:
         return out
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.template.render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-            **self.template_kwargs,
-        )
+        """The chat template's text; whatever the template raises is about the sample (:func:`user_code`)."""
+        with user_code("the chat template"):
+            return self.template.render(
+                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                **self.template_kwargs,
+            )
 
-    def _template_takes_image_parts(self) -> bool:
-        image_token = self.family.tokens.image_token
-        if image_token is None:
+    def _template_takes_parts(self, kind: str, placeholder: str | None) -> bool:
+        """Whether the template renders a ``{"type": kind}`` content part as ``placeholder`` (a model without
+        image input, such as Qwen2-Audio, is probed with its audio part)."""
+        if not placeholder:
             return False
         probe: list[dict] = [
-            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]},
+            {"role": "user", "content": [{"type": kind}, {"type": "text", "text": "x"}]},
             {"role": "assistant", "content": "y"},
         ]
         try:
-            return image_token in self.render(probe)
+            return placeholder in self.render(probe)
         except Exception:
             return False
 
@@ -209,7 +239,8 @@ class Encoder:
         """The rendered text and the character spans of each assistant reply (end-of-turn token added later)."""
         tm = self._template_messages(messages)
         if self.generation_tags:
-            return hfcompat.render_with_spans(self.template, tm, **self.template_kwargs)
+            with user_code("the chat template"):
+                return hfcompat.render_with_spans(self.template, tm, **self.template_kwargs)
         shaped = self.shapes.render(tm) if self.shapes is not None else None
         text = shaped[0] if shaped is not None else self.render(tm)
         spans = []
@@ -240,7 +271,7 @@ class Encoder:
     # -- adapters --------------------------------------------------------------------------------------------
     def conversation(self, raw: RawSample) -> Conversation:
         if self.custom is not None:
-            return custom_adapter(raw.parts, raw.key, self.custom)
+            return custom_adapter(raw.parts, raw.key, self.custom, name=self.settings.adapter)
         if self.kind is not None:
             return typed_adapter(raw.parts, kind=self.kind, field_map=self.field_map,
                                  prompt=self.settings.caption_prompt)
@@ -266,7 +297,25 @@ class Encoder:
                 raise
             except ValueError as exc:  # the media layer's reasons name no member
                 raise SampleError(f"media {m.part!r}: {exc}") from None
+        self._check_media_budget(conv, facts, lists)
         return facts
+
+    def _check_media_budget(self, conv: Conversation, facts: list[dict], lists: dict[str, Sequence[bytes]]) -> None:
+        """A sample's media may write at most ``max_sample_bytes`` into the pack (an item of a pickled list is
+        written once per reference) and hand its processor at most ``max_sample_pixels`` decoded pixels (each
+        image, each frame it is given)."""
+        st = self.settings
+        written = pixels = 0
+        for m, f in zip(conv.media, facts):
+            written += len(lists[m.part][m.item]) if m.kind == "image" and m.item is not None else f["size"]
+            frames = len(f.get("frame_indices") or []) if m.kind == "video" else int(m.kind == "image")
+            pixels += frames * f["width"] * f["height"]
+        if written > st.max_sample_bytes:
+            raise SampleError(f"its media would write {written} bytes into the pack > max_sample_bytes "
+                              f"{st.max_sample_bytes}")
+        if pixels > st.max_sample_pixels:
+            raise SampleError(f"its media give the processor {pixels} decoded pixels > max_sample_pixels "
+                              f"{st.max_sample_pixels}")
 
     def _image_facts(self, raw: RawSample, m: Media, lists: dict[str, Sequence[bytes]], n_images: int) -> dict:
         """An image's size, grid and tokens; ``n_images``: images of the sample (Nemotron Omni's patch budget
@@ -331,9 +380,10 @@ class Encoder:
     # -- encoding --------------------------------------------------------------------------------------------
     def encode_many(self, raws: list[RawSample], strict: bool = False) -> list[Encoded]:
         """Encode a batch of samples (one shard); tokenization runs batched. A sample that fails for a reason
-        of its own data becomes an ``error`` row (``strict``: raises :class:`FatalSampleError` naming it);
-        packtool's own bugs propagate (:func:`packtool.errors.is_data_error`)."""
-        staged: list[tuple[RawSample, str, list, list[dict]] | Encoded] = []
+        of its own data (a :class:`SampleError`) becomes an ``error`` row (``strict``: raises
+        :class:`FatalSampleError` naming it); packtool's own bugs propagate with the sample named
+        (:mod:`packtool.errors`)."""
+        staged: list[tuple[RawSample, str, list, list[dict], str] | Encoded] = []
         for raw in raws:
             with self._guard(raw, strict, staged):
                 if raw.problem:
@@ -342,9 +392,13 @@ class Encoder:
                 self._check_conversation(conv)
                 self.family.check_media([m.kind for m in conv.media])
                 media = self._media_facts(raw, conv)
+                over = self._over_sample_limits(media)
+                if over:
+                    staged.append(Encoded(raw.key, raw.shard, raw.index, "dropped", f"over limit: {over}"))
+                    continue
                 text, spans = self.target_spans(conv.messages)
                 text, spans = self.family.expand_text(text, spans, media)
-                staged.append((raw, text, spans, media))
+                staged.append((raw, text, spans, media, self._untagged_note(conv)))
         texts = [self._bounded(s[1]) for s in staged if not isinstance(s, Encoded)]
         batch = self._tokenize(texts)
         out: list[Encoded] = []
@@ -353,7 +407,7 @@ class Encoder:
             if isinstance(s, Encoded):
                 out.append(s)
                 continue
-            raw, text, spans, media = s
+            raw, text, spans, media, note = s
             encoding = batch[j]
             j += 1
             with self._guard(raw, strict, out):
@@ -365,16 +419,47 @@ class Encoder:
                         break
                     tokenized = text[:len(tokenized) * 8]  # the cut left too few tokens: cut further out
                     encoding = self._tokenize([tokenized])[0]
-                out.append(self._finish(raw, encoding, len(tokenized), spans, media, cut=len(tokenized) < len(text)))
+                done = self._finish(raw, encoding, len(tokenized), spans, media, cut=len(tokenized) < len(text))
+                if note and done.status in ("packed", "truncated"):
+                    done = replace(done, reason="; ".join(r for r in (done.reason, note) if r))
+                out.append(done)
         return out
+
+    def _over_sample_limits(self, media: list[dict]) -> str:
+        """Why a sample is over the per-sample limits (``sample_max_images``, ``sample_max_visual_tokens``), or
+        ``""``. Visual tokens are counted as Megatron-Bridge's Qwen-VL task encoder counts them for its limit: each
+        image by the processor's rule from its stored size (without a first resize), each video as planned
+        (:meth:`Family.limit_tokens`)."""
+        st = self.settings
+        images = [m for m in media if m["kind"] == "image"]
+        if st.sample_max_images is not None and len(images) > st.sample_max_images:
+            return f"{len(images)} images > sample_max_images {st.sample_max_images}"
+        if st.sample_max_visual_tokens is None:
+            return ""
+        total = sum(self.family.limit_tokens(m) for m in media)
+        if total > st.sample_max_visual_tokens:
+            return f"{total} visual tokens > sample_max_visual_tokens {st.sample_max_visual_tokens}"
+        return ""
+
+    def _untagged_note(self, conv: Conversation) -> str:
+        """The ledger note of a sample whose media had no tags, where the convention asks for one (its trainer's
+        own path would treat them otherwise; packtool trains them, placed before the first user text)."""
+        why = self.family.convention.untagged_note
+        if not conv.untagged or not why:
+            return ""
+        return f"{conv.untagged} untagged media placed before the first user text ({why})"
 
     @contextmanager
     def _guard(self, raw: RawSample, strict: bool, into: list) -> Iterator[None]:
-        """Turn a data error raised for ``raw`` into its ``error`` row appended to ``into``."""
+        """Turn a data error raised for ``raw`` into its ``error`` row appended to ``into``; user code that exits
+        stops the run naming the sample; any other exception is a bug: it propagates with the sample named."""
         try:
             yield
+        except UserCodeExit as exc:
+            raise FatalSampleError(f"{raw.shard}/{raw.key}: {exc}") from None
         except Exception as exc:
             if not is_data_error(exc):
+                bug_in(exc, f"{raw.shard}/{raw.key}")
                 raise
             if strict:
                 raise FatalSampleError(f"{raw.shard}/{raw.key}: {sample_reason(exc)}") from exc
@@ -396,6 +481,9 @@ class Encoder:
     def _check_conversation(self, conv: Conversation) -> None:
         """Reasons a conversation cannot be trained on, found before rendering (so the reason says what is wrong,
         not how the template failed). Whatever the adapter, the media tags must name the media, kind for kind."""
+        if len(conv.messages) > self.settings.max_turns:
+            raise SampleError(f"{len(conv.messages)} messages > max_turns {self.settings.max_turns} (locating the "
+                              f"replies costs the square of the turns)")
         kinds = [tag_kinds(m["content"]) for m in conv.messages]
         tags = [k for turn in kinds for k in turn]
         if tags != [m.kind for m in conv.media]:
@@ -439,12 +527,23 @@ class Encoder:
         self.family.convention.mark_targets(ids, targets, self.special_array, self.newline_id)
         tokens, targets, media = self.family.place(encoding, ids, targets, media, cut, text_len, self.special_ids)
         enc = Encoded(raw.key, raw.shard, raw.index, "packed", "", tokens, targets, media, len(tokens), not cut)
-        if not targets.any():
+        if not targets.any() and not cut:  # cut: the replies lie past the cut, the sample is over-long (_fit)
             raise SampleError("no training targets")
-        return self._fit(enc)
+        fitted = self._fit(enc)
+        if fitted.status == "packed" and not targets.any():
+            raise SampleError("no training targets")
+        return fitted
 
     def _fit(self, enc: Encoded) -> Encoded:
-        """Apply the per-pack limits to one sample: cut at a safe boundary, or drop, per ``overlong``."""
+        """Apply the per-pack limits to one sample: cut at a safe boundary, or drop, per ``overlong``; the result
+        carries the uncut sample's facts (:attr:`Encoded.first_target`, :attr:`Encoded.source_media`)."""
+        first_target = int(np.argmax(enc.targets)) if enc.targets.any() else -1
+        spans = [[*self.family.media_span(enc.tokens, m), int(m["tokens"])] for m in enc.media]
+        out = self._limit(enc)
+        out.first_target, out.source_media = first_target, spans
+        return out
+
+    def _limit(self, enc: Encoded) -> Encoded:
         st = self.settings
         cut, why = len(enc.tokens), []
         if cut > st.max_tokens:
@@ -498,5 +597,8 @@ def _cached_encoder(settings: EncodeSettings, dataset_yaml_json: str) -> Encoder
 
 
 def get_encoder(settings: EncodeSettings, dataset_yaml: dict | None = None) -> Encoder:
-    """The encoder for these settings, built once per process."""
-    return _cached_encoder(settings, json.dumps(dataset_yaml or {}, sort_keys=True, default=str))
+    """The encoder for these settings, built once per process (a model folder in an object store is fetched to
+    this machine's cache first)."""
+    from packtool.storage import fetched
+
+    return _cached_encoder(fetched(settings), json.dumps(dataset_yaml or {}, sort_keys=True, default=str))

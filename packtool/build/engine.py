@@ -108,48 +108,58 @@ class Engine:
 
     # -- running -----------------------------------------------------------------------------------------------
     def map(self, fn: Callable, tasks: Sequence[tuple], *, desc: str = "", unit: str = "task",
-            progress: bool = True) -> list[Any]:
+            progress: bool = True, names: Sequence[str] | None = None,
+            on_result: Callable[[int, Any], None] | None = None) -> list[Any]:
         """``[fn(*t) for t in tasks]`` on the engine's workers; results in task order. The first failure is
-        raised as the task's own exception, after the tasks not yet started are cancelled."""
+        raised as the task's own exception, after the tasks not yet started are cancelled. ``names`` says what
+        each task works on (a worker that dies is reported with the tasks it may have been running);
+        ``on_result(i, result)`` sees each result as it arrives and may raise to stop the map."""
         if self._pool is None and self._ray is None and (self.kind == "ray" or self.workers > 1):
             raise RuntimeError("Engine.map needs an open engine (use it in a with block)")
         bar = tqdm(total=len(tasks), desc=desc, unit=unit, disable=not progress or not tasks, leave=False)
+        seen = on_result or (lambda i, r: None)
         try:
             if self._ray is not None:
-                return self._map_ray(self._ray, fn, tasks, bar)
+                return self._map_ray(self._ray, fn, tasks, bar, seen)
             if self._pool is not None:
-                return self._map_pool(self._pool, fn, tasks, bar)
+                return self._map_pool(self._pool, fn, tasks, bar, seen, names)
             results = []
-            for t in tasks:
+            for i, t in enumerate(tasks):
                 results.append(fn(*t))
+                seen(i, results[-1])
                 bar.update()
             return results
         finally:
             bar.close()
 
-    def _map_pool(self, pool: ProcessPoolExecutor, fn: Callable, tasks: Sequence[tuple], bar) -> list[Any]:
+    def _map_pool(self, pool: ProcessPoolExecutor, fn: Callable, tasks: Sequence[tuple], bar,
+                  seen: Callable[[int, Any], None], names: Sequence[str] | None) -> list[Any]:
         results: list[Any] = [None] * len(tasks)
         try:
             pending = {pool.submit(fn, *t): i for i, t in enumerate(tasks)}
         except BrokenProcessPool:
             raise EngineError("a worker process died (killed from outside, or out of memory?)") from None
+        running: list[int] = []
         while pending:
+            running = sorted(i for f, i in pending.items() if f.running()) or running
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for fut in sorted(done, key=pending.__getitem__):  # the same first failure however completions interleave
                 i = pending.pop(fut)
                 try:
                     results[i] = fut.result()
+                    seen(i, results[i])
                 except BaseException as exc:
                     for other in pending:
                         other.cancel()
                     if isinstance(exc, BrokenProcessPool):
-                        raise EngineError("a worker process died (killed from outside, or out of memory?)") \
-                            from None
+                        raise EngineError("a worker process died (killed from outside, or out of memory?)"
+                                          + _in_flight(names, running or [i])) from None
                     raise
                 bar.update()
         return results
 
-    def _map_ray(self, ray: ModuleType, fn: Callable, tasks: Sequence[tuple], bar) -> list[Any]:
+    def _map_ray(self, ray: ModuleType, fn: Callable, tasks: Sequence[tuple], bar,
+                 seen: Callable[[int, Any], None]) -> list[Any]:
         """The tasks as Ray tasks (one CPU each). A task's failure is re-raised as its own exception (not Ray's
         wrapper with the remote traceback in its message), after the tasks not yet finished are cancelled."""
         remote = ray.remote(_ray_task)
@@ -162,12 +172,17 @@ class Engine:
                 done, pending = ray.wait(pending, num_returns=1)
                 for r in done:
                     results[index[r]] = ray.get(r)
+                    seen(index[r], results[index[r]])
                     bar.update()
         except ray.exceptions.RayTaskError as exc:
             for r in pending:
                 ray.cancel(r)
             if isinstance(exc.cause, Exception):
                 raise exc.cause from exc
+            raise
+        except BaseException:
+            for r in pending:
+                ray.cancel(r)
             raise
         return results
 
@@ -265,6 +280,17 @@ def _watch_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(_PARENT_POLL_S)
     os._exit(1)
+
+
+def _in_flight(names: Sequence[str] | None, running: list[int]) -> str:
+    """`` while working on X`` (or one of the tasks that were running) for a worker-death message."""
+    if not names:
+        return ""
+    which = [names[i] for i in running]
+    if len(which) == 1:
+        return f" while working on {which[0]}"
+    return f" while working on one of {', '.join(which[:4])}" + (f" and {len(which) - 4} more" if len(which) > 4
+                                                                  else "")
 
 
 #: Initializers that already ran in this Ray worker process.

@@ -1,4 +1,5 @@
-"""The ledger: one :class:`~packtool.format.LedgerRow` per source sample, written once per run from the plans."""
+"""The ledger: one row per source sample (:data:`~packtool.format.LEDGER_SCHEMA`), written once per run from the
+plans."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from packtool.commit import commit_path
-from packtool.format import LEDGER, LEDGER_SCHEMA, STATUSES
+from packtool.errors import FormatError
+from packtool.format import LEDGER, LEDGER_SCHEMA, STATUSES, pack_keys
+from packtool.storage import location, read_parquet
 
 if TYPE_CHECKING:
     from packtool.build.split_plan import SplitPlan
@@ -19,15 +22,19 @@ if TYPE_CHECKING:
 
 def read_ledger(path: str | Path, columns: list[str] | None = None) -> pa.Table:
     """The ledger of a packed output folder, or a ledger file itself (only ``columns``, when given)."""
-    p = Path(path)
-    return pq.read_table(p / LEDGER if p.is_dir() else p, columns=columns)
+    p = location(path)
+    file = p / LEDGER if p.is_dir() else p
+    try:
+        return read_parquet(file, columns=columns)
+    except (pa.ArrowException, KeyError) as exc:  # not Parquet, or a Parquet file without the ledger's columns
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise FormatError(f"{file} is not a packtool ledger ({reason})") from None
 
 
 def ledger_table(split: str, plan: SplitPlan) -> pa.Table:
     """The ledger rows of one planned split (pack keys computed by Arrow: no Python string per row)."""
     t, n = plan.table, plan.table.num_rows
-    number = pc.utf8_lpad(pc.cast(pa.array(plan.pack, mask=plan.pack < 0), pa.string()), 9, "0")
-    pack_col = pc.binary_join_element_wise(pa.scalar(f"{split}-"), number, "")
+    pack_col = pack_keys(split, plan.pack)
     return pa.table({
         "key": t.column("key"), "split": pa.array([split] * n, pa.string()), "shard": t.column("shard"),
         "status": t.column("status"), "reason": t.column("reason"), "tokens": t.column("tokens"),

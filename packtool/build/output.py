@@ -5,34 +5,94 @@ A run holds an exclusive lock on ``OUTPUT/.packtool/lock`` for as long as it wri
 files and source) and ``output.json`` (those plus the plan). A rerun with the same stamps resumes; one whose plan
 differs reuses the encode work and re-plans; committed work made with other settings is only replaced with
 ``overwrite``. Nothing is touched before every check has passed.
+
+Only what packtool writes is ever removed (:func:`written_by_packtool` names it: the work folder, the manifest and
+Energon metadata, the ledger, the model files' copy, the pack shards, temporaries). A folder packtool did not make
+is used only when empty, and one that holds anything else is refused, with the foreign files named, before
+anything is deleted: no flag removes a user's file.
+
+OUTPUT may be an object-store location (:mod:`packtool.storage`): ``.packtool/`` is then in the object store
+too (workers on any node read the encode store), except the lock, which is a local file (:func:`lock_file`).
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
-import shutil
+import re
 from dataclasses import asdict
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, cast
 
 from packtool.build.store import SourceStamp
-from packtool.commit import commit_bytes, remove_temporaries
+from packtool.commit import commit_bytes, is_temporary, remove_temporaries
 from packtool.errors import OutputError
-from packtool.format import MANIFEST
+from packtool.format import MANIFEST, META, TOKENIZER_DIR, TOKENIZER_FILES
+from packtool.storage import is_remote, location, remove_tree, resolved
 
 #: The work folder inside OUTPUT: lock, stamps, encode store.
 WORK = ".packtool"
 ENCODE = f"{WORK}/encode"
 
 
-def check_paths(source: Path, output: Path) -> None:
+#: Files packtool writes under ``.nv-meta`` (the manifest and Energon's metadata).
+_META_FILES = frozenset({MANIFEST.split("/", 1)[1], "dataset.yaml", "split.yaml", ".info.json", ".info.yaml",
+                         "index.sqlite", "index.uuid"})
+#: A pack shard (``shard_path``) or its index, relative to OUTPUT.
+_SHARD = re.compile(r"[^/]+/pack-\d{6}\.tar(\.idx)?")
+
+
+def written_by_packtool(relative: str) -> bool:
+    """Whether the file at ``relative`` (a path inside OUTPUT, ``/``-separated) is one packtool writes."""
+    parts = relative.split("/")
+    if parts[0] == WORK or is_temporary(parts[-1]):
+        return True
+    if relative in ("ledger.parquet",) or _SHARD.fullmatch(relative):
+        return True
+    if parts[0] == META and len(parts) == 2:
+        return parts[1] in _META_FILES
+    return relative.startswith(TOKENIZER_DIR + "/") and len(parts) == 3 and parts[2] in TOKENIZER_FILES
+
+
+def foreign_files(output: Path) -> list[str]:
+    """Files (and links) under ``output`` that packtool did not write, relative and sorted."""
+    if is_remote(output):
+        return sorted(rel for rel in (f.relative_to(output).as_posix() for f in cast(Any, output).files())
+                      if not written_by_packtool(rel))
+    found = []
+    for folder, dirs, files in os.walk(output):
+        rel = Path(folder).relative_to(output)
+        for name in files + [d for d in dirs if Path(folder, d).is_symlink()]:
+            path = (rel / name).as_posix()
+            if not written_by_packtool(path) or Path(folder, name).is_symlink():
+                found.append(path)
+    return sorted(found)
+
+
+def _named(paths: list[str], limit: int = 3) -> str:
+    return ", ".join(paths[:limit]) + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
+def check_paths(source: Path, output: Path, model: Path | None = None) -> None:
     """Refuse an OUTPUT that is, holds or lies in SOURCE (a run or ``overwrite`` would delete source shards),
-    or that is not a folder."""
-    source, output = source.resolve(), output.resolve()
+    that holds the model folder (its copy in the output would be written from files a rerun deletes), or that
+    is not a folder."""
+    source, output = resolved(source), resolved(output)
     if output == source or source in output.parents or output in source.parents:
         raise OutputError(f"output {output} overlaps the source {source}; choose a folder outside it")
+    if model is not None:
+        model = resolved(model)
+        if model == output or output in model.parents:
+            raise OutputError(f"the model folder {model} lies inside the output {output}; copy it to a folder "
+                              f"outside the output and pass that")
+    if is_remote(output):
+        if not output.parents:  # msc://PROFILE alone: --overwrite would empty the whole bucket
+            raise OutputError(f"output {output} is a whole profile; choose a folder inside it")
+        if output.is_file():
+            raise OutputError(f"output {output} exists and is not a folder")
+        return
     if output.exists() and not output.is_dir():
         raise OutputError(f"output {output} exists and is not a folder")
     parent = next((p for p in output.parents if p.exists()), None)
@@ -44,7 +104,7 @@ class OutputDir:
     """An OUTPUT folder opened for one run (use as a context manager: the lock is held inside)."""
 
     def __init__(self, path: Path, fingerprints: dict[str, dict], *, overwrite: bool = False):
-        self.path = Path(path)
+        self.path = location(path)
         self.fingerprints = fingerprints
         self.overwrite = overwrite
         self._lock: IO[str] | None = None
@@ -52,11 +112,12 @@ class OutputDir:
     def __enter__(self) -> OutputDir:
         out, work = self.path, self.path / WORK
         ours = (work).is_dir() or (out / MANIFEST).exists()
-        if out.exists() and not ours and any(out.iterdir()) and not self.overwrite:
-            raise OutputError(f"{out} exists and was not made by packtool", option="overwrite")
+        if out.exists() and not ours and any(out.iterdir()):
+            raise OutputError(f"{out} exists, is not empty and was not made by packtool (it holds "
+                              f"{_named(sorted(p.name for p in out.iterdir()))}); choose a new or empty folder")
         try:
             work.mkdir(parents=True, exist_ok=True)
-            lock = open(work / "lock", "a")
+            lock = open(lock_file(out), "a")
         except OSError as exc:
             raise OutputError(f"cannot write {out}: {exc.strerror}") from None
         try:
@@ -89,9 +150,7 @@ class OutputDir:
             old = previous["output"] or {"encode": previous["encode"]}
             raise OutputError(f"{out} was packed with other settings "
                               f"({'; '.join(_changes(old, self.fingerprints['output']))})", option="overwrite")
-        if not ours and self.overwrite:
-            self._clear(keep_encode=False)
-        elif encode_changed:
+        if encode_changed:
             self._clear(keep_encode=False)
         elif output_changed or (self.overwrite and previous["output"] is None):
             self._clear(keep_encode=True)
@@ -108,17 +167,20 @@ class OutputDir:
         return any(p.suffix == ".tar" for p in self.path.glob("*/*.tar"))
 
     def _clear(self, *, keep_encode: bool) -> None:
-        """Delete everything but the lock we hold (and the encode store when ``keep_encode``)."""
+        """Delete what packtool wrote but the lock we hold (and the encode store when ``keep_encode``); refuse,
+        deleting nothing, when OUTPUT holds any other file."""
+        foreign = foreign_files(self.path)
+        if foreign:
+            raise OutputError(f"{self.path} holds files packtool did not write ({_named(foreign)}); move them out "
+                              f"of the output first")
         for child in self.path.iterdir():
             if child.name == WORK:
                 for inner in child.iterdir():
                     if inner.name == "lock" or (keep_encode and inner.name in ("encode", "encode.json")):
                         continue
-                    shutil.rmtree(inner) if inner.is_dir() else inner.unlink()
-            elif child.is_dir() and not child.is_symlink():
-                shutil.rmtree(child)
+                    remove_tree(inner)
             else:
-                child.unlink()
+                remove_tree(child)
 
     def clear_output(self) -> None:
         """Drop the written output (shards, ledger, metadata) but keep the encode work: a source shard changed
@@ -142,11 +204,22 @@ class OutputDir:
             if recorded is None or recorded != asdict(stamps.get(recorded.get("shard", ""), _NO_STAMP)):
                 stale.add(stamp_file.parent.parent)
         for folder in sorted(stale):
-            shutil.rmtree(folder)
+            remove_tree(folder)
         return bool(stale)
 
 
 _NO_STAMP = SourceStamp("", -1, -1, -1, "")
+
+
+def lock_file(output: Path) -> Path:
+    """The file a run locks while it writes ``output``: ``OUTPUT/.packtool/lock``; for an object-store OUTPUT a
+    local file under ``PACKTOOL_WORK`` (default ``~/.cache/packtool``), ``locks/<digest of the URL>`` (runs on
+    other machines are not excluded: start one run per OUTPUT)."""
+    if not is_remote(output):
+        return output / WORK / "lock"
+    root = Path(os.environ.get("PACKTOOL_WORK") or Path.home() / ".cache" / "packtool") / "locks"
+    root.mkdir(parents=True, exist_ok=True)
+    return root / hashlib.sha256(str(output).encode()).hexdigest()[:32]
 
 
 def _read_json(path: Path) -> dict | None:

@@ -3,7 +3,9 @@ then the ledger, Energon's metadata and the manifest, last.
 
 Each stage commits its own results (:mod:`packtool.commit`); the manifest is written last, so an OUTPUT with a
 manifest is complete and a rerun of an interrupted run finishes it with the same bytes, whatever the worker
-count, the engine or where it was interrupted.
+count, the engine or where it was interrupted. SOURCE and OUTPUT may be object-store locations
+(``msc://PROFILE/path``, :mod:`packtool.storage`): the same stages read by ranged requests and commit by whole
+objects, the manifest still last.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from packtool.build.output import OutputDir, check_paths
 from packtool.build.sources import SourceDataset, open_source
 from packtool.build.sources.energon import shard_layout
 from packtool.build.split_plan import SplitPlan, load_encoded, plan_split
-from packtool.build.store import BYTES_PER_RANGE, SAMPLES_PER_RANGE, SourceStamp, encode_range
+from packtool.build.store import BYTES_PER_RANGE, SAMPLES_PER_RANGE, FailureLimits, SourceStamp, encode_range
 from packtool.build.workers import model_facts, pack_engine
 from packtool.commit import commit_bytes, temporary_name
+from packtool.config import recorded_config
 from packtool.errors import ConfigError, FormatError
 from packtool.format import (
     FORMAT_VERSION,
@@ -42,6 +45,7 @@ from packtool.format import (
 )
 from packtool.settings import PackSettings, RunOptions
 from packtool.shards import idx_path, index_tar, join_tar
+from packtool.storage import is_remote, location, resolved
 
 
 @dataclass
@@ -53,6 +57,9 @@ class PackResult:
     packs: dict = field(default_factory=dict)
     #: Seconds per stage of this invocation (scan+encode, plan, write, finalize).
     seconds: dict = field(default_factory=dict)
+    #: ``(status, count, total, limit)`` for each ledger status above its limit (``RunOptions.limits``): the run
+    #: wrote everything, and failed.
+    over_limits: list = field(default_factory=list)
 
 
 class _Clock:
@@ -78,14 +85,8 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, run: Ru
     """
     run = run or RunOptions(**options)  # type: ignore[arg-type]
     clock = _Clock()
-    source, output = Path(source).resolve(), Path(output).resolve()
-    src = open_source(source, list(settings.splits) or None)
-    check_paths(source, output)
-    for split in src.splits:
-        try:
-            check_split_name(split)
-        except FormatError as exc:
-            raise ConfigError(str(exc)) from None
+    source, output = resolved(source), resolved(output)
+    src = check_inputs(source, output, settings)
     fingerprints = settings.fingerprints(source, tokenizer_fingerprint(settings.encode.tokenizer))
     # The engine is up (Ray reached) and the model folder proven by a worker before OUTPUT is touched; the OUTPUT
     # lock outlives every worker.
@@ -93,6 +94,24 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, run: Ru
         return _pack(started_engine, src, output, settings, run, fingerprints, clock)
     with pack_engine(source, settings.encode, run) as own:
         return _pack(own, src, output, settings, run, fingerprints, clock)
+
+
+def check_inputs(source: str | Path, output: str | Path, settings: PackSettings) -> SourceDataset:
+    """Every check that needs no sample, in a fraction of a second (the caller runs it before starting workers):
+    the source's metadata and shards, OUTPUT's place, the model folder's files. Returns the opened source."""
+    from packtool.build.encoder import check_tokenizer_dir
+
+    source, output = resolved(source), resolved(output)
+    src = open_source(source, list(settings.splits) or None)
+    check_paths(source, output, location(settings.encode.tokenizer))
+    for split in src.splits:
+        try:
+            check_split_name(split)
+        except FormatError as exc:
+            raise ConfigError(str(exc)) from None
+    if not is_remote(settings.encode.tokenizer):  # a model folder in an object store is fetched by the workers
+        check_tokenizer_dir(settings.encode.tokenizer)
+    return src
 
 
 def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettings, run: RunOptions,
@@ -120,11 +139,22 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
         if not run.dry_run:
             write_energon_metadata(output, {k: v for k, v in out_shards.items() if v}, indexes,
                                    version("megatron-energon"))
-            _copy_tokenizer(Path(settings.encode.tokenizer), output / TOKENIZER_DIR)
+            _copy_tokenizer(location(settings.encode.tokenizer), output / TOKENIZER_DIR)
         commit_bytes(output / MANIFEST, _manifest(settings, fingerprints, source, out_shards, counts, packs,
                                                   run.dry_run, facts).to_bytes())
         clock.lap("finalize")
-        return PackResult(output, counts, packs, clock.seconds)
+        return PackResult(output, counts, packs, clock.seconds, over_limits(counts, run))
+
+
+def over_limits(counts: dict, run: RunOptions) -> list[tuple[str, int, int, float]]:
+    """``(status, count, total, limit)`` for each status whose share of all splits' samples exceeds its limit."""
+    total = sum(c["samples"] for c in counts.values())
+    out = []
+    for status, limit in run.limits().items():
+        n = sum(c[status] for c in counts.values())
+        if total and n / total > limit:
+            out.append((status, n, total, limit))
+    return out
 
 
 def _finished(output: Path, run: RunOptions) -> PackResult | None:
@@ -135,7 +165,7 @@ def _finished(output: Path, run: RunOptions) -> PackResult | None:
         return None
     manifest = Manifest.read(output)
     if run.dry_run or not manifest.dry_run:
-        return PackResult(output, manifest.counts, manifest.packs)
+        return PackResult(output, manifest.counts, manifest.packs, over_limits=over_limits(manifest.counts, run))
     path.unlink()
     return None
 
@@ -145,16 +175,19 @@ def _encode(engine: Engine, out: OutputDir, src: SourceDataset, settings: PackSe
     """Walk every shard's headers, then encode its ranges; returns each split's range stores in order."""
     shards = [(split, i, shard) for split, names in src.splits.items() for i, shard in enumerate(names)]
     layouts = engine.map(shard_layout, [(src.root, shard, src.excluded_samples) for _, _, shard in shards],
-                         desc="scan", unit="shard", progress=run.progress)
+                         desc="scan", unit="shard", progress=run.progress, names=[shard for _, _, shard in shards])
     tasks: list[tuple] = []
+    names: list[str] = []
     enc_dirs: dict[str, list[Path]] = {split: [] for split in src.splits}
+    limits = FailureLimits(run.max_failures_in_a_row, run.max_same_failures)
     for (split, i, shard), layout in zip(shards, layouts):
         for k, span in enumerate(layout.ranges(SAMPLES_PER_RANGE, BYTES_PER_RANGE)):
             store = out.encode_dir(split, i, k)
             enc_dirs[split].append(store)
             tasks.append((str(src.root), layout, span, src.excluded_samples, settings.encode, src.dataset_yaml,
-                          src.shard_counts.get(shard), stamps[shard], run.strict, str(store)))
-    engine.map(encode_range, tasks, desc="encode", unit="range", progress=run.progress)
+                          src.shard_counts.get(shard), stamps[shard], run.strict, str(store), limits))
+            names.append(f"{shard} (samples from {span.first})")
+    engine.map(encode_range, tasks, desc="encode", unit="range", progress=run.progress, names=names)
     return enc_dirs
 
 
@@ -177,9 +210,10 @@ def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, r
             args = (split, str(source), [str(d) for d in enc_dirs[split]], split_stamps,
                     table.take(rows[bounds[k]:bounds[k + 1]]), settings.encode.pack_size, settings.encode.align)
             shards.append((output / out_shards[split][k], args))
-    if not shards or len(shards) >= engine.workers:
+    # Parts are joined where the output is (a local file system): an object store only takes whole objects.
+    if not shards or len(shards) >= engine.workers or is_remote(output):
         written = engine.map(write_shard, [(str(path), *args) for path, args in shards], desc="write",
-                             unit="shard", progress=run.progress)
+                             unit="shard", progress=run.progress, names=[str(path) for path, _ in shards])
     else:
         written = _write_in_parts(engine, shards, engine.workers // len(shards), run.progress)
     return dict(zip((s for names in out_shards.values() for s in names), written))  # tasks in this order
@@ -204,7 +238,8 @@ def _write_in_parts(engine: Engine, shards: list[tuple[Path, tuple]], parts: int
                 pieces[-1].append(part)
                 tasks.append((str(part), split, root, dirs, split_stamps, segments.slice(a, b - a), pack_size,
                               align))
-    indexes = iter(engine.map(write_part, tasks, desc="write", unit="part", progress=progress))
+    indexes = iter(engine.map(write_part, tasks, desc="write", unit="part", progress=progress,
+                              names=[f"{t[0]} (a part of an output shard)" for t in tasks]))
     return [join_tar(path, [(part, next(indexes)) for part in parts_of]) if parts_of else index_tar(path)
             for (path, _), parts_of in zip(shards, pieces)]
 
@@ -230,6 +265,7 @@ def _manifest(settings: PackSettings, fingerprints: dict, source: Path, out_shar
         source=str(source), splits=out_shards,
         tokenizer={"fingerprint": fingerprints["encode"]["tokenizer"], "dir": TOKENIZER_DIR},
         seed=settings.plan.seed, counts=counts, packs=packs, dry_run=dry_run, **facts,
+        run_config=recorded_config(settings, source),
     )
 
 

@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from packtool.build.algorithms import balance_dp, pack_lengths
 from packtool.build.assemble import estimate_pack_bytes, media_bytes_of
 from packtool.build.store import ENCODED_SCHEMA
 from packtool.format import KEPT
 from packtool.settings import PackSettings, ShardSize
+from packtool.storage import location, read_parquet
 
 
 @dataclass
@@ -43,7 +43,7 @@ def load_encoded(enc_dirs: list[Path]) -> pa.Table:
     """The encoded rows of a split's source shards, with their ``src`` and ``row`` positions."""
     tables = []
     for src, d in enumerate(enc_dirs):
-        t = pq.read_table(d / "samples.parquet")
+        t = read_parquet(location(d) / "samples.parquet")
         n = t.num_rows
         tables.append(t.append_column("src", pa.array(np.full(n, src, np.int32)))
                       .append_column("row", pa.array(np.arange(n, dtype=np.int32))))

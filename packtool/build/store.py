@@ -5,15 +5,19 @@ A shard is cut into ranges of consecutive samples (:class:`~packtool.build.sourc
 over its headers) so that tasks are even and a task's memory does not grow with its shard. ``encode_range`` (one
 task per range) reads its samples, encodes them and commits the folder atomically: ``samples.parquet`` (one
 :data:`ENCODED_SCHEMA` row per sample, on-disk order), ``tokens.npy`` and ``targets.npy`` (the kept samples'
-tokens, concatenated) and ``source.json`` (what the source shard looked like when it was read, and which of
-its samples the range holds). A rerun keeps a folder only while its source shard still looks the same and the
-range is the same: an edited shard is encoded again, so a resumed run never packs stale bytes.
+tokens, concatenated), :data:`SOURCE_FACTS` (each sample before any cut) and ``source.json`` (what the source
+shard looked like when it was read, and which of its samples the range holds). A rerun keeps a folder only
+while its source shard still looks the same and the range is the same: an edited shard is encoded again, so a
+resumed run never packs stale bytes.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
+import re
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,9 +28,10 @@ import pyarrow.parquet as pq
 
 from packtool.build.sources.energon import SampleRange, ShardLayout, ShardScan
 from packtool.commit import commit_path
-from packtool.errors import SourceError
+from packtool.errors import LimitError, SourceError
 from packtool.format import KEPT, STATUSES, npy_bytes
 from packtool.settings import EncodeSettings
+from packtool.storage import ObjectPath, file_version, location, open_read, read_parquet
 
 if TYPE_CHECKING:
     from packtool.build.encoder import Encoded
@@ -57,11 +62,13 @@ class SourceStamp:
     ctime_ns: int
     #: SHA-256 of the dataset's ``.nv-meta`` files that decide how the shard is read.
     metadata: str
+    #: The object's ETag when the source is in an object store (which has no ctime), else empty.
+    etag: str = ""
 
     @classmethod
     def of(cls, root: Path, shard: str, metadata: str) -> SourceStamp:
-        st = os.stat(root / shard)
-        return cls(shard, st.st_size, st.st_mtime_ns, st.st_ctime_ns, metadata)
+        size, mtime_ns, ctime_ns, etag = file_version(location(root) / shard)
+        return cls(shard, size, mtime_ns, ctime_ns, metadata, etag)
 
 
 def range_stamp(stamp: SourceStamp, span: SampleRange) -> dict:
@@ -73,10 +80,14 @@ def range_stamp(stamp: SourceStamp, span: SampleRange) -> dict:
 def is_current(folder: Path, stamp: SourceStamp, span: SampleRange) -> bool:
     """Whether ``folder`` holds a committed encoding of this range of the shard as ``stamp`` describes it now."""
     try:
-        return json.loads((folder / "source.json").read_text()) == range_stamp(stamp, span)
+        return json.loads((location(folder) / "source.json").read_text()) == range_stamp(stamp, span)
     except (OSError, ValueError):
         return False
 
+
+#: A range's facts of every sample before any cut, row for row with ``samples.parquet`` (first target token,
+#: whether the length is exact, media spans): what ``packtool stats`` judges other pack sizes by.
+SOURCE_FACTS = "source_facts.parquet"
 
 #: Samples per encode task, at most.
 SAMPLES_PER_RANGE = 1024
@@ -85,18 +96,55 @@ SAMPLES_PER_RANGE = 1024
 BYTES_PER_RANGE = 32 << 20
 
 
+@dataclass(frozen=True)
+class FailureLimits:
+    """When an encode task stops the run: a failure (error or dropped) that is systematic (a setting, the model
+    folder, the data's layout) would only repeat over the rest of the run. 0 turns a rule off."""
+
+    #: This many failed samples in a row.
+    in_a_row: int = 100
+    #: This many failed samples with the very same reason (a reason that names no property of one sample).
+    same_reason: int = 20
+
+
+class _FailureWatch:
+    def __init__(self, limits: FailureLimits, shard: str):
+        self.limits, self.shard = limits, shard
+        self.streak: list[str] = []
+        self.reasons: Counter[str] = Counter()
+
+    def see(self, encoded: list[Encoded]) -> None:
+        for e in encoded:
+            if e.status not in ("error", "dropped"):
+                self.streak = []
+                continue
+            self.streak.append(e.key)
+            self.reasons[stable_reason(e.reason)] += 1
+            n, same = self.limits.in_a_row, self.limits.same_reason
+            if n and len(self.streak) >= n:
+                raise LimitError(f"stopped early: {n} samples in a row of {self.shard} failed ({self.streak[0]} to "
+                                 f"{e.key}; the last: {e.status}, {e.reason}); fix the cause or raise "
+                                 f"max_failures_in_a_row (0: never stop)")
+            if same and self.reasons[e.reason] >= same:
+                raise LimitError(f"stopped early: {same} samples of {self.shard} failed for the same reason (the "
+                                 f"last {e.key}: {e.status}, {e.reason}); fix the cause or raise max_same_failures "
+                                 f"(0: never stop)")
+
+
 def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: frozenset, settings: EncodeSettings,
                  dataset_yaml: dict, expected: int | None, stamp: SourceStamp, strict: bool,
-                 out_dir: str) -> dict[str, int]:
+                 out_dir: str, limits: FailureLimits = FailureLimits()) -> dict[str, int]:
     """Encode the samples of one range of a shard into ``out_dir`` (see the module doc); returns status counts.
+    Raises :class:`LimitError` as soon as the samples fail systematically (``limits``); a stopped range commits
+    nothing.
 
     ``expected`` is the shard's sample count from the dataset's ``.info.json`` (None if unknown): when the last
     range finds fewer samples in the shard (a second tar appended after an end-of-archive marker, a lost tail),
     it adds an error row saying so, so no sample is lost without a ledger row.
     """
-    out = Path(out_dir)
+    out = location(out_dir)
     if is_current(out, stamp, span):
-        return status_counts(pq.read_table(out / "samples.parquet", columns=["status"]))
+        return status_counts(read_parquet(out / "samples.parquet", columns=["status"]))
     from packtool.build.encoder import get_encoder  # here, in the worker: the parent never loads the encoder
 
     encoder = get_encoder(settings, dataset_yaml)
@@ -104,9 +152,10 @@ def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: fr
     chunk: list = []
     chunk_bytes, unreadable = 0, None
     shard = layout.shard
-    scan = ShardScan(Path(root), shard, excluded, max_sample_bytes=settings.max_sample_bytes, span=span,
+    scan = ShardScan(location(root), shard, excluded, max_sample_bytes=settings.max_sample_bytes, span=span,
                      layout=layout)
     samples = iter(scan)
+    watch = _FailureWatch(limits, shard)
     while True:
         try:
             raw = next(samples)
@@ -121,8 +170,10 @@ def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: fr
         chunk_bytes += sum(len(v) for v in raw.parts.values())
         if len(chunk) >= CHUNK_SAMPLES or chunk_bytes >= CHUNK_BYTES:  # raw bytes held stay bounded
             encoded += encoder.encode_many(chunk, strict=strict)
+            watch.see(encoded[len(encoded) - len(chunk):])
             chunk, chunk_bytes = [], 0
     encoded += encoder.encode_many(chunk, strict=strict)
+    watch.see(encoded[len(encoded) - len(chunk):])
     rows, offset = [], 0
     for e in encoded:
         rows.append(_row(e, offset))
@@ -137,8 +188,15 @@ def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: fr
     tokens = np.concatenate([e.tokens for e in kept]).astype(np.int32) if kept else np.zeros(0, np.int32)
     targets = np.concatenate([e.targets for e in kept]).astype(np.uint8) if kept else np.zeros(0, np.uint8)
     table = pa.Table.from_pylist(rows, schema=ENCODED_SCHEMA)
+    facts = pa.table({"first_target": pa.array([e.first_target for e in encoded] + [-1] * (len(rows) - len(encoded)),
+                                               pa.int32()),
+                      "length_known": pa.array([e.length_known for e in encoded] + [False] * (len(rows) -
+                                                                                             len(encoded))),
+                      "source_media": pa.array([json.dumps(e.source_media, separators=(",", ":")) for e in encoded]
+                                               + ["[]"] * (len(rows) - len(encoded)))})
     with commit_path(out) as tmp:
         tmp.mkdir()
+        pq.write_table(facts, tmp / SOURCE_FACTS)
         (tmp / "tokens.npy").write_bytes(npy_bytes(tokens))
         (tmp / "targets.npy").write_bytes(npy_bytes(targets))
         pq.write_table(table, tmp / "samples.parquet")
@@ -146,9 +204,19 @@ def encode_range(root: str, layout: ShardLayout, span: SampleRange, excluded: fr
     return status_counts(table)
 
 
+#: The address in an object's default repr (``<_io.BytesIO object at 0x7f…>``), which a library's error text may
+#: carry (PIL's does): it differs from run to run.
+_ADDRESS = re.compile(r"(<[^<>]*?) at 0x[0-9a-fA-F]+>")
+
+
+def stable_reason(reason: str) -> str:
+    """A ledger reason without what differs between identical runs (object addresses)."""
+    return _ADDRESS.sub(r"\1>", reason)
+
+
 def _row(e: Encoded, offset: int) -> dict:
     keep = e.status in KEPT
-    return {"key": e.key, "shard": e.shard, "status": e.status, "reason": e.reason,
+    return {"key": e.key, "shard": e.shard, "status": e.status, "reason": stable_reason(e.reason),
             "tokens": len(e.tokens) if keep else 0, "source_tokens": e.source_tokens,
             "targets": int(np.count_nonzero(e.targets)) if keep else 0, "images": len(e.media) if keep else 0,
             "image_tokens": sum(m["tokens"] for m in e.media) if keep else 0,
@@ -157,8 +225,9 @@ def _row(e: Encoded, offset: int) -> dict:
 
 
 def _error_row(key: str, shard: str, reason: str) -> dict:
-    return {"key": key, "shard": shard, "status": "error", "reason": reason, "tokens": 0, "source_tokens": 0,
-            "targets": 0, "images": 0, "image_tokens": 0, "truncated": False, "tok_offset": -1, "media": "[]"}
+    return {"key": key, "shard": shard, "status": "error", "reason": stable_reason(reason), "tokens": 0,
+            "source_tokens": 0, "targets": 0, "images": 0, "image_tokens": 0, "truncated": False, "tok_offset": -1,
+            "media": "[]"}
 
 
 def status_counts(table: pa.Table) -> dict[str, int]:
@@ -167,21 +236,47 @@ def status_counts(table: pa.Table) -> dict[str, int]:
 
 
 class NpyReader:
-    """Slices of a 1-D ``.npy`` file by positioned reads: unlike a memory map, what was read does not stay in
-    the process's resident memory."""
+    """Slices of a 1-D ``.npy`` file (or object) by positioned (ranged) reads: unlike a memory map, what was read
+    does not stay in the process's resident memory."""
 
     def __init__(self, path: Path):
-        self.file = open(path, "rb")
+        self.path = location(path)
+        self.file = open_read(self.path, readahead=4096)
         version = np.lib.format.read_magic(self.file)
         read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
             np.lib.format.read_array_header_2_0
         _, _, self.dtype = read_header(self.file)
         self.start = self.file.tell()
+        #: Blocks of an object fetched by :meth:`prefetch`: their byte offsets, and their bytes.
+        self.block_starts: list[int] = []
+        self.blocks: list[bytes] = []
+
+    def prefetch(self, spans: list[tuple[int, int]], gap: int = 1 << 16) -> None:
+        """For an object: fetch the bytes of these element spans ``(start, stop)`` at once, spans less than
+        ``gap`` bytes apart by one ranged request; slices inside them are then served from memory (until the
+        next prefetch). A local file is read where it lies."""
+        if not isinstance(self.path, ObjectPath):
+            return
+        size, merged = self.dtype.itemsize, []
+        for a, b in sorted(spans):
+            lo, hi = self.start + a * size, self.start + b * size
+            if merged and lo - merged[-1][1] <= gap:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self.block_starts = [lo for lo, _ in merged]
+        self.blocks = self.path.read_ranges([(lo, hi - lo) for lo, hi in merged])
 
     def __getitem__(self, s: slice) -> np.ndarray:
         size = self.dtype.itemsize
-        data = os.pread(self.file.fileno(), (s.stop - s.start) * size, self.start + s.start * size)
-        return np.frombuffer(data, self.dtype)
+        n, at = (s.stop - s.start) * size, self.start + s.start * size
+        if not isinstance(self.path, ObjectPath):
+            return np.frombuffer(os.pread(self.file.fileno(), n, at), self.dtype)
+        k = bisect.bisect_right(self.block_starts, at) - 1
+        if k >= 0 and at + n <= self.block_starts[k] + len(self.blocks[k]):
+            offset = at - self.block_starts[k]
+            return np.frombuffer(self.blocks[k][offset:offset + n], self.dtype)
+        return np.frombuffer(self.path.read_range(at, n), self.dtype)
 
     def close(self) -> None:
         self.file.close()

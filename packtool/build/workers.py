@@ -9,13 +9,14 @@ from pathlib import Path
 
 from packtool.build.engine import Engine
 from packtool.settings import EncodeSettings, RunOptions
+from packtool.storage import fetched, resolved
 
 
 def pack_engine(source: str | Path, settings: EncodeSettings, run: RunOptions) -> Engine:
     """The engine for packing ``source`` with these settings (not yet entered): every worker builds its encoder
     as it starts (:func:`warm`)."""
     return Engine(run.engine, run.workers, run.ray_address, initializer=warm,
-                  initargs=(settings, str(Path(source).resolve())))
+                  initargs=(settings, str(resolved(source))))
 
 
 def model_facts(settings: EncodeSettings, dataset_yaml: dict) -> dict:
@@ -23,7 +24,7 @@ def model_facts(settings: EncodeSettings, dataset_yaml: dict) -> dict:
     encoder: :func:`packtool.build.encoder.model_facts`)."""
     from packtool.build.encoder import model_facts as facts
 
-    return facts(settings, dataset_yaml)
+    return facts(fetched(settings), dataset_yaml)
 
 
 def warm(settings: EncodeSettings, source: str) -> None:

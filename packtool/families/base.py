@@ -169,6 +169,10 @@ class Family(ABC):
         raise NoRule(f"media {part!r}: the model folder {Path(self.folder).name} has no rule for audio (the "
                      f"processor mode has)")
 
+    def limit_tokens(self, item: dict) -> int:
+        """An item's visual tokens as a per-sample limit counts them (``sample_max_visual_tokens``): its tokens."""
+        return int(item["tokens"])
+
     def check_media(self, kinds: list[str]) -> None:
         """Refuse a sample's media kinds before its media are read (:class:`SampleError`)."""
         if self.tokens.image_token_id is None and "image" in kinds:
@@ -179,6 +183,11 @@ class Family(ABC):
         return {}
 
     # -- encode: placeholders ------------------------------------------------------------------------------------
+    def template_placeholder(self, kind: str) -> str | None:
+        """What the chat template writes for a ``{"type": kind}`` content part, if it takes such parts (probed
+        once per run); None: no part of that kind is probed."""
+        return self.tokens.image_token if kind == "image" else None
+
     def placeholder_text(self, kind: str, structured: bool) -> str:
         """What a tag of ``kind`` becomes in the text the template renders."""
         if kind == "image":

@@ -41,6 +41,16 @@ class Convention:
     #: The image resize rule's pixel bounds (None: the model folder's).
     min_pixels: int | None = None
     max_pixels: int | None = None
+    #: The image resize: ``processor`` (its rule alone) or ``qwen_vl_utils`` (its ``fetch_image`` first).
+    image_resize: str = "processor"
+    #: Per-sample limits: a sample with more images, or more visual tokens, is dropped.
+    sample_max_images: int | None = None
+    sample_max_visual_tokens: int | None = None
+    #: Only the first this many frames of each video are kept.
+    video_keep_frames: int | None = None
+    #: Why the ledger notes a sample whose media had no tags in the text (packtool places them before the first
+    #: user text, which this trainer's path would not); empty: no note.
+    untagged_note: str = ""
     #: Why the convention cannot be used yet (None: it can).
     unsupported: str | None = None
     #: The family the convention is for (its ``name``; None: any).
@@ -49,7 +59,7 @@ class Convention:
     def settings(self) -> dict[str, Any]:
         """The encode settings this convention sets (those that differ from the default convention)."""
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("name", "unsupported", "family")
+                if f.name not in ("name", "unsupported", "family", "untagged_note")
                 and getattr(self, f.name) != getattr(TRANSFORMERS, f.name)}
 
     @classmethod
@@ -58,7 +68,10 @@ class Convention:
         base = CONVENTIONS[settings.preset] if settings.preset else TRANSFORMERS
         return replace(base, target_newline_after_eot=settings.target_newline_after_eot,
                        media_first=settings.media_first, min_pixels=settings.min_pixels,
-                       max_pixels=settings.max_pixels)
+                       max_pixels=settings.max_pixels, image_resize=settings.image_resize,
+                       sample_max_images=settings.sample_max_images,
+                       sample_max_visual_tokens=settings.sample_max_visual_tokens,
+                       video_keep_frames=settings.video_keep_frames)
 
     # -- what the encoder asks of it ------------------------------------------------------------------------------
     def turn_text(self, text: str, role: str = "user") -> str:
@@ -126,9 +139,15 @@ TRANSFORMERS = Convention()
 #: Every named convention (``--preset``).
 CONVENTIONS: dict[str, Convention] = {
     # Megatron-Bridge's QwenVLTaskEncoder: its ``build_assistant_loss_mask`` (the newline after each reply's
-    # end-of-turn token is a target), media first, and its pixel bounds.
+    # end-of-turn token is a target), media first, its two-step image resize (qwen_vl_utils' ``fetch_image``,
+    # then the processor with its pixel bounds) and its per-sample limits (``max_num_images`` 10,
+    # ``max_visual_tokens`` 16,384).
     "megatron-bridge-qwen-vl": Convention("megatron-bridge-qwen-vl", target_newline_after_eot=True,
-                                          media_first=True, min_pixels=200_704, max_pixels=1_003_520),
+                                          media_first=True, min_pixels=200_704, max_pixels=1_003_520,
+                                          image_resize="qwen_vl_utils", sample_max_images=10,
+                                          sample_max_visual_tokens=16_384, video_keep_frames=60,
+                                          untagged_note="Megatron-Bridge's Qwen-VL path would leave them out and "
+                                                        "train the text only"),
     # NeMo-RL's Qwen2.5-VL path (generic_sft + hf_multimodal): whole assistant messages are targets.
     "nemo-rl-qwen-vl": NemoRLChat("nemo-rl-qwen-vl", target_newline_after_eot=True),
     NEMO_RL_NEMOTRON: NemoRLNemotron(NEMO_RL_NEMOTRON, family=NEMOTRON_FAMILY),

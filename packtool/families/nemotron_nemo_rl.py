@@ -76,6 +76,7 @@ class NemoRLNemotronOmni(NemotronOmni):
                         text=video_prompt(seconds, chunk, step))
 
     def plan_audio(self, facts: AudioFacts, part: str) -> ItemPlan:
+        self.refuse_audio(facts, part)
         try:
             plan = settings_audio_plan(facts.samples, facts.sample_rate, self.rule)
         except ValueError as exc:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from packtool.errors import ConfigError
+from packtool.errors import ConfigError, SampleError
 from packtool.families.base import ExpandsInText, ItemPlan, MediaTokens, manifest_tokens
 from packtool.families.conventions import TRANSFORMERS, Convention
 from packtool.format import NEMOTRON_FAMILY
@@ -286,6 +286,16 @@ class NemotronOmniSettings:
             length = (length + add_pad) // stride + 1
         return max(1, length)
 
+    def audio_problem(self, facts: AudioFacts) -> str | None:
+        """Why a clip cannot be trained on, or None: the feature extractor normalizes each mel bin by its mean and
+        sample standard deviation over the clip's ``samples // hop`` frames, so a clip of fewer than two frames
+        (under ``2 · hop`` samples at the processor's rate: 20 ms at 16 kHz) gets NaN features."""
+        samples = self.audio_samples(facts)
+        if samples // self.audio_hop_length >= 2:
+            return None
+        return (f"audio of {samples} samples at {self.audio_sampling_rate} Hz is shorter than two feature frames "
+                f"({2 * self.audio_hop_length} samples): its features would be NaN")
+
     def audio_text(self, facts: AudioFacts) -> str:
         """What the processor writes in place of one ``<so_embedding>`` placeholder."""
         return self.audio_start_token + self.audio_token * self.audio_tokens(facts) + self.audio_end_token
@@ -437,8 +447,14 @@ class NemotronOmni(ExpandsInText):
                         text=self.rule.plan_text(plan))
 
     def plan_audio(self, facts: AudioFacts, part: str) -> ItemPlan:
+        self.refuse_audio(facts, part)
         return ItemPlan(self.rule.audio_tokens(facts), samples=self.rule.audio_samples(facts),
                         text=self.rule.audio_text(facts))
+
+    def refuse_audio(self, facts: AudioFacts, part: str) -> None:
+        """A clip the feature extractor cannot give features for is that sample's error."""
+        if problem := self.rule.audio_problem(facts):
+            raise SampleError(f"media {part!r}: {problem}")
 
     def placeholders(self) -> dict[str, tuple[str, str]]:
         r = self.rule

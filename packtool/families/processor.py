@@ -94,13 +94,32 @@ def processor_ids(processor: Any, text: str, images: Sequence[Any], videos: Sequ
         call["videos"] = [frames for frames, _ in videos]
         metadata = [VideoMetadata(**meta) for _, meta in videos]
         call["video_metadata"] = metadata[0] if len(metadata) == 1 else metadata  # some read one video's fields
+        # Frames are THWC: said explicitly, or a video 1 or 3 pixels high is read as channels first.
+        call["videos_kwargs"] = {"input_data_format": "channels_last"}
     if audio:
         call["audio"] = list(audio)
     try:
-        out = processor(text=[text], return_tensors="np", **call)
+        # No tensors asked for: only the ids are used, and stacking them would refuse media of unequal shapes
+        # (two videos of different frame counts).
+        out = processor(text=[text], **call)
     except Exception as exc:  # the processor's own checks (placeholder counts, sizes) raise many types
         raise SampleError(f"the model's processor refuses the sample: {type(exc).__name__}: {exc}") from None
+    for name, value in out.items():  # a clip too short for its feature frames normalizes to NaN, for one
+        if name != "input_ids" and _has_nan(value):
+            raise SampleError(f"the model's processor gives NaN in {name} (a media item too short or degenerate "
+                              f"for it)")
     return np.asarray(out["input_ids"][0], dtype=np.int64)
+
+
+def _has_nan(value: Any) -> bool:
+    """Whether a processor output (an array, a tensor, or lists of them) holds a NaN float."""
+    if isinstance(value, (list, tuple)):
+        return any(_has_nan(v) for v in value)
+    if hasattr(value, "numpy") and hasattr(value, "is_floating_point"):  # a torch tensor
+        return bool(value.is_floating_point() and value.isnan().any())
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind == "f" and bool(np.isnan(value).any())
+    return isinstance(value, float) and value != value
 
 
 def open_pil(data: bytes) -> Any:
@@ -228,6 +247,8 @@ class ProcessorMode(Family):
             every = list(range(facts.frames))
             frames = decode_frames(data, every) if framed else decode_video(data[0], every)
             return {"input": (frames, {**facts.metadata(), "frames_indices": every})}
+        if getattr(self.processor, "feature_extractor", None) is None:
+            raise SampleError(f"the model's processor ({type(self.processor).__name__}) takes no audio")
         rate = int(self.processor.feature_extractor.sampling_rate)
         limit = self.audio_max_seconds
         wave = decode_audio(data[0], rate=rate, max_samples=None if limit is None else int(limit * rate))
@@ -235,6 +256,14 @@ class ProcessorMode(Family):
 
     #: ``audio_max_seconds`` of the settings (set by :func:`packtool.families.load`).
     audio_max_seconds: float | None = None
+
+    def template_placeholder(self, kind: str) -> str | None:
+        """The processor's own placeholder of each kind (a model without image input, such as Qwen2-Audio, is
+        probed with its audio part)."""
+        if kind == "image":
+            return super().template_placeholder(kind)
+        token = getattr(self.processor, f"{kind}_token", None)
+        return token if isinstance(token, str) else None
 
     def check_media(self, kinds: list[str]) -> None:
         """The processor checks its own placeholders."""
@@ -315,3 +344,62 @@ class ProcessorMode(Family):
                 "image_processor": {"family": "processor", "processor_class": type(self.processor).__name__},
                 "video_token_id": None, "video_processor": None, "audio_token_id": None,
                 "audio_start_token_id": None, "audio_end_token_id": None}
+
+
+# -- reading processor-mode packs ---------------------------------------------------------------------------------
+def processor_media(record: Any, processor: Any, where: str, decode: bool,
+                    audio_max_seconds: float | None) -> dict:
+    """The media of a processor-mode pack (``record``: a :class:`~packtool.format.PackRecord`): ``media_kinds``
+    (placeholder order) and, with ``decode``, ``media_inputs``: one dict per media item, in the same order, of
+    what the model folder's own sub-processor (``image_processor``, ``video_processor``, ``feature_extractor``)
+    gives for that item alone, decoded as at pack time (images as stored, a video's frames with their metadata
+    with channels last, audio as a mono waveform at the extractor's rate, cut to ``audio_max_seconds``). Items are
+    processed one at a time because this mode's processors differ in how (and whether) they batch unequal items."""
+    from packtool.errors import FormatError
+
+    refs = record.media_refs
+    out: dict[str, Any] = {"media_kinds": [m.kind for m in refs]}
+    if not decode:
+        return out
+    if processor is None:
+        if refs:
+            raise ValueError(f"{where} has media but no processor: pass image_processor=packtool.families.processor."
+                             f"load_processor(OUTPUT/.nv-meta/tokenizer) or images=False")
+        return out
+    inputs = []
+    for m in refs:
+        try:
+            inputs.append(_item_inputs(record, m, processor, audio_max_seconds))
+        except FormatError:
+            raise
+        except Exception as exc:  # decoders and processors raise many types for media they refuse
+            raise FormatError(f"{where}, member {m.member}: the model's processor refuses the {m.kind} "
+                              f"({type(exc).__name__}: {exc})") from None
+    out["media_inputs"] = inputs
+    return out
+
+
+def _item_inputs(record: Any, m: Any, processor: Any, audio_max_seconds: float | None) -> dict:
+    """One media item through its kind's sub-processor (see :func:`processor_media`)."""
+    from packtool.media import decode_audio, decode_frames, decode_video
+
+    part = {"image": "image_processor", "video": "video_processor", "audio": "feature_extractor"}[m.kind]
+    sub = getattr(processor, part, None)
+    if sub is None:
+        raise ValueError(f"the processor ({type(processor).__name__}) has no {part}")
+    if m.kind == "image":
+        result = sub(images=[open_pil(record.media[m.member])], return_tensors="pt")
+    elif m.kind == "video":
+        from transformers.video_utils import VideoMetadata
+
+        frames = (decode_frames([record.media[f] for f in m.frames], m.frame_indices) if m.frames
+                  else decode_video(record.media[m.member], m.frame_indices))
+        meta = VideoMetadata(total_num_frames=m.total_frames, fps=m.fps, width=m.width, height=m.height,
+                             duration=m.duration, frames_indices=list(m.frame_indices))
+        result = sub(videos=[frames], video_metadata=[meta], input_data_format="channels_last", return_tensors="pt")
+    else:
+        rate = int(sub.sampling_rate)
+        wave = decode_audio(record.media[m.member], rate=rate,
+                            max_samples=None if audio_max_seconds is None else int(audio_max_seconds * rate))
+        result = sub([wave], sampling_rate=rate, return_tensors="pt")
+    return dict(result)

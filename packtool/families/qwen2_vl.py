@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,11 +39,29 @@ class ImageRule:
     fixed_tokens: int = 0
     image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
     image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
+    #: A first resize before the processor's (qwen_vl_utils' ``fetch_image``, as Megatron-Bridge's Qwen-VL path
+    #: does): sides to multiples of ``prefit_factor`` within ``[prefit_min_pixels, prefit_max_pixels]``,
+    #: resampled bicubic; then the rule above applies to the resized image. ``0``: no first resize.
+    prefit_factor: int = 0
+    prefit_min_pixels: int = 0
+    prefit_max_pixels: int = 0
+    #: transformers' image processor backend the reader uses: ``pil`` (the same numbers with or without
+    #: torchvision) or ``torchvision`` (transformers' default where torchvision is installed, as Megatron-Bridge's
+    #: Qwen-VL path uses it; its resampling differs from PIL's by a level here and there).
+    backend: str = "pil"
+
+    def prefit(self, width: int, height: int) -> tuple[int, int]:
+        """``(width, height)`` of the image the processor is given: after the first resize, if any."""
+        if not self.prefit_factor:
+            return width, height
+        h, w = fetch_image_resize(height, width, self.prefit_factor, self.prefit_min_pixels, self.prefit_max_pixels)
+        return w, h
 
     def grid(self, width: int, height: int) -> tuple[int, int, int]:
         """``(t, h, w)`` patch grid of one image (Qwen2-VL); ``(1, 1, 1)`` for fixed-count models."""
         if self.type == "fixed":
             return (1, 1, 1)
+        width, height = self.prefit(width, height)
         h, w = qwen_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
         return (1, h // self.patch_size, w // self.patch_size)
 
@@ -78,6 +96,9 @@ class ImageRule:
             "fixed_tokens": self.fixed_tokens,
             "image_mean": list(self.image_mean),
             "image_std": list(self.image_std),
+            **({"prefit_factor": self.prefit_factor, "prefit_min_pixels": self.prefit_min_pixels,
+                "prefit_max_pixels": self.prefit_max_pixels} if self.prefit_factor else {}),
+            **({"backend": self.backend} if self.backend != "pil" else {}),
         }
 
 
@@ -98,6 +119,35 @@ def qwen_resize(height: int, width: int, factor: int, min_pixels: int, max_pixel
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+def fetch_image_resize(height: int, width: int, factor: int, min_pixels: float, max_pixels: float) -> tuple[int, int]:
+    """qwen_vl_utils' resize (``fetch_image``): like :func:`qwen_resize`, but a side rounds to at least ``factor``
+    first and a downscaled side may reach 0 (its own rounding, which differs for very thin images)."""
+    if min(height, width) <= 0:
+        raise ValueError(f"image has no pixels ({width}x{height})")
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} exceeds 200")
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = math.floor(height / beta / factor) * factor
+        w_bar = math.floor(width / beta / factor) * factor
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    if min(h_bar, w_bar) <= 0:
+        raise ValueError(f"image of {width}x{height} pixels resizes to no pixels")
+    return h_bar, w_bar
+
+
+#: qwen_vl_utils' own bounds of ``fetch_image``, in tokens (times ``factor``² for pixels).
+FETCH_IMAGE_TOKENS = (4, 16384)
+#: qwen_vl_utils' bounds of ``fetch_video`` per frame, in tokens, and its total budget (``MODEL_SEQ_LEN``).
+FETCH_VIDEO_TOKENS = (128, 768)
+FETCH_VIDEO_TOTAL_TOKENS = 128000
 
 
 #: ``image_processor_type`` values of Qwen2-VL's image processor (its backends, and Qwen2.5-VL's names for it).
@@ -160,6 +210,11 @@ class Qwen2VLSettings:
     max_video_tokens: int = 128000
     #: File the video settings came from (``"none"``: class defaults).
     video_config: str = "none"
+    #: Megatron-Bridge's Qwen-VL path: frames first go through qwen_vl_utils' ``fetch_video`` (each frame resized
+    #: as an image at twice the factor, the last frame repeated to an even count, then the video resized within
+    #: qwen_vl_utils' video bounds), then through this processor rule. ``keep_frames``: only the first frames.
+    fetch_video: bool = False
+    keep_frames: int | None = None
     image_token: str = "<|image_pad|>"
     video_token: str = "<|video_pad|>"
 
@@ -190,6 +245,8 @@ class Qwen2VLSettings:
         min_frames: int | None = None,
         max_frames: int | None = None,
         do_sample_frames: bool | None = None,
+        fetch_video: bool = False,
+        keep_frames: int | None = None,
     ) -> Qwen2VLSettings:
         """Settings of a model folder. Overrides win; giving ``fps`` or ``num_frames`` turns sampling on (and
         drops the other one from the folder) unless ``do_sample_frames`` says otherwise."""
@@ -222,6 +279,8 @@ class Qwen2VLSettings:
             video_config=configs.video_source,
             image_token=str(configs.tokens.get("image_token", cls.image_token)),
             video_token=str(configs.tokens.get("video_token", cls.video_token)),
+            fetch_video=fetch_video,
+            keep_frames=keep_frames,
         )
 
     def sample_indices(self, facts: VideoFacts) -> tuple[int, ...]:
@@ -246,9 +305,23 @@ class Qwen2VLSettings:
 
         return tuple(int(i) for i in torch.arange(0, total, total / n).int().tolist())
 
+    def fetched_size(self, height: int, width: int, frames: int) -> tuple[int, int]:
+        """``(height, width)`` of the frames qwen_vl_utils' ``fetch_video`` hands on (``frames``: their count)."""
+        factor = self.video_patch_size * self.video_merge_size
+        h, w = fetch_image_resize(height, width, 2 * factor, 4 * (2 * factor) ** 2, 16384 * (2 * factor) ** 2)
+        lo = FETCH_VIDEO_TOKENS[0] * factor**2
+        hi = max(min(FETCH_VIDEO_TOKENS[1] * factor**2, FETCH_VIDEO_TOTAL_TOKENS * factor**2 * 0.9 / frames * 2),
+                 int(lo * 1.05))
+        return fetch_image_resize(h, w, factor, lo, hi)
+
     def video(self, facts: VideoFacts) -> QwenVideoPlan:
         """The processor's treatment of one video, from its facts alone."""
         indices = self.sample_indices(facts)
+        if self.keep_frames is not None:
+            indices = indices[:self.keep_frames]
+        height, width = facts.height, facts.width
+        if self.fetch_video:  # its frame count: the last frame repeated to an even count, as the processor does
+            height, width = self.fetched_size(height, width, len(indices) + len(indices) % 2)
         n = len(indices)
         factor = self.video_patch_size * self.video_merge_size
         max_pixels = self.video_max_pixels
@@ -257,7 +330,7 @@ class Qwen2VLSettings:
             max_pixels = max(
                 min(max_pixels, total_pixels * self.video_temporal_patch_size // n), int(self.video_min_pixels * 1.05)
             )
-        h, w = qwen_resize(facts.height, facts.width, factor, self.video_min_pixels, max_pixels)
+        h, w = qwen_resize(height, width, factor, self.video_min_pixels, max_pixels)
         grid = (-(-n // self.video_temporal_patch_size), h // self.video_patch_size, w // self.video_patch_size)
         tokens = grid[0] * grid[1] * grid[2] // self.video_merge_size**2
         sampled_fps = n / facts.frames * facts.fps if facts.fps else UNKNOWN_FPS
@@ -292,20 +365,32 @@ class Qwen2VLSettings:
     def manifest(self) -> dict:
         """The settings, for the pack manifest and the reader."""
         out = {k: v for k, v in asdict(self).items() if k != "image"}
+        for name in ("fetch_video", "keep_frames"):  # written only when set: other manifests keep their bytes
+            if out[name] == getattr(Qwen2VLSettings, name):
+                del out[name]
         return {"family": "qwen2_vl", "image": self.image.manifest(), **out}
 
 
-def _image_rule(cfg: dict, min_pixels: int | None, max_pixels: int | None) -> ImageRule:
-    """The image rule of an image-processor config dict (keys as in ``preprocessor_config.json``)."""
+def _image_rule(cfg: dict, min_pixels: int | None, max_pixels: int | None, prefit: bool = False) -> ImageRule:
+    """The image rule of an image-processor config dict (keys as in ``preprocessor_config.json``); ``prefit``:
+    images are first resized as qwen_vl_utils' ``fetch_image`` does (:attr:`ImageRule.prefit_factor`), and read
+    with transformers' default (torchvision) backend, as Megatron-Bridge's Qwen-VL path does."""
     size = cfg.get("size") or {}
     lo = cfg.get("min_pixels", size.get("shortest_edge", size.get("min_pixels", ImageRule.min_pixels)))
     hi = cfg.get("max_pixels", size.get("longest_edge", size.get("max_pixels", ImageRule.max_pixels)))
+    patch = int(cfg.get("patch_size", ImageRule.patch_size))
+    merge = int(cfg.get("merge_size", ImageRule.merge_size))
+    factor = patch * merge if prefit else 0
     return ImageRule(
         type="qwen2_vl",
         min_pixels=int(min_pixels if min_pixels is not None else lo),
         max_pixels=int(max_pixels if max_pixels is not None else hi),
-        patch_size=int(cfg.get("patch_size", ImageRule.patch_size)),
-        merge_size=int(cfg.get("merge_size", ImageRule.merge_size)),
+        patch_size=patch,
+        merge_size=merge,
+        prefit_factor=factor,
+        prefit_min_pixels=FETCH_IMAGE_TOKENS[0] * factor**2,
+        prefit_max_pixels=FETCH_IMAGE_TOKENS[1] * factor**2,
+        backend="torchvision" if prefit else "pil",
         temporal_patch_size=int(cfg.get("temporal_patch_size", ImageRule.temporal_patch_size)),
         image_mean=tuple(cfg.get("image_mean", ImageRule.image_mean)),
         image_std=tuple(cfg.get("image_std", ImageRule.image_std)),
@@ -350,14 +435,20 @@ class Qwen2VL(Family):
     def load(cls, settings: EncodeSettings, tok: Any, convention: Convention) -> Qwen2VL:
         tokens = MediaTokens.from_vocab(tok.get_vocab())
         st = settings
-        image = _image_rule(read_folder(st.tokenizer).image, st.min_pixels, st.max_pixels)
+        image = _image_rule(read_folder(st.tokenizer).image, st.min_pixels, st.max_pixels,
+                            prefit=st.image_resize == "qwen_vl_utils")
         video = None
         if tokens.video_token_id is not None:
             try:
+                # Megatron-Bridge hands the processor its image bounds, which bound the video frames too.
+                fetch = st.image_resize == "qwen_vl_utils"
+                video_min = st.video_min_pixels if st.video_min_pixels is not None or not fetch else image.min_pixels
+                video_max = st.video_max_pixels if st.video_max_pixels is not None or not fetch else image.max_pixels
                 video = Qwen2VLSettings.from_folder(
                     st.tokenizer, min_pixels=st.min_pixels, max_pixels=st.max_pixels,
-                    video_min_pixels=st.video_min_pixels, video_max_pixels=st.video_max_pixels, fps=st.video_fps,
-                    num_frames=st.video_frames, min_frames=st.video_min_frames, max_frames=st.video_max_frames)
+                    video_min_pixels=video_min, video_max_pixels=video_max, fps=st.video_fps,
+                    num_frames=st.video_frames, min_frames=st.video_min_frames, max_frames=st.video_max_frames,
+                    fetch_video=fetch, keep_frames=st.video_keep_frames)
             except (ValueError, OSError) as exc:
                 raise ConfigError(f"{st.tokenizer}: unreadable video settings ({exc})") from None
         config = read_folder(st.tokenizer).video if video is not None else None
@@ -377,6 +468,13 @@ class Qwen2VL(Family):
 
     def plan_image(self, width: int, height: int, n_images: int) -> ItemPlan:
         return ItemPlan(self.image.tokens(width, height), self.image.grid(width, height))
+
+    def limit_tokens(self, item: dict) -> int:
+        """An image counts by the processor's rule from its stored size, without a first resize: Megatron-Bridge's
+        Qwen-VL task encoder gives its raw images to the processor for its ``max_visual_tokens`` limit."""
+        if item["kind"] != "image":
+            return super().limit_tokens(item)
+        return replace(self.image, prefit_factor=0).tokens(item["width"], item["height"])
 
     def plan_video(self, facts: VideoFacts, part: str) -> ItemPlan:
         if self.video is None:

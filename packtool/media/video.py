@@ -78,8 +78,11 @@ def probe_video(data: bytes, *, max_pixels: int, decode: bool = False) -> VideoF
     """Facts of an encoded video; raises ``ValueError`` with a reason when it is unusable.
 
     The header gives size, rate and (except in Matroska/WebM) the frame count; a missing count is found by counting
-    packets. With ``decode`` every frame is decoded once, which proves the stream whole and makes the decoded count
-    the count; a header that disagrees with it is an error. ``max_pixels`` bounds one frame, checked before decoding.
+    packets. With ``decode`` every frame is decoded once, with FFmpeg's error detection on (``err_detect``: CRCs,
+    bitstream and buffer checks, any error fatal), which proves the stream whole as far as a decoder can tell (a
+    change that leaves a valid bitstream decodes to other pixels, and no decoder can see it) and makes the decoded
+    count the count; a header that disagrees with it is an error. ``max_pixels`` bounds one frame, checked before
+    decoding.
     """
     with open_container(data, "video") as container:
         if not container.streams.video:
@@ -95,17 +98,18 @@ def probe_video(data: bytes, *, max_pixels: int, decode: bool = False) -> VideoF
         source: FrameCountSource
         try:
             if decode:
+                # FFmpeg conceals what it cannot decode (a frame patched from its neighbours, no error); with
+                # error detection on, a damaged slice, CRC or bitstream is an error instead
+                stream.codec_context.options = {"err_detect": "crccheck+bitstream+buffer+explode"}
                 frames, source = sum(1 for _ in container.decode(stream)), "decode"
-                if header_frames and header_frames != frames:
-                    raise ValueError(f"video header says {header_frames} frames but {frames} decode")
             elif header_frames:
                 frames, source = header_frames, "header"
             else:
                 frames, source = sum(1 for p in container.demux(stream) if p.size), "demux"
-        except ValueError:
-            raise
-        except Exception as exc:
+        except Exception as exc:  # PyAV's errors (some of them ValueErrors)
             raise ValueError(f"undecodable video: {type(exc).__name__}: {exc}") from None
+        if decode and header_frames and header_frames != frames:
+            raise ValueError(f"video header says {header_frames} frames but {frames} decode")
         duration = _duration(container, stream, frames, fps)
     return VideoFacts(width, height, frames, fps, duration, source)
 

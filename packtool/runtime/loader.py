@@ -143,9 +143,20 @@ class PackDataset(torch.utils.data.IterableDataset):
                                 image_processor=processor, source=str(self.shards[shard]))
 
 
-@functools.lru_cache(maxsize=16)
 def _manifest(dataset_path: str) -> Manifest:
-    """The manifest of a dataset Energon opened (its path may be remote: read through Energon's own paths)."""
+    """The manifest of a dataset Energon opened (its path may be remote: read through Energon's own paths). One
+    that cannot be read stops the loader whatever ``on_error`` says (Energon's handler would skip every pack of
+    the dataset, one by one, and a loader would yield nothing)."""
+    try:
+        return _read_manifest(dataset_path)
+    except Exception as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise FatalSampleError(f"packtool could not read the manifest {EPath(dataset_path) / MANIFEST}: "
+                               f"{type(exc).__name__}: {message}") from exc
+
+
+@functools.lru_cache(maxsize=16)
+def _read_manifest(dataset_path: str) -> Manifest:
     path = EPath(dataset_path) / MANIFEST
     return Manifest.parse(json.loads(path.read_text()), str(path))
 
@@ -252,7 +263,14 @@ class MegatronBridgeTaskEncoder(PackTaskEncoder):
     """Energon task encoder yielding the batch Megatron-Bridge's `vlm_step` / `gpt_step` consume: THD packed-
     sequence keys `cu_seqlens_q/kv(_padded)`, `max_seqlen_q/kv`, a `visual_inputs` object, ... (table in
     `packtool.runtime.megatron_batch`). Name it as the dataset's task encoder with micro batch size 1 and the model's
-    `seq_length` equal to the pack size. Arguments as `PackTaskEncoder`."""
+    `seq_length` equal to the pack size. Arguments as `PackTaskEncoder`.
+
+    Limits Megatron-Bridge does not check: with pipeline parallel >= 3 its steps give the middle stages these THD
+    boundaries only when the dataset config declares packing (`enable_in_batch_packing=True`, as
+    `examples/megatron_bridge_recipe.py` does), else their samples attend across each other; its Qwen2.5-VL model
+    does not split sequences across context-parallel ranks (train with CP 1); Nemotron Omni packs with video need a
+    model built with `temporal_patch_dim` equal to the manifest's `video_temporal_patch_dim` (2); FP8 needs a row
+    length that is a multiple of 16."""
 
     def finish(self, batch: dict, manifest: Manifest) -> dict:
         if is_nemotron(manifest):

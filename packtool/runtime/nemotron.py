@@ -187,7 +187,12 @@ def _videos(record: PackRecord, videos: Sequence[MediaRef], p: NemotronOmniProce
                 frames = decode_video(record.media[m.member], m.frame_indices)
         except (ValueError, OSError, IndexError) as exc:
             raise FormatError(f"{where}, member {m.member}: video does not decode ({exc})") from None
-        result = p.video(videos=[frames], do_sample_frames=False, return_tensors="pt")
+        try:  # frames are THWC (a video 1 or 3 pixels high would otherwise be read as channels first)
+            result = p.video(videos=[frames], do_sample_frames=False, input_data_format="channels_last",
+                             return_tensors="pt")
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise FormatError(f"{where}, member {m.member}: the video processor refuses the video "
+                              f"({type(exc).__name__}: {exc})") from None
         pixels = result["pixel_values_videos"]
         n, _, height, width = pixels.shape
         grid = [n, height // patch, width // patch]

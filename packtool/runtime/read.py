@@ -34,17 +34,24 @@ import numpy as np
 import torch
 
 from packtool.errors import FormatError
+from packtool.families.processor import load_processor, processor_media
 from packtool.format import (
     TOKENIZER_DIR,
     PackRecord,
+    aligned_lengths,
+    arrays_digest,
     is_nemotron,
     load_manifest,
     placeholder_ids,
+    processor_family,
+    row_length,
+    sha256,
     span_problems,
     split_shard_paths,
 )
 from packtool.runtime.nemotron import nemotron_media, nemotron_processors
 from packtool.shards import iter_records
+from packtool.storage import local_copy, location
 
 IGNORE_INDEX = -100
 PAD_TO = ("pack", "segments")
@@ -55,9 +62,17 @@ ROW_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
 @functools.lru_cache(maxsize=8)
 def _cached_processor(settings_json: str):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.utils import is_torchvision_available
 
     s = json.loads(settings_json)
-    return Qwen2VLImageProcessorPil(
+    cls: Any = Qwen2VLImageProcessorPil
+    # The backend the manifest names (a convention's), else the one AutoProcessor picks: torchvision when it is
+    # installed (the two resize differently, so the pixels are always the model processor's).
+    if s.get("backend", "torchvision" if is_torchvision_available() else "pil") == "torchvision":
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+        cls = Qwen2VLImageProcessor
+    return cls(
         min_pixels=s["min_pixels"], max_pixels=s["max_pixels"], patch_size=s["patch_size"],
         merge_size=s["merge_size"], temporal_patch_size=s["temporal_patch_size"],
         image_mean=s["image_mean"], image_std=s["image_std"],
@@ -65,16 +80,34 @@ def _cached_processor(settings_json: str):
 
 
 def image_processor_from_manifest(manifest: Mapping):
-    """The Qwen2-VL image processor (PIL backend: the same numbers with or without torchvision) the manifest
-    describes; None for a text-only dataset, a fixed-count (`"type": "fixed"`) one, whose model's own processor
-    the caller must pass, or a Nemotron Omni one (see `processor_for_output`). Cached: one per process and
-    settings."""
+    """The Qwen2-VL image processor the manifest describes, on the backend ``AutoProcessor`` picks (torchvision
+    when it is installed, else PIL; the two resize differently, so the pixels are always the model processor's);
+    None for a text-only dataset, a fixed-count (`"type": "fixed"`) one, whose model's own processor the caller
+    must pass, a Nemotron Omni one (see `processor_for_output`) or a processor-mode one. Cached: one per process
+    and settings."""
     settings = manifest.get("image_processor")
-    if settings is None or settings.get("type") == "fixed" or is_nemotron(manifest):
+    if settings is None or settings.get("type") == "fixed" or is_nemotron(manifest) or \
+            processor_family(settings) == "processor":
         return None
     if settings.get("type") != "qwen2_vl":
         raise ValueError(f"unsupported image processor type {settings.get('type')!r}")
     return _cached_processor(json.dumps(settings, sort_keys=True))
+
+
+def check_digests(where: str, record: PackRecord, members: Mapping[str, Any]) -> None:
+    """The SHA-256 digests the pack carries, against its bytes: the token arrays' (``arrays_sha256``) and each
+    media item's (with its size). A pack whose bytes changed after it was written (a flipped bit on disk, a
+    member swapped) is refused, naming what changed, before any of it reaches a batch. A few milliseconds per
+    pack of several MB of media: hashing is far cheaper than decoding."""
+    if record.arrays_sha256 and arrays_digest(members) != record.arrays_sha256:
+        raise FormatError(f"{where}: the token arrays differ from the SHA-256 written with the pack (corrupt)")
+    for ref in record.media_refs:
+        if not (ref.size or ref.sha256):  # records written before format 2 carry none
+            continue
+        data = b"".join(record.media[n] for n in ref.members)
+        if len(data) != ref.size or sha256(data) != ref.sha256:
+            raise FormatError(f"{where}, member {ref.member}: its bytes differ from the size and SHA-256 written "
+                              f"with the pack (corrupt)")
 
 
 def pack_to_batch(
@@ -111,15 +144,16 @@ def pack_to_batch(
         record = PackRecord.from_members(pack_key, members)
     except FormatError as exc:
         raise FormatError(f"{source}: {exc}" if source else str(exc)) from None
+    check_digests(where, record, members)
     tokens, targets = record.tokens, record.targets
     seqlens = record.seqlens.astype(np.int64)
     segments = record.segments
     align, pack_size = record.align, record.pack_size
     cu = np.concatenate([[0], np.cumsum(seqlens)])
-    padded = -(-seqlens // align) * align
+    padded = aligned_lengths(seqlens, align)
     cu_padded = np.concatenate([[0], np.cumsum(padded)])
     if pad_to == "pack":
-        length = pack_size // align * align
+        length = row_length(pack_size, align)
         if cu_padded[-1] > length:
             raise FormatError(f"{where}: aligned length {cu_padded[-1]} exceeds pack size {pack_size}")
         cu_padded[-1] = length  # tail padding absorbed into the last segment
@@ -179,6 +213,9 @@ def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, im
     _check_spans(record, manifest, cu, where)
     if is_nemotron(manifest):
         return nemotron_media(record, image_processor, where, images)
+    if processor_family(processor) == "processor" and not _plain_image_processor(image_processor):
+        return processor_media(record, image_processor, where, images,
+                               (manifest.get("settings") or {}).get("audio_max_seconds"))
     for m in everything:
         if m.kind not in ("image", "video"):
             raise FormatError(f"{where}: media kind {m.kind!r} (member {m.member}) is not supported by the reader "
@@ -203,6 +240,8 @@ def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, im
             out["pixel_values"] = torch.zeros((0, dim), dtype=torch.float32)
         return out
     pil = [open_stored_image(record.media[m.member], f"{where}, member {m.member}") for m in media]
+    if processor is not None and processor.get("prefit_factor"):
+        pil = [prefit_image(image, processor) for image in pil]
     try:
         result = proc(images=pil, return_tensors="np")
     except (ValueError, TypeError, OSError) as exc:
@@ -215,6 +254,16 @@ def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, im
                               f"stored {stored[bad].tolist()}")
     out["pixel_values"] = torch.from_numpy(np.ascontiguousarray(result["pixel_values"], dtype=np.float32))
     return out
+
+
+def _plain_image_processor(processor) -> bool:
+    """Whether a caller passed an image processor alone (not a whole model processor): a processor-mode pack's
+    images then go through it as before."""
+    if processor is None:
+        return False
+    from transformers.processing_utils import ProcessorMixin
+
+    return not isinstance(processor, ProcessorMixin)
 
 
 @functools.lru_cache(maxsize=8)
@@ -273,7 +322,17 @@ def _videos(record: PackRecord, manifest: Mapping, where: str, decode: bool) -> 
             raise FormatError(f"{where}, member {m.member}: video does not decode ({exc})") from None
         metadata.append(VideoMetadata(total_num_frames=m.total_frames, fps=m.fps, width=m.width, height=m.height,
                                       duration=m.duration, frames_indices=list(m.frame_indices)))
-    result = proc(videos=arrays, video_metadata=metadata, do_sample_frames=False, return_tensors="pt")
+    clips: list[Any] = arrays
+    # Frames are THWC (a video 1 or 3 pixels high would otherwise be read as channels first).
+    extra: dict[str, Any] = {"video_metadata": metadata, "input_data_format": "channels_last"}
+    if manifest["video_processor"].get("fetch_video"):  # as Megatron-Bridge hands them over: no metadata
+        clips, extra = [fetch_video_frames(a, manifest["video_processor"]) for a in arrays], {}
+    try:
+        result = proc(videos=clips, do_sample_frames=False, return_tensors="pt", **extra)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        members = ", ".join(m.member for m in videos)
+        raise FormatError(f"{where}: the video processor refuses its videos ({members}; "
+                          f"{type(exc).__name__}: {exc})") from None
     grid = result["video_grid_thw"].numpy().astype(np.int64)
     if not np.array_equal(grid, grids):
         bad = next(i for i in range(len(videos)) if not np.array_equal(grid[i], grids[i]))
@@ -281,6 +340,27 @@ def _videos(record: PackRecord, manifest: Mapping, where: str, decode: bool) -> 
                           f"stored {grids[bad].tolist()}")
     out["pixel_values_videos"] = result["pixel_values_videos"].to(torch.float32).contiguous()
     return out
+
+
+def fetch_video_frames(frames: np.ndarray, settings: Mapping) -> torch.Tensor:
+    """Frames ``(T, H, W, 3)`` as qwen_vl_utils' ``fetch_video`` hands them to the processor in Megatron-Bridge's
+    Qwen-VL path: each resized as an image (bicubic), the last repeated to an even count, then the clip resized
+    (torchvision, bicubic, antialiased) and made float: ``(T', 3, h, w)``."""
+    from PIL import Image
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as F
+
+    from packtool.families.qwen2_vl import Qwen2VLSettings, fetch_image_resize
+
+    rule = Qwen2VLSettings.from_manifest(settings)
+    factor = 2 * rule.video_patch_size * rule.video_merge_size
+    t, height, width = frames.shape[:3]
+    h, w = fetch_image_resize(height, width, factor, 4 * factor**2, 16384 * factor**2)
+    resized = [np.asarray(Image.fromarray(f).convert("RGB").resize((w, h), Image.Resampling.BICUBIC)) for f in frames]
+    resized += resized[-1:] * (t % 2)
+    clip = torch.from_numpy(np.stack(resized)).permute(0, 3, 1, 2)
+    size = list(rule.fetched_size(height, width, len(resized)))
+    return F.resize(clip, size, interpolation=InterpolationMode.BICUBIC, antialias=True).float()
 
 
 def open_stored_image(data: bytes, where: str):
@@ -297,12 +377,25 @@ def open_stored_image(data: bytes, where: str):
     return image
 
 
+def prefit_image(image, settings: Mapping):
+    """The image resized first as the manifest's image settings say (``prefit_*``: qwen_vl_utils' ``fetch_image``
+    in Megatron-Bridge's Qwen-VL path, which receives RGB images from Energon's decoder), before the processor."""
+    from PIL import Image
+
+    from packtool.families.qwen2_vl import ImageRule
+
+    width, height = ImageRule.from_manifest(settings).prefit(image.width, image.height)
+    return image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
+
+
 def processor_for_output(path: str | Path, manifest: Mapping):
     """The processor a reader of the packed dataset at `path` uses for its media: Qwen2-VL's image processor
     (`image_processor_from_manifest`), Nemotron Omni's processors built from the model folder copied into the
     output (`packtool.runtime.nemotron.nemotron_processors`), or None."""
     if is_nemotron(manifest):
-        return nemotron_processors(manifest, Path(path) / TOKENIZER_DIR)
+        return nemotron_processors(manifest, local_copy(location(path) / TOKENIZER_DIR))
+    if processor_family(manifest.get("image_processor")) == "processor":
+        return load_processor(str(local_copy(location(path) / TOKENIZER_DIR)))
     return image_processor_from_manifest(manifest)
 
 

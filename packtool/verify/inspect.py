@@ -7,6 +7,7 @@ Needs only OUTPUT: the tokenizer copy in `.nv-meta/tokenizer` and the manifest.
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from itertools import groupby
 from pathlib import Path
@@ -14,16 +15,25 @@ from pathlib import Path
 import numpy as np
 
 from packtool.errors import FormatError
-from packtool.format import META, InfoJson, PackRecord, SplitYaml, load_manifest
+from packtool.format import META, InfoJson, PackRecord, SplitYaml, aligned_lengths, in_split, load_manifest
 from packtool.shards import iter_records
+from packtool.storage import local_copy, location
 
 OPEN, CLOSE = "⟦", "⟧"
+#: Characters a terminal acts on (C0 and C1 controls, DEL, bidirectional overrides and isolates); inspect shows
+#: them escaped (``\x1b``), so a sample's text cannot move the cursor, recolour or reorder what is printed.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every terminal control character but newline and tab written as an escape."""
+    return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
 def find_pack(path: str | Path, key: str | None = None, split: str | None = None) -> tuple[str, Path, dict]:
     """(key, shard, members) of pack ``key`` (looked up in ``index.sqlite``), or of the first pack of ``split``
     (default: the first split)."""
-    root = Path(path)
+    root = location(path)
     splits = SplitYaml.read(root)
     names = [split] if split is not None else list(splits.split_parts)
     if key is None:
@@ -33,7 +43,7 @@ def find_pack(path: str | Path, key: str | None = None, split: str | None = None
                     return found, root / shard, members
         raise FormatError(f"no packs in split(s) {names}")
     hit = _lookup(root, key)
-    if hit is None or (split is not None and not key.startswith(f"{split}-")):
+    if hit is None or (split is not None and not in_split(key, split)):
         raise FormatError(f"no pack {key!r} in split(s) {names}")
     shard, index = hit
     found, members = next(iter_records(root / shard, [index]))
@@ -43,7 +53,7 @@ def find_pack(path: str | Path, key: str | None = None, split: str | None = None
 def _lookup(root: Path, key: str) -> tuple[str, int] | None:
     """(shard, record index) of pack ``key`` through Energon's sample index (one indexed query)."""
     shards = list(InfoJson.read(root).shard_counts)
-    con = sqlite3.connect(f"file:{root / META / 'index.sqlite'}?mode=ro", uri=True)
+    con = sqlite3.connect(f"file:{local_copy(root / META / 'index.sqlite')}?mode=ro", uri=True)
     try:
         hit = con.execute("SELECT tar_file_id, sample_index FROM samples WHERE sample_key=?", (key,)).fetchone()
     except sqlite3.Error as exc:
@@ -60,12 +70,12 @@ def inspect_pack(path: str | Path, key: str | None = None, split: str | None = N
     manifest = load_manifest(path)
     found, shard, members = find_pack(path, key, split)
     record = PackRecord.from_members(found, members)
-    tokenizer = Tokenizer.from_file(str(Path(path) / manifest.tokenizer.get("dir", f"{META}/tokenizer") /
-                                        "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(local_copy(location(path) / manifest.tokenizer.get("dir", f"{META}/tokenizer")
+                                                   / "tokenizer.json")))
     tokens, targets, seqlens, align = record.tokens, record.targets, record.seqlens, record.align
-    aligned = int((-(-seqlens // align) * align).sum())
+    aligned = int(aligned_lengths(seqlens, align).sum())
     lines = [
-        f"pack {found}  ({Path(shard).relative_to(path)})",
+        f"pack {found}  ({shard.relative_to(location(path))})",
         f"pack_size {record.pack_size}  align {align}  segments {len(seqlens)}  tokens {len(tokens)} "
         f"(aligned {aligned}, fill {aligned / record.pack_size:.1%})  targets {int(targets.sum())}  "
         f"media {len(record.media_refs)}",
@@ -74,12 +84,12 @@ def inspect_pack(path: str | Path, key: str | None = None, split: str | None = N
     for i, seg in enumerate(record.segments):
         a, b = int(starts[i]), int(starts[i + 1])
         trunc = "  TRUNCATED" if seg.truncated else ""
-        lines += ["", f"[{i}] {seg.key}  (shard {seg.shard}, split {seg.split})  tokens {b - a}  "
-                      f"targets {int(targets[a:b].sum())}{trunc}"]
+        lines += ["", printable(f"[{i}] {seg.key}  (shard {seg.shard}, split {seg.split})  tokens {b - a}  "
+                                f"targets {int(targets[a:b].sum())}{trunc}")]
         for m in seg.media:
-            lines.append(f"    {m.member}  {m.kind}  {len(record.media[m.member])} bytes  {m.width}×{m.height}"
-                         f"  grid {m.grid_thw}  {m.tokens} tokens at +{m.token_offset}")
-        text = render_text(tokenizer, tokens[a:b], targets[a:b], manifest.image_token_id).rstrip("\n")
+            lines.append(f"    {printable(m.member)}  {m.kind}  {len(record.media[m.member])} bytes  "
+                         f"{m.width}×{m.height}  grid {m.grid_thw}  {m.tokens} tokens at +{m.token_offset}")
+        text = printable(render_text(tokenizer, tokens[a:b], targets[a:b], manifest.image_token_id).rstrip("\n"))
         lines.append("    " + text.replace("\n", "\n    "))
     return "\n".join(lines)
 

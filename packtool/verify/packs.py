@@ -33,7 +33,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from packtool.build.engine import Engine
 from packtool.errors import FormatError
@@ -62,18 +61,25 @@ from packtool.format import (
     MediaRef,
     PackRecord,
     SplitYaml,
+    aligned_lengths,
     arrays_digest,
+    energon_dataset_yaml,
+    in_split,
     placeholder_ids,
     processor_family,
+    read_mapping,
+    row_length,
     safe_relative,
     sha256,
     span_problems,
+    tokenizer_fingerprint,
 )
 from packtool.media import image_size, probe_audio, probe_frames, probe_video
 from packtool.media.audio import decode_audio
 from packtool.media.video import VideoFacts
 from packtool.settings import EngineKind
 from packtool.shards import idx_path, index_tar, parse_record, record_offsets, scan_records
+from packtool.storage import local_copy, location, open_read, parquet_file
 
 MAX_LISTED = 200
 #: Segments whose tokens are re-encoded in one tokenizer call.
@@ -178,7 +184,7 @@ class TokenCheck:
 
 @lru_cache(maxsize=2)
 def _token_check(tokenizer_dir: str, expanded_in_ids: bool) -> TokenCheck:
-    return TokenCheck(Path(tokenizer_dir), expanded_in_ids)
+    return TokenCheck(local_copy(location(tokenizer_dir)), expanded_in_ids)
 
 
 @dataclass(frozen=True)
@@ -265,8 +271,8 @@ def check_pack(where: str, record: PackRecord, members: dict[str, bytes], manife
     size, align = record.pack_size, record.align
     if (size, align) != (settings.get("pack_size", size), settings.get("align", align)):
         problems.append(f"{where}: pack_size/align {size}/{align} differ from the manifest's")
-    cost = int((-(-record.seqlens.astype(np.int64) // max(align, 1)) * max(align, 1)).sum())
-    if cost > size:
+    cost = int(aligned_lengths(record.seqlens.astype(np.int64), max(align, 1)).sum())
+    if cost > row_length(size, max(align, 1)):
         problems.append(f"{where}: aligned length {cost} exceeds pack size {size}")
     if (record.targets > 1).any():
         problems.append(f"{where}: targets hold values other than 0/1")
@@ -502,7 +508,7 @@ def check_shard(output: str, split: str, shard: str, fid: int, count: int | None
     """Check one output shard (see the module docstring); the task :func:`verify_output` runs per shard. The
     token arrays of a record that carries their SHA-256 are proven by it; the others, and all with
     ``retokenize``, are also encoded again from their own text."""
-    out = Path(output)
+    out = location(output)
     report = ShardReport()
     problems = report.problems
     path = out / shard
@@ -536,7 +542,7 @@ def check_shard(output: str, split: str, shard: str, fid: int, count: int | None
     for i, (key, members) in enumerate(scan_records(path)):
         report.packs += 1
         where = f"{shard}: pack {key}"
-        if not key.startswith(f"{split}-"):
+        if not in_split(key, split):
             problems.append(f"{where}: does not belong to split {split}")
         try:
             record = PackRecord.from_members(key, members)
@@ -590,7 +596,7 @@ def _check_sqlite(path: Path, shard: str, fid: int, index: list) -> list[str]:
     """The shard's rows of ``index.sqlite`` (``tar_file_id`` = its position in ``split.yaml``) against its tar."""
     if not path.is_file():
         return [f"{META}/index.sqlite: missing"]
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    con = sqlite3.connect(f"file:{local_copy(path)}?mode=ro", uri=True)
     try:
         rows = con.execute("SELECT sample_key, sample_index, byte_offset, byte_size FROM samples "
                            "WHERE tar_file_id = ? ORDER BY sample_index", (fid,)).fetchall()
@@ -613,7 +619,7 @@ def _check_sqlite_extent(path: Path, n_shards: int) -> list[str]:
     """Rows of ``index.sqlite`` for shards ``split.yaml`` does not list (the per-shard checks cannot see them)."""
     if not path.is_file():
         return []  # reported by every shard task
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    con = sqlite3.connect(f"file:{local_copy(path)}?mode=ro", uri=True)
     try:
         extra = con.execute("SELECT COUNT(*) FROM samples WHERE tar_file_id < 0 OR tar_file_id >= ?",
                             (n_shards,)).fetchone()[0]
@@ -631,7 +637,7 @@ def verify_output(output: str | Path, *, source: str | Path | None = None, worke
     (the shards, and with ``source`` the source shards, are checked in parallel on one engine). ``retokenize``
     also encodes every segment's text again even where the pack's array digest proves its tokens intact."""
     with Engine(engine, workers, ray_address) as runner:
-        return _verify(Path(output), None if source is None else Path(source), runner, retokenize)
+        return _verify(location(output), None if source is None else location(source), runner, retokenize)
 
 
 def _verify(out: Path, source: Path | None, runner: Engine, retokenize: bool = False) -> list[str]:
@@ -653,6 +659,16 @@ def _verify(out: Path, source: Path | None, runner: Engine, retokenize: bool = F
         tok_dir = out / (manifest.tokenizer or {}).get("dir", f"{META}/tokenizer")
         if not (tok_dir / "tokenizer.json").is_file():
             problems.append(f"{tok_dir.relative_to(out)}: no tokenizer.json (readers need it; token ids unchecked)")
+        elif (manifest.tokenizer or {}).get("fingerprint") not in (None, tokenizer_fingerprint(tok_dir)):
+            problems.append(f"{tok_dir.relative_to(out)}: the model files differ from those the packs were made "
+                            f"with (their SHA-256 is not the manifest's tokenizer fingerprint)")
+        try:
+            described = read_mapping(out / META / "dataset.yaml", "dataset file")
+            if described != energon_dataset_yaml():
+                problems.append(f"{META}/dataset.yaml: {described} is not what packtool writes "
+                                f"({energon_dataset_yaml()}; the task encoders match its subflavors)")
+        except FormatError as exc:
+            problems.append(_relative(exc, out))
         tasks = [(str(out), split, shard, fid, info.shard_counts.get(shard), manifest, retokenize)
                  for fid, (split, shard) in enumerate(shards)]
         done = runner.map(check_shard, tasks, desc="verify", unit="shard", progress=False)
@@ -689,7 +705,7 @@ class LedgerScan:
 
 def _ledger_batches(out: Path):
     """The ledger as record batches (schema checked first)."""
-    pf = pq.ParquetFile(out / LEDGER)
+    pf = parquet_file(out / LEDGER)
     missing = [n for n in LEDGER_SCHEMA.names if n not in pf.schema_arrow.names]
     if missing:
         raise FormatError(f"{LEDGER}: columns {missing} missing")
@@ -824,7 +840,7 @@ class _Segments:
     def get(self, shard: int, ordinal: int, ident: int) -> tuple[str, str, str, tuple]:
         """``(output shard, pack key, "source shard/key", facts)`` of the segment with digest ``ident``."""
         rec = self.index(shard)[ordinal]
-        with open(self.out / self.shards[shard], "rb") as f:
+        with open_read(self.out / self.shards[shard]) as f:
             f.seek(rec.offset)
             key, members = parse_record(f.read(rec.size))
         record = PackRecord.from_members(key, members)

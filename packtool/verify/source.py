@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from packtool.build.encoder import get_encoder
 from packtool.build.engine import Engine
@@ -28,6 +27,7 @@ from packtool.build.store import UNREADABLE
 from packtool.errors import FormatError, SourceError
 from packtool.format import KEPT, LEDGER, META, TOKENIZER_DIR, InfoJson, Manifest, PackRecord
 from packtool.settings import EncodeSettings
+from packtool.storage import local_copy, location, open_read, read_parquet
 
 CHUNK = 256
 MAX_PER_SHARD = 200
@@ -44,7 +44,7 @@ def _plain(value: object) -> object:
 def _settings(out: Path, manifest: Manifest) -> EncodeSettings:
     names = {f.name for f in fields(EncodeSettings)}
     kw = {k: v for k, v in manifest.settings.items() if k in names}
-    kw["tokenizer"] = str(out / TOKENIZER_DIR)
+    kw["tokenizer"] = str(local_copy(out / TOKENIZER_DIR))
     return EncodeSettings(**kw)
 
 
@@ -60,7 +60,7 @@ def check_against_source(out: Path, source: Path, manifest: Manifest, engine: En
     problems = [p for found in engine.map(check_source_shard, tasks, desc="verify source", unit="shard",
                                           progress=False) for p in found]
     try:
-        ledger_shards = pq.read_table(out / LEDGER, columns=["shard"]).column("shard").unique().to_pylist()
+        ledger_shards = read_parquet(out / LEDGER, columns=["shard"]).column("shard").unique().to_pylist()
     except Exception:
         return problems
     for shard in sorted(set(ledger_shards) - set(shards)):
@@ -70,7 +70,7 @@ def check_against_source(out: Path, source: Path, manifest: Manifest, engine: En
 
 def _ledger_rows(out: Path, shard: str) -> dict[tuple[str, int], dict]:
     """The ledger rows of one source shard by (key, occurrence of that key in the shard)."""
-    table = pq.read_table(out / LEDGER, filters=pc.field("shard") == shard)
+    table = read_parquet(out / LEDGER, filters=pc.field("shard") == shard)
     rows: dict[tuple[str, int], dict] = {}
     seen: Counter[str] = Counter()
     for r in table.to_pylist():
@@ -82,7 +82,7 @@ def _ledger_rows(out: Path, shard: str) -> dict[tuple[str, int], dict]:
 def check_source_shard(output: str, root: str, shard: str, excluded: frozenset[str], dataset_yaml: dict,
                        expected: int | None, manifest: Manifest) -> list[str]:
     """Re-encode one source shard chunk by chunk and compare every sample with its ledger row and pack (a task)."""
-    out = Path(output)
+    out = location(output)
     encoder = get_encoder(_settings(out, manifest), dataset_yaml)
     try:
         ledger = _ledger_rows(out, shard)
@@ -94,7 +94,7 @@ def check_source_shard(output: str, root: str, shard: str, excluded: frozenset[s
         return [f"{shard}: packs cannot be looked up ({exc})"]
     problems: list[str] = []
     occurrence: Counter = Counter()
-    scan = ShardScan(Path(root), shard, excluded, max_sample_bytes=encoder.settings.max_sample_bytes)
+    scan = ShardScan(location(root), shard, excluded, max_sample_bytes=encoder.settings.max_sample_bytes)
     samples = iter(scan)
     chunk, done, error = [], 0, None
     try:
@@ -150,7 +150,7 @@ class _RecordReader:
 
     def __init__(self, out: Path):
         self.out, self.shards = out, list(InfoJson.read(out).shard_counts)
-        self.con = sqlite3.connect(f"file:{out / META / 'index.sqlite'}?mode=ro", uri=True)
+        self.con = sqlite3.connect(f"file:{local_copy(out / META / 'index.sqlite')}?mode=ro", uri=True)
         self.get = lru_cache(maxsize=16)(self._read)
 
     def _read(self, pack_key: str) -> tuple[PackRecord | None, str]:
@@ -160,7 +160,7 @@ class _RecordReader:
             return None, ""
         fid, index = hit
         members = {}
-        with open(self.out / self.shards[fid], "rb") as f:
+        with open_read(self.out / self.shards[fid]) as f:
             for part, off, size in self.con.execute(
                     "SELECT part_name, content_byte_offset, content_byte_size FROM sample_parts "
                     "WHERE tar_file_id=? AND sample_index=?", (fid, index)):

@@ -14,11 +14,31 @@ import pyarrow.compute as pc
 
 from packtool.build.ledger import read_ledger
 from packtool.errors import FormatError
-from packtool.format import MANIFEST, STATUSES
+from packtool.format import MANIFEST, STATUSES, aligned_lengths, pack_numbers
+from packtool.storage import location
 
 #: The ledger columns the report reads (keys and shards are never needed: they are most of its bytes).
 STATS_COLUMNS = ["split", "status", "reason", "tokens", "images", "image_tokens", "pack"]
-_NUMBER = re.compile(r"\d+")
+#: A number standing alone (``4096``, ``2.5 s``), not one inside a word or a name (``mp4``, ``Qwen2.5-VL-3B``,
+#: ``part0.jpg``): reasons that differ only in such numbers are grouped.
+_NUMBER = re.compile(r"(?<![\w./\-])\d+(?:\.\d+)?(?![\w.]*[A-Za-z_])(?!\.\d)")
+
+
+def group_reason(reason: str) -> str:
+    """``reason`` with its standalone numbers folded to ``N``."""
+    return _NUMBER.sub("N", reason)
+
+
+def _ledger(path: Path, columns: list[str]) -> pa.Table:
+    """The ledger of ``path``, or a one-line error when it is neither a packed output nor a ledger file."""
+    from packtool.format import LEDGER
+
+    if path.is_dir() and not (path / LEDGER).is_file():
+        raise FormatError(f"{path} is not a packed output: it holds no {LEDGER}")
+    try:
+        return read_ledger(path, columns)
+    except (pa.ArrowInvalid, KeyError) as exc:
+        raise FormatError(f"{path} is not a packtool ledger ({str(exc).splitlines()[0]})") from None
 
 
 def _manifest(path: Path) -> dict:
@@ -40,8 +60,7 @@ def _settings(path: Path, pack_size: int | None = None) -> dict:
 def split_arrays(ledger, split: str) -> dict:
     """Per-split numpy views of the packed rows: lengths, images, image tokens and pack numbers."""
     t = ledger.filter(pc.and_(pc.equal(ledger.column("split"), split), pc.is_valid(ledger.column("pack"))))
-    # Pack keys end in their 9-digit number (format.pack_key): parsed by Arrow, no Python string per row.
-    packs = pc.cast(pc.utf8_slice_codeunits(t.column("pack"), start=-9), pa.int64()).to_numpy()
+    packs = pack_numbers(t.column("pack"))
     return {
         "lengths": t.column("tokens").to_numpy().astype(np.int64),
         "images": t.column("images").to_numpy().astype(np.int64),
@@ -55,8 +74,8 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
     with reasons grouped (numbers folded to N), and DP-group imbalance when ``balance_dp`` is given."""
     from packtool.build.algorithms import dp_imbalance
 
-    path = Path(path)
-    ledger = read_ledger(path, STATS_COLUMNS)
+    path = location(path)
+    ledger = _ledger(path, STATS_COLUMNS)
     st = _settings(path, pack_size)
     size, align = int(st["pack_size"]), int(st["align"])
     groups = balance_dp or st.get("balance_dp")
@@ -67,10 +86,10 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
         rows = ledger.filter(pc.equal(ledger.column("split"), split))
         statuses = rows.column("status").to_pylist()
         reasons = Counter(
-            (s, _NUMBER.sub("N", r)) for s, r in zip(statuses, rows.column("reason").to_pylist()) if s != "packed")
+            (s, group_reason(r)) for s, r in zip(statuses, rows.column("reason").to_pylist()) if s != "packed")
         lengths, pack = a["lengths"], a["pack"]
         n_packs = int(pack.max()) + 1 if pack.size else 0
-        cost = -(-lengths // align) * align
+        cost = aligned_lengths(lengths, align)
         tokens, costs = int(lengths.sum()), int(cost.sum())
         seg_per_pack = np.bincount(pack, minlength=n_packs) if n_packs else np.zeros(0, np.int64)
         img_per_pack = np.bincount(pack, weights=a["images"], minlength=n_packs) if n_packs else seg_per_pack
@@ -110,22 +129,57 @@ def _summary(x: np.ndarray) -> dict:
 
 
 def compare(path: str | Path, algorithms: list[str], *, pack_size: int | None = None) -> dict:
-    """Replan each split's packed lengths with every named algorithm under the run's constraints."""
+    """Replan each split with every named algorithm under the run's constraints; at another ``pack_size`` the
+    samples are first cut as a run at that size would cut them (:mod:`packtool.verify.candidates`)."""
+    from packtool.build.algorithms import ALGORITHMS
     from packtool.build.algorithms import compare as plan_compare
+    from packtool.errors import ConfigError
+    from packtool.verify.candidates import load_rows, outcome
 
-    path = Path(path)
-    ledger = read_ledger(path, STATS_COLUMNS)
+    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    if unknown:
+        raise ConfigError(f"unknown algorithm {unknown[0]!r}; choose from {', '.join(ALGORITHMS)}")
+    path = location(path)
+    ledger = _ledger(path, [*STATS_COLUMNS, "source_tokens"])
     st = _settings(path, pack_size)
+    size, align = int(st["pack_size"]), int(st["align"])
+    if size < align:
+        raise ConfigError(f"pack size {size} is smaller than the alignment {align}")
     out = {}
     for split in sorted(set(ledger.column("split").to_pylist())):
-        a = split_arrays(ledger, split)
-        if not a["lengths"].size:
+        rows = ledger.filter(pc.equal(ledger.column("split"), split))
+        o, _ = outcome(load_rows(_folder(path), split, rows.to_pydict()), size, st)
+        keep = (o.status == "packed") | (o.status == "truncated")
+        if not keep.any():
             continue
         out[split] = plan_compare(
-            a["lengths"], int(st["pack_size"]), algorithms, align=int(st["align"]),
-            max_segments=st.get("max_segments"), images=a["images"], max_images=st.get("max_images"),
-            image_tokens=a["image_tokens"], max_image_tokens=st.get("max_image_tokens"), seed=st.get("seed", 0),
+            o.tokens[keep], size, algorithms, align=align, max_segments=st.get("max_segments"),
+            images=o.images[keep], max_images=st.get("max_images"), image_tokens=o.image_tokens[keep],
+            max_image_tokens=st.get("max_image_tokens"), seed=st.get("seed", 0),
         )
+    return out
+
+
+def _folder(path: Path) -> Path:
+    return path if path.is_dir() else path.parent
+
+
+def decide(path: str | Path, sizes: list[int], *, dp: int = 1, micro_batches: int = 1, micro_batch_size: int = 1,
+           algorithm: str | None = None) -> dict:
+    """Per split: the source-length distribution (before any cut) and one row per candidate pack size
+    (:func:`packtool.verify.candidates.evaluate`)."""
+    from packtool.verify.candidates import distribution, evaluate, load_rows
+
+    path = Path(path)
+    ledger = _ledger(path, ["split", "status", "source_tokens"])
+    st = _settings(path)
+    out = {}
+    for split in sorted(set(ledger.column("split").to_pylist())):
+        rows = ledger.filter(pc.equal(ledger.column("split"), split)).to_pydict()
+        out[split] = {"source": distribution(load_rows(_folder(path), split, rows)),
+                      "candidates": evaluate(_folder(path), split, rows, sizes, st, dp=dp,
+                                             micro_batches=micro_batches, micro_batch_size=micro_batch_size,
+                                             algorithm=algorithm)}
     return out
 
 
@@ -152,7 +206,37 @@ def format_report(report: dict) -> str:
         for r in rows:
             lines.append(f"  {r['algorithm']:<26}{r['packs']:>8}{r['l1_bound']:>8}{r['fill']:>9.4f}"
                          f"{r['seconds']:>10.3f}")
+    for split, d in report.get("decide", {}).items():
+        lines += _decide_lines(split, d)
     return "\n".join(lines)
+
+
+def _decide_lines(split: str, d: dict) -> list[str]:
+    from packtool.verify.candidates import steps_text
+
+    src = d["source"]
+    t, m = src["tokens"], src["media"]
+    lines = ["", f"[{split}] source, before any cut ({src['samples']} samples without errors)",
+             f"  tokens/sample    mean {t['mean']:.0f}  p50 {t['p50']}  p90 {t['p90']}  p99 {t['p99']}  "
+             f"max {t['max']}",
+             f"  media/sample     mean {m['mean']:.2f}  p50 {m['p50']}  p90 {m['p90']}  max {m['max']}"]
+    rows = d["candidates"]
+    if not rows:
+        return lines
+    lines += ["", f"[{split}] candidate pack sizes ({rows[0]['algorithm']})",
+              f"  {'size':>7}{'packs':>8}{'fill':>8}{'trunc':>7}{'drop':>6}{'samples/pack':>22}{'media/pack':>12}"]
+    for r in rows:
+        sp, mp = r["samples_per_pack"], r["media_per_pack"]
+        spread = f"{sp['mean']:.2f} ± {sp['std']:.2f} [{sp['min']:.0f}-{sp['max']:.0f}]"
+        lines.append(f"  {r['pack_size']:>7}{r['packs']:>8}{r['fill']:>8.4f}{r['truncated']:>7}{r['dropped']:>6}"
+                     f"{spread:>22}{mp['mean']:>12.2f}")
+        lines.append(f"  {'':>7}  {steps_text(r)}")
+    estimated = sum(r["estimated"] for r in rows)
+    if estimated:
+        lines.append(f"  estimates: {estimated} cut sample(s) judged from incomplete facts (text cut before "
+                     f"tokenizing, or an encode store without source facts): their media past the cut are "
+                     f"unknown and a target is assumed before the cut")
+    return lines
 
 
 def plot(path: str | Path, png: str | Path) -> None:
@@ -162,8 +246,8 @@ def plot(path: str | Path, png: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = Path(path)
-    ledger = read_ledger(path, STATS_COLUMNS)
+    path = location(path)
+    ledger = _ledger(path, STATS_COLUMNS)
     size = int(_settings(path)["pack_size"])
     splits = sorted(set(ledger.column("split").to_pylist()))
     fig, axes = plt.subplots(len(splits) or 1, 3, figsize=(13, 3.2 * max(1, len(splits))), squeeze=False)

@@ -1,6 +1,7 @@
 """Planning: item lengths in, pack ids out. Pure numpy functions, one module per family of algorithms.
 
-- :func:`pack_lengths` / :data:`ALGORITHMS` (:mod:`.pack`): the entry point and its algorithm names;
+- :func:`pack_lengths` (:mod:`.pack`): the entry point; :data:`ALGORITHMS` / :data:`PLANNERS`
+  (:mod:`.registry`, :mod:`.pack`): the algorithm names and their implementations;
   ``bfd`` (:mod:`.bestfit`), ``ffd`` and ``first_fit_shuffle`` (:mod:`.firstfit`), ``greedy_knapsack``
   (:mod:`.fill`), ``balanced_greedy_knapsack`` (:mod:`.balanced`), ``sequential`` (:mod:`.nextfit`).
 - :func:`derive_align`, :func:`l1_bound`, :func:`compare`: alignment from parallelism, the token lower bound
@@ -8,8 +9,19 @@
 - :func:`balance_dp`, :func:`dp_imbalance` (:mod:`.dp`): pack order for data-parallel steps.
 """
 
-from packtool.build.algorithms.dp import balance_dp, dp_imbalance, pack_compute
-from packtool.build.algorithms.pack import ALGORITHMS, compare, derive_align, l1_bound, pack_lengths
+from typing import Any
 
-__all__ = ["ALGORITHMS", "balance_dp", "compare", "derive_align", "dp_imbalance", "l1_bound", "pack_compute",
-           "pack_lengths"]
+from packtool.build.algorithms.dp import balance_dp, dp_imbalance, pack_compute
+from packtool.build.algorithms.pack import PLANNERS, compare, l1_bound, pack_lengths
+from packtool.build.algorithms.registry import ALGORITHMS, Algorithm
+
+__all__ = ["ALGORITHMS", "PLANNERS", "Algorithm", "balance_dp", "compare", "derive_align", "dp_imbalance",
+           "l1_bound", "pack_compute", "pack_lengths"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "derive_align":  # the settings' rule (settings take the algorithm names from here: no import cycle)
+        from packtool.settings import derive_align
+
+        return derive_align
+    raise AttributeError(f"module 'packtool.build.algorithms' has no attribute {name!r}")

@@ -11,6 +11,8 @@ from typing import Literal, overload
 
 import numpy as np
 
+from packtool.format import aligned_lengths
+
 #: A per-pack additive limit other than tokens: per-item amounts (int64) and the most a pack may hold.
 Resource = tuple[np.ndarray, int]
 
@@ -44,8 +46,9 @@ def positive_int(value, name: str, allow_none: bool = True) -> int | None:
 
 
 def aligned_costs(lengths: np.ndarray, align: int) -> np.ndarray:
-    """Each length rounded up to a multiple of ``align``."""
-    return -(-lengths // align) * align
+    """Each length rounded up to a multiple of ``align`` (the format's rule,
+    :func:`packtool.format.aligned_lengths`)."""
+    return aligned_lengths(lengths, align)
 
 
 def check_fits(costs: np.ndarray, pack_size: int, resources_named: list[tuple[str, np.ndarray, int]]) -> None:

@@ -4,7 +4,7 @@ Each pack opens with the largest remaining item, then repeatedly takes the large
 a *target* (among equal costs the lowest index), until nothing fits or the segment cap is reached.
 
 - ``greedy_knapsack``: the target is the remaining room, so every step takes the largest item that fits.
-- slot-balanced fill (used by ``bfd`` when ``max_segments`` binds): each pack aims at ``n_t`` items, the
+- slot-balanced fill (a candidate of ``auto`` when ``max_segments`` binds): each pack aims at ``n_t`` items, the
   remaining items per remaining pack of the estimate ``max(ceil(sum/cap), ceil(N/max_segments))``, capped at
   ``max_segments``. With ``s`` of those slots still to fill the target is ``room // s``, the average size per
   remaining slot; when nothing that small is left it takes the largest item that fits. Packs thus draw small,

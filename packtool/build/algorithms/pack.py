@@ -12,11 +12,7 @@ from packtool.build.algorithms.bestfit import best_fit_decreasing
 from packtool.build.algorithms.fill import greedy_knapsack, slot_balanced_fill
 from packtool.build.algorithms.firstfit import ffd, first_fit_shuffle
 from packtool.build.algorithms.nextfit import sequential
-from packtool.settings import derive_align  # noqa: F401 (re-exported: part of the planner's API)
-
-#: Accepted ``algorithm`` names; ``auto`` is the default.
-ALGORITHMS = ("auto", "bfd", "ffd", "greedy_knapsack", "balanced_greedy_knapsack", "first_fit_shuffle",
-              "sequential")
+from packtool.build.algorithms.registry import ALGORITHMS, Algorithm, Planner, check_registry
 
 
 def pack_lengths(lengths, pack_size: int, *, algorithm: str = "auto", align: int = 1,
@@ -64,19 +60,8 @@ def pack_lengths(lengths, pack_size: int, *, algorithm: str = "auto", align: int
         return np.zeros(0, dtype=np.int64)
     units, cap = costs // align, pack_size // align
     resources = tuple((v, lim) for _, v, lim in named if _can_bind(v, lim, max_segments))
-    if algorithm == "auto":
-        return auto(units, cap, max_segments, resources, int(seed))
-    if algorithm == "bfd":
-        return best_fit_decreasing(units, cap, max_segments, resources)
-    if algorithm == "ffd":
-        return ffd(units, cap, max_segments, resources)
-    if algorithm == "greedy_knapsack":
-        return greedy_knapsack(units, cap, max_segments, resources)
-    if algorithm == "balanced_greedy_knapsack":
-        return balanced_greedy_knapsack(units, cap, max_segments, resources, int(balanced_delta))
-    if algorithm == "first_fit_shuffle":
-        return first_fit_shuffle(units, cap, max_segments, resources, int(seed))
-    return sequential(units, cap, max_segments, resources)
+    return PLANNERS[algorithm](units, cap, max_segments, resources, seed=int(seed),
+                               balanced_delta=int(balanced_delta))
 
 
 def auto(units: np.ndarray, cap: int, max_segments: int | None, resources: tuple, seed: int) -> np.ndarray:
@@ -99,6 +84,20 @@ def auto(units: np.ndarray, cap: int, max_segments: int | None, resources: tuple
         if alt.max() < best.max():
             best = alt
     return best
+
+
+#: Each algorithm's implementation, by name (:mod:`packtool.build.algorithms.registry`).
+PLANNERS: dict[Algorithm, Planner] = {
+    "auto": lambda u, c, m, r, *, seed, balanced_delta: auto(u, c, m, r, seed),
+    "bfd": lambda u, c, m, r, *, seed, balanced_delta: best_fit_decreasing(u, c, m, r),
+    "ffd": lambda u, c, m, r, *, seed, balanced_delta: ffd(u, c, m, r),
+    "greedy_knapsack": lambda u, c, m, r, *, seed, balanced_delta: greedy_knapsack(u, c, m, r),
+    "balanced_greedy_knapsack":
+        lambda u, c, m, r, *, seed, balanced_delta: balanced_greedy_knapsack(u, c, m, r, balanced_delta),
+    "first_fit_shuffle": lambda u, c, m, r, *, seed, balanced_delta: first_fit_shuffle(u, c, m, r, seed),
+    "sequential": lambda u, c, m, r, *, seed, balanced_delta: sequential(u, c, m, r),
+}
+check_registry(PLANNERS)
 
 
 def _can_bind(values: np.ndarray, limit: int, max_segments: int | None) -> bool:

@@ -20,11 +20,19 @@ data) quarantine the sample: no sample is packed without a media item it referen
 
 from __future__ import annotations
 
-import json
 import re
 
+from packtool.build.sources.files import PROBLEM_PART
 from packtool.build.sources.safepickle import encoded_videos, load_bytes_list
-from packtool.build.sources.sample import MEDIA_TAGS, Conversation, Media, SampleError, tag_kinds
+from packtool.build.sources.sample import (
+    MEDIA_TAGS,
+    TAG_PATTERN,
+    Conversation,
+    Media,
+    SampleError,
+    json_member,
+    tag_kinds,
+)
 from packtool.format import MediaKind
 from packtool.media import AUDIO_EXTENSIONS, IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 
@@ -169,7 +177,7 @@ def parse_turns(doc, refs: list[tuple[str, object]] | None = None) -> list[dict]
         if not isinstance(turn, dict):
             raise SampleError("a turn is not an object")
         role = turn.get("role", turn.get("from"))
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise SampleError(f"unknown role {str(role)[:40]!r}")
         content = turn["content"] if "content" in turn else turn.get("value")
         messages.append({"role": ROLES[role], "content": _text(content, refs)})
@@ -178,9 +186,10 @@ def parse_turns(doc, refs: list[tuple[str, object]] | None = None) -> list[dict]
     return messages
 
 
-def place_media(messages: list[dict], media: list[Media]) -> tuple[list[dict], list[Media]]:
+def place_media(messages: list[dict], media: list[Media]) -> tuple[list[dict], list[Media], int]:
     """Match the media tags of the text with ``media`` kind by kind, and return the messages (untagged kinds placed
-    before the first user text, images then videos then audio) and the media in placeholder order."""
+    before the first user text, images then videos then audio), the media in placeholder order and how many were
+    untagged."""
     by_kind = {k: [m for m in media if m.kind == k] for k in MEDIA_TAGS}
     tags = [k for m in messages for k in tag_kinds(m["content"])]
     untagged = ""
@@ -199,16 +208,15 @@ def place_media(messages: list[dict], media: list[Media]) -> tuple[list[dict], l
         placed[first_user]["content"] = untagged + placed[first_user]["content"]
     queues = {k: iter(v) for k, v in by_kind.items()}
     ordered = [next(queues[k]) for m in placed for k in tag_kinds(m["content"])]
-    return placed, ordered
+    return placed, ordered, len(TAG_PATTERN.findall(untagged))
 
 
 def conversation_adapter(parts: dict[str, bytes], *, allow_pickle: bool = False) -> Conversation:
     """The conversation of one raw sample (``{part: bytes}``)."""
+    if PROBLEM_PART in parts:  # a staged record that could not be read (see packtool.build.sources.files)
+        raise SampleError(parts[PROBLEM_PART].decode("utf-8", "replace"))
     name = _json_part(parts)
-    try:
-        doc = json.loads(parts[name].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SampleError(f"invalid json in {name!r}: {exc}") from None
+    doc = json_member(name, parts[name])
     for p in parts:
         if p.rsplit(".", 1)[-1].lower() in UNSUPPORTED_EXTENSIONS:
             raise SampleError(f"member {p!r} is in a media format packtool cannot read")
@@ -237,8 +245,8 @@ def conversation_adapter(parts: dict[str, bytes], *, allow_pickle: bool = False)
             raise SampleError("pickled member 'videos' refused (pickled members are read only when allowed)")
         media += [Media(part="videos", kind="video", item=i) for i in range(len(encoded_videos(parts["videos"])))]
     _check_all_used(found, media)
-    messages, ordered = place_media(messages, media)
-    return Conversation(messages=messages, media=ordered)
+    messages, ordered, untagged = place_media(messages, media)
+    return Conversation(messages=messages, media=ordered, untagged=untagged)
 
 
 def _doc_refs(doc, kind: MediaKind) -> list | None:

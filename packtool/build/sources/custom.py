@@ -4,7 +4,9 @@ The function receives the raw sample (``{part: bytes}`` plus ``"__key__"``) and 
 :class:`~packtool.build.sources.sample.Conversation`, or a dict ``{"messages": [...], "media": [part names]}`` with
 ``<image>``/``<video>``/``<audio>`` tags in the text (or none: media then go before the first user text; a part's
 kind follows its extension). It raises
-:class:`~packtool.build.sources.sample.SampleError` (or any exception) to reject a sample with a reason.
+:class:`~packtool.build.sources.sample.SampleError` (or any exception) to reject a sample with a reason: whatever it
+raises quarantines that sample with the adapter and its error as the reason; ``sys.exit`` in it stops the run with
+an error naming the adapter and the sample.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Callable
 
 from packtool.build.sources.conversation import member_kind, parse_turns, place_media
 from packtool.build.sources.sample import Conversation, Media, SampleError
-from packtool.errors import ConfigError
+from packtool.errors import ConfigError, user_code
 
 
 def load_function(spec: str) -> Callable:
@@ -28,9 +30,11 @@ def load_function(spec: str) -> Callable:
         raise ConfigError(f"cannot load adapter {spec!r}: {exc}") from None
 
 
-def custom_adapter(parts: dict[str, bytes], key: str, function: Callable) -> Conversation:
-    """Call the user's function and normalise what it returns."""
-    out = function({**parts, "__key__": key})
+def custom_adapter(parts: dict[str, bytes], key: str, function: Callable, name: str | None = None) -> Conversation:
+    """Call the user's function (``name``: its ``module:function``) and normalise what it returns."""
+    name = name or f"{getattr(function, '__module__', '?')}:{getattr(function, '__qualname__', function)}"
+    with user_code(f"adapter {name}"):
+        out = function({**parts, "__key__": key})
     if isinstance(out, Conversation):
         conv = out
     elif isinstance(out, dict) and "messages" in out:
@@ -42,5 +46,5 @@ def custom_adapter(parts: dict[str, bytes], key: str, function: Callable) -> Con
     for m in conv.media:
         if m.part not in parts:
             raise SampleError(f"media {m.part!r} referenced but missing")
-    conv.messages, conv.media = place_media(conv.messages, conv.media)
+    conv.messages, conv.media, conv.untagged = place_media(conv.messages, conv.media)
     return conv

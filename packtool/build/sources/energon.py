@@ -7,14 +7,16 @@ import hashlib
 import os
 import re
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import braceexpand
 
 from packtool.errors import FormatError, SourceError
 from packtool.format import META, InfoJson, SplitYaml, read_mapping, safe_relative, split_member
+from packtool.storage import is_remote, location, open_read
 
 
 @dataclass
@@ -54,17 +56,20 @@ class SourceDataset:
 
 def read_dataset_yaml(root: str | Path) -> dict:
     """The dataset's parsed ``dataset.yaml`` ({} when it has none)."""
-    path = Path(root) / META / "dataset.yaml"
+    path = location(root) / META / "dataset.yaml"
     return read_mapping(path, "dataset file") if path.exists() else {}
 
 
 def open_source(root: str | Path, splits: list[str] | None = None) -> SourceDataset:
     """Read the dataset's metadata; ``splits`` restricts to those (each must exist). Every shard path must stay
-    inside ``root`` and exist."""
-    root = Path(root)
+    inside ``root`` and exist (``root`` may be an object-store location, see :mod:`packtool.storage`)."""
+    root = location(root)
     meta = root / META
+    if not root.is_dir():
+        raise SourceError(f"source {root} " + ("is not a folder" if root.exists() else "does not exist"))
     if not meta.is_dir():
-        raise SourceError(f"{root} is not an Energon dataset: no {META} folder")
+        raise SourceError(f"{root} is not an Energon dataset: no {META} folder; prepare it with `energon prepare "
+                          f"{root}` (choose \"Crude sample\" when asked: packtool reads crude datasets)")
     try:
         split_cfg = SplitYaml.read(root)
         dataset_yaml = read_dataset_yaml(root)
@@ -79,6 +84,17 @@ def open_source(root: str | Path, splits: list[str] | None = None) -> SourceData
     if unknown:
         raise SourceError(f"unknown split {unknown[0]!r}; split.yaml has {', '.join(split_cfg.split_parts)}")
     shards_by_split = {}
+    owner: dict[str, str] = {}  # shard -> the split that lists it (every split: a shard in two leaks across them)
+    for split in split_cfg.split_parts:
+        for shard in (n for pattern in split_cfg.split_parts[split] for n in _expand(pattern)):
+            if shard in excludes:
+                continue
+            if shard in owner:
+                where = "twice" if owner[shard] == split else f"in splits {owner[shard]!r} and {split!r}"
+                raise SourceError(f"split.yaml lists shard {shard} {where}: its samples would be packed twice"
+                                  + ("" if owner[shard] == split else " and leak across the splits"))
+            owner[shard] = split
+    inside = root.resolve()
     for split in chosen:
         shards = [n for pattern in split_cfg.split_parts[split] for n in _expand(pattern)]
         bad = [s for s in shards if not safe_relative(s)]
@@ -88,6 +104,10 @@ def open_source(root: str | Path, splits: list[str] | None = None) -> SourceData
         missing = [s for s in shards_by_split[split] if not (root / s).is_file()]
         if missing:
             raise SourceError(f"split {split!r}: shard {missing[0]} does not exist under {root}")
+        outside = [s for s in shards_by_split[split] if inside not in (root / s).resolve().parents]
+        if outside:
+            raise SourceError(f"split {split!r}: shard {outside[0]} is a link to {(root / outside[0]).resolve()}, "
+                              f"outside the dataset folder {inside}")
     all_shards = {s for shards in shards_by_split.values() for s in shards}
     sample_excludes = frozenset(e for e in excludes if e not in all_shards and "/" in e)
     counts = info.shard_counts if info is not None else {}
@@ -105,7 +125,7 @@ def metadata_digest(root: Path) -> str:
     """SHA-256 of the ``.nv-meta`` files that decide how shards are read (split, dataset and info files)."""
     h = hashlib.sha256()
     for name in ("split.yaml", "split.json", "dataset.yaml", ".info.json", ".info.yaml"):
-        path = Path(root) / META / name
+        path = location(root) / META / name
         if path.is_file():
             h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
@@ -171,7 +191,7 @@ class SampleRange:
 def shard_layout(root: Path, shard: str, excluded: frozenset[str] = frozenset()) -> ShardLayout:
     """Walk the member headers of ``shard``. A header that cannot be read ends the walk (the range reading to
     the end of the file then reports it)."""
-    path = Path(root) / shard
+    path = location(root) / shard
     try:
         members = _plain_members(path)
     except _Unusual:
@@ -198,7 +218,7 @@ def _tar_members(path: Path) -> list[tuple[str, int]]:
     it cannot read)."""
     members: list[tuple[str, int]] = []
     try:
-        with tarfile.open(path, "r:") as tar:
+        with open_read(path, readahead=_HEADER_READAHEAD) as f, tarfile.open(fileobj=f, mode="r:") as tar:
             members.extend((m.name, m.offset) for m in tar if not m.isdir())
     except (tarfile.TarError, OSError, EOFError):
         pass
@@ -222,13 +242,13 @@ def _plain_members(path: Path) -> list[tuple[str, int]]:
     and any header ``tarfile`` might read otherwise, raises :class:`_Unusual`."""
     members: list[tuple[str, int]] = []
     try:
-        fd = os.open(path, os.O_RDONLY)
+        pread = _pread(path)
     except OSError:
         return members
     try:
         offset = 0
         while True:
-            head = os.pread(fd, tarfile.BLOCKSIZE, offset)
+            head = pread(tarfile.BLOCKSIZE, offset)
             if len(head) < tarfile.BLOCKSIZE or head == _ZERO_BLOCK:
                 return members  # the end, or a header tarfile cannot read either: the walk ends
             if any(_OCTAL.fullmatch(head, a, b) is None for a, b in _NUMERIC):
@@ -249,7 +269,36 @@ def _plain_members(path: Path) -> list[tuple[str, int]]:
     except OSError:
         return members
     finally:
-        os.close(fd)
+        pread(-1, 0)
+
+
+#: Bytes read at once from an object while walking a shard's headers (small members' headers come together).
+_HEADER_READAHEAD = 64 << 10
+#: Bytes read at once from an object while reading a range of a shard front to back.
+_SCAN_READAHEAD = 1 << 20
+
+
+def _pread(path: Any) -> Callable[[int, int], bytes]:
+    """``pread(size, offset)`` of a local file or an object (ranged reads with read-ahead); ``pread(-1, 0)``
+    closes it."""
+    if not is_remote(path):
+        fd = os.open(path, os.O_RDONLY)
+
+        def pread(size: int, offset: int) -> bytes:
+            if size < 0:
+                os.close(fd)
+                return b""
+            return os.pread(fd, size, offset)
+        return pread
+    f = open_read(path, readahead=_HEADER_READAHEAD)
+
+    def read(size: int, offset: int) -> bytes:
+        if size < 0:
+            f.close()
+            return b""
+        f.seek(offset)
+        return f.read(size)
+    return read
 
 
 def _octal(field: bytes) -> int:
@@ -276,7 +325,7 @@ class ShardScan:
     def __init__(self, root: Path, shard: str, excluded: frozenset[str] = frozenset(), *,
                  max_sample_bytes: int | None = None, span: SampleRange | None = None,
                  layout: ShardLayout | None = None):
-        self.root, self.shard, self.excluded = Path(root), shard, excluded
+        self.root, self.shard, self.excluded = location(root), shard, excluded
         self.max_sample_bytes = max_sample_bytes
         self.span = span or SampleRange(0, 0, None, 0, True)
         self.duplicates = layout.duplicates if layout is not None else None
@@ -287,7 +336,7 @@ class ShardScan:
         keys: set[str] = set()
         current: RawSample | None = None
         try:
-            with open(self.root / shard, "rb") as f:
+            with open_read(self.root / shard, readahead=_SCAN_READAHEAD) as f:
                 f.seek(span.start)
                 with tarfile.open(fileobj=f, mode="r:") as tar:
                     for member in tar:

@@ -21,12 +21,11 @@ arrays) is refused per sample, and so is ``audio``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from packtool.build.sources.conversation import parse_turns, place_media
 from packtool.build.sources.safepickle import encoded_videos, load_bytes_list
-from packtool.build.sources.sample import Conversation, Media, SampleError
+from packtool.build.sources.sample import Conversation, Media, SampleError, json_member
 from packtool.errors import SourceError
 from packtool.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 
@@ -105,10 +104,7 @@ def chatml_adapter(parts: dict[str, bytes], *, fields: ChatMLFields, allow_pickl
         raise SampleError(f"audio member {fields.audio!r}: audio is not supported yet")
     _member(parts, fields, "conversation")  # always mapped; raises when this sample lacks it
     name = fields.conversation
-    try:
-        doc = json.loads(parts[name].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SampleError(f"invalid json in {name!r}: {exc}") from None
+    doc = json_member(name, parts[name])
     messages = parse_turns(doc)
     media: list[Media] = []
     imgs = _member(parts, fields, "imgs")
@@ -119,5 +115,5 @@ def chatml_adapter(parts: dict[str, bytes], *, fields: ChatMLFields, allow_pickl
         media = [Media(part=imgs)]
     elif imgs is not None:
         raise SampleError(f"imgs member {imgs!r} is neither an image nor a pickled image list")
-    messages, media = place_media(messages, media + video_media)
-    return Conversation(messages=messages, media=media)
+    messages, media, untagged = place_media(messages, media + video_media)
+    return Conversation(messages=messages, media=media, untagged=untagged)

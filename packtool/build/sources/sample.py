@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from packtool.errors import SampleError
 from packtool.format import MediaKind
 
 __all__ = ["AUDIO_TAG", "IMAGE_TAG", "MEDIA_TAGS", "TAG_PATTERN", "VIDEO_TAG", "Conversation", "Media", "MediaKind",
-           "SampleError", "tag_kinds"]
+           "SampleError", "json_member", "tag_kinds"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class Conversation:
     messages: list[dict]
     #: Media items in placeholder order.
     media: list[Media] = field(default_factory=list)
+    #: How many of them the source gave without a tag in the text (placed before the first user text).
+    untagged: int = 0
 
 
 #: The placeholders adapters leave in message text where an image, a video or an audio clip goes.
@@ -62,3 +66,14 @@ def tag_kinds(text: str) -> list[MediaKind]:
     if "<" not in text:  # every tag starts with it
         return []
     return [_KIND_OF_TAG[m.group(0)] for m in TAG_PATTERN.finditer(text)]
+
+
+def json_member(name: str, data: bytes) -> Any:
+    """The value of a sample's JSON member ``name``; bytes that are not UTF-8 JSON, or JSON nested too deep for the
+    parser (a ``[[[[...`` member raises RecursionError in it), are the sample's :class:`SampleError`."""
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SampleError(f"invalid json in {name!r}: {exc}") from None
+    except RecursionError:
+        raise SampleError(f"invalid json in {name!r}: nested too deeply to parse") from None

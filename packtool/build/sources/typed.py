@@ -6,10 +6,9 @@ user turn (the image, plus an optional prompt) and the caption as the reply.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from packtool.build.sources.sample import IMAGE_TAG, Conversation, Media, SampleError
+from packtool.build.sources.sample import IMAGE_TAG, Conversation, Media, SampleError, json_member
 
 TYPED = ("VQASample", "CaptioningSample")
 
@@ -28,7 +27,7 @@ def _decode(part: str, data: bytes):
     ext = part.rsplit(".", 1)[-1].lower()
     try:
         if ext == "json":
-            return json.loads(data.decode("utf-8"))
+            return json_member(part, data)
         if ext in ("txt", "text"):
             return data.decode("utf-8")
     except ValueError as exc:
@@ -47,7 +46,7 @@ def _access(value: dict, spec: str) -> Any:
 
     try:
         return field_access(value, split_field_access(spec))
-    except (KeyError, ValueError, IndexError) as exc:
+    except (KeyError, ValueError, IndexError, TypeError) as exc:  # the sample's data is not shaped as the spec says
         raise SampleError(f"field {spec!r} not found ({exc})") from None
 
 

@@ -1,0 +1,66 @@
+"""The Python entry point of a pack run: :func:`pack` takes the settings by their names (those of a config file,
+:data:`packtool.config.KEYS`) and returns a :class:`PackSummary`.
+
+>>> import packtool
+>>> summary = packtool.pack("data/llava.json", "packed", tokenizer="Qwen/Qwen2.5-VL-3B-Instruct",
+...                         pack_size=8192, media_dir="data/images")  # doctest: +SKIP
+>>> summary.splits["train"].packs  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SplitSummary:
+    """What a run made of one split."""
+
+    samples: int
+    packed: int
+    truncated: int
+    dropped: int
+    error: int
+    packs: int
+
+
+@dataclass(frozen=True)
+class PackSummary:
+    """What a run did."""
+
+    output: Path
+    #: The Energon dataset that was packed: the source itself, or where a JSON/Parquet source was staged.
+    source: Path
+    splits: dict[str, SplitSummary]
+    #: Seconds per stage of this call (empty when the output was already complete).
+    seconds: dict[str, float] = field(default_factory=dict)
+    #: The run's settings as a config file holds them (what ``packtool inspect OUTPUT --config`` prints).
+    config: dict = field(default_factory=dict)
+
+    @property
+    def error_rate(self) -> float:
+        total = sum(s.samples for s in self.splits.values())
+        return sum(s.error for s in self.splits.values()) / total if total else 0.0
+
+
+def pack(source: str | Path, output: str | Path, *, config: str | Path | None = None,
+         **settings: Any) -> PackSummary:
+    """Pack ``source`` (an Energon dataset, JSON/JSONL conversations, Parquet files or a ``save_to_disk`` folder)
+    into ``output``, as ``packtool pack`` does. ``settings`` are the keys of a config file (``tokenizer``,
+    ``pack_size``, ``media_dir``, ``preset``, ``workers``...); ``config`` a YAML file of them, which ``settings``
+    override. Raises :class:`~packtool.errors.PacktoolError` with a one-line message for anything a user can
+    cause."""
+    from packtool import config as cfg
+    from packtool.build.pipeline import pack as run_pack
+    from packtool.build.sources.files import resolve_source
+
+    values, given = cfg.merge(cfg.read(config) if config is not None else None,
+                              {"source": str(source), "output": str(output), **settings})
+    run = cfg.build(values, given)
+    staged = resolve_source(run.source, run.output, media_dir=run.media_dir, staging=run.staging)
+    result = run_pack(staged, run.output, run.settings, run.options)
+    splits = {name: SplitSummary(c["samples"], c["packed"], c["truncated"], c["dropped"], c["error"],
+                                 result.packs.get(name, 0)) for name, c in result.counts.items()}
+    return PackSummary(result.output, Path(staged).resolve(), splits, dict(result.seconds), run.config)

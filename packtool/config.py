@@ -1,0 +1,211 @@
+"""A ``pack`` run written down: every setting by name, from a YAML file, flags or keyword arguments.
+
+:data:`KEYS` is the one list of what a run takes: the fields of :class:`~packtool.settings.EncodeSettings`,
+:class:`~packtool.settings.PlanSettings` and :class:`~packtool.settings.RunOptions`, plus the source, the
+output, ``split``, ``media_dir``, ``staging`` and the parallel sizes ``align`` derives from. The command line has one
+flag per key (a test holds them equal), the config file and :func:`packtool.pack` take the same names.
+
+Values are merged in this order: the settings' defaults, the config file, then what was given explicitly (flags or
+keyword arguments). A preset fills only the settings nobody gave: one given explicitly, from the file or a flag,
+that differs from the preset is an error (even when it equals the default, e.g. ``media_first: false``).
+
+The settings as they took effect are recorded in the manifest (``run_config``, :func:`recorded_config`: never the
+output folder or how the run went, so the same settings write the same manifest) and print back as a config file
+(:func:`dump`): ``packtool pack ... --print-config`` and ``packtool inspect OUTPUT --config``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from packtool.errors import ConfigError
+from packtool.settings import (
+    PRESETS,
+    EncodeSettings,
+    PackSettings,
+    PlanSettings,
+    RunOptions,
+    resolve_align,
+)
+from packtool.storage import is_remote, location
+
+_ENCODE = tuple(f.name for f in fields(EncodeSettings))
+_PLAN = tuple(f.name for f in fields(PlanSettings))
+_RUN = tuple(f.name for f in fields(RunOptions))
+#: Keys besides the settings classes' fields.
+EXTRA_KEYS = ("source", "output", "media_dir", "staging", "split", "cp_size", "tp_size", "sequence_parallel",
+              "align_for")
+#: Every key a pack run takes.
+KEYS = (*EXTRA_KEYS, *_ENCODE, *_PLAN, *_RUN)
+#: Keys that name files: relative paths in a config file are read relative to the file's folder.
+PATH_KEYS = ("source", "output", "media_dir", "staging", "tokenizer")
+_EXTRA_DEFAULTS: dict[str, Any] = {"source": None, "output": None, "media_dir": None, "staging": None, "split": [],
+                                   "cp_size": 1, "tp_size": 1, "sequence_parallel": False, "align_for": "megatron",
+                                   "align": None,
+                                   "tokenizer": None, "pack_size": None, "workers": None}
+
+
+def defaults() -> dict[str, Any]:
+    """Every key with its default value."""
+    out: dict[str, Any] = {}
+    for cls in (EncodeSettings, PlanSettings, RunOptions):
+        for f in fields(cls):
+            if f.default is not MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not MISSING:
+                out[f.name] = f.default_factory()
+    out.update(_EXTRA_DEFAULTS)
+    out["shard_size"] = str(out["shard_size"])
+    return {k: out.get(k) for k in KEYS}
+
+
+def read(path: str | Path) -> dict[str, Any]:
+    """The settings of a YAML config file (a mapping of :data:`KEYS`); paths in it are taken relative to its
+    folder."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} holds a {type(data).__name__}, not a mapping of settings")
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - set(KEYS))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown setting {unknown[0]!r} (see `packtool pack --help`)")
+    for key in PATH_KEYS:
+        value = data.get(key)
+        if isinstance(value, str) and is_remote(value):
+            continue
+        if isinstance(value, str) and key != "tokenizer" and not Path(value).expanduser().is_absolute():
+            data[key] = str(path.parent / value)
+        elif key == "tokenizer" and isinstance(value, str) and (path.parent / value).is_dir():
+            data[key] = str(path.parent / value)
+    return data
+
+
+@dataclass(frozen=True)
+class PackRun:
+    """One pack run, built from merged values and checked."""
+
+    source: Path
+    output: Path
+    settings: PackSettings
+    options: RunOptions
+    media_dir: Path | None
+    staging: Path | None
+    #: The merged values, as :func:`dump` writes them (paths as given, the tokenizer as given: a folder or an id).
+    config: dict
+
+
+def merge(config: Mapping[str, Any] | None, explicit: Mapping[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """Defaults, then the config file's values, then the explicit ones; and the names of every value given."""
+    unknown = sorted(set(explicit) - set(KEYS))
+    if unknown:
+        raise ConfigError(f"unknown setting {unknown[0]!r}")
+    values = defaults()
+    values.update(config or {})
+    values.update(explicit)
+    return values, set(config or {}) | set(explicit)
+
+
+def build(values: Mapping[str, Any], given: Collection[str]) -> PackRun:
+    """The run ``values`` describe (``given``: the keys set by a file, a flag or an argument, for the preset)."""
+    from packtool.build.engine import default_workers
+    from packtool.hub import resolve_model
+
+    values = dict(values)
+    for key in ("source", "output", "tokenizer", "pack_size"):
+        if values.get(key) is None:
+            raise ConfigError(f"{key} is required (a flag, an argument or a key of the config file)")
+    preset = values.get("preset")
+    if preset is not None and preset in PRESETS:
+        for name, value in PRESETS[preset].items():
+            if name in given and values[name] != value:
+                raise ConfigError(f"preset {preset!r} sets {name} to {value!r}, not {values[name]!r} (given "
+                                  f"explicitly); leave it unset or drop the preset")
+            values[name] = value
+    tokenizer = values["tokenizer"] if is_remote(values["tokenizer"]) else resolve_model(values["tokenizer"])
+    if preset == "megatron-bridge-qwen-vl" and values["cp_size"] > 1:
+        raise ConfigError("preset megatron-bridge-qwen-vl with cp_size > 1: Megatron-Bridge's Qwen2.5-VL model does "
+                          "not split sequences across context-parallel ranks (its recipes use CP 1); pack with "
+                          "cp_size 1 and train with context parallel 1")
+    align = resolve_align(values["align"], values["align_for"], cp_size=values["cp_size"],
+                          tp_size=values["tp_size"], sequence_parallel=bool(values["sequence_parallel"]))
+    encode = EncodeSettings(**{**{k: values[k] for k in _ENCODE}, "tokenizer": str(tokenizer), "align": align})
+    plan = PlanSettings(**{k: values[k] for k in _PLAN})
+    options = RunOptions(**{**{k: values[k] for k in _RUN}, "workers": values["workers"] or default_workers()})
+    split = values["split"] or []
+    if isinstance(split, str):
+        split = [split]
+    settings = PackSettings(encode, plan, tuple(split))
+    media_dir, staging = values.get("media_dir"), values.get("staging")
+    config = {k: _plain(values[k]) for k in KEYS}
+    for key in PATH_KEYS:  # recorded absolute, so the printed config runs from anywhere
+        value = config[key]
+        if value is not None and not is_remote(value) and (key != "tokenizer" or Path(value).expanduser().is_dir()):
+            config[key] = str(Path(value).expanduser().resolve())
+    return PackRun(location(values["source"]), location(values["output"]), settings, options,
+                   Path(media_dir) if media_dir is not None else None,
+                   Path(staging) if staging is not None else None, config)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    if value is not None and not isinstance(value, (str, int, float, bool, list, dict)):
+        return str(value)
+    return value
+
+
+#: Keys a printed config leaves out: how a run goes on this machine, not what it makes.
+_MACHINE_KEYS = ("workers", "progress", "ray_address")
+
+
+def dump(config: Mapping[str, Any], *, all_keys: bool = False) -> str:
+    """``config`` as a YAML config file: the values that differ from the defaults (every key with
+    ``all_keys``), in :data:`KEYS` order."""
+    import yaml
+
+    base = defaults()
+    keep = {k: config[k] for k in KEYS if k in config and (all_keys or (config[k] != base[k]
+                                                                      and k not in _MACHINE_KEYS))}
+    return yaml.safe_dump(keep, sort_keys=False, allow_unicode=True)
+
+
+def recorded_config(settings: PackSettings, source: Path) -> dict:
+    """What the manifest records as ``run_config``: the packed source and every setting as it took effect (the
+    tokenizer as the folder read, ``align`` as derived), a function of the settings alone, so a run from the
+    command line, from :func:`packtool.pack` or from the pipeline, on any engine, writes the same manifest."""
+    from dataclasses import asdict
+
+    encode = asdict(settings.encode)
+    plan = {**asdict(settings.plan), "shard_size": str(settings.plan.shard_size)}
+    return {"source": str(source), "tokenizer": encode.pop("tokenizer"), "split": list(settings.splits),
+            **encode, **plan}
+
+
+def recorded(output: str | Path) -> str:
+    """The config file of the run that made ``output`` (from its manifest; for a staged JSON/Parquet source, the
+    file or folder given and its media folder, from the staging's record)."""
+    from packtool.build.sources.files import staged_input
+    from packtool.format import Manifest
+
+    manifest = Manifest.read(output)
+    if manifest.run_config is None:
+        raise ConfigError(f"{output} records no run config (packed by an older packtool); its settings: "
+                          f"{manifest.settings}")
+    config = dict(manifest.run_config)
+    config.update(staged_input(Path(config["source"])))
+    return dump(config)

@@ -1,0 +1,59 @@
+"""A model id (``Qwen/Qwen2.5-VL-3B-Instruct``) resolved to its folder in the local Hugging Face cache.
+
+Only the cache is read, never the network: ``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
+``XDG_CACHE_HOME/huggingface/hub``, else ``~/.cache/huggingface/hub`` (where ``huggingface_hub`` puts a model it
+downloads). The snapshot is the one ``refs/main`` names (or ``refs/<revision>`` for ``org/name@revision``); a
+cache holding a single snapshot and no ref uses that one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from packtool.errors import ConfigError
+
+_MODEL_ID = re.compile(r"[\w.-]+/[\w.-]+(@[\w./-]+)?")
+
+
+def hub_cache() -> Path:
+    """The hub cache folder the environment names (it need not exist)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "huggingface" / "hub"
+
+
+def resolve_model(value: str | Path) -> Path:
+    """``value`` as a model folder: an existing folder as it is; otherwise a model id looked up in the local
+    cache. Raises :class:`ConfigError` naming where it looked."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    text = str(value)
+    if path.exists() or not _MODEL_ID.fullmatch(text) or text.startswith((".", "/")):
+        raise ConfigError(f"tokenizer folder {path} does not exist")
+    model, _, revision = text.partition("@")
+    cache = hub_cache()
+    repo = cache / ("models--" + model.replace("/", "--"))
+    snapshot = _snapshot(repo, revision or "main")
+    if snapshot is None:
+        raise ConfigError(f"tokenizer {text!r} is neither a folder nor a model in the local Hugging Face cache "
+                          f"(looked for {repo}; set HF_HUB_CACHE or HF_HOME, or download it first, e.g. "
+                          f"`huggingface-cli download {model}`)")
+    return snapshot.resolve()
+
+
+def _snapshot(repo: Path, revision: str) -> Path | None:
+    snapshots = repo / "snapshots"
+    ref = repo / "refs" / revision
+    if ref.is_file():
+        commit = ref.read_text().strip()
+        return snapshots / commit if (snapshots / commit).is_dir() else None
+    if (snapshots / revision).is_dir():  # a commit hash given as the revision
+        return snapshots / revision
+    found = [p for p in snapshots.iterdir() if p.is_dir()] if snapshots.is_dir() else []
+    return found[0] if len(found) == 1 and revision == "main" else None

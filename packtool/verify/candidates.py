@@ -1,0 +1,236 @@
+"""Other pack sizes judged from one run, without encoding again: ``packtool stats OUTPUT --candidates 4096,8192``.
+
+Each range of the encode store keeps, beside its rows, the facts of every sample *before* any cut
+(:data:`~packtool.build.store.SOURCE_FACTS`: its length, first target token and the span of each media item). For a
+candidate size the encoder's own rule is replayed on them (cut at the largest aligned length, never inside a media
+span, the per-pack media caps, dropped when no target is left before the cut or with ``overlong: drop``), then the
+run's planner packs the kept lengths with the run's algorithm and constraints. The counts equal a real run's at that
+size. Two cases are estimates, and counted as such in the report: a sample whose text was cut before tokenizing
+(its length is a lower bound) and a store written before these facts were kept (the ledger's lengths are used,
+a cut sample's media beyond its cut are unknown and a target is assumed before every cut).
+
+With the number of data-parallel ranks and micro-batches, each candidate also says the global batch size in packs
+and samples and the optimizer steps per epoch that follow.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from packtool.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SourceRows:
+    """Every sample of one split, in the run's order, before any cut."""
+
+    #: ``error`` rows stay errors at every size; the others are judged again.
+    error: np.ndarray
+    #: Tokens of the whole sample (a lower bound where ``exact`` is False).
+    length: np.ndarray
+    #: Position of the first target token (0 where unknown).
+    first_target: np.ndarray
+    #: Whether the facts are complete (false: an estimate, see the module doc).
+    exact: np.ndarray
+    #: ``[start, end, placeholder tokens]`` of every media item, per sample.
+    media: list[list[list[int]]]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the encoder would keep of every sample at one size."""
+
+    status: np.ndarray  # packed | truncated | dropped | error
+    tokens: np.ndarray
+    images: np.ndarray
+    image_tokens: np.ndarray
+
+
+def store_dirs(output: Path, split: str) -> list[Path]:
+    """The split's encode ranges in the order a run reads them."""
+    return sorted(p.parent for p in (output / ".packtool" / "encode" / split).glob("*/*/samples.parquet"))
+
+
+def load_rows(output: Path, split: str, ledger: Any) -> SourceRows:
+    """The split's samples before any cut, from the encode store (the ledger's lengths where it has no facts)."""
+    dirs = store_dirs(output, split)
+    error, length, first, exact, media = [], [], [], [], []
+    if dirs:
+        for d in dirs:
+            t = pq.read_table(d / "samples.parquet", columns=["status", "source_tokens", "media"])
+            status = t.column("status").to_pylist()
+            error += [s == "error" for s in status]
+            length += t.column("source_tokens").to_pylist()
+            facts = d / "source_facts.parquet"
+            if facts.exists():
+                f = pq.read_table(facts)
+                first += f.column("first_target").to_pylist()
+                exact += f.column("length_known").to_pylist()
+                media += [json.loads(m) for m in f.column("source_media").to_pylist()]
+            else:
+                first += [0] * len(status)
+                exact += [False] * len(status)
+                media += [[[m["span"][0], m["span"][1], m["tokens"]] for m in json.loads(s)]
+                          for s in t.column("media").to_pylist()]
+    else:  # only the ledger: lengths, and nothing of the media beyond a cut
+        rows = ledger
+        error = [s == "error" for s in rows["status"]]
+        length = list(rows["source_tokens"])
+        first = [0] * len(error)
+        exact = [False] * len(error)
+        media = [[] for _ in error]
+    return SourceRows(np.asarray(error, bool), np.asarray(length, np.int64), np.asarray(first, np.int64),
+                      np.asarray(exact, bool), media)
+
+
+def outcome(rows: SourceRows, pack_size: int, settings: dict) -> tuple[Outcome, int]:
+    """The encoder's limits (see ``Encoder._fit``) replayed at ``pack_size``; also how many samples were
+    judged from incomplete facts and go past the cut (estimates)."""
+    align = int(settings.get("align") or 1)
+    max_tokens = pack_size // align * align
+    max_images, max_image_tokens = settings.get("max_images"), settings.get("max_image_tokens")
+    drop = settings.get("overlong") == "drop"
+    n = len(rows.length)
+    # Samples without media (most of a dataset): array operations; the others one by one.
+    has_media = np.fromiter((bool(m) for m in rows.media), bool, n)
+    text = ~rows.error & ~has_media
+    cut_text = np.minimum(rows.length, max_tokens)
+    whole = text & (cut_text == rows.length)
+    dropped = text & ~whole & (drop | (rows.first_target >= cut_text))
+    cut = text & ~whole & ~dropped
+    status = np.full(n, "", dtype=object)
+    status[rows.error], status[whole], status[dropped], status[cut] = "error", "packed", "dropped", "truncated"
+    tokens = np.where(whole | cut, cut_text, 0).astype(np.int64)
+    images = np.zeros(n, np.int64)
+    image_tokens = np.zeros(n, np.int64)
+    estimated = int(np.count_nonzero(text & ~whole & ~rows.exact))
+    for i in np.flatnonzero(~rows.error & has_media).tolist():
+        length, spans = int(rows.length[i]), rows.media[i]
+        cut = min(length, max_tokens)
+        total = 0
+        for j, (s, _, t) in enumerate(spans):
+            total += t
+            if (max_images is not None and j + 1 > max_images) or \
+                    (max_image_tokens is not None and total > max_image_tokens):
+                cut = min(cut, s)
+                break
+        for s, e, _ in spans:
+            if s < cut < e:
+                cut = s
+        if cut < length and not rows.exact[i]:
+            estimated += 1
+        if cut == length:
+            status[i], tokens[i] = "packed", length
+            kept = spans
+        elif drop or rows.first_target[i] >= cut:
+            status[i] = "dropped"
+            continue
+        else:
+            status[i], tokens[i] = "truncated", cut
+            kept = [m for m in spans if m[1] <= cut]
+        images[i], image_tokens[i] = len(kept), sum(m[2] for m in kept)
+    return Outcome(status, tokens, images, image_tokens), estimated
+
+
+def evaluate(output: Path, split: str, ledger: Any, sizes: list[int], settings: dict, *, dp: int = 1,
+             micro_batches: int = 1, micro_batch_size: int = 1, algorithm: str | None = None) -> list[dict]:
+    """One row per candidate size: statuses, packs, fill, samples and media per pack, global batch and steps."""
+    from packtool.build.algorithms import ALGORITHMS, pack_lengths
+    from packtool.build.split_plan import packs_by_first_item
+
+    algo = algorithm or settings.get("algorithm") or "auto"
+    if algo not in ALGORITHMS:
+        raise ConfigError(f"unknown algorithm {algo!r}; choose one of {', '.join(ALGORITHMS)}")
+    for name, value in (("dp", dp), ("micro_batches", micro_batches), ("micro_batch_size", micro_batch_size)):
+        if value < 1:
+            raise ConfigError(f"{name} must be at least 1, not {value}")
+    align = int(settings.get("align") or 1)
+    rows = load_rows(output, split, ledger)
+    batch = dp * micro_batches * micro_batch_size
+    out = []
+    for size in sizes:
+        if size < align:
+            raise ConfigError(f"candidate pack size {size} is smaller than the alignment {align}")
+        o, estimated = outcome(rows, size, settings)
+        keep = np.flatnonzero((o.status == "packed") | (o.status == "truncated"))
+        entry: dict[str, Any] = {"pack_size": size, "algorithm": algo,
+                                 **{s: int(np.count_nonzero(o.status == s)) for s in
+                                    ("packed", "truncated", "dropped", "error")}, "estimated": estimated}
+        if keep.size:
+            ids = pack_lengths(o.tokens[keep], size, algorithm=algo, align=align,
+                               max_segments=settings.get("max_segments"), images=o.images[keep],
+                               max_images=settings.get("max_images"), image_tokens=o.image_tokens[keep],
+                               max_image_tokens=settings.get("max_image_tokens"), seed=settings.get("seed", 0),
+                               balanced_delta=settings.get("balanced_delta", 0))
+            n_packs = int(ids.max()) + 1
+            per_pack = np.bincount(ids, minlength=n_packs)
+            media = np.bincount(ids, weights=o.images[keep], minlength=n_packs)
+            cost = int((-(-o.tokens[keep] // align) * align).sum())
+            order = packs_by_first_item(ids, n_packs)
+            steps = n_packs // batch
+            per_step = per_pack[order][:steps * batch].reshape(steps, batch).sum(axis=1) if steps else per_pack[:0]
+            entry.update({
+                "packs": n_packs, "l1_bound": -(-cost // size), "tokens": int(o.tokens[keep].sum()),
+                "fill": float(o.tokens[keep].sum() / (n_packs * size)),
+                "samples_per_pack": _spread(per_pack), "media_per_pack": _spread(media),
+                "global_batch_packs": batch, "steps_per_epoch": steps, "packs_left_over": n_packs - steps * batch,
+                "samples_per_step": _spread(per_step),
+            })
+        else:
+            entry.update({"packs": 0, "l1_bound": 0, "tokens": 0, "fill": 0.0, "samples_per_pack": _spread(
+                np.zeros(0)), "media_per_pack": _spread(np.zeros(0)), "global_batch_packs": batch,
+                "steps_per_epoch": 0, "packs_left_over": 0, "samples_per_step": _spread(np.zeros(0))})
+        out.append(entry)
+    return out
+
+
+def _spread(x: np.ndarray) -> dict:
+    if not len(x):
+        return {"mean": 0.0, "std": 0.0, "min": 0, "max": 0}
+    return {"mean": float(np.mean(x)), "std": float(np.std(x)), "min": float(np.min(x)), "max": float(np.max(x))}
+
+
+def distribution(rows: SourceRows) -> dict:
+    """Source lengths and media per sample (errors left out): percentiles, before any cut."""
+    ok = ~rows.error
+    lengths = rows.length[ok]
+    media = np.asarray([len(m) for m, e in zip(rows.media, rows.error) if not e], np.int64)
+    qs = (50, 90, 99)
+
+    def pct(x: np.ndarray) -> dict:
+        if not len(x):
+            return {"mean": 0.0, **{f"p{q}": 0 for q in qs}, "max": 0}
+        return {"mean": float(x.mean()), **{f"p{q}": int(np.percentile(x, q, method="higher")) for q in qs},
+                "max": int(x.max())}
+
+    return {"samples": int(ok.sum()), "tokens": pct(lengths), "media": pct(media),
+            "lower_bounds": int(np.count_nonzero(~rows.exact[ok] & (rows.length[ok] > 0)))}
+
+
+def check_sizes(text: str) -> list[int]:
+    """``"4096,8192"`` -> sizes."""
+    try:
+        sizes = [int(s) for s in text.replace(" ", "").split(",") if s]
+    except ValueError:
+        raise ConfigError(f"candidate pack sizes must be integers separated by commas, not {text!r}") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise ConfigError(f"candidate pack sizes must be positive integers, not {text!r}")
+    return sizes
+
+
+def steps_text(entry: dict) -> str:
+    """The global batch and the steps per epoch of one candidate, in words."""
+    if not entry["steps_per_epoch"]:
+        return (f"{entry['global_batch_packs']} packs/step: more than the {entry['packs']} packs an epoch holds; "
+                f"take fewer ranks or micro-batches")
+    return (f"global batch {entry['global_batch_packs']} packs ≈ {entry['samples_per_step']['mean']:.1f} samples "
+            f"(min {entry['samples_per_step']['min']:.0f}, max {entry['samples_per_step']['max']:.0f}); "
+            f"{entry['steps_per_epoch']} steps/epoch" + (f" (+{entry['packs_left_over']} packs left over)"
+                                                         if entry["packs_left_over"] else ""))
+

@@ -1,0 +1,118 @@
+"""A pack run written down: the YAML config file, flags over it, explicitly given values against a preset, the
+config recorded in the manifest and printed back, help at 80 columns, model ids from a local hub cache."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import yaml
+
+from packtool import config as cfg
+
+PACKTOOL = [sys.executable, "-m", "packtool.cli"]
+
+
+def run(*args, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*PACKTOOL, *map(str, args)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def one_error(p: subprocess.CompletedProcess) -> str:
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("packtool: error:")]
+    assert len(lines) == 1, p.stderr
+    return lines[0]
+
+
+def test_every_pack_flag_is_a_config_key():
+    from packtool.cli import pack
+
+    names = set(pack.__code__.co_varnames[:pack.__code__.co_argcount]) - {"ctx", "config", "print_config"}
+    assert names == set(cfg.KEYS)
+
+
+def test_config_file_flags_override_and_print_back(demo_dir, tmp_path):
+    conf = tmp_path / "run.yaml"
+    conf.write_text(yaml.safe_dump({"source": str(demo_dir / "dataset"), "output": "out", "tokenizer":
+                                    str(demo_dir / "tokenizer"), "pack_size": 2048, "split": ["val"],
+                                    "algorithm": "ffd", "workers": 1, "progress": False}))
+    printed = run("pack", "--config", conf, "--pack-size", 1024, "--print-config")
+    assert printed.returncode == 0, printed.stderr
+    values = yaml.safe_load(printed.stdout)
+    assert values["pack_size"] == 1024 and values["algorithm"] == "ffd" and values["split"] == ["val"]
+    assert values["output"] == str(tmp_path / "out")  # relative to the config file, recorded absolute
+    again = tmp_path / "again.yaml"
+    again.write_text(printed.stdout)
+    done = run("pack", "--config", again, "--no-progress", "--workers", 1)
+    assert done.returncode == 0, done.stderr
+    shown = run("inspect", tmp_path / "out", "--config")
+    assert shown.returncode == 0, shown.stderr
+    recorded = yaml.safe_load(shown.stdout)
+    assert {k: recorded[k] for k in ("source", "tokenizer", "split", "pack_size", "algorithm")} == \
+        {k: values[k] for k in ("source", "tokenizer", "split", "pack_size", "algorithm")}
+    assert "output" not in recorded and "workers" not in recorded
+    # What inspect prints packs the same bytes again.
+    (tmp_path / "recorded.yaml").write_text(shown.stdout)
+    again_run = run("pack", recorded["source"], tmp_path / "out2", "--config", tmp_path / "recorded.yaml",
+                    "--no-progress", "--workers", 1)
+    assert again_run.returncode == 0, again_run.stderr
+    files = sorted(p.relative_to(tmp_path / "out") for p in (tmp_path / "out").rglob("*")
+                   if p.is_file() and ".packtool" not in p.parts)
+    assert files and all((tmp_path / "out" / f).read_bytes() == (tmp_path / "out2" / f).read_bytes() for f in files)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pack_sise: 3\n")
+    assert "unknown setting 'pack_sise'" in one_error(run("pack", "--config", bad))
+
+
+def test_explicit_values_conflicting_with_the_preset_are_errors(demo_dir, tmp_path):
+    base = ["pack", demo_dir / "dataset", tmp_path / "o", "--tokenizer", demo_dir / "tokenizer", "--pack-size",
+            2048, "--preset", "megatron-bridge-qwen-vl", "--print-config"]
+    ok = run(*base)
+    assert ok.returncode == 0 and yaml.safe_load(ok.stdout)["media_first"] is True
+    # --no-media-first equals the default, and is still a value given.
+    assert "preset 'megatron-bridge-qwen-vl' sets media_first to True, not False (given explicitly)" in \
+        one_error(run(*base, "--no-media-first"))
+    conf = tmp_path / "c.yaml"
+    conf.write_text("target_newline_after_eot: false\n")
+    assert "sets target_newline_after_eot to True, not False" in one_error(run(*base, "--config", conf))
+    conf.write_text("media_first: true\n")  # the preset's own value: fine
+    assert run(*base, "--config", conf).returncode == 0
+
+
+def test_help_fits_80_columns():
+    p = run("pack", "--help", env={"COLUMNS": "80"})
+    assert p.returncode == 0
+    assert all(len(line) <= 80 for line in p.stdout.splitlines()), max(p.stdout.splitlines(), key=len)
+    for key in cfg.KEYS:
+        if key not in ("source", "output"):
+            assert re.search(rf"--{key.replace('_', '-')}\b", p.stdout), key
+    assert "megatron-bridge-qwen-vl" in p.stdout and "balanced_greedy_knapsack" in p.stdout
+
+
+def test_model_id_from_the_local_hub_cache(demo_dir, tmp_path):
+    cache = tmp_path / "hub"
+    repo = cache / "models--Acme--Tiny-VL"
+    shutil.copytree(demo_dir / "tokenizer", repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    p = run("pack", demo_dir / "dataset", tmp_path / "o", "--tokenizer", "Acme/Tiny-VL", "--pack-size", 2048,
+            "--print-config", env={"HF_HUB_CACHE": str(cache)})
+    assert p.returncode == 0, p.stderr
+    assert yaml.safe_load(p.stdout)["tokenizer"] == "Acme/Tiny-VL"
+    missing = one_error(run("pack", demo_dir / "dataset", tmp_path / "o", "--tokenizer", "Acme/Other",
+                            "--pack-size", 2048, env={"HF_HUB_CACHE": str(cache)}))
+    assert str(cache / "models--Acme--Other") in missing and "local Hugging Face cache" in missing
+    home = one_error(run("pack", demo_dir / "dataset", tmp_path / "o", "--tokenizer", "Acme/Tiny-VL",
+                         "--pack-size", 2048, env={"HF_HUB_CACHE": "", "HF_HOME": str(tmp_path / "home")}))
+    assert str(tmp_path / "home" / "hub" / "models--Acme--Tiny-VL") in home
+    from packtool.hub import resolve_model
+
+    os.environ["HF_HUB_CACHE"] = str(cache)
+    try:
+        assert resolve_model("Acme/Tiny-VL") == (repo / "snapshots" / "abc123").resolve()
+    finally:
+        del os.environ["HF_HUB_CACHE"]

@@ -1,0 +1,342 @@
+"""JSON / JSONL conversations (LLaVA, ShareGPT, OpenAI messages), Parquet files and ``save_to_disk`` folders as
+pack sources: the same tokens as the equivalent Energon sample, a ledger row with its reason for every record,
+resume and stale-input detection, the same bytes whatever the workers. Real files throughout: JPEG/PNG images on
+disk, tars, Arrow and Parquet written by pyarrow, the demo tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import packfixture as fx
+from mediafixture import make_image, write_source
+from packtool.build.pipeline import pack
+from packtool.build.sources.files import resolve_source
+from packtool.errors import SourceError
+from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+
+PACK_SIZE = 1024
+N = 12
+
+
+def _question(i: int) -> str:
+    return f"Question {i}: what does picture {i} show?" + " more words" * (i * 7)
+
+
+def _answer(i: int) -> str:
+    return f"It shows thing number {i}." * (1 + i % 3)
+
+
+def _images(i: int) -> list[str]:
+    return [f"pics/{i:03d}-{k}.{'jpg' if k == 0 else 'png'}" for k in range(i % 3)]
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory) -> Path:
+    """The image folder every variant names: record ``i`` uses ``i % 3`` images."""
+    root = tmp_path_factory.mktemp("media")
+    (root / "pics").mkdir()
+    for i in range(N):
+        for k, name in enumerate(_images(i)):
+            (root / name).write_bytes(make_image(40 + 9 * i, 30 + 5 * k, seed=i * 3 + k,
+                                                 fmt="JPEG" if name.endswith("jpg") else "PNG"))
+    return root
+
+
+def llava(i: int) -> dict:
+    tags = "<image>\n" * len(_images(i))
+    rec: dict = {"id": f"r{i}", "conversations": [{"from": "human", "value": tags + _question(i)},
+                                                  {"from": "gpt", "value": _answer(i)}]}
+    if _images(i):
+        rec["image"] = _images(i)[0] if len(_images(i)) == 1 else _images(i)
+    return rec
+
+
+def sharegpt(i: int) -> dict:
+    return {"messages": [{"role": "user", "content": "<image>\n" * len(_images(i)) + _question(i)},
+                         {"role": "assistant", "content": _answer(i)}], "images": _images(i)}
+
+
+def openai(i: int) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": name}} for name in _images(i)]
+    parts = [p for name in parts for p in (name, {"type": "text", "text": "\n"})]
+    return {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": _question(i)}]},
+                         {"role": "assistant", "content": [{"type": "text", "text": _answer(i)}]}]}
+
+
+def energon_equivalent(root: Path, media: Path) -> Path:
+    """The same records as an Energon dataset: a json member and one member per image (``img<k>``)."""
+    samples = {}
+    for i in range(N):
+        members = {f"img{k}.{name.rsplit('.', 1)[1]}": (media / name).read_bytes()
+                   for k, name in enumerate(_images(i))}
+        doc = {"conversations": llava(i)["conversations"]}
+        samples[f"{i:09d}"] = {"json": json.dumps(doc).encode(), **members}
+    return write_source(root, samples)
+
+
+def run_pack(source: Path, out: Path, tokenizer: Path, *, media_dir: Path | None = None, workers: int = 1,
+             staging: Path | None = None) -> Path:
+    staged = resolve_source(source, out, media_dir=media_dir, staging=staging)
+    settings = PackSettings(EncodeSettings(tokenizer=str(tokenizer), pack_size=PACK_SIZE), PlanSettings(shard_size="4"))
+    pack(staged, out, settings, workers=workers, progress=False)
+    return out
+
+
+def tokens_by_key(out: Path) -> dict[str, tuple]:
+    return {seg.key: (tuple(tokens.tolist()), tuple(targets.tolist()))
+            for seg, tokens, targets, _ in fx.packed_segments(out)}
+
+
+def digest(root: Path) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and ".packtool" not in p.parts}
+
+
+def ledger(out: Path) -> dict[str, tuple[str, str]]:
+    t = pq.read_table(out / "ledger.parquet", columns=["key", "status", "reason"])
+    return {k: (s, r) for k, s, r in zip(*(t.column(c).to_pylist() for c in ("key", "status", "reason")))}
+
+
+def test_json_formats_give_the_tokens_of_the_energon_sample(demo_dir, media, tmp_path):
+    tok = demo_dir / "tokenizer"
+    (tmp_path / "llava.json").write_text(json.dumps([llava(i) for i in range(N)]))
+    (tmp_path / "sharegpt.jsonl").write_text("\n".join(json.dumps(sharegpt(i)) for i in range(N)) + "\n")
+    (tmp_path / "openai.jsonl").write_text("\n".join(json.dumps(openai(i)) for i in range(N)))
+    reference = tokens_by_key(run_pack(energon_equivalent(tmp_path / "energon", media), tmp_path / "o-e", tok))
+    assert len(reference) == N and sum(len(_images(i)) for i in range(N)) > 5
+    for name in ("llava.json", "sharegpt.jsonl", "openai.jsonl"):
+        got = tokens_by_key(run_pack(tmp_path / name, tmp_path / f"o-{name}", tok, media_dir=media))
+        assert got == reference, name
+    # Control: one word changed in one record gives other tokens.
+    changed = [llava(i) for i in range(N)]
+    changed[4]["conversations"][1]["value"] += " Extra."
+    (tmp_path / "changed.json").write_text(json.dumps(changed))
+    other = tokens_by_key(run_pack(tmp_path / "changed.json", tmp_path / "o-c", tok, media_dir=media))
+    assert other["000000004"] != reference["000000004"]
+    assert {k: v for k, v in other.items() if k != "000000004"} == \
+        {k: v for k, v in reference.items() if k != "000000004"}
+
+
+def test_parquet_and_save_to_disk_give_the_same_tokens(demo_dir, media, tmp_path):
+    tok = demo_dir / "tokenizer"
+    (tmp_path / "llava.json").write_text(json.dumps([llava(i) for i in range(N)]))
+    reference = tokens_by_key(run_pack(tmp_path / "llava.json", tmp_path / "o-j", tok, media_dir=media))
+    # Hugging Face's Image feature: a struct of the file's bytes and its name (bytes only for some rows).
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    rows = {"messages": [sharegpt(i)["messages"] for i in range(N)],
+            "images": [[{"bytes": (media / n).read_bytes(), "path": None if i % 2 else n.rsplit("/", 1)[1]}
+                        for n in _images(i)] for i in range(N)]}
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    table = pa.table({"messages": pa.array(rows["messages"], pa.list_(message)),
+                      "images": pa.array(rows["images"], pa.list_(image))})
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    pq.write_table(table.slice(0, 7), tmp_path / "hub" / "data" / "train-00000-of-00002.parquet")
+    pq.write_table(table.slice(7), tmp_path / "hub" / "data" / "train-00001-of-00002.parquet")
+    assert tokens_by_key(run_pack(tmp_path / "hub", tmp_path / "o-p", tok)) == reference
+    # save_to_disk's layout: state.json naming Arrow IPC stream files.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    with pa.ipc.new_stream(disk / "data-00000-of-00001.arrow", table.schema) as writer:
+        writer.write_table(table)
+    (disk / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    (disk / "dataset_info.json").write_text("{}")
+    assert tokens_by_key(run_pack(disk, tmp_path / "o-a", tok)) == reference
+
+
+def test_every_bad_record_gets_a_ledger_row_with_its_reason(demo_dir, media, tmp_path):
+    records = [json.dumps(sharegpt(i)) for i in range(4)]
+    records[1] = json.dumps({**sharegpt(1), "images": ["pics/nope.jpg"]})
+    records[2] = json.dumps({**sharegpt(2), "images": ["../../etc/passwd", "pics/002-1.png"]})
+    records.append(json.dumps({**sharegpt(5), "images": ["https://example.com/a.jpg"]}))
+    records.append("{not json")
+    records.append(json.dumps({"messages": [{"role": "user", "content": "only a question"}]}))
+    (tmp_path / "bad.jsonl").write_text("\n".join(records) + "\n\n")
+    out = tmp_path / "out"
+    staged = resolve_source(tmp_path / "bad.jsonl", out, media_dir=media)
+    pack(staged, out, PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=PACK_SIZE)),
+         workers=1, progress=False)
+    rows = ledger(out)
+    assert len(rows) == 7 and rows["000000000"][0] == "packed" and rows["000000003"][0] == "packed"
+    assert rows["000000001"] == ("error", f"media file 'pics/nope.jpg' not found in {media} "
+                                          f"(No such file or directory)")
+    assert rows["000000002"] == ("error", f"media path '../../etc/passwd' leaves the media folder {media}")
+    assert rows["000000004"][0] == "error" and "is a URL" in rows["000000004"][1]
+    assert rows["000000005"][0] == "error" and "line 6 of bad.jsonl is not valid JSON" in rows["000000005"][1]
+    assert rows["000000006"] == ("error", "no assistant turn")
+
+
+def test_resume_and_stale_input(demo_dir, media, tmp_path):
+    tok = demo_dir / "tokenizer"
+    pics = tmp_path / "media"
+    pics.mkdir()
+    (pics / "pics").mkdir()
+    for i in range(N):
+        for name in _images(i):
+            (pics / name).write_bytes((media / name).read_bytes())
+    source = tmp_path / "data.json"
+    source.write_text(json.dumps([llava(i) for i in range(N)]))
+    out = run_pack(source, tmp_path / "out", tok, media_dir=pics)
+    staged = tmp_path / "out.source" / "shards" / "train-000000.tar"
+    first, before, first_tokens = digest(out), os.stat(staged).st_mtime_ns, tokens_by_key(out)
+    run_pack(source, out, tok, media_dir=pics)  # resume: nothing is staged or written again
+    assert digest(out) == first and os.stat(staged).st_mtime_ns == before
+    # An image replaced under the same name (other size: other image tokens) is never packed stale.
+    (pics / _images(5)[0]).write_bytes(make_image(300, 200, seed=99, fmt="JPEG"))
+    run_pack(source, out, tok, media_dir=pics)
+    assert os.stat(staged).st_mtime_ns != before
+    fresh = run_pack(source, tmp_path / "fresh", tok, media_dir=pics)
+    assert digest(out) != first and tokens_by_key(out) == tokens_by_key(fresh)
+    assert len(tokens_by_key(out)["000000005"][0]) > len(first_tokens["000000005"][0])
+    # An edited record too.
+    records = [llava(i) for i in range(N)]
+    records[0]["conversations"][1]["value"] = "Edited."
+    source.write_text(json.dumps(records))
+    run_pack(source, out, tok, media_dir=pics)
+    assert tokens_by_key(out) == tokens_by_key(run_pack(source, tmp_path / "fresh2", tok, media_dir=pics))
+
+
+def test_same_bytes_whatever_the_workers(demo_dir, media, tmp_path):
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(sharegpt(i)) for i in range(N)))
+    one = run_pack(tmp_path / "d.jsonl", tmp_path / "one", demo_dir / "tokenizer", media_dir=media)
+    staged = digest(tmp_path / "one.source")
+    (tmp_path / "one.source").rename(tmp_path / "elsewhere")  # staged again from nothing, at the same path
+    two = run_pack(tmp_path / "d.jsonl", tmp_path / "two", demo_dir / "tokenizer", media_dir=media, workers=2,
+                   staging=tmp_path / "one.source")
+    assert digest(tmp_path / "one.source") == staged
+    assert digest(one) == digest(two)
+
+
+def test_sources_packtool_does_not_read_and_foreign_staging(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(SourceError, match="no .nv-meta folder"):
+        resolve_source(tmp_path / "notes.txt", tmp_path / "out")
+    (tmp_path / "a.json").write_text('{"x": 1}')
+    with pytest.raises(SourceError, match="expected a list of records"):
+        resolve_source(tmp_path / "a.json", tmp_path / "out")
+    (tmp_path / "b.json").write_text("[]")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.txt").write_text("user data")
+    with pytest.raises(SourceError, match="was not made by packtool"):
+        resolve_source(tmp_path / "b.json", tmp_path / "out", staging=tmp_path / "mine")
+    assert (tmp_path / "mine" / "keep.txt").read_text() == "user data"
+
+
+def test_python_api_packs_a_llava_file(demo_dir, media, tmp_path):
+    light = subprocess.run([sys.executable, "-c", "import sys, packtool; print(sorted(m for m in ('numpy', "
+                            "'pyarrow', 'torch', 'packtool.build.pipeline') if m in sys.modules))"],
+                           capture_output=True, text=True, check=True)
+    assert light.stdout.strip() == "[]"  # import packtool stays light; pack loads the pipeline when called
+    import packtool
+
+    (tmp_path / "llava.json").write_text(json.dumps([llava(i) for i in range(N)]))
+    summary = packtool.pack(tmp_path / "llava.json", tmp_path / "out", tokenizer=str(demo_dir / "tokenizer"),
+                            pack_size=PACK_SIZE, media_dir=str(media), shard_size="4", workers=1, progress=False)
+    assert isinstance(summary, packtool.PackSummary) and summary.source == (tmp_path / "out.source").resolve()
+    assert summary.splits["train"].samples == N and summary.splits["train"].error == 0
+    manifest = json.loads((tmp_path / "out" / ".nv-meta" / "packtool.json").read_text())
+    assert summary.splits["train"].packs == manifest["packs"]["train"] > 0
+    reference = run_pack(tmp_path / "llava.json", tmp_path / "ref", demo_dir / "tokenizer", media_dir=media)
+    assert tokens_by_key(tmp_path / "out") == tokens_by_key(reference)
+    assert summary.config["pack_size"] == PACK_SIZE and summary.config["tokenizer"] == str(demo_dir / "tokenizer")
+
+
+def test_readme_quick_start_runs_as_written(demo_dir, tmp_path):
+    """The README's quick start, command for command (the demo folder the fixture built stands for
+    examples/demo): LLaVA JSON -> packs -> candidates and batch size -> config -> a pack at the chosen size."""
+    import shlex
+
+    from packtool.verify.stats import decide
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    block = readme.split("## Quick start", 1)[1].split("```\n", 2)[1]
+    commands = [ln for ln in block.splitlines() if ln.strip() and not ln.startswith("python examples/demo.py")]
+    assert [c.split()[1] for c in commands] == \
+        ["examples/llava_json.py", "pack", "stats", "inspect", "pack"]
+    outputs = []
+    for line in commands:
+        line = line.replace("examples/demo/tokenizer", str(demo_dir / "tokenizer"))
+        line = line.replace("examples/demo/llava", str(tmp_path / "llava"))
+        line, _, redirect = line.partition(" > ")
+        args = shlex.split(line)
+        if args[0] == "python":
+            args = [sys.executable, str(root / args[1]), *args[2:]]
+        else:
+            args = [sys.executable, "-m", "packtool.cli", *args[1:]]
+        p = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        assert p.returncode == 0, (line, p.stderr[-2000:])
+        if redirect:
+            (tmp_path / redirect.strip()).write_text(p.stdout)
+        outputs.append(p.stdout)
+    stats_out = outputs[2]
+    table = readme.split("On the demo (300 records", 1)[1].split("```\n", 2)[1]
+    for row in table.splitlines():
+        assert row in stats_out, row  # the README's numbers are this run's
+    assert (tmp_path / "report.html").stat().st_size > 10_000
+    manifest = json.loads((tmp_path / "packed-4k" / ".nv-meta" / "packtool.json").read_text())
+    assert manifest["settings"]["pack_size"] == 4096
+    judged = next(c for c in decide(tmp_path / "packed", [4096])["train"]["candidates"])
+    assert judged["packs"] == manifest["packs"]["train"]
+    assert judged["truncated"] == manifest["counts"]["train"]["truncated"]
+
+
+def test_verify_against_a_json_source(demo_dir, media, tmp_path):
+    """``verify --source data.json`` compares with the staging, brought up to date: an image edited since packing
+    is reported."""
+    pics = tmp_path / "media"
+    shutil.copytree(media, pics)
+    (tmp_path / "d.json").write_text(json.dumps([llava(i) for i in range(N)]))
+
+    def cli(*args) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "packtool.cli", *map(str, args)], capture_output=True,
+                              text=True, timeout=300)
+
+    done = cli("pack", tmp_path / "d.json", tmp_path / "out", "--media-dir", pics, "--tokenizer",
+               demo_dir / "tokenizer", "--pack-size", PACK_SIZE, "--workers", 1, "--no-progress")
+    assert done.returncode == 0, done.stderr
+    ok = cli("verify", tmp_path / "out", "--source", tmp_path / "d.json", "--workers", 1)
+    assert ok.returncode == 0, ok.stderr
+    (pics / _images(4)[0]).write_bytes(make_image(90, 70, seed=123, fmt="JPEG"))
+    bad = cli("verify", tmp_path / "out", "--source", tmp_path / "d.json", "--workers", 1)
+    assert bad.returncode == 1 and "000000004" in bad.stderr and "differs from source" in bad.stderr
+
+
+def test_dataset_dict_and_parquet_folder_splits(media, tmp_path):
+    """A ``save_to_disk`` DatasetDict gives one split per folder; Parquet files named by split give their splits;
+    both stage every row in order."""
+    import yaml
+
+    from packtool.build.sources.files import detect, stage
+
+    table = pa.table({"messages": [sharegpt(i)["messages"] for i in range(5)],
+                      "images": [[{"bytes": (media / n).read_bytes(), "path": n} for n in _images(i)]
+                                 for i in range(5)]})
+    root = tmp_path / "dd"
+    for split, rows in (("train", table.slice(0, 3)), ("validation", table.slice(3))):
+        (root / split).mkdir(parents=True)
+        with pa.ipc.new_stream(root / split / "data-00000-of-00001.arrow", rows.schema) as writer:
+            writer.write_table(rows)
+        (root / split / "state.json").write_text(json.dumps({"_data_files": [{"filename":
+                                                                              "data-00000-of-00001.arrow"}]}))
+    (root / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "validation"]}))
+    src = detect(root)
+    assert src is not None and src.kind == "arrow" and list(src.splits) == ["train", "validation"]
+    staged = stage(src, tmp_path / "st")
+    parts = yaml.safe_load((staged / ".nv-meta" / "split.yaml").read_text())["split_parts"]
+    counts = json.loads((staged / ".nv-meta" / ".info.json").read_text())["shard_counts"]
+    assert [counts[s] for p in parts.values() for s in p] == [3, 2]
+    (tmp_path / "pq").mkdir()
+    pq.write_table(table.slice(0, 4), tmp_path / "pq" / "train-00000-of-00001.parquet")
+    pq.write_table(table.slice(4), tmp_path / "pq" / "validation-00000-of-00001.parquet")
+    src = detect(tmp_path / "pq")
+    assert src is not None and src.kind == "parquet" and sorted(src.splits) == ["train", "val"]

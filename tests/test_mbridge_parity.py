@@ -1,0 +1,213 @@
+"""`--preset megatron-bridge-qwen-vl` against Megatron-Bridge's own Qwen-VL Energon path, sample by sample.
+
+Megatron-Bridge's code runs as is (its wheel, imported by :mod:`mbridge_ref`): Energon's own loader reads a
+``ChatMLWebdataset`` (Megatron-Bridge's converter layout: pickled encoded images in ``jpgs``) through
+``QwenVLTaskEncoder`` (qwen_vl_utils' ``process_vision_info`` then the Qwen2.5-VL processor), one sample a batch.
+packtool packs the same dataset with the preset and its reader reads the packs back. For every sample the tokens,
+labels, loss mask, image grids and pixel values must be identical; the differences packtool chooses are named
+(untagged images) and checked as such. Megatron-Bridge's ``process_vision`` calls the processor the way
+transformers <= 5.12.1 accepts (Megatron-Bridge's pin): these tests run in that environment (`make test`).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import demo
+import mbridge_ref
+from packtool.build.pipeline import pack
+from packtool.build.sources.safepickle import png_bytes
+from packtool.format import load_manifest
+from packtool.runtime.read import read_packs
+from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+
+DATASET_YAML = {"__module__": "megatron.bridge.data.energon.task_encoder_utils", "__class__": "ChatMLWebdataset",
+                "field_map": {"imgs": "jpgs", "videos": "videos", "conversation": "json"}, "subflavors": {}}
+IGNORE = -100
+
+
+def picture(width: int, height: int, seed: int, mode: str = "RGB") -> bytes:
+    return png_bytes(np.array(demo.render_image(width, height, seed, mode=mode)))
+
+
+def chat(*turns: str) -> bytes:
+    roles = ["human", "gpt"]
+    return json.dumps([{"from": roles[i % 2], "value": t} for i, t in enumerate(turns)]).encode()
+
+
+#: Image sizes: one-step and two-step grids differ for many (604x172: 18x62 two-step, 18x60 one-step), thin and
+#: large ones hit qwen_vl_utils' own bounds, small ones the preset's minimum.
+SIZES = [(604, 172), (64, 48), (300, 200), (1200, 900), (37, 500), (2000, 1500), (448, 448), (500, 37),
+         (1000, 120), (90, 40), (777, 333), (28, 28)]
+
+
+def samples() -> dict[str, dict[str, bytes]]:
+    none = pickle.dumps([])
+    out: dict[str, dict[str, bytes]] = {}
+    for i, (w, h) in enumerate(SIZES):
+        out[f"one{i}"] = {"jpgs": pickle.dumps([picture(w, h, i)]), "videos": none,
+                          "json": chat("<image>\nWhat is shown?", "Cells.")}
+    out["two"] = {"jpgs": pickle.dumps([picture(56, 56, 20), picture(640, 180, 21)]), "videos": none,
+                  "json": chat("Compare <image> and <image> here.", "The second is wider.")}
+    out["turns"] = {"jpgs": pickle.dumps([picture(320, 240, 22), picture(150, 600, 23)]), "videos": none,
+                    "json": chat("<image> Colours?", "Several.", "And this one <image>?", "Blue.")}
+    out["gray"] = {"jpgs": pickle.dumps([picture(200, 100, 24, mode="L")]), "videos": none,
+                   "json": chat("Describe <image>", "Gray blocks.")}
+    out["text"] = {"jpgs": none, "videos": none, "json": chat("Say hello.", "Hello.", "Again?", "Hello.")}
+    out["eleven"] = {"jpgs": pickle.dumps([picture(40, 40, 30 + i) for i in range(11)]), "videos": none,
+                     "json": chat("<image>" * 11 + "How many?", "Eleven.")}
+    out["untagged"] = {"jpgs": pickle.dumps([picture(300, 120, 40)]), "videos": none,
+                       "json": chat("What is in the picture?", "Blocks.")}
+    for i, (n, w, h) in enumerate([(8, 320, 240), (5, 128, 96), (4, 640, 360), (61, 64, 48)]):
+        frames = [picture(w, h, 100 + 10 * i + k) for k in range(n)]
+        out[f"video{i}"] = {"jpgs": none, "videos": pickle.dumps([frames]),
+                            "json": chat("<video>\nWhat happens?", "Nothing.")}
+    out["mixed"] = {"jpgs": pickle.dumps([picture(200, 150, 50)]),
+                    "videos": pickle.dumps([[picture(96, 96, 60 + k) for k in range(3)]]),
+                    "json": chat("<image> and <video>: the same?", "No.")}
+    return out
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("mbparity") / "wds"
+    demo.write_shard(root / "s-0.tar", samples().items())
+    demo.prepare_energon(root, ["s-0.tar"], {"train": ["s-0.tar"]}, dataset_yaml=DATASET_YAML)
+    return root
+
+
+def qwen_processor(folder: Path):
+    """The Qwen2.5-VL processor Megatron-Bridge builds from a model folder (transformers' default backend)."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    return tok, Qwen2_5_VLProcessor(image_processor=AutoImageProcessor.from_pretrained(folder), tokenizer=tok,
+                                    video_processor=Qwen2VLVideoProcessor(), chat_template=tok.chat_template)
+
+
+@pytest.fixture(scope="module")
+def bridge(dataset, demo_dir) -> dict[str, dict]:
+    """Megatron-Bridge's batch of every sample it keeps, by key (its padding removed)."""
+    energon = mbridge_ref.load("models.qwen_vl.data.energon")
+    from megatron.energon import WorkerConfig, get_loader, get_val_dataset
+
+    tok, processor = qwen_processor(demo_dir / "tokenizer")
+    encoder = energon.QwenVLTaskEncoder(tok, processor, max_padding_length=8192)
+    loader = get_loader(get_val_dataset(dataset, split_part="train", batch_size=1, task_encoder=encoder,
+                                        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0)))
+    out = {}
+    for batch in loader:
+        real = batch["attention_mask"][0].bool()
+        vi = batch["visual_inputs"]
+        grid = getattr(vi, "image_grid_thw", None) if vi is not None else None
+        video_grid = getattr(vi, "video_grid_thw", None) if vi is not None else None
+        out[batch["__keys__"][0]] = {
+            "tokens": batch["input_ids"][0][real].tolist(), "labels": batch["labels"][0][real].tolist(),
+            "loss_mask": batch["loss_mask"][0][real].tolist(),
+            "grid": [] if grid is None else grid.tolist(),
+            "pixels": None if grid is None else vi.pixel_values.float(),
+            "video_grid": [] if video_grid is None else video_grid.tolist(),
+            "video_pixels": None if video_grid is None else vi.pixel_values_videos.float(),
+            "second_per_grid_ts": [] if video_grid is None else vi.second_per_grid_ts.tolist(),
+        }
+    return out
+
+
+def packed_samples(out: Path) -> dict[str, dict]:
+    """Each packed sample as the reader gives it: its tokens, labels, loss mask, image grids and pixel values."""
+    manifest = load_manifest(out)
+    got = {}
+
+    def runs(ids: torch.Tensor, token: int) -> int:
+        hit = (ids == token).int()
+        return int(((hit[1:] - hit[:-1]) == 1).sum() + hit[0])  # runs of placeholders: one per item
+
+    for batch in read_packs(out, pad_to="segments"):
+        cu, starts = batch["cu_seqlens_unpadded"].tolist(), batch["cu_seqlens_padded"].tolist()
+        grids, video_grids = batch["image_grid_thw"], batch["video_grid_thw"]
+        patches = list(torch.split(batch["pixel_values"], [int(g.prod()) for g in grids]))
+        video_patches = list(torch.split(batch["pixel_values_videos"], [int(g.prod()) for g in video_grids]))
+        first = first_video = 0
+        for i, key in enumerate(batch["keys"]):
+            a, n = starts[i], cu[i + 1] - cu[i]
+            ids = batch["tokens"][0, a:a + n]
+            images, videos = runs(ids, manifest["image_token_id"]), runs(ids, manifest["video_token_id"])
+            got[key] = {"tokens": ids.tolist(), "labels": batch["labels"][0, a:a + n].tolist(),
+                        "loss_mask": batch["loss_mask"][0, a:a + n].tolist(),
+                        "grid": grids[first:first + images].tolist(),
+                        "pixels": torch.cat(patches[first:first + images]) if images else None,
+                        "video_grid": video_grids[first_video:first_video + videos].tolist(),
+                        "video_pixels": torch.cat(video_patches[first_video:first_video + videos]) if videos else None,
+                        "second_per_grid_ts": batch["second_per_grid_ts"][first_video:first_video + videos].tolist()}
+            first += images
+            first_video += videos
+    return got
+
+
+@pytest.fixture(scope="module")
+def packed(dataset, demo_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("mbparity-out") / "out"
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=8192, allow_pickle=True,
+                                           preset="megatron-bridge-qwen-vl"), PlanSettings(shard_size="4"))
+    pack(dataset, out, settings, workers=1, progress=False)
+    return out
+
+
+def ledger(out: Path) -> dict[str, dict]:
+    return {r["key"]: r for r in pq.read_table(out / "ledger.parquet").to_pylist()}
+
+
+def test_every_sample_equals_megatron_bridge(bridge, packed):
+    """Tokens, labels, loss mask, image and video grids, second_per_grid_ts and pixel values of every sample both
+    keep, identical (videos: 61 frames keep the first 60)."""
+    mine = packed_samples(packed)
+    compared = set(bridge) - {"untagged"}
+    assert compared == set(samples()) - {"eleven", "untagged"}  # Megatron-Bridge skips the 11-image sample
+    assert set(mine) == set(samples()) - {"eleven"}
+    for key in sorted(compared):
+        theirs, ours = bridge[key], mine[key]
+        assert ours["tokens"] == theirs["tokens"], key
+        assert ours["labels"] == theirs["labels"], key
+        assert ours["loss_mask"] == theirs["loss_mask"], key
+        assert ours["grid"] == theirs["grid"], key
+        assert ours["video_grid"] == theirs["video_grid"], key
+        assert ours["second_per_grid_ts"] == theirs["second_per_grid_ts"], key
+        for name in ("pixels", "video_pixels"):
+            if theirs[name] is None:
+                assert ours[name] is None, key
+            else:
+                assert torch.equal(ours[name], theirs[name]), (key, name)
+
+
+def test_limits_and_untagged_images_are_in_the_ledger(bridge, packed):
+    """The 11-image sample is dropped (Megatron-Bridge skips it); the untagged image is trained, placed before the
+    text, and the ledger says so (Megatron-Bridge trains that sample's text only)."""
+    rows = ledger(packed)
+    assert rows["eleven"]["status"] == "dropped"
+    assert rows["eleven"]["reason"] == "over limit: 11 images > sample_max_images 10"
+    assert rows["untagged"]["status"] == "packed"
+    assert "1 untagged media placed before the first user text" in rows["untagged"]["reason"]
+    assert all(r["reason"] == "" for k, r in rows.items() if k not in ("eleven", "untagged"))
+    mine = packed_samples(packed)["untagged"]
+    assert len(mine["grid"]) == 1 and bridge["untagged"]["grid"] == []
+
+
+def test_one_step_resize_differs(bridge, dataset, demo_dir, tmp_path):
+    """Control: the processor's rule alone (the preset's bounds, no first resize) gives other grids."""
+    out = tmp_path / "one-step"
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=8192, allow_pickle=True,
+                                           media_first=True, target_newline_after_eot=True, min_pixels=200_704,
+                                           max_pixels=1_003_520), PlanSettings(shard_size="4"))
+    pack(dataset, out, settings, workers=1, progress=False)
+    mine = packed_samples(out)
+    differ = [k for k in bridge if k in mine and mine[k]["grid"] != bridge[k]["grid"]]
+    assert "one0" in differ and len(differ) >= 3, differ

@@ -1,0 +1,135 @@
+"""``stats`` that decides: candidate pack sizes judged from one run equal real runs at those sizes; the global batch
+and steps per epoch; the source-length distribution; one-line errors; reasons grouped without mangling words; the
+HTML report opened in a real headless browser."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from packtool.build.pipeline import pack
+from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+from packtool.verify.stats import compare, compute, decide, group_reason
+
+PACKTOOL = [sys.executable, "-m", "packtool.cli"]
+
+
+def run(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([*PACKTOOL, *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def one_error(p: subprocess.CompletedProcess) -> str:
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("packtool: error:")]
+    assert len(lines) == 1, p.stderr
+    return lines[0]
+
+
+def real(demo_dir: Path, out: Path, size: int) -> dict:
+    """A real run at ``size``: per split its packs and statuses."""
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=size),
+                            PlanSettings(shard_size="8"))
+    result = pack(demo_dir / "dataset", out, settings, workers=1, progress=False, dry_run=True)
+    return {split: {"packs": result.packs[split], **{k: c[k] for k in ("packed", "truncated", "dropped", "error")}}
+            for split, c in result.counts.items()}
+
+
+def test_candidates_equal_real_runs(packed, demo_dir, tmp_path):
+    """The demo (text, images, videos; 2,048-token run) judged at smaller and larger sizes, against real runs."""
+    sizes = [700, 1536, 3000, 8192]
+    judged = decide(packed, sizes, dp=2, micro_batches=3)
+    for size in sizes:
+        want = real(demo_dir, tmp_path / f"o{size}", size)
+        for split, w in want.items():
+            c = next(c for c in judged[split]["candidates"] if c["pack_size"] == size)
+            assert c["estimated"] == 0
+            assert {k: c[k] for k in w} == w, (size, split)
+    # The control: the run's own size gives the run's own counts, and a shorter cut changes them.
+    own = decide(packed, [2048])["train"]["candidates"][0]
+    manifest = json.loads((packed / ".nv-meta" / "packtool.json").read_text())
+    assert own["packs"] == manifest["packs"]["train"] and own["truncated"] == manifest["counts"]["train"]["truncated"]
+    assert own["truncated"] < next(c for c in judged["train"]["candidates"] if c["pack_size"] == 700)["truncated"]
+
+
+def test_compare_at_another_size_cuts_first(packed, demo_dir, tmp_path):
+    """``--compare`` at a larger size replans the source lengths (the issue's 25 vs 26), at a smaller one it no
+    longer crashes."""
+    want = real(demo_dir, tmp_path / "o4096", 4096)
+    rows = compare(packed, ["auto"], pack_size=4096)
+    assert {s: r[0]["packs"] for s, r in rows.items()} == {s: w["packs"] for s, w in want.items()}
+    assert compare(packed, ["bfd", "ffd"], pack_size=512)["train"][0]["packs"] > 0
+
+
+def test_batch_size_and_steps(packed):
+    d = decide(packed, [2048], dp=2, micro_batches=3)["train"]
+    c = d["candidates"][0]
+    assert c["global_batch_packs"] == 6
+    assert c["steps_per_epoch"] == c["packs"] // 6 and c["packs_left_over"] == c["packs"] % 6
+    spp = c["samples_per_pack"]
+    assert spp["min"] <= spp["mean"] <= spp["max"] and spp["std"] > 0
+    per_step = c["samples_per_step"]
+    assert per_step["mean"] * c["steps_per_epoch"] <= c["packed"] + c["truncated"]
+    assert 6 * spp["min"] <= per_step["min"] <= per_step["mean"] <= per_step["max"] <= 6 * spp["max"]
+    src = d["source"]
+    report = compute(packed)["splits"]["train"]
+    assert src["samples"] == report["samples"] - report["status"]["error"]
+    assert src["tokens"]["max"] > 2048 >= src["tokens"]["p50"] and src["media"]["max"] >= 1
+    p = run("stats", packed, "--candidates", "1024,4096", "--dp", 8, "--micro-batches", 4)
+    assert p.returncode == 0, p.stderr
+    assert "candidate pack sizes" in p.stdout and "global batch 32 packs" in p.stdout and "tokens/sample" in p.stdout
+
+
+def test_stats_errors_are_one_line(packed, tmp_path):
+    assert "unknown algorithm 'magic'" in one_error(run("stats", packed, "--compare", "bfd,magic"))
+    assert "unknown algorithm 'magic'" in one_error(run("stats", packed, "--candidates", "4096", "--algorithm",
+                                                        "magic"))
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    assert "is not a packtool ledger" in one_error(run("stats", text))
+    assert "is not a packed output" in one_error(run("stats", tmp_path))
+    assert "positive integers" in one_error(run("stats", packed, "--candidates", "0"))
+    p = run("stats", packed, "--compare", "bfd", "--pack-size", 600)
+    assert p.returncode == 0 and "replanned" in p.stdout, p.stderr
+
+
+def test_reasons_are_grouped_without_mangling_words():
+    assert group_reason("truncated to 4096: 5000 tokens > 4096") == "truncated to N: N tokens > N"
+    assert group_reason("member 'clip.mp4' of Qwen2.5-VL-3B in img0.jpg, 2.5 s") == \
+        "member 'clip.mp4' of Qwen2.5-VL-3B in img0.jpg, N s"
+    assert group_reason("media file 'pics/001-1.png' not found") == "media file 'pics/001-1.png' not found"
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        pytest.skip("chromium is not installed (make test installs it with apt-get)")
+    return found
+
+
+def test_html_report_renders_in_a_real_browser(packed, tmp_path):
+    browser = _chromium()
+    html = tmp_path / "report.html"
+    p = run("stats", packed, "--candidates", "1024,4096", "--dp", 2, "--html", html)
+    assert p.returncode == 0, p.stderr
+    text = html.read_text()
+    assert "src=\"http" not in text and "<link" not in text  # self-contained
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync"]
+    dom = subprocess.run([browser, *flags, f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom",
+                          html.as_uri()], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert 'data-images="2/2"' in dom.stdout  # both splits' plots decoded by the browser
+    assert "candidate pack sizes" in dom.stdout and "<td>4096</td>" in dom.stdout
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, *flags, f"--user-data-dir={tmp_path / 'profile2'}", f"--screenshot={shot}",
+                    "--window-size=1200,1600", html.as_uri()], capture_output=True, timeout=120, check=True)
+    from PIL import Image
+
+    pixels = Image.open(shot).convert("L")
+    assert pixels.size == (1200, 1600) and len(set(np.asarray(pixels).ravel().tolist())) > 20  # drawn
