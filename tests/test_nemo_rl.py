@@ -669,6 +669,13 @@ def test_nemotron_preset_refuses_what_it_cannot_do_yet(nemotron_folder, demo_dir
                      [])
     got = enc.encode_many([bad])[0]
     assert got.status == "error" and "<think>" in got.reason
+    # NeMo-RL refuses videos longer than 600 s (`_video_selections`, without allow_large_videos)
+    import mediafixture as mf
+
+    turns = [{"role": "user", "content": "<video>Long?"}, {"role": "assistant", "content": "Yes."}]
+    long = raw_sample("l", turns, [], videos=[("mp4", mf.make_video("mp4", width=16, height=16, frames=601, fps=1))])
+    got = enc.encode_many([long])[0]
+    assert got.status == "error" and "600 s" in got.reason
 
 
 def test_nemotron_preset_pack_verify_and_batch(nemotron_folder, tmp_path):
