@@ -159,6 +159,11 @@ class Family(ABC):
         raise NoRule(f"media {part!r}: the model folder {Path(self.folder).name} has no rule for videos (the "
                      f"processor mode has)")
 
+    def video_facts(self, data: list[bytes], framed: bool, facts: VideoFacts, part: str) -> VideoFacts:
+        """The facts :meth:`plan_video` plans with and the pack records (``data``: the video's bytes, or its
+        frames' when ``framed``): the probe's, unless the family's trainer reads its own."""
+        return facts
+
     def plan_audio(self, facts: AudioFacts, part: str) -> ItemPlan:
         """An audio clip's tokens and the waveform length its processor is given."""
         raise NoRule(f"media {part!r}: the model folder {Path(self.folder).name} has no rule for audio (the "

@@ -37,7 +37,15 @@ import numpy as np
 from packtool.build.engine import Engine
 from packtool.errors import FormatError
 from packtool.families.conventions import NEMO_RL_NEMOTRON
-from packtool.families.nemo_rl_rules import BUDGET_RESERVE, Frame, sample_image_grids, settings_audio_plan
+from packtool.families.nemo_rl_rules import (
+    BUDGET_RESERVE,
+    Frame,
+    energon_video_metadata,
+    sample_image_grids,
+    settings_audio_plan,
+    video_frame_grid,
+    video_timestamps,
+)
 from packtool.families.nemotron_omni import NemotronOmniSettings
 from packtool.families.qwen2_vl import ImageRule, Qwen2VLSettings
 from packtool.format import (
@@ -204,14 +212,23 @@ def nemo_rl_grids(tokens: np.ndarray, media: list[MediaRef], rules: MediaRules) 
     if not rules.nemo_rl or rules.nemotron is None:
         return None
     n = rules.nemotron
-    images = [m for m in media if m.kind == "image"]
-    compact = len(tokens) - sum(m.tokens - 1 for m in images)
+    visual = [m for m in media if m.kind in ("image", "video")]
+    # a video's tubelets are one <img><image></img> each in the compact text
+    compact = len(tokens) - sum(m.tokens - (1 if m.kind == "image" else m.grid_thw[0] // n.video_temporal_patch_dim)
+                                for m in visual)
+    frames = [f for m in visual for f in ([Frame(m.width, m.height)] if m.kind == "image"
+                                          else [Frame(m.width, m.height, True)] * m.grid_thw[0])]
     grids = sample_image_grids(
-        [Frame(m.width, m.height) for m in images], rules.pack_size - compact - BUDGET_RESERVE, patch=n.patch_size,
+        frames, rules.pack_size - compact - BUDGET_RESERVE, patch=n.patch_size,
         merge=round(1 / n.downsample_ratio), min_patches=n.min_num_patches, max_patches=n.max_num_patches,
         video_target_patches=n.video_target_num_patches, video_keep_aspect=n.video_maintain_aspect_ratio,
         temporal_patch=n.video_temporal_patch_dim)
-    return [[1, gh, gw] for gh, gw in grids]
+    out, position = [], 0
+    for m in visual:
+        if m.kind == "image":
+            out.append([1, *grids[position]])
+        position += 1 if m.kind == "image" else m.grid_thw[0]
+    return out
 
 
 def media_rules(manifest: Manifest) -> MediaRules:
@@ -377,6 +394,8 @@ def _check_video(where: str, ref: MediaRef, members: list[bytes], rules: MediaRu
                 f"{ref.total_frames} frames"]
     if rules.processor:
         return []
+    if rules.nemo_rl and rules.nemotron is not None:
+        return _check_nemo_rl_video(where, ref, members[0], rules.nemotron)
     try:
         derived = _video_plan(facts, rules)
     except ValueError as exc:
@@ -388,6 +407,26 @@ def _check_video(where: str, ref: MediaRef, members: list[bytes], rules: MediaRu
         return [f"{where}: the video rule gives grid, tokens, frames, seconds per grid {derived[0]}, {derived[1]}, "
                 f"{_short(derived[2])}, {derived[3]}; recorded {recorded[0]}, {recorded[1]}, {_short(recorded[2])}, "
                 f"{recorded[3]}"]
+    return []
+
+
+def _check_nemo_rl_video(where: str, ref: MediaRef, data: bytes, rule: NemotronOmniSettings) -> list[str]:
+    """A video under NeMo-RL's Nemotron Omni convention: Energon's duration and frame count as recorded, the frames
+    the Megatron rule takes from them, the tile, and one tile of tokens per tubelet."""
+    try:
+        duration, frames = energon_video_metadata(data)
+        seconds = video_timestamps(duration, frames, temporal_patch=rule.video_temporal_patch_dim)
+        gh, gw = video_frame_grid(ref.width, ref.height, rule)
+    except ValueError as exc:
+        return [f"{where}: {exc}"]
+    if (duration, frames) != (ref.duration, ref.total_frames):
+        return [f"{where}: Energon reads {duration} s and {frames} frames, recorded {ref.duration} s and "
+                f"{ref.total_frames} frames"]
+    grid = [len(seconds), gh, gw]
+    tokens = len(seconds) // rule.video_temporal_patch_dim * gh * gw // round(1 / rule.downsample_ratio) ** 2
+    if (grid, tokens) != (list(ref.grid_thw), ref.tokens):
+        return [f"{where}: NeMo-RL's video rule gives grid {grid} and {tokens} tokens, recorded "
+                f"{list(ref.grid_thw)} and {ref.tokens}"]
     return []
 
 
