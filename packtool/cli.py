@@ -20,6 +20,7 @@ from packtool.settings import (
     Algorithm,
     AlignFor,
     EncodeSettings,
+    ImageResize,
     PlanSettings,
     Preset,
     RunOptions,
@@ -152,6 +153,13 @@ def pack(
     target_newline_after_eot: bool = typer.Option(default(E, "target_newline_after_eot"),
                                                   help="Also train on the newline after each end-of-turn token."),
     media_first: bool = typer.Option(default(E, "media_first"), help="Move each turn's images before its text."),
+    image_resize: str = typer.Option(default(E, "image_resize"),
+                                     help=", ".join(choices(ImageResize)) + ": resize by the processor's rule "
+                                          "alone, or qwen_vl_utils' fetch_image first (Megatron-Bridge)."),
+    sample_max_images: int | None = typer.Option(None, help="Drop samples with more images."),
+    sample_max_visual_tokens: int | None = typer.Option(None, help="Drop samples whose images and videos take "
+                                                                   "more tokens."),
+    video_keep_frames: int | None = typer.Option(None, help="Keep only the first N frames of each video."),
     workers: int | None = typer.Option(None, help="Worker processes (default: all cores)."),
     engine: str = typer.Option(default(R, "engine"), help="local or ray."),
     ray_address: str | None = typer.Option(None, help="Ray cluster address host:port (with --engine ray)."),

@@ -41,9 +41,9 @@ def resolve_model(value: str | Path) -> Path:
     repo = cache / ("models--" + model.replace("/", "--"))
     snapshot = _snapshot(repo, revision or "main")
     if snapshot is None:
-        raise ConfigError(f"tokenizer {text!r} is neither a folder nor a model in the local Hugging Face cache "
-                          f"(looked for {repo}; set HF_HUB_CACHE or HF_HOME, or download it first, e.g. "
-                          f"`huggingface-cli download {model}`)")
+        raise ConfigError(f"tokenizer {text!r} is neither a folder nor a Hugging Face model id in the local "
+                          f"Hugging Face cache (looked for {repo}; set HF_HUB_CACHE or HF_HOME, or download it first: "
+                          f"`hf download {model}`, then pass its id or the folder it prints)")
     return snapshot.resolve()
 
 

@@ -400,15 +400,28 @@ def nemo_rl_reply(text: str) -> str:
     return head + "</think>\n" + tail.lstrip()
 
 
-def nemo_rl_image_grids(sizes, available: int, *, min_patches=1024, max_patches=13312, patch=16):
-    """``_plan_visual_occurrences`` (``nemotron_visual.py``) for images only, no augmentation: a budget of
-    ``available * 4`` patches, each image's own grid scaled into its allowance (up to the minimum where it fits),
-    sides rounded to 2, allowances shrunk together until the grids fit. Returns (grid_h, grid_w) per image."""
-    budget = max(available * 4, min_patches * len(sizes))
+def nemo_rl_image_grids(sizes, available: int, *, min_patches=1024, max_patches=13312, patch=16, video_target=1024):
+    """``_plan_visual_occurrences`` (``nemotron_visual.py``), no augmentation: a budget of ``available * 4`` patches
+    (times the tubelet's 2 for video frames' share), each image's own grid scaled into its allowance (up to the
+    minimum where it fits), sides rounded to 2, allowances shrunk together until the grids fit; a video frame
+    (``(w, h, True)``) takes a tile of about ``video_target`` patches of its aspect, sides rounded to 2. Returns
+    (grid_h, grid_w) per image and frame."""
+    videos = sum(len(s) == 3 for s in sizes)
+    budget = available * 4
+    if videos:
+        budget = budget * 2 if videos == len(sizes) else int(budget * ((len(sizes) - videos) / len(sizes)
+                                                                        + videos / len(sizes) * 2))
+    budget = max(budget, min_patches * len(sizes))
     allow = [max(min(budget, max_patches), min_patches)] * len(sizes)
     for _ in range(10):
         grids = []
-        for (w, h), a in zip(sizes, allow):
+        for (w, h, *video), a in zip(sizes, allow):
+            if video:
+                th = max(1, round(math.sqrt(video_target / (w / h))))
+                tw = max(1, round(math.sqrt(video_target * w / h)))
+                uh, uw = th + th % 2, tw + tw % 2
+                grids.append((uh, uw) if uh * uw <= video_target else (max(2, th - th % 2), max(2, tw - tw % 2)))
+                continue
             ch, cw = round(h / patch + 0.5), round(w / patch + 0.5)
             f = min(math.sqrt(a / (ch * cw)), 1.0)
             th, tw = math.floor(f * ch), math.floor(f * cw)
@@ -429,6 +442,53 @@ def nemo_rl_image_grids(sizes, available: int, *, min_patches=1024, max_patches=
     return grids
 
 
+def nemo_rl_video_seconds(duration: float, frames: int) -> list[float]:
+    """``_select_video_frames`` (``nemotron_visual.py``) with its defaults (8 to 32 frames, 2 fps, tubelets of 2, no
+    augmentation or jitter): the count, made even within the source's frames, and the segment centres of
+    ``duration - 1`` seconds, in float32."""
+    n = frames if frames < 8 else min(max(int(2 * duration), 8), 32)
+    if n % 2:
+        n = n + 1 if n + 1 <= frames and n + 1 <= 32 else max(2, n - 1)
+    centres = np.float32((duration - 1) / n) * (np.arange(n, dtype=np.float32) + np.float32(0.5))
+    return [float(c) for c in centres]
+
+
+def nemo_rl_video_prompt(seconds: list[float], placeholder: str) -> str:
+    """``_video_prompt`` (``nemotron_visual.py``): a header line, a line per pair of frames, a trailing newline."""
+    text = "This is a video:"
+    for i in range(0, len(seconds), 2):
+        pair = [f"{'Frame' if k == i else 'frame'} {k + 1} sampled at {seconds[k]:.2f} seconds"
+                for k in range(i, min(i + 2, len(seconds)))]
+        text += "\n" + " and ".join(pair) + ": " + placeholder
+    return text + "\n"
+
+
+def nemo_rl_video_metadata(data: bytes) -> tuple[float, int]:
+    """``_derived_media_metadata`` (``cookers/nemotron.py``) for a video: Energon's ``AVDecoder.get_metadata``."""
+    from megatron.energon.av import AVDecoder
+
+    meta = AVDecoder(io.BytesIO(data)).get_metadata()
+    return meta.video_duration, meta.video_num_frames
+
+
+def nemo_rl_video_inputs(data: bytes, seconds: list[float], grid: tuple[int, int], patch_dim: int = 16):
+    """``_process_media`` with ``_decode_video_clips`` (``nemotron_visual.py``) for one video: Energon's
+    ``get_clips`` at each second, the first frame of each clip (the last repeated for a short decode), torchvision's
+    ``ToPILImage``, PIL resize, CLIP mean/std; ``imgs_sizes`` per frame and ``num_frames``."""
+    from megatron.energon.av import AVDecoder
+    from PIL import Image
+    from torchvision.transforms import ToPILImage
+
+    clips = list(AVDecoder(io.BytesIO(data)).get_clips(video_clip_ranges=[(t, t) for t in seconds],
+                                                       video_unit="seconds").video_clips)
+    clips += [clips[-1]] * (len(seconds) - len(clips))
+    pictures = [ToPILImage()(clip[0]).convert("RGB") for clip in clips]
+    pixels = torch.stack([nemotron_image_inputs(p, (grid[1], grid[0]), patch_dim)[0] for p in pictures])
+    assert all(isinstance(p, Image.Image) for p in pictures)
+    sizes = torch.tensor([[grid[0] * patch_dim, grid[1] * patch_dim]] * len(seconds), dtype=torch.int32)
+    return pixels, sizes, torch.tensor([len(seconds)])
+
+
 def nemo_rl_audio_clips(samples: int, rate: int, target: int = 16000, hop: int = 160, factor: int = 8):
     """``_audio_plan`` (``nemotron_multimodal.py``) with its defaults (30 s clips, 0.1 s minimum): samples per clip
     at the target rate, valid mel frames (samples // hop) and ``<so_embedding>`` tokens per clip."""
@@ -444,21 +504,35 @@ def nemo_rl_audio_clips(samples: int, rate: int, target: int = 16000, hop: int =
     return per, frames, tokens
 
 
-def nemo_rl_nemotron_sample(tok, messages: list[dict], sizes, max_len: int, audio=()):
-    """NeMo-RL's nemotron_multimodal for text and images (``NemotronMultiModalProcessorAdapter.preencode`` and
-    ``postencode``): replies normalised; each image part rendered ``<img>`` + marker + ``</img>``; the chat
-    template's text encoded piece by piece with the image token spliced at each marker
-    (``_encode_with_marker_splices``); targets each reply after its ``<|im_start|>assistant\\n`` header through
-    its ``<|im_end|>`` (``tokenize_nemotron_conversation``, nemotron6-moe, with this tokenizer's ids); one image
-    budget from ``max_len - tokens - 4``; each marker expanded to its image's tokens
+def nemo_rl_nemotron_sample(tok, messages: list[dict], sizes, max_len: int, audio=(), videos=()):
+    """NeMo-RL's nemotron_multimodal (``NemotronMultiModalProcessorAdapter.preencode`` and ``postencode``): replies
+    normalised; each image part rendered ``<img>`` + marker + ``</img>``, each video part as ``_video_prompt`` with
+    one marker per pair of frames (``videos``: (width, height, seconds of its frames)); the chat template's text
+    encoded piece by piece with the image token spliced at each marker (``_encode_with_marker_splices``); targets
+    each reply after its ``<|im_start|>assistant\\n`` header through its ``<|im_end|>``
+    (``tokenize_nemotron_conversation``, nemotron6-moe, with this tokenizer's ids); one image budget from
+    ``max_len - tokens - 4`` shared with the video frames; each marker expanded to its image's or pair's tokens
     (``_expand_visual_placeholders``); the first token's loss dropped (``prepare_packed_sft_batch``)."""
-    rendered = []
+    import re
+
+    rendered, kinds, video_items = [], [], iter(videos)
     for m in messages:
         text = m["content"]
         if m["role"] == "assistant":
             text = nemo_rl_reply(text)
         text = text.replace("<audio>", "<so_start><so_embedding><so_end>")
-        rendered.append({"role": m["role"], "content": text.replace("<image>", f"<img>{MM_MARKER}</img>")})
+        out = ""
+        for piece in re.split("(<image>|<video>)", text):
+            if piece == "<image>":
+                out += f"<img>{MM_MARKER}</img>"
+                kinds.append(("image", None))
+            elif piece == "<video>":
+                width, height, seconds = next(video_items)
+                out += nemo_rl_video_prompt(seconds, f"<img>{MM_MARKER}</img>")
+                kinds.append(("video", (width, height, len(seconds))))
+            else:
+                out += piece
+        rendered.append({"role": m["role"], "content": out})
     text = tok.apply_chat_template(rendered, tokenize=False)
     image_id = tok.convert_tokens_to_ids("<image>")
     ids: list[int] = []
@@ -476,12 +550,19 @@ def nemo_rl_nemotron_sample(tok, messages: list[dict], sizes, max_len: int, audi
     sound = tok.convert_tokens_to_ids("<so_embedding>")  # _expand_audio_placeholders, before the image budget
     counts = iter(sum(nemo_rl_audio_clips(n, rate)[2]) for n, rate in audio)
     ids, mask = map(list, zip(*[(i, k) for i, k in zip(ids, mask) for _ in range(next(counts) if i == sound else 1)]))
-    grids = nemo_rl_image_grids(sizes, max_len - len(ids) - 4)
-    widths = iter(h * w // 4 for h, w in grids)
-    ids, mask = map(list, zip(*[(i, k) for i, k in zip(ids, mask) for _ in range(next(widths) if i == image_id
+    image_sizes = iter(sizes)
+    frames = [f for kind, v in kinds for f in ([next(image_sizes)] if kind == "image" else [(v[0], v[1], True)] * v[2])]
+    grids = nemo_rl_image_grids(frames, max_len - len(ids) - 4)
+    widths, position = [], 0
+    for kind, v in kinds:
+        step = 1 if kind == "image" else v[2]
+        widths += [h * w // 4 for h, w in grids[position:position + step:2 if kind == "video" else 1]]
+        position += step
+    width_of = iter(widths)
+    ids, mask = map(list, zip(*[(i, k) for i, k in zip(ids, mask) for _ in range(next(width_of) if i == image_id
                                                                                     else 1)]))
     mask[0] = 0
-    return ids, mask, grids
+    return ids, mask, [g for g, f in zip(grids, frames) if len(f) == 2]
 
 
 def nemo_rl_sound_inputs(data: bytes, extractor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -510,12 +591,13 @@ def nemo_rl_sound_inputs(data: bytes, extractor) -> tuple[torch.Tensor, torch.Te
     return clips, torch.tensor(valid, dtype=torch.long)
 
 
-def raw_sample(key: str, turns: list[dict], images: list[bytes], audio: list[bytes] = ()):
+def raw_sample(key: str, turns: list[dict], images: list[bytes], audio: list[bytes] = (),
+               videos: list[tuple[str, bytes]] = ()):
     from packtool.build.sources import RawSample
 
     raw = RawSample(key=key, shard="shards/x.tar", index=0)
     parts = {"json": json.dumps({"messages": turns}).encode(), **{f"{i}.jpg": b for i, b in enumerate(images)},
-             **{f"{i}.wav": b for i, b in enumerate(audio)}}
+             **{f"{i}.wav": b for i, b in enumerate(audio)}, **{f"v{i}.{e}": b for i, (e, b) in enumerate(videos)}}
     for name, data in parts.items():
         raw.parts[name], raw.ranges[name] = data, (0, len(data))
     return raw
@@ -587,6 +669,13 @@ def test_nemotron_preset_refuses_what_it_cannot_do_yet(nemotron_folder, demo_dir
                      [])
     got = enc.encode_many([bad])[0]
     assert got.status == "error" and "<think>" in got.reason
+    # NeMo-RL refuses videos longer than 600 s (`_video_selections`, without allow_large_videos)
+    import mediafixture as mf
+
+    turns = [{"role": "user", "content": "<video>Long?"}, {"role": "assistant", "content": "Yes."}]
+    long = raw_sample("l", turns, [], videos=[("mp4", mf.make_video("mp4", width=16, height=16, frames=601, fps=1))])
+    got = enc.encode_many([long])[0]
+    assert got.status == "error" and "600 s" in got.reason
 
 
 def test_nemotron_preset_pack_verify_and_batch(nemotron_folder, tmp_path):
@@ -659,3 +748,141 @@ def test_nemotron_preset_pack_verify_and_batch(nemotron_folder, tmp_path):
     path.write_text(json.dumps(data))
     problems = verify_output(tmp_path / "out")
     assert problems and all("image rule gives grid" in p for p in problems), problems[:3]
+
+
+#: Videos of the video tests: (container, width, height, frames, fps): 3 s (8 frames taken), 10 s (20), 20 s (32),
+#: a WebM of 2 s whose Energon duration is 1.999 s, 5 frames (fewer than 8: 4 taken), 10 s at another size.
+VIDEOS = {"short": ("mp4", 64, 48, 30, 10), "ten": ("mp4", 160, 90, 50, 5), "long": ("mp4", 48, 80, 80, 4),
+          "webm": ("webm", 64, 48, 48, 24), "few": ("mp4", 64, 48, 5, 4), "wide": ("mp4", 96, 64, 250, 25)}
+
+
+def video_bytes(name: str) -> tuple[str, bytes]:
+    import mediafixture as mf
+
+    ext, width, height, frames, fps = VIDEOS[name]
+    return ext, mf.make_video(ext, width=width, height=height, frames=frames, fps=fps)
+
+
+def test_nemotron_preset_videos_equal_nemo_rls(nemotron_folder):
+    """Videos shorter than 4 s, of ~10 s and long enough for 32 frames, of several sizes, alone, two in a sample
+    and with images: tokens (header line, frame labels, one tile per pair of frames, trailing newline), targets,
+    video grids and the image grids their frames share a budget with equal NeMo-RL's for each sample; a control
+    without the preset (transformers' frame rule and labels) differs."""
+    from packtool.build.encoder import Encoder
+    from packtool.settings import EncodeSettings
+
+    words = " ".join(f"word{i % 97}" for i in range(150))
+    cases = [  # (user text, reply, image sizes, videos)
+        ("<video>What happens?", "It moves.", [], ["short"]),
+        ("<video>Describe it.", "<think>Colours.</think>Moving colours.", [], ["ten"]),
+        ("Watch: <video>", "Done.", [], ["long"]),
+        ("<image><video><image>Compare.", "Same.", [(1600, 1200), (800, 600)], ["webm"]),
+        ("<video> and <video>?", "Two.", [], ["few", "wide"]),
+        (f"{words}<video><image>Sum up.", "Fine.", [(1600, 1200)], ["ten"]),
+    ]
+    raws, expected = [], []
+    for i, (question, reply, sizes, names) in enumerate(cases):
+        turns = [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+        videos = [video_bytes(n) for n in names]
+        raws.append(raw_sample(f"v{i}", turns, [fx.image_bytes(w, h, i * 10 + k) for k, (w, h) in enumerate(sizes)],
+                               videos=videos))
+        expected.append((turns, sizes, [(VIDEOS[n][1], VIDEOS[n][2], nemo_rl_video_seconds(*nemo_rl_video_metadata(b)))
+                                        for n, (_, b) in zip(names, videos)]))
+    settings = dict(tokenizer=str(nemotron_folder), pack_size=8192)  # 32 frames take ~4000 tokens
+    preset = Encoder(EncodeSettings(**settings, preset="nemo-rl-nemotron-omni"))
+    plain = Encoder(EncodeSettings(**settings))
+    differs = taken = 0
+    for (turns, sizes, videos), got, base in zip(expected, preset.encode_many(raws), plain.encode_many(raws)):
+        assert got.status == "packed", got.reason
+        ids, mask, grids = nemo_rl_nemotron_sample(preset.tok, turns, sizes, 8192, videos=videos)
+        assert got.tokens.tolist() == ids
+        targets = got.targets.tolist()
+        targets[0] = 0
+        assert targets == mask
+        assert [m["grid_thw"] for m in got.media if m["kind"] == "image"] == [[1, h, w] for h, w in grids]
+        want = [[len(s), *nemo_rl_image_grids([(w, h, True)], 0)[0]] for w, h, s in videos]
+        assert [m["grid_thw"] for m in got.media if m["kind"] == "video"] == want
+        taken += sum(len(s) for *_, s in videos)
+        differs += base.tokens.tolist() != ids  # control: transformers' convention is not NeMo-RL's
+    assert differs == len(cases)
+    assert taken == 8 + 20 + 32 + 8 + 4 + 20 + 20
+
+
+def test_nemotron_preset_video_pack_verify_and_batch(nemotron_folder, tmp_path):
+    """`pack --preset nemo-rl-nemotron-omni` with videos: verify re-derives each video's frames, grid and tokens
+    from Energon's metadata (control: the same packs checked as transformers' convention fail), and the NeMo-RL
+    batch's pixel_values / imgs_sizes / num_frames equal `_process_media` of each video and image in placeholder
+    order (control: frames taken half a segment later are other pixels)."""
+    from PIL import Image
+
+    import mediafixture as mf
+    from packtool.build.pipeline import pack
+    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+    from packtool.verify.packs import verify_output
+
+    cases = {"short": ("<video>What?", "Colours.", [], ["short"]),
+             "mixed": ("<image><video>Same?", "No.", [(1600, 1200)], ["ten"]),
+             "long": ("<video><video>Both?", "Yes.", [], ["long", "webm"])}
+    samples = {}
+    for key, (question, reply, sizes, names) in cases.items():
+        turns = [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+        samples[key] = {"json": json.dumps({"messages": turns}).encode(),
+                        **{f"{i}.png": mf.make_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)},
+                        **{f"v{i}.{ext}": data for i, (ext, data) in enumerate(video_bytes(n) for n in names)}}
+    mf.write_source(tmp_path / "src", samples)
+    settings = PackSettings(EncodeSettings(tokenizer=str(nemotron_folder), pack_size=8192, align=16,
+                                           preset="nemo-rl-nemotron-omni"), PlanSettings(shard_size="8"))
+    pack(tmp_path / "src", tmp_path / "out", settings, workers=1, progress=False)
+    assert verify_output(tmp_path / "out", source=tmp_path / "src") == []
+
+    manifest = load_manifest(tmp_path / "out")
+    seen = {"image": 0, "video": 0}
+    shifted = 0
+    for shard in sorted((tmp_path / "out" / "train").glob("*.tar")):
+        for key, members in scan_records(shard):
+            row = nemo_rl.nemo_rl_row({**members, "__key__": key}, manifest)
+            refs = [m for s in PackRecord.from_members(key, members).segments for m in s.media]
+            assert len(row.media["pixel_values"]) == len(refs)
+            for index, ref in enumerate(refs):
+                data = members[ref.member]
+                if ref.kind == "image":
+                    pixels, size = nemotron_image_inputs(Image.open(io.BytesIO(data)),
+                                                         (ref.grid_thw[2], ref.grid_thw[1]))
+                    want = (pixels[None], torch.tensor([size], dtype=torch.int32), torch.tensor([1]))
+                else:
+                    seconds = nemo_rl_video_seconds(*nemo_rl_video_metadata(data))
+                    want = nemo_rl_video_inputs(data, seconds, tuple(ref.grid_thw[1:]))
+                    later = [t + (seconds[1] - seconds[0]) / 2 for t in seconds]
+                    other = nemo_rl_video_inputs(data, later, tuple(ref.grid_thw[1:]))[0]
+                    shifted += not torch.allclose(other, row.media["pixel_values"][index], atol=1e-5)
+                assert torch.allclose(row.media["pixel_values"][index], want[0], atol=1e-5)
+                assert torch.equal(row.media["imgs_sizes"][index], want[1])
+                assert row.media["num_frames"][index].tolist() == want[2].tolist()
+                seen[ref.kind] += 1
+    assert seen == {"image": 1, "video": 4} and shifted == 4
+    # through Energon, the task encoder gives the same media
+    loaded = 0
+    for batch in nemo_rl_loader(tmp_path / "out", 1, split="train"):
+        key = next(k for k, m in (kv for shard in sorted((tmp_path / "out" / "train").glob("*.tar"))
+                                  for kv in scan_records(shard))
+                   if [s.key for s in PackRecord.from_members(k, m).segments] == batch["source_ids"][0])
+        members = next(m for shard in sorted((tmp_path / "out" / "train").glob("*.tar"))
+                       for k, m in scan_records(shard) if k == key)
+        row = nemo_rl.nemo_rl_row({**members, "__key__": key}, manifest)
+        for name, segments in row.media.items():
+            assert all(torch.equal(a, b) for a, b in zip(batch[name][0], segments)), name
+            loaded += len(segments)
+    assert loaded == 3 * 5  # pixel_values, imgs_sizes, num_frames of 1 image and 4 videos
+    # packtool's own reader, which takes frames by number, says where such videos are read
+    from packtool.runtime.read import read_packs
+
+    with pytest.raises(FormatError, match="NeMo-RL's task encoder"):
+        list(read_packs(tmp_path / "out", split="train"))
+
+    # control: the same packs checked as transformers' convention (preset removed from the manifest) fail
+    path = tmp_path / "out" / ".nv-meta" / "packtool.json"
+    data = json.loads(path.read_text())
+    data["settings"]["preset"] = None
+    path.write_text(json.dumps(data))
+    problems = verify_output(tmp_path / "out")
+    assert sum("video rule gives" in p for p in problems) == 4, problems[:3]

@@ -355,6 +355,7 @@ class Encoder:
         else:
             data = [raw.parts[m.part]]
             facts = probe_video(data[0], max_pixels=self.settings.pixel_limit, decode=decode)
+        facts = self.family.video_facts(data, bool(named), facts, m.part)
         offset, _ = raw.ranges[m.part]
         item: dict[str, Any] = {
             "part": m.part, "item": m.item, "kind": "video", "ext": m.part.rsplit(".", 1)[-1].lower(),

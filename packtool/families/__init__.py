@@ -28,7 +28,8 @@ Adding a convention (the same family under another trainer's data path, :mod:`.c
    layout of a turn around its media (``media_first``; :meth:`Convention.turn_text`), the image resize rule's
    pixel bounds (``min_pixels``, ``max_pixels``). The preset fills the matching encode settings.
 2. Where it changes one family's media, subclass that family and override: ``plan_image`` (the image resize
-   rule), ``plan_video`` (frame sampling, frame labels and canvas), ``plan_audio`` (audio counts),
+   rule), ``video_facts`` (the video facts a trainer reads, e.g. Energon's duration), ``plan_video`` (frame sampling,
+   frame labels and canvas), ``plan_audio`` (audio counts),
    ``placeholder_text`` / ``expand_text`` (headers and joins around media), ``manifest_entries`` /
    ``from_manifest`` (what a reader needs to reproduce its pixels), and register the subclass in the family's
    ``variants`` under the convention's name: ``NemotronOmni.variants["my-convention"] = MyNemotronOmni``.

@@ -164,6 +164,11 @@ class Family(ABC):
         raise NoRule(f"media {part!r}: the model folder {Path(self.folder).name} has no rule for videos (the "
                      f"processor mode has)")
 
+    def video_facts(self, data: list[bytes], framed: bool, facts: VideoFacts, part: str) -> VideoFacts:
+        """The facts :meth:`plan_video` plans with and the pack records (``data``: the video's bytes, or its
+        frames' when ``framed``): the probe's, unless the family's trainer reads its own."""
+        return facts
+
     def plan_audio(self, facts: AudioFacts, part: str) -> ItemPlan:
         """An audio clip's tokens and the waveform length its processor is given."""
         raise NoRule(f"media {part!r}: the model folder {Path(self.folder).name} has no rule for audio (the "
@@ -286,6 +291,12 @@ class Family(ABC):
     #: Whether an image's plan depends on its sample's text (all images of a sample planned together): verify
     #: then re-derives the grids of a whole segment (:meth:`segment_image_grids`) and cannot those of a cut one.
     plans_sample_images: ClassVar[bool] = False
+
+    def video_problems(self, where: str, ref: Any, data: bytes) -> list[str] | None:
+        """Problems of a recorded video (``ref``: its :class:`~packtool.format.MediaRef`; ``data``: its bytes) for a
+        family whose video plan comes from the container as another reader sees it; None: verify compares
+        :meth:`check_video`'s plan with the record."""
+        return None
 
     def segment_image_grids(self, tokens: np.ndarray, media: list[Any]) -> list[list[int]] | None:
         """The image grids an untruncated segment's plan gives (``tokens``: its tokens; ``media``: its

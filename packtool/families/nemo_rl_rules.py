@@ -8,6 +8,12 @@ They differ from transformers' processor, which packtool follows by default:
   ``<img><image></img>``), times the pixel-shuffle area; frames are scaled down together until they fit
   (:func:`sample_image_grids`). The budget depends on the pack size, so packtool applies it per sample with the pack
   size as the sequence length, as NeMo-RL's encoder does per sample before packing.
+* Videos: frames chosen by the Megatron rule (:func:`video_timestamps`: 8 to 32 frames at 2 fps, one at the centre
+  of each of equal segments of ``duration - 1`` seconds; a video of fewer than 8 frames keeps its frame count), each
+  resized to one tile of about ``video_target_num_patches`` patches (the frame's aspect), the frames sharing the
+  sample's image budget; the text is ``This is a video:``, one line per tubelet of 2 frames with its frames' labels
+  and ``<img>…</img>``, and a trailing newline (:func:`video_prompt`). Duration and frame count are Energon's
+  (:func:`energon_video_metadata`), as NeMo-RL's cooker reads them.
 * Audio: cut into clips of 30 s at the feature extractor's rate (the last one at least 0.1 s); each clip's valid
   mel frames are its samples // hop, its ``<so_embedding>`` tokens those frames through the encoder's stride-2
   convolutions (:func:`audio_plan`). The batch carries each clip's mel features and valid frames
@@ -100,6 +106,73 @@ def sample_image_grids(frames: Sequence[Frame], tokens_available: int, *, patch:
         shrunk = [max(min_patches, int(s * budget / total)) for s in sizes]
         allowances = shrunk if any(n < o for n, o in zip(shrunk, allowances)) else [min_patches] * len(frames)
     return grids
+
+
+#: NeMo-RL's video sampling (its encoder's defaults ``video_min_num_frames``, ``video_max_num_frames``,
+#: ``video_default_fps``) and the longest video it takes without ``allow_large_videos``, in seconds.
+VIDEO_MIN_FRAMES, VIDEO_MAX_FRAMES, VIDEO_FPS, VIDEO_MAX_SECONDS = 8, 32, 2, 600.0
+#: The line before a video's frames.
+VIDEO_HEADER = "This is a video:"
+
+
+def video_timestamps(duration: float, source_frames: int, *, temporal_patch: int = 2,
+                     min_frames: int = VIDEO_MIN_FRAMES, max_frames: int = VIDEO_MAX_FRAMES,
+                     fps: int = VIDEO_FPS) -> tuple[float, ...]:
+    """Seconds of the frames NeMo-RL takes from a video of ``duration`` seconds and ``source_frames`` frames (no
+    augmentation, no jitter): ``fps`` frames a second, at least ``min_frames`` (or all frames of a shorter video)
+    and at most ``max_frames``, made a multiple of ``temporal_patch``; frame ``i`` at ``(i + 0.5)`` segments of
+    ``(duration - 1) / n`` seconds, in float32. ``ValueError`` for a duration that is not positive or over
+    :data:`VIDEO_MAX_SECONDS`."""
+    import torch
+
+    if not duration > 0 or source_frames <= 0:
+        raise ValueError(f"video of {duration} s and {source_frames} frames has no clip to sample")
+    if duration > VIDEO_MAX_SECONDS:
+        raise ValueError(f"video of {duration:.1f} s is longer than NeMo-RL's {VIDEO_MAX_SECONDS:.0f} s")
+    n = source_frames if source_frames < min_frames else min(max(int(fps * duration), min_frames), max_frames)
+    if n % temporal_patch:
+        down = n // temporal_patch * temporal_patch
+        up = down + temporal_patch
+        n = up if up <= source_frames and up <= max_frames else max(temporal_patch, down)
+    segment = float(duration - 1) / n
+    seconds = segment * (torch.arange(n, dtype=torch.float32) + 0.5)
+    return tuple(float(v) for v in seconds.tolist())
+
+
+def video_prompt(seconds: Sequence[float], chunk: str, temporal_patch: int = 2) -> str:
+    """A video's text: :data:`VIDEO_HEADER`, then per tubelet its frames' labels and ``chunk`` (its
+    ``<img>…</img>``), one line each, and a trailing newline."""
+    lines = [VIDEO_HEADER]
+    for start in range(0, len(seconds), temporal_patch):
+        labels = [f"{'Frame' if k == start else 'frame'} {k + 1} sampled at {seconds[k]:.2f} seconds"
+                  for k in range(start, min(start + temporal_patch, len(seconds)))]
+        lines.append(" and ".join(labels) + ": " + chunk)
+    return "\n".join(lines) + "\n"
+
+
+def video_frame_grid(width: int, height: int, settings) -> tuple[int, int]:
+    """``(grid_h, grid_w)`` of every frame of a ``width``×``height`` video (a Nemotron Omni folder's settings,
+    ``NemotronOmniSettings``); ``ValueError`` for a square tile of a target that is not a square."""
+    target, keep = settings.video_target_num_patches, settings.video_maintain_aspect_ratio
+    if not keep and int(math.sqrt(target)) ** 2 != target:
+        raise ValueError("video_target_num_patches must be square when the aspect ratio is not kept")
+    return _video_grid(Frame(width, height, True), target, round(1 / settings.downsample_ratio), keep)
+
+
+def energon_video_metadata(data: bytes) -> tuple[float, int]:
+    """``(duration in seconds, frames)`` of an encoded video as Energon's ``AVDecoder.get_metadata`` reads them
+    (what NeMo-RL's cooker gives its encoder); ``ValueError`` when it gives neither."""
+    import io
+
+    from megatron.energon.av import AVDecoder
+
+    try:
+        meta = AVDecoder(io.BytesIO(data)).get_metadata()
+    except Exception as exc:  # PyAV's own error types
+        raise ValueError(f"Energon cannot read the video ({type(exc).__name__}: {exc})") from None
+    if meta.video_duration is None or not meta.video_num_frames:
+        raise ValueError("Energon finds no video duration or frame count")
+    return float(meta.video_duration), int(meta.video_num_frames)
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,16 @@
 """Nemotron Omni under NeMo-RL's conventions (``--preset nemo-rl-nemotron-omni``): the family variant.
 
-Images: one budget for all images of a sample, from the tokens its text leaves in a pack (the pack size is the
-sequence length NeMo-RL budgets with), re-planned when the sample's text is known (:meth:`expand_text`). Audio:
-NeMo-RL's 30 s clips. Replies: the convention lays them out (:class:`packtool.families.conventions.NemoRLNemotron`).
-Videos are not supported under this convention yet. The rules themselves: :mod:`packtool.families.nemo_rl_rules`.
+Images: one budget for all images and video frames of a sample, from the tokens its text leaves in a pack (the
+pack size is the sequence length NeMo-RL budgets with), re-planned when the sample's text is known
+(:meth:`expand_text`). Videos: the Megatron frame rule on Energon's duration and frame count, a fixed tile per frame,
+``This is a video:`` and a label per tubelet. Audio: NeMo-RL's 30 s clips. Replies: the convention lays them out
+(:class:`packtool.families.conventions.NemoRLNemotron`). The rules themselves: :mod:`packtool.families.nemo_rl_rules`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -16,7 +18,16 @@ import numpy as np
 from packtool.errors import ConfigError, SampleError
 from packtool.families.base import ItemPlan, NoRule
 from packtool.families.conventions import NEMO_RL_NEMOTRON, Convention
-from packtool.families.nemo_rl_rules import BUDGET_RESERVE, Frame, sample_image_grids, settings_audio_plan
+from packtool.families.nemo_rl_rules import (
+    BUDGET_RESERVE,
+    Frame,
+    energon_video_metadata,
+    sample_image_grids,
+    settings_audio_plan,
+    video_frame_grid,
+    video_prompt,
+    video_timestamps,
+)
 from packtool.families.nemotron_omni import NemotronOmni
 
 if TYPE_CHECKING:
@@ -47,9 +58,32 @@ class NemoRLNemotronOmni(NemotronOmni):
         family.pack_size = int((manifest.get("settings") or {}).get("pack_size", 0))
         return family
 
+    def video_facts(self, data: list[bytes], framed: bool, facts: VideoFacts, part: str) -> VideoFacts:
+        """Duration and frame count as Energon reads them (NeMo-RL's cooker gives its encoder those)."""
+        if framed:
+            raise NoRule(f"media {part!r}: a video given as a list of frames is not a video NeMo-RL's "
+                         f"{NEMO_RL_NEMOTRON} encoder decodes (it takes encoded videos)")
+        try:
+            duration, frames = energon_video_metadata(data[0])
+        except ValueError as exc:
+            raise SampleError(f"media {part!r}: {exc}") from None
+        return replace(facts, duration=duration, frames=frames)
+
     def plan_video(self, facts: VideoFacts, part: str) -> ItemPlan:
-        raise NoRule(f"media {part!r}: video under --preset {NEMO_RL_NEMOTRON} is not supported yet (images and "
-                     f"audio only)")
+        """Grid: the frames taken, then the tile in patches; the tokens: one tile per tubelet."""
+        r = self.rule
+        try:
+            if facts.duration is None:
+                raise ValueError("video has no duration")
+            seconds = video_timestamps(facts.duration, facts.frames, temporal_patch=r.video_temporal_patch_dim)
+            gh, gw = video_frame_grid(facts.width, facts.height, r)
+        except ValueError as exc:
+            raise SampleError(f"media {part!r}: {exc}") from None
+        per = gh * gw // round(1 / r.downsample_ratio) ** 2
+        chunk = r.image_start_token + r.image_token * per + r.image_end_token
+        step = r.video_temporal_patch_dim
+        return ItemPlan(per * (len(seconds) // step), (len(seconds), gh, gw),
+                        text=video_prompt(seconds, chunk, step))
 
     def plan_audio(self, facts: AudioFacts, part: str) -> ItemPlan:
         self.refuse_audio(facts, part)
@@ -68,25 +102,39 @@ class NemoRLNemotronOmni(NemotronOmni):
 
     def _plan_images(self, text: str, media: list[dict]) -> None:
         """Re-plan the sample's images as NeMo-RL does (in place: grid, tokens, expansion text): one budget for all
-        of them from the tokens the text leaves in a pack, the text counted with each image as
-        ``<img><image></img>`` and each audio item expanded."""
+        of them and the video frames from the tokens the text leaves in a pack, the text counted with each image
+        and each video tubelet as ``<img><image></img>`` and each audio item expanded."""
         images = [m for m in media if m["kind"] == "image"]
         if not images:
             return
         r = self.rule
-        compact = text.replace(r.image_token, r.image_start_token + r.image_token + r.image_end_token)
+        compact_chunk = r.image_start_token + r.image_token + r.image_end_token
+        compact = text.replace(r.image_token, compact_chunk)
+        for m in media:  # the first <video> left is this video's (<image> runs of the expansion are not in `text`)
+            if m["kind"] == "video":
+                per = m["tokens"] // (m["grid_thw"][0] // r.video_temporal_patch_dim)
+                chunk = r.image_start_token + r.image_token * per + r.image_end_token
+                compact = compact.replace(r.video_token, m["text"].replace(chunk, compact_chunk), 1)
         length = len(self.tok.backend_tokenizer.encode(compact, add_special_tokens=False).ids)
         # an audio item's one placeholder becomes <so_start>, its tokens, <so_end> (all special tokens)
         length += sum(m["tokens"] + 1 for m in media if m["kind"] == "audio")
         merge = round(1 / r.downsample_ratio)
-        grids = sample_image_grids(
-            [Frame(m["width"], m["height"]) for m in images], self.pack_size - length - BUDGET_RESERVE,
+        frames = [f for m in media if m["kind"] != "audio"
+                  for f in ([Frame(m["width"], m["height"])] if m["kind"] == "image"
+                            else [Frame(m["width"], m["height"], True)] * m["grid_thw"][0])]
+        grids = iter(sample_image_grids(
+            frames, self.pack_size - length - BUDGET_RESERVE,
             patch=r.patch_size, merge=merge, min_patches=r.min_num_patches, max_patches=r.max_num_patches,
             video_target_patches=r.video_target_num_patches, video_keep_aspect=r.video_maintain_aspect_ratio,
-            temporal_patch=r.video_temporal_patch_dim)
-        for m, (gh, gw) in zip(images, grids):
-            m["grid_thw"], m["tokens"] = [1, gh, gw], gh * gw // merge**2
-            m["text"] = r.image_start_token + r.image_token * m["tokens"] + r.image_end_token
+            temporal_patch=r.video_temporal_patch_dim))
+        for m in media:
+            if m["kind"] == "video":
+                for _ in range(m["grid_thw"][0]):
+                    next(grids)  # a frame keeps its tile
+            elif m["kind"] == "image":
+                gh, gw = next(grids)
+                m["grid_thw"], m["tokens"] = [1, gh, gw], gh * gw // merge**2
+                m["text"] = r.image_start_token + r.image_token * m["tokens"] + r.image_end_token
 
 
     # -- verify ---------------------------------------------------------------------------------------------------
@@ -97,18 +145,46 @@ class NemoRLNemotronOmni(NemotronOmni):
         return None
 
     def segment_image_grids(self, tokens: np.ndarray, media: list[Any]) -> list[list[int]] | None:
-        """The grids NeMo-RL's budget gives an untruncated segment's images: its text counted with each image as
-        ``<img><image></img>`` (its tokens less each image's placeholders but one; audio stays expanded, as
-        NeMo-RL counts it)."""
+        """The grids NeMo-RL's budget gives an untruncated segment's images: its text counted with each image, and
+        each video tubelet, as ``<img><image></img>`` (its tokens less each item's placeholders but those; audio
+        stays expanded, as NeMo-RL counts it), a video's frames in the budget too."""
         r = self.rule
-        images = [m for m in media if m.kind == "image"]
-        compact = len(tokens) - sum(m.tokens - 1 for m in images)
+        visual = [m for m in media if m.kind in ("image", "video")]
+        compact = len(tokens) - sum(m.tokens - (1 if m.kind == "image" else m.grid_thw[0] // r.video_temporal_patch_dim)
+                                    for m in visual)
+        frames = [f for m in visual for f in ([Frame(m.width, m.height)] if m.kind == "image"
+                                              else [Frame(m.width, m.height, True)] * m.grid_thw[0])]
         grids = sample_image_grids(
-            [Frame(m.width, m.height) for m in images], self.pack_size - compact - BUDGET_RESERVE,
-            patch=r.patch_size, merge=round(1 / r.downsample_ratio), min_patches=r.min_num_patches,
-            max_patches=r.max_num_patches, video_target_patches=r.video_target_num_patches,
-            video_keep_aspect=r.video_maintain_aspect_ratio, temporal_patch=r.video_temporal_patch_dim)
-        return [[1, gh, gw] for gh, gw in grids]
+            frames, self.pack_size - compact - BUDGET_RESERVE, patch=r.patch_size,
+            merge=round(1 / r.downsample_ratio), min_patches=r.min_num_patches, max_patches=r.max_num_patches,
+            video_target_patches=r.video_target_num_patches, video_keep_aspect=r.video_maintain_aspect_ratio,
+            temporal_patch=r.video_temporal_patch_dim)
+        out, position = [], 0
+        for m in visual:
+            if m.kind == "image":
+                out.append([1, *grids[position]])
+            position += 1 if m.kind == "image" else m.grid_thw[0]
+        return out
+
+    def video_problems(self, where: str, ref: Any, data: bytes) -> list[str] | None:
+        """Energon's duration and frame count as recorded, the frames the Megatron rule takes from them, the tile,
+        and one tile of tokens per tubelet."""
+        r = self.rule
+        try:
+            duration, frames = energon_video_metadata(data)
+            seconds = video_timestamps(duration, frames, temporal_patch=r.video_temporal_patch_dim)
+            gh, gw = video_frame_grid(ref.width, ref.height, r)
+        except ValueError as exc:
+            return [f"{where}: {exc}"]
+        if (duration, frames) != (ref.duration, ref.total_frames):
+            return [f"{where}: Energon reads {duration} s and {frames} frames, recorded {ref.duration} s and "
+                    f"{ref.total_frames} frames"]
+        grid = [len(seconds), gh, gw]
+        tokens = len(seconds) // r.video_temporal_patch_dim * gh * gw // round(1 / r.downsample_ratio) ** 2
+        if (grid, tokens) != (list(ref.grid_thw), ref.tokens):
+            return [f"{where}: NeMo-RL's video rule gives grid {grid} and {tokens} tokens, recorded "
+                    f"{list(ref.grid_thw)} and {ref.tokens}"]
+        return []
 
 
 NemotronOmni.variants = {**NemotronOmni.variants, NEMO_RL_NEMOTRON: NemoRLNemotronOmni}

@@ -18,12 +18,12 @@ come from packtool, packed offline and globally, and :class:`PacktoolSFTTaskEnco
   segments, ``None`` for a row without): Qwen2-VL / Qwen2.5-VL packs give the transformers processor's
   ``pixel_values``, ``image_grid_thw`` (and ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``),
   what NeMo-RL's ``hf_multimodal`` adapter puts in its messages, one segment per pack; Nemotron Omni packs give
-  NeMo-RL's ``nemotron_multimodal`` inputs, one segment per image: ``pixel_values`` float32 ``[1, 3, H, W]`` (the
-  image resized with PIL to its stored patch grid, CLIP mean/std), ``imgs_sizes`` int32 ``[1, 2]`` (height, width
-  in pixels) and ``num_frames`` int64 ``[1]``; one segment per audio item: ``sound_clips`` float32
-  ``[clips, mel frames, bins]`` (NeMo-RL's 30 s clips, each through the model folder's feature extractor, zero-padded
-  to the item's longest) and ``sound_length`` int64 ``[clips]`` (valid mel frames). Nemotron Omni videos are not
-  served yet (a pack holding one stops the loader with that reason).
+  NeMo-RL's ``nemotron_multimodal`` inputs, one segment per image or video: ``pixel_values`` float32
+  ``[frames, 3, H, W]`` (the image, or the video frames Energon's ``AVDecoder.get_clips`` decodes at the seconds
+  NeMo-RL's frame rule takes, resized with PIL to the stored patch grid, CLIP mean/std), ``imgs_sizes`` int32
+  ``[frames, 2]`` (height, width in pixels) and ``num_frames`` int64 ``[1]``; one segment per audio item:
+  ``sound_clips`` float32 ``[clips, mel frames, bins]`` (NeMo-RL's 30 s clips, each through the model folder's
+  feature extractor, zero-padded to the item's longest) and ``sound_length`` int64 ``[clips]`` (valid mel frames).
 
 The runtime side only: this module imports nothing from packtool's build side, so it runs in a training container
 with packtool's reader installed. NeMo-RL names it in its loader configuration as a file-backed task encoder
@@ -34,6 +34,8 @@ with packtool's reader installed. NeMo-RL names it in its loader configuration a
 from __future__ import annotations
 
 import inspect
+import io
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +46,7 @@ import torch
 from megatron.energon import Cooker, DefaultTaskEncoder, Sample, stateless
 from megatron.energon.edataclass import edataclass
 from megatron.energon.errors import FatalSampleError
+from PIL import Image
 
 from packtool import families
 from packtool.errors import FormatError
@@ -136,18 +139,19 @@ def _media(members: Mapping[str, Any], record: PackRecord, manifest: Mapping, fa
 
 def nemotron_inputs(record: PackRecord, manifest: Mapping, where: str,
                     feature_extractor=None) -> dict[str, list[torch.Tensor]]:
-    """NeMo-RL's Nemotron Omni inputs of a pack's images and audio (its ``_process_media`` and ``_process_audio``):
-    each image resized with PIL to its stored patch grid, scaled to [0, 1] and normalised with CLIP's mean and std;
-    each audio item cut into NeMo-RL's 30 s clips (its stored sample count), each clip's mel features through the
-    model folder's feature extractor (``feature_extractor``), zero-padded to the item's longest clip, with its
-    valid frames. The waveform is packtool's decode (mono, resampled with soxr where the source has another rate;
-    NeMo-RL resamples with librosa)."""
+    """NeMo-RL's Nemotron Omni inputs of a pack's images, videos and audio (its ``_process_media`` and
+    ``_process_audio``): each image, and each video's frames (:func:`_nemotron_video_frames`), resized with PIL
+    to its stored patch grid, scaled to [0, 1] and normalised with CLIP's mean and std; each audio item cut into
+    NeMo-RL's 30 s clips (its stored sample count), each clip's mel features through the model folder's feature
+    extractor (``feature_extractor``), zero-padded to the item's longest clip, with its valid frames. The waveform
+    is packtool's decode (mono, resampled with soxr where the source has another rate; NeMo-RL resamples with
+    librosa)."""
     refs = record.media_refs
-    other = [m for m in refs if m.kind not in ("image", "audio")]
+    other = [m for m in refs if m.kind not in ("image", "video", "audio")]
     if other:
         raise FormatError(f"{where}: {other[0].kind} member {other[0].member}: the NeMo-RL batch of Nemotron Omni "
-                          f"packs carries images and audio only so far")
-    out = _nemotron_images(record, [m for m in refs if m.kind == "image"], manifest, where)
+                          f"packs carries images, videos and audio")
+    out = _nemotron_images(record, [m for m in refs if m.kind in ("image", "video")], manifest, where)
     audio = [m for m in refs if m.kind == "audio"]
     if audio:
         if feature_extractor is None:
@@ -191,22 +195,53 @@ def _nemotron_sound(record: PackRecord, refs: list, manifest: Mapping, where: st
 
 
 def _nemotron_images(record: PackRecord, refs: list, manifest: Mapping, where: str) -> dict[str, list[torch.Tensor]]:
-    from PIL import Image
-
+    """NeMo-RL's ``_process_media`` of a pack's images and videos, one segment per item in placeholder order."""
     if not refs:
         return {}
     patch = int(manifest["image_processor"].get("patch_size", 16))
     mean = torch.tensor(CLIP_MEAN, dtype=torch.float32)[:, None, None]
     std = torch.tensor(CLIP_STD, dtype=torch.float32)[:, None, None]
-    pixels, sizes = [], []
+    out: dict[str, list[torch.Tensor]] = {"pixel_values": [], "imgs_sizes": [], "num_frames": []}
     for m in refs:
         _, grid_h, grid_w = m.grid_thw
-        image = open_stored_image(record.media[m.member], f"{where}, member {m.member}")
-        resized = image.convert("RGB").resize((grid_w * patch, grid_h * patch), Image.Resampling.BICUBIC)
-        tensor = torch.from_numpy(np.array(resized, copy=True)).permute(2, 0, 1).to(torch.float32).div_(255)
-        pixels.append(((tensor - mean) / std)[None])
-        sizes.append(torch.tensor([[grid_h * patch, grid_w * patch]], dtype=torch.int32))
-    return {"pixel_values": pixels, "imgs_sizes": sizes, "num_frames": [torch.ones(1, dtype=torch.long)] * len(refs)}
+        if m.kind == "video":
+            pictures = _nemotron_video_frames(record, m, manifest, where)
+        else:
+            pictures = [open_stored_image(record.media[m.member], f"{where}, member {m.member}")]
+        pixels = []
+        for picture in pictures:
+            resized = picture.convert("RGB").resize((grid_w * patch, grid_h * patch), Image.Resampling.BICUBIC)
+            tensor = torch.from_numpy(np.array(resized, copy=True)).permute(2, 0, 1).to(torch.float32).div_(255)
+            pixels.append((tensor - mean) / std)
+        out["pixel_values"].append(torch.stack(pixels))
+        out["imgs_sizes"].append(torch.tensor([[grid_h * patch, grid_w * patch]] * len(pixels), dtype=torch.int32))
+        out["num_frames"].append(torch.tensor([len(pixels)], dtype=torch.long))
+    return out
+
+
+def _nemotron_video_frames(record: PackRecord, ref: Any, manifest: Mapping, where: str) -> list[Image.Image]:
+    """The frames NeMo-RL's encoder takes from a video: the Megatron rule's seconds (from the recorded Energon
+    duration and frame count), each decoded by Energon's ``AVDecoder.get_clips`` (its first frame at that time; a
+    short decode repeats its last frame), as RGB pictures."""
+    from megatron.energon.av import AVDecoder
+
+    from packtool.families.nemo_rl_rules import video_timestamps
+
+    temporal = int(manifest["image_processor"].get("video_temporal_patch_dim", 2))
+    try:
+        seconds = video_timestamps(float(ref.duration or 0), ref.total_frames, temporal_patch=temporal)
+        if len(seconds) != ref.grid_thw[0]:
+            raise ValueError(f"the frame rule takes {len(seconds)} frames, recorded {ref.grid_thw[0]}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # Energon's note on seeking by frames
+            clips = list(AVDecoder(io.BytesIO(bytes(record.media[ref.member]))).get_clips(
+                video_clip_ranges=[(t, t) for t in seconds], video_unit="seconds").video_clips)
+    except Exception as exc:  # PyAV's own error types
+        raise FormatError(f"{where}, member {ref.member}: video does not decode ({exc})") from None
+    if not clips:
+        raise FormatError(f"{where}, member {ref.member}: no frame decodes at NeMo-RL's times")
+    clips += [clips[-1]] * (len(seconds) - len(clips))
+    return [Image.fromarray(clip[0].permute(1, 2, 0).numpy()) for clip in clips[:len(seconds)]]
 
 
 def _packed_media(rows: Sequence[list[torch.Tensor] | None], key: str, patch_dim: int | None):

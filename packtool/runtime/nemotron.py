@@ -176,6 +176,10 @@ def _videos(record: PackRecord, videos: Sequence[MediaRef], p: NemotronOmniProce
     patch, step = s.video_patch_size, s.video_temporal_patch_dim
     values = []
     for m in videos:
+        if not m.frame_indices:  # frames chosen by seconds (NeMo-RL's rule), not frame numbers
+            raise FormatError(f"{where}, member {m.member}: a video packed with --preset nemo-rl-nemotron-omni takes "
+                              f"NeMo-RL's frames by their seconds: read it with NeMo-RL's task encoder "
+                              f"(packtool.runtime.nemo_rl)")
         try:
             if m.frames:
                 frames = decode_frames([record.media[f] for f in m.frames], m.frame_indices)

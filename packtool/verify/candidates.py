@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from packtool.errors import ConfigError
+from packtool.format import aligned_lengths, row_length
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def outcome(rows: SourceRows, pack_size: int, settings: dict) -> tuple[Outcome, 
     """The encoder's limits (see ``Encoder._fit``) replayed at ``pack_size``; also how many samples were
     judged from incomplete facts and go past the cut (estimates)."""
     align = int(settings.get("align") or 1)
-    max_tokens = pack_size // align * align
+    max_tokens = row_length(pack_size, align)
     max_images, max_image_tokens = settings.get("max_images"), settings.get("max_image_tokens")
     drop = settings.get("overlong") == "drop"
     n = len(rows.length)
@@ -171,7 +172,7 @@ def evaluate(output: Path, split: str, ledger: Any, sizes: list[int], settings: 
             n_packs = int(ids.max()) + 1
             per_pack = np.bincount(ids, minlength=n_packs)
             media = np.bincount(ids, weights=o.images[keep], minlength=n_packs)
-            cost = int((-(-o.tokens[keep] // align) * align).sum())
+            cost = int(aligned_lengths(o.tokens[keep], align).sum())
             order = packs_by_first_item(ids, n_packs)
             steps = n_packs // batch
             per_step = per_pack[order][:steps * batch].reshape(steps, batch).sum(axis=1) if steps else per_pack[:0]

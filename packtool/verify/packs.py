@@ -294,6 +294,9 @@ def _check_video(where: str, ref: MediaRef, members: list[bytes], family: Family
                 f"{ref.total_frames} frames"]
     if not family.rederives:
         return []
+    own = family.video_problems(where, ref, members[0])
+    if own is not None:
+        return own
     try:
         derived = family.check_video(facts)
     except ValueError as exc:

@@ -39,6 +39,7 @@ from typing import Any, Literal
 from packtool.commit import commit_bytes
 from packtool.errors import SourceError
 from packtool.format import META
+from packtool.storage import is_remote, location
 
 #: Records per staged shard.
 RECORDS_PER_SHARD = 1000
@@ -115,7 +116,8 @@ def _detect(source: str | Path, media_dir: str | Path | None) -> FileSource | No
         if found is not None:
             return found if media_dir is None else FileSource(found.kind, found.splits, media)
     raise SourceError(f"{path} is not a source packtool reads (no {META} folder, and not a .json/.jsonl file, Parquet "
-                      f"files or a Hugging Face dataset saved with save_to_disk)")
+                      f"files or a `datasets` folder written by save_to_disk); for WebDataset shards, run `energon "
+                      f"prepare {path}` first and choose \"Crude sample\" when asked (packtool reads crude datasets)")
 
 
 def _folder_splits(path: Path) -> FileSource | None:
@@ -433,7 +435,7 @@ def _stage(src: FileSource, root: Path, record_file: Path, log: Callable[[str], 
             if not (old and old.get("records") == digest and (root / name).is_file()
                     and _files_current(old.get("files", []))):
                 staged = [_stage_record(r, src.media_dir) for r in chunk]
-                write_tar(root / name, ((f"{first + i:09d}", s.members) for i, s in enumerate(staged)))
+                write_tar(root / name, ((str(first + i).zfill(9), s.members) for i, s in enumerate(staged)))
                 old = {"records": digest, "files": [list(f) for s in staged for f in s.files]}
                 written += 1
             shards[name] = old
@@ -467,6 +469,8 @@ def default_staging(output: str | Path) -> Path:
 def resolve_source(source: str | Path, output: str | Path, *, media_dir: str | Path | None = None,
                    staging: str | Path | None = None, log: Callable[[str], None] | None = None) -> Path:
     """The Energon dataset to pack for ``source``: itself, or the staging of a file source."""
+    if is_remote(source):  # an Energon dataset in an object store (file sources are staged from local files)
+        return location(source)
     src = detect(source, media_dir)
     if src is None:
         if media_dir is not None:
@@ -481,6 +485,8 @@ def source_for_verify(source: str | Path, output: str | Path) -> Path:
     staging as the run recorded it, brought up to date first (so an input edited since packing shows up)."""
     from packtool.format import Manifest
 
+    if is_remote(source):
+        return location(source)
     if detect(source) is None:
         return Path(source)
     manifest = Manifest.read(output)
