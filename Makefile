@@ -18,7 +18,9 @@ $(STAMP): pyproject.toml constraints.txt
 # The second test environment: Megatron-Bridge's own pins (Python 3.12, transformers <=5.12.1, tokenizers <0.23) with
 # the runtime side's dependencies only, plus Megatron-Bridge's data code for the comparison tests: its wheel (pure
 # Python) and qwen-vl-utils, --no-deps (its CUDA-only dependencies are left out), in a folder of their own.
-PY312 ?= $(shell command -v python3.12 2>/dev/null || echo "$$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python")
+# pyenv's own 3.12 first (its python3.12 shim refuses while 3.12 is not a selected version), else python3.12.
+PY312 ?= $(shell p=$$(ls -d "$$(pyenv root 2>/dev/null || echo "$${PYENV_ROOT:-$$HOME/.pyenv}")"/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1); \
+	if [ -x "$$p" ]; then echo "$$p"; else command -v python3.12; fi)
 MB_VENV := .venv-mbridge
 MB_STAMP := $(MB_VENV)/.installed
 MB_TESTS := tests/test_read.py tests/test_megatron_bridge.py tests/test_mbridge_input.py tests/test_mbridge_parity.py
