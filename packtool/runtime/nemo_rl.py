@@ -52,7 +52,7 @@ from packtool import families
 from packtool.errors import FormatError
 from packtool.format import Manifest, PackRecord
 from packtool.runtime.loader import PackSample, _manifest, _reader_processor, cook_pack
-from packtool.runtime.read import open_stored_image, pack_to_batch
+from packtool.runtime.read import open_pack, open_stored_image, pack_to_batch
 
 #: The media keys of a Qwen2-VL-style reader batch that NeMo-RL's ``hf_multimodal`` adapter carries (the
 #: transformers processor's own names).
@@ -95,12 +95,7 @@ def nemo_rl_row(members: Mapping[str, Any], manifest: Mapping, *, multiple: int 
     pack's alignment. The pack's alignment must be a multiple of it, so the row still fits the pack size.
     ``images=False`` leaves the media out; ``image_processor`` as in :func:`packtool.runtime.read.pack_to_batch`.
     """
-    pack_key = str(members.get("__key__", "?"))
-    where = f"{source}: pack {pack_key}" if source else f"pack {pack_key}"
-    try:
-        record = PackRecord.from_members(pack_key, members)
-    except FormatError as exc:
-        raise FormatError(f"{source}: {exc}" if source else str(exc)) from None
+    record, where = open_pack(members, source)
     step = record.align if multiple is None else multiple
     if step < 1 or record.align % step:
         raise FormatError(f"{where}: packed with alignment {record.align}, which is not a multiple of "
@@ -120,7 +115,7 @@ def nemo_rl_row(members: Mapping[str, Any], manifest: Mapping, *, multiple: int 
     family = families.from_manifest(manifest)
     media = _media(members, record, manifest, family, where, images, image_processor, source)
     return NemoRLRow(torch.from_numpy(ids), torch.from_numpy(mask), lengths.tolist(), padded.tolist(),
-                     [s.key for s in record.segments], pack_key, media, family.nemo_rl_patch_dim)
+                     [s.key for s in record.segments], record.key, media, family.nemo_rl_patch_dim)
 
 
 def _media(members: Mapping[str, Any], record: PackRecord, manifest: Mapping, family: families.Family, where: str,

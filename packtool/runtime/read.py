@@ -107,6 +107,18 @@ def check_digests(where: str, record: PackRecord, members: Mapping[str, Any]) ->
                               f"with the pack (corrupt)")
 
 
+def open_pack(members: Mapping, source: str | None = None) -> tuple[PackRecord, str]:
+    """The pack record of one tar sample's members, its digests checked, and the place its errors name."""
+    pack_key = str(members.get("__key__", "?"))
+    where = f"{source}: pack {pack_key}" if source else f"pack {pack_key}"
+    try:
+        record = PackRecord.from_members(pack_key, members)
+    except FormatError as exc:
+        raise FormatError(f"{source}: {exc}" if source else str(exc)) from None
+    check_digests(where, record, members)
+    return record, where
+
+
 def pack_to_batch(
     members: Mapping[str, Any],
     manifest: Mapping,
@@ -135,13 +147,7 @@ def pack_to_batch(
     """
     if pad_to not in PAD_TO:
         raise ValueError(f"pad_to must be one of {PAD_TO}, got {pad_to!r}")
-    pack_key = str(members.get("__key__", "?"))
-    where = f"{source}: pack {pack_key}" if source else f"pack {pack_key}"
-    try:
-        record = PackRecord.from_members(pack_key, members)
-    except FormatError as exc:
-        raise FormatError(f"{source}: {exc}" if source else str(exc)) from None
-    check_digests(where, record, members)
+    record, where = open_pack(members, source)
     tokens, targets = record.tokens, record.targets
     seqlens = record.seqlens.astype(np.int64)
     segments = record.segments
@@ -184,7 +190,7 @@ def pack_to_batch(
         "max_seqlen": int(padded_lengths.max()),
         "padding_mask": torch.from_numpy(padding_mask)[None],
         "keys": [s.key for s in segments],
-        "pack_key": pack_key,
+        "pack_key": record.key,
     }
     batch.update(_media(record, manifest, cu, where, images, image_processor))
     return batch
