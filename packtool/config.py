@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from packtool.errors import ConfigError
+from packtool.families.conventions import CONVENTIONS
 from packtool.settings import (
     PRESETS,
     EncodeSettings,
@@ -135,10 +136,10 @@ def build(values: Mapping[str, Any], given: Collection[str]) -> PackRun:
                                   f"explicitly); leave it unset or drop the preset")
             values[name] = value
     tokenizer = values["tokenizer"] if is_remote(values["tokenizer"]) else resolve_model(values["tokenizer"])
-    if preset == "megatron-bridge-qwen-vl" and values["cp_size"] > 1:
-        raise ConfigError("preset megatron-bridge-qwen-vl with cp_size > 1: Megatron-Bridge's Qwen2.5-VL model does "
-                          "not split sequences across context-parallel ranks (its recipes use CP 1); pack with "
-                          "cp_size 1 and train with context parallel 1")
+    why = CONVENTIONS[preset].no_context_parallel if preset in CONVENTIONS else None
+    if why and values["cp_size"] > 1:
+        raise ConfigError(f"preset {preset} with cp_size > 1: {why}; pack with cp_size 1 and train with context "
+                          f"parallel 1")
     align = resolve_align(values["align"], values["align_for"], cp_size=values["cp_size"],
                           tp_size=values["tp_size"], sequence_parallel=bool(values["sequence_parallel"]))
     encode = EncodeSettings(**{**{k: values[k] for k in _ENCODE}, "tokenizer": str(tokenizer), "align": align})

@@ -51,6 +51,8 @@ class Convention:
     #: Why the ledger notes a sample whose media had no tags in the text (packtool places them before the first
     #: user text, which this trainer's path would not); empty: no note.
     untagged_note: str = ""
+    #: Why this trainer's model cannot take context parallelism > 1 with these packs (None: it can).
+    no_context_parallel: str | None = None
     #: Why the convention cannot be used yet (None: it can).
     unsupported: str | None = None
     #: The family the convention is for (its ``name``; None: any).
@@ -59,7 +61,7 @@ class Convention:
     def settings(self) -> dict[str, Any]:
         """The encode settings this convention sets (those that differ from the default convention)."""
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("name", "unsupported", "family", "untagged_note")
+                if f.name not in ("name", "unsupported", "family", "untagged_note", "no_context_parallel")
                 and getattr(self, f.name) != getattr(TRANSFORMERS, f.name)}
 
     @classmethod
@@ -147,7 +149,10 @@ CONVENTIONS: dict[str, Convention] = {
                                           image_resize="qwen_vl_utils", sample_max_images=10,
                                           sample_max_visual_tokens=16_384, video_keep_frames=60,
                                           untagged_note="Megatron-Bridge's Qwen-VL path would leave them out and "
-                                                        "train the text only"),
+                                                        "train the text only",
+                                          no_context_parallel="Megatron-Bridge's Qwen2.5-VL model does not split "
+                                                              "sequences across context-parallel ranks (its recipes "
+                                                              "use CP 1)"),
     # NeMo-RL's Qwen2.5-VL path (generic_sft + hf_multimodal): whole assistant messages are targets.
     "nemo-rl-qwen-vl": NemoRLChat("nemo-rl-qwen-vl", target_newline_after_eot=True),
     NEMO_RL_NEMOTRON: NemoRLNemotron(NEMO_RL_NEMOTRON, family=NEMOTRON_FAMILY),
