@@ -89,9 +89,12 @@ def test_a_folder_written_by_save_pretrained_packs_like_the_hub_layout(demo_dir,
 
 def test_the_runtime_side_imports_nothing_from_the_build_side():
     """``packtool.runtime`` and its entry points load without one module of ``packtool.build`` (the runtime can
-    be installed into a training container alone)."""
+    be installed into a training container alone); the conventions' text layout runs without it too (the media
+    tags are the format's)."""
     code = ("import sys, packtool.runtime.read, packtool.runtime.loader, packtool.runtime.megatron_batch, "
             "packtool.runtime.nemotron; from packtool.runtime import read_packs, megatron_bridge_batch; "
+            "from packtool.families.conventions import media_first; "
+            "assert media_first('Look at <image>') == '<image>Look at'; "
             "print([m for m in sys.modules if m.startswith('packtool.build')])")
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

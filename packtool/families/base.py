@@ -19,6 +19,7 @@ import numpy as np
 
 from packtool.errors import SampleError
 from packtool.families.conventions import Convention
+from packtool.format import AUDIO_TAG
 
 if TYPE_CHECKING:
     from packtool.build.item import MediaItem, Staged
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
 #: (Qwen2-VL), the expansion written into the text before tokenizing (Nemotron Omni), or the folder's own
 #: processor (the processor mode).
 ExpandIn = Literal["ids", "text", "processor"]
-#: The text tags of a conversation (``<image>``, ``<video>``, ``<audio>``).
-IMAGE_TAG, VIDEO_TAG, AUDIO_TAG = "<image>", "<video>", "<audio>"
 
 
 #: Most images past a cut considered when matching a truncated segment's image plan (see
