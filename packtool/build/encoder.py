@@ -307,8 +307,7 @@ class Encoder:
         written = pixels = 0
         for m, f in zip(conv.media, (p.item for p in facts)):
             written += len(lists[m.part][m.item]) if m.kind == "image" and m.item is not None else f.size
-            frames = len(f.frame_indices) if m.kind == "video" else int(m.kind == "image")
-            pixels += frames * f.width * f.height
+            pixels += f.pixels
         if written > st.max_sample_bytes:
             raise SampleError(f"its media would write {written} bytes into the pack > max_sample_bytes "
                               f"{st.max_sample_bytes}")

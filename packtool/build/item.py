@@ -85,6 +85,12 @@ class MediaItem:
                              f"{self.samples})")
 
     @property
+    def pixels(self) -> int:
+        """Decoded pixels its processor is given: the image's, or those of each frame given of a video."""
+        frames = len(self.frame_indices) if self.kind == "video" else int(self.kind == "image")
+        return frames * self.width * self.height
+
+    @property
     def keys(self) -> tuple[str, ...]:
         """The encode store's keys of this item, in order (see :data:`IMAGE_KEYS`)."""
         if self.kind == "image":

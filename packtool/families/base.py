@@ -19,7 +19,7 @@ import numpy as np
 
 from packtool.errors import SampleError
 from packtool.families.conventions import Convention
-from packtool.format import AUDIO_TAG
+from packtool.format import AUDIO_TAG, MediaRef
 
 if TYPE_CHECKING:
     from packtool.build.item import MediaItem, Staged
@@ -291,13 +291,13 @@ class Family(ABC):
     #: then re-derives the grids of a whole segment (:meth:`segment_image_grids`) and cannot those of a cut one.
     plans_sample_images: ClassVar[bool] = False
 
-    def video_problems(self, where: str, ref: Any, data: bytes) -> list[str] | None:
+    def video_problems(self, where: str, ref: MediaRef, data: bytes) -> list[str] | None:
         """Problems of a recorded video (``ref``: its :class:`~packtool.format.MediaRef`; ``data``: its bytes) for a
         family whose video plan comes from the container as another reader sees it; None: verify compares
         :meth:`check_video`'s plan with the record."""
         return None
 
-    def segment_image_grids(self, tokens: np.ndarray, media: list[Any]) -> list[list[int]] | None:
+    def segment_image_grids(self, tokens: np.ndarray, media: list[MediaRef]) -> list[list[int]] | None:
         """The image grids an untruncated segment's plan gives (``tokens``: its tokens; ``media``: its
         :class:`~packtool.format.MediaRef` items) for a family that :attr:`plans_sample_images`; else None."""
         return None

@@ -29,6 +29,7 @@ from packtool.families.nemo_rl_rules import (
     video_timestamps,
 )
 from packtool.families.nemotron_omni import NemotronOmni
+from packtool.format import MediaRef
 
 if TYPE_CHECKING:
     from packtool.build.item import Staged
@@ -149,7 +150,7 @@ class NemoRLNemotronOmni(NemotronOmni):
         """None: NeMo-RL's clips are counted from the decoded waveform (:meth:`plan_audio`)."""
         return None
 
-    def segment_image_grids(self, tokens: np.ndarray, media: list[Any]) -> list[list[int]] | None:
+    def segment_image_grids(self, tokens: np.ndarray, media: list[MediaRef]) -> list[list[int]] | None:
         """The grids NeMo-RL's budget gives an untruncated segment's images: its text counted with each image, and
         each video tubelet, as ``<img><image></img>`` (its tokens less each item's placeholders but those; audio
         stays expanded, as NeMo-RL counts it), a video's frames in the budget too."""
@@ -171,7 +172,7 @@ class NemoRLNemotronOmni(NemotronOmni):
             position += 1 if m.kind == "image" else m.grid_thw[0]
         return out
 
-    def video_problems(self, where: str, ref: Any, data: bytes) -> list[str] | None:
+    def video_problems(self, where: str, ref: MediaRef, data: bytes) -> list[str] | None:
         """Energon's duration and frame count as recorded, the frames the Megatron rule takes from them, the tile,
         and one tile of tokens per tubelet."""
         r = self.rule
