@@ -68,6 +68,20 @@ STATUSES: tuple[Status, ...] = ("packed", "truncated", "dropped", "error")
 #: Statuses whose sample lies in a pack.
 KEPT: tuple[Status, ...] = ("packed", "truncated")
 MediaKind = Literal["image", "video", "audio"]
+#: The tags a conversation's message text holds where an image, a video or an audio clip goes (adapters write
+#: them; the encoder and the conventions lay the text out around them).
+IMAGE_TAG, VIDEO_TAG, AUDIO_TAG = "<image>", "<video>", "<audio>"
+MEDIA_TAGS: dict[MediaKind, str] = {"image": IMAGE_TAG, "video": VIDEO_TAG, "audio": AUDIO_TAG}
+#: Any media tag.
+TAG_PATTERN = re.compile("|".join(re.escape(t) for t in MEDIA_TAGS.values()))
+_KIND_OF_TAG = {t: k for k, t in MEDIA_TAGS.items()}
+
+
+def tag_kinds(text: str) -> list[MediaKind]:
+    """Kinds of the media tags in ``text``, in order."""
+    if "<" not in text:  # every tag starts with it
+        return []
+    return [_KIND_OF_TAG[m.group(0)] for m in TAG_PATTERN.finditer(text)]
 
 
 # -- keys ------------------------------------------------------------------------------------------------------

@@ -105,8 +105,8 @@ def test_truncation_never_cuts_media_and_keeps_targets(demo_dir):
     assert len(e.media) == 1 and len(e.tokens) < 300  # the cut moved back before the second image's span
     pad = enc.family.tokens.image_token_id
     for m in e.media:
-        assert (e.tokens[m["token_offset"]: m["token_offset"] + m["tokens"]] == pad).all()
-    assert int((e.tokens == pad).sum()) == sum(m["tokens"] for m in e.media)
+        assert (e.tokens[m.token_offset: m.token_offset + m.tokens] == pad).all()
+    assert int((e.tokens == pad).sum()) == sum(m.tokens for m in e.media)
     assert e.tokens[-1] != enc.family.tokens.vision_start_id  # never a dangling vision start
     dropped = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=300,
                                      overlong="drop")).encode_many([r])[0]
@@ -157,7 +157,7 @@ def test_pixel_limit_and_pickle_allowed(demo_dir):
     assert e.status == "error" and "exceeds the limit" in e.reason
     ok = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048, allow_pickle=True))
     e = ok.encode_many([raw({"json": turns, "jpgs": pickle.dumps([png(40, 40)])})])[0]
-    assert e.status == "packed" and e.media[0]["item"] == 0
+    assert e.status == "packed" and e.media[0].item == 0
 
     class Evil:
         def __reduce__(self):
@@ -252,7 +252,7 @@ def test_another_familys_image_processor_is_no_qwen_rule(demo_dir, tmp_path):
     fixed = Encoder(EncodeSettings(tokenizer=str(folders["CLIPImageProcessor"]), pack_size=2048, image_tokens=9))
     r = raw({"json": {"conversations": [{"from": "human", "value": "<image> what?"}, {"from": "gpt", "value": "a"}]},
              "png": png(300, 200)})
-    assert [m["tokens"] for m in fixed.encode_many([r])[0].media] == [9]
+    assert [m.tokens for m in fixed.encode_many([r])[0].media] == [9]
     qwen25 = Encoder(EncodeSettings(tokenizer=str(folders["Qwen2_5_VLImageProcessor"]), pack_size=2048))
     qwen2 = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048))
     assert isinstance(qwen25.family, Qwen2VL) and isinstance(qwen2.family, Qwen2VL)
@@ -300,7 +300,7 @@ def test_processor_mode_takes_a_placeholder_that_is_not_the_filled_token(demo_di
     images = [Image.open(io.BytesIO(r.parts[p])) for p in ("img0.png", "img1.png")]
     assert e.tokens.tolist() == processor(text=[text], images=[images])["input_ids"][0]
     soft_at = np.flatnonzero(e.tokens == soft).tolist()
-    assert [(m["token_offset"], m["tokens"]) for m in e.media] == [(soft_at[0], 4), (soft_at[4], 4)]
+    assert [(m.token_offset, m.tokens) for m in e.media] == [(soft_at[0], 4), (soft_at[4], 4)]
     assert enc.family.tokens.image_token_id == soft
     assert enc.tok.decode(e.tokens[e.targets.astype(bool)]) == "a cat<|im_end|>"
     from packtool.errors import ConfigError

@@ -29,7 +29,7 @@ def test_fixed_count_is_one_module_and_one_registry_line(demo_dir):
                   "img0.png": png(640, 480), "img1.png": png(20, 30)})
     e = enc.encode_many([sample])[0]
     assert e.status == "packed", e.reason
-    assert [(m["tokens"], m["grid_thw"]) for m in e.media] == [(7, [1, 1, 1]), (7, [1, 1, 1])]
+    assert [(m.tokens, m.grid_thw) for m in e.media] == [(7, (1, 1, 1)), (7, (1, 1, 1))]
     pad = enc.family.tokens.image_token_id
     assert int((e.tokens == pad).sum()) == 14
     entries = enc.family.manifest_entries()
@@ -41,7 +41,7 @@ def test_fixed_count_is_one_module_and_one_registry_line(demo_dir):
     # Without image_tokens the same folder is Qwen2-VL's, whose counts depend on the size: the control.
     qwen = Encoder(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048))
     assert isinstance(qwen.family, Qwen2VL)
-    assert [m["tokens"] for m in qwen.encode_many([sample])[0].media] != [7, 7]
+    assert [m.tokens for m in qwen.encode_many([sample])[0].media] != [7, 7]
 
 
 def test_a_convention_is_a_value_the_family_takes(demo_dir):
@@ -89,9 +89,12 @@ def test_a_folder_written_by_save_pretrained_packs_like_the_hub_layout(demo_dir,
 
 def test_the_runtime_side_imports_nothing_from_the_build_side():
     """``packtool.runtime`` and its entry points load without one module of ``packtool.build`` (the runtime can
-    be installed into a training container alone)."""
+    be installed into a training container alone); the conventions' text layout runs without it too (the media
+    tags are the format's)."""
     code = ("import sys, packtool.runtime.read, packtool.runtime.loader, packtool.runtime.megatron_batch, "
             "packtool.runtime.nemotron; from packtool.runtime import read_packs, megatron_bridge_batch; "
+            "from packtool.families.conventions import media_first; "
+            "assert media_first('Look at <image>') == '<image>Look at'; "
             "print([m for m in sys.modules if m.startswith('packtool.build')])")
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -440,4 +440,5 @@ def test_processor_mode_equals_the_qwen_rules(torchvision, demo_dir, tmp_path):
     for r, p in zip(rule, proc):
         assert r.status == p.status == "packed", (r.key, r.reason, p.reason)
         assert p.tokens.tolist() == r.tokens.tolist() and p.targets.tolist() == r.targets.tolist(), r.key
-        assert [{k: m.get(k) for k in keys} for m in p.media] == [{k: m.get(k) for k in keys} for m in r.media], r.key
+        assert [{k: getattr(m, k) for k in keys} for m in p.media] == \
+            [{k: getattr(m, k) for k in keys} for m in r.media], r.key

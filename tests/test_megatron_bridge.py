@@ -301,8 +301,8 @@ def test_media_first_moves_image_tags_before_the_turn_text(demo_dir):
     for e in (got, plain):  # the targets stay the reply and its end-of-turn token
         assert tok.decode(e.tokens[e.targets.astype(bool)].tolist()) == "ok<|im_end|>"
     first_text = tok.encode("Look", add_special_tokens=False)[0]
-    assert got.media[1]["token_offset"] < list(got.tokens).index(first_text)  # both images before "Look"
-    assert plain.media[0]["token_offset"] > list(plain.tokens).index(first_text)  # unmoved: after "Look"
+    assert got.media[1].token_offset < list(got.tokens).index(first_text)  # both images before "Look"
+    assert plain.media[0].token_offset > list(plain.tokens).index(first_text)  # unmoved: after "Look"
 
 
 def test_preset_pixel_bounds_change_grids(demo_dir):
@@ -316,8 +316,8 @@ def test_preset_pixel_bounds_change_grids(demo_dir):
     # processor's rule with the preset's bounds on the resized image (one step from 64x48 would give 28x38).
     h, w = smart_resize(56, 56, 28, 200_704, 1_003_520)
     assert (h, w) == (448, 448) and smart_resize(48, 64, 28, 200_704, 1_003_520) == (392, 532)
-    assert got.media[0]["grid_thw"] == [1, h // 14, w // 14] != plain.media[0]["grid_thw"]
-    assert got.media[0]["tokens"] == h * w // 784
+    assert got.media[0].grid_thw == (1, h // 14, w // 14) != plain.media[0].grid_thw
+    assert got.media[0].tokens == h * w // 784
     described = preset.family.manifest_entries()["image_processor"]
     assert described["min_pixels"] == 200_704 and described["max_pixels"] == 1_003_520
     assert (described["prefit_factor"], described["prefit_min_pixels"], described["prefit_max_pixels"],

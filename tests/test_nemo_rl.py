@@ -648,11 +648,11 @@ def test_nemotron_preset_equals_nemo_rls_images_audio_and_replies(nemotron_folde
         targets = got.targets.tolist()
         targets[0] = 0
         assert targets == mask
-        assert [m["grid_thw"] for m in got.media if m["kind"] == "image"] == [[1, h, w] for h, w in grids]
-        assert [m["samples"] for m in got.media if m["kind"] == "audio"] == [
+        assert [list(m.grid_thw) for m in got.media if m.kind == "image"] == [[1, h, w] for h, w in grids]
+        assert [m.samples for m in got.media if m.kind == "audio"] == [
             sum(nemo_rl_audio_clips(n, r)[0]) for n, r in audio]
         differs += base.tokens.tolist() != ids  # control: transformers' convention is not NeMo-RL's
-        budget_bound += [m["grid_thw"] for m in got.media] != [m["grid_thw"] for m in base.media]
+        budget_bound += [m.grid_thw for m in got.media] != [m.grid_thw for m in base.media]
     assert differs >= len(cases) - 2  # (a reply already in NeMo-RL's layout, images that fit both ways, ...)
     assert budget_bound >= 3  # the text-dependent, shared budget changed grids, not only the replies
 
@@ -799,9 +799,9 @@ def test_nemotron_preset_videos_equal_nemo_rls(nemotron_folder):
         targets = got.targets.tolist()
         targets[0] = 0
         assert targets == mask
-        assert [m["grid_thw"] for m in got.media if m["kind"] == "image"] == [[1, h, w] for h, w in grids]
+        assert [list(m.grid_thw) for m in got.media if m.kind == "image"] == [[1, h, w] for h, w in grids]
         want = [[len(s), *nemo_rl_image_grids([(w, h, True)], 0)[0]] for w, h, s in videos]
-        assert [m["grid_thw"] for m in got.media if m["kind"] == "video"] == want
+        assert [list(m.grid_thw) for m in got.media if m.kind == "video"] == want
         taken += sum(len(s) for *_, s in videos)
         differs += base.tokens.tolist() != ids  # control: transformers' convention is not NeMo-RL's
     assert differs == len(cases)

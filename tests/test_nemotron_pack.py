@@ -257,20 +257,20 @@ TWO_TURNS = (["<image>What is it?", "a picture", "Watch <video> and hear <audio>
 
 def test_truncation_never_cuts_inside_a_media_span(nemotron_folder):
     full = encode(nemotron_folder, *TWO_TURNS, pack_size=PACK_SIZE)
-    assert full.status == "packed" and [m["kind"] for m in full.media] == ["image", "video", "audio"]
-    image, video, audio = (m["span"] for m in full.media)
+    assert full.status == "packed" and [m.kind for m in full.media] == ["image", "video", "audio"]
+    image, video, audio = (m.span for m in full.media)
     # A per-pack cap on media items or media tokens counts every kind: the cut comes before the item over it.
     for cap, at in (({"max_images": 1}, video[0]), ({"max_images": 2}, audio[0]),
-                    ({"max_image_tokens": full.media[0]["tokens"] + full.media[1]["tokens"]}, audio[0])):
+                    ({"max_image_tokens": full.media[0].tokens + full.media[1].tokens}, audio[0])):
         cut = encode(nemotron_folder, *TWO_TURNS, pack_size=PACK_SIZE, **cap)
         assert cut.status == "truncated" and len(cut.tokens) == at, cap
         assert cut.tokens.tolist() == full.tokens[:at].tolist()
-        assert [m["span"] for m in cut.media] == [m["span"] for m in full.media if m["span"][1] <= at]
+        assert [m.span for m in cut.media] == [m.span for m in full.media if m.span[1] <= at]
     # A pack size that ends inside the video's frame labels or placeholders cuts before the video.
     for inside in (video[0] + 3, (video[0] + video[1]) // 2, video[1] - 1):
         cut = encode(nemotron_folder, *TWO_TURNS, pack_size=inside)
         assert cut.status == "truncated" and len(cut.tokens) == video[0], inside
-        assert [m["kind"] for m in cut.media] == ["image"]
+        assert [m.kind for m in cut.media] == ["image"]
     assert encode(nemotron_folder, *TWO_TURNS, pack_size=image[1] - 1).status == "dropped"
 
 
@@ -296,12 +296,16 @@ def test_processor_mode_equals_the_rules(torchvision, nemotron_folder, sample):
     assert processor.tokens.tolist() == rule.tokens.tolist()
     assert processor.targets.tolist() == rule.targets.tolist()
     keys = ("kind", "token_offset", "tokens", "grid_thw", "samples")
-    assert [{k: m.get(k) for k in keys} for m in processor.media] == [{k: m.get(k) for k in keys} for m in rule.media]
+    assert [{k: getattr(m, k) for k in keys} for m in processor.media] == \
+        [{k: getattr(m, k) for k in keys} for m in rule.media]
     for p, r in zip(processor.media, rule.media):  # items with only spaces between them: a space more at most
-        assert p["span"] == r["span"] or (sample == "mkv_image_mp3" and p["span"][0] <= r["span"][0]
-                                          and r["span"][1] <= p["span"][1] <= r["span"][1] + 1)
-    spans = [m["span"] for m in processor.media]
+        assert p.span == r.span or (sample == "mkv_image_mp3" and p.span[0] <= r.span[0]
+                                    and r.span[1] <= p.span[1] <= r.span[1] + 1)
+    spans = [m.span for m in processor.media]
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # disjoint, in order
+    # The processor decodes each clip before its plan: the store records its samples first (the rules' after).
+    assert [m.decoded for m in processor.media] == [m.kind == "audio" for m in rule.media]
+    assert not any(m.decoded for m in rule.media)
 
 
 def test_a_text_only_template_gets_the_processors_placeholders(nemotron_folder, tmp_path):
@@ -319,6 +323,6 @@ def test_a_text_only_template_gets_the_processors_placeholders(nemotron_folder, 
     parts = encode(nemotron_folder, *TWO_TURNS, pack_size=PACK_SIZE)
     text = encode(folder, *TWO_TURNS, pack_size=PACK_SIZE)
     assert parts.status == "packed" and text.status == "packed", text.reason
-    assert [m["kind"] for m in text.media] == ["image", "video", "audio"]
+    assert [m.kind for m in text.media] == ["image", "video", "audio"]
     assert text.tokens.tolist() == parts.tokens.tolist() and text.targets.tolist() == parts.targets.tolist()
     assert text.media == parts.media

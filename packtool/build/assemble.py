@@ -9,7 +9,6 @@ made after encoding fails the task instead of packing stale bytes.
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from packtool import __version__
+from packtool.build.item import MediaItem, loads_media
 from packtool.build.sources.safepickle import load_bytes_list, video_frames
 from packtool.build.store import NpyReader, SourceStamp
 from packtool.commit import naming
@@ -30,8 +30,6 @@ from packtool.storage import is_remote, location, open_read
 
 #: Columns of a write task's segment table (``pack`` first), sorted by pack, then source order.
 SEGMENT_COLUMNS = ("pack", "src", "row", "key", "shard", "truncated", "tok_offset", "tokens", "media")
-#: Facts of a video the encoder measured that its :class:`MediaRef` carries.
-VIDEO_FIELDS = ("total_frames", "fps", "duration", "frame_indices", "second_per_grid_ts")
 #: Estimated bytes of a record besides its token arrays and media: headers, json, padding.
 _RECORD_OVERHEAD = 4096
 _MEDIA_OVERHEAD = 1024
@@ -52,8 +50,7 @@ def estimate_pack_bytes(pack: np.ndarray, lengths: np.ndarray, media_bytes: np.n
 
 def media_bytes_of(media_json: list[str]) -> np.ndarray:
     """Source bytes (plus per-member overhead) of each encoded row's media."""
-    return np.asarray([0 if s == "[]" else sum(m["size"] + _MEDIA_OVERHEAD for m in json.loads(s))
-                       for s in media_json], dtype=np.int64)
+    return np.asarray([sum(m.size + _MEDIA_OVERHEAD for m in loads_media(s)) for s in media_json], dtype=np.int64)
 
 
 class _Sources:
@@ -87,9 +84,9 @@ class _Sources:
         wanted: dict[str, list[tuple[int, int]]] = {}
         total = 0
         for shard, media_json in zip(batch.column("shard").to_pylist(), batch.column("media").to_pylist()):
-            for m in json.loads(media_json) if media_json != "[]" else ():
-                reads = [(o, n) for _, o, n in m["frames"][:1 if m["item"] is not None else None]] \
-                    if m.get("frames") else [(m["offset"], m["size"])]
+            for m in loads_media(media_json):
+                reads = [(o, n) for _, o, n in m.frames[:1 if m.item is not None else None]] \
+                    if m.frames else [(m.offset, m.size)]
                 for o, n in reads:
                     if total + n <= PREFETCH_MEDIA_BYTES:
                         wanted.setdefault(shard, []).append((o, n))
@@ -101,25 +98,28 @@ class _Sources:
                 for (o, n), data in zip(reads, path.path.read_ranges(reads)):
                     self.fetched[(shard, o, n)] = data
 
-    def media(self, shard: str, m: dict) -> bytes:
+    def media(self, shard: str, m: MediaItem) -> bytes:
         """The bytes of one media item (of a frame list: see :meth:`frames`)."""
-        f = self._open(shard)
-        data = self.fetched.get((shard, m["offset"], m["size"]))
-        if data is None:
-            f.seek(m["offset"])
-            data = f.read(m["size"])
-        if len(data) != m["size"]:
-            raise SourceError(f"{shard}: short read of member {m['part']}")
-        return data if m["item"] is None else load_bytes_list(data)[m["item"]]
+        data = self._read(shard, m.part, m.offset, m.size)
+        return data if m.item is None else load_bytes_list(data)[m.item]
 
-    def frames(self, shard: str, m: dict) -> list[bytes]:
+    def _read(self, shard: str, part: str, offset: int, size: int) -> bytes:
+        """The bytes of one source member."""
+        f = self._open(shard)
+        data = self.fetched.get((shard, offset, size))
+        if data is None:
+            f.seek(offset)
+            data = f.read(size)
+        if len(data) != size:
+            raise SourceError(f"{shard}: short read of member {part}")
+        return data
+
+    def frames(self, shard: str, m: MediaItem) -> list[bytes]:
         """The bytes of each frame of a video given as a list of images (members, or a video of a pickled list)."""
-        if m["item"] is not None:
-            _, offset, size = m["frames"][0]
-            data = self.media(shard, {"part": m["part"], "offset": offset, "size": size, "item": None})
-            return [frame for _, frame in video_frames(data, m["part"], m["item"])]
-        return [self.media(shard, {"part": part, "offset": offset, "size": size, "item": None})
-                for part, offset, size in m["frames"]]
+        if m.item is not None:
+            _, offset, size = m.frames[0]
+            return [frame for _, frame in video_frames(self._read(shard, m.part, offset, size), m.part, m.item)]
+        return [self._read(shard, part, offset, size) for part, offset, size in m.frames]
 
     def _open(self, shard: str) -> BinaryIO:
         if shard not in self.files:
@@ -193,6 +193,16 @@ def _records(split: str, segments: pa.Table, sources: _Sources, pack_size: int,
         yield record.key, record.to_members()
 
 
+def media_ref(m: MediaItem, member: str, frames: list[str], size: int, digest: str) -> MediaRef:
+    """The pack record's entry of an encoded item whose bytes are written as ``member`` (``frames``: each frame's
+    member of a frame list), ``size`` bytes of SHA-256 ``digest``."""
+    return MediaRef(member=member, kind=m.kind, token_offset=m.token_offset, tokens=m.tokens,
+                    grid_thw=list(m.grid_thw), width=m.width, height=m.height, size=size, sha256=digest,
+                    frames=frames, total_frames=m.total_frames, fps=m.fps, duration=m.duration,
+                    frame_indices=list(m.frame_indices), second_per_grid_ts=m.second_per_grid_ts,
+                    span=list(m.span or ()), samples=m.samples or 0)
+
+
 def assemble_record(key: str, split: str, group: list[tuple[Any, ...]], sources: _Sources, pack_size: int,
                     align: int) -> PackRecord:
     """One pack from its segment rows (in pack order)."""
@@ -205,27 +215,23 @@ def assemble_record(key: str, split: str, group: list[tuple[Any, ...]], sources:
         tgts.append(np.asarray(tgt[tok_offset: tok_offset + length]))
         seqlens.append(length)
         refs = []
-        for m in json.loads(media_json) if media_json != "[]" else ():
+        for m in loads_media(media_json):
             items += 1
-            if m.get("frames"):  # a video given as images: one member per frame, in frame order
+            if m.frames:  # a video given as images: one member per frame, in frame order
                 frames = sources.frames(shard, m)
                 names = [f"m{items - 1}.{i}.{part.rsplit('.', 1)[-1].lower()}"
-                         for i, (part, _, _) in enumerate(m["frames"])]
+                         for i, (part, _, _) in enumerate(m.frames)]
                 media.update(zip(names, frames))
                 data, member = b"".join(frames), names[0]
             else:
-                names, member = [], f"m{items - 1}.{m['ext']}"
+                names, member = [], f"m{items - 1}.{m.ext}"
                 data = media[member] = sources.media(shard, m)
             digest = sha256(data)
-            if m.get("sha256") and digest != m["sha256"]:  # a video's bytes as the encoder measured them
-                raise SourceError(f"{shard}: the bytes of {m['kind']} {m['part']!r} of sample {sample_key} differ "
-                                  f"from those encoded (sha256 {digest[:12]}, encoded {m['sha256'][:12]}); run "
+            if m.sha256 and digest != m.sha256:  # a video's bytes as the encoder measured them
+                raise SourceError(f"{shard}: the bytes of {m.kind} {m.part!r} of sample {sample_key} differ "
+                                  f"from those encoded (sha256 {digest[:12]}, encoded {m.sha256[:12]}); run "
                                   f"the same command again to encode them anew")
-            video = {k: m[k] for k in VIDEO_FIELDS} if m["kind"] == "video" else {}
-            refs.append(MediaRef(member=member, kind=m["kind"], token_offset=m["token_offset"], tokens=m["tokens"],
-                                 grid_thw=m["grid_thw"], width=m["width"], height=m["height"], size=len(data),
-                                 sha256=digest, frames=names, span=m.get("span", []),
-                                 samples=m.get("samples", 0), **video))
+            refs.append(media_ref(m, member, names, len(data), digest))
         segs.append(Segment(sample_key, split, shard, bool(truncated), refs))
     return PackRecord(key, np.concatenate(toks), np.concatenate(tgts), np.asarray(seqlens, dtype=np.int32),
                       pack_size, align, segs, media, __version__)

@@ -28,6 +28,7 @@ import numpy as np
 from packtool import families
 from packtool.build import hfcompat
 from packtool.build.chatshape import ShapeRenderer
+from packtool.build.item import MediaItem, Staged
 from packtool.build.sources import Conversation, RawSample
 from packtool.build.sources.conversation import conversation_adapter
 from packtool.build.sources.custom import custom_adapter, load_function
@@ -46,7 +47,8 @@ from packtool.errors import (
     sample_reason,
     user_code,
 )
-from packtool.families import Family
+from packtool.families import Family, ItemPlan
+from packtool.families.base import Decoded
 from packtool.format import sha256
 from packtool.media import image_size, probe_audio, probe_frames, probe_video
 from packtool.settings import EncodeSettings
@@ -68,12 +70,8 @@ class Encoded:
     reason: str = ""
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     targets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
-    #: Media kept, in placeholder order: part, item, kind, ext, token_offset, tokens, span, grid_thw, width, height,
-    #: offset, size (where the member lies in the source shard; for an item of a pickled list, the list's member);
-    #: videos add frames (``[part, offset, size]`` of each frame of a frame list), total_frames, fps, duration,
-    #: frame_indices, second_per_grid_ts and sha256 (of the bytes measured, checked again when the pack is
-    #: written); audio adds samples.
-    media: list[dict] = field(default_factory=list)
+    #: Media kept, in placeholder order.
+    media: list[MediaItem] = field(default_factory=list)
     #: Length before truncation (0 if encoding failed).
     source_tokens: int = 0
     #: False when a huge text was cut before tokenizing: ``source_tokens`` is then a lower bound.
@@ -279,7 +277,7 @@ class Encoder:
             return chatml_adapter(raw.parts, fields=self.chatml, allow_pickle=self.settings.allow_pickle)
         return conversation_adapter(raw.parts, allow_pickle=self.settings.allow_pickle)
 
-    def _media_facts(self, raw: RawSample, conv: Conversation) -> list[dict]:
+    def _media_facts(self, raw: RawSample, conv: Conversation) -> list[Staged]:
         """What each media item costs and where its bytes lie; a member that does not read, or a kind the model
         folder has no rule for, raises :class:`SampleError` naming the member."""
         facts = []
@@ -300,16 +298,16 @@ class Encoder:
         self._check_media_budget(conv, facts, lists)
         return facts
 
-    def _check_media_budget(self, conv: Conversation, facts: list[dict], lists: dict[str, Sequence[bytes]]) -> None:
+    def _check_media_budget(self, conv: Conversation, facts: list[Staged],
+                            lists: dict[str, Sequence[bytes]]) -> None:
         """A sample's media may write at most ``max_sample_bytes`` into the pack (an item of a pickled list is
         written once per reference) and hand its processor at most ``max_sample_pixels`` decoded pixels (each
         image, each frame it is given)."""
         st = self.settings
         written = pixels = 0
-        for m, f in zip(conv.media, facts):
-            written += len(lists[m.part][m.item]) if m.kind == "image" and m.item is not None else f["size"]
-            frames = len(f.get("frame_indices") or []) if m.kind == "video" else int(m.kind == "image")
-            pixels += frames * f["width"] * f["height"]
+        for m, f in zip(conv.media, (p.item for p in facts)):
+            written += len(lists[m.part][m.item]) if m.kind == "image" and m.item is not None else f.size
+            pixels += f.pixels
         if written > st.max_sample_bytes:
             raise SampleError(f"its media would write {written} bytes into the pack > max_sample_bytes "
                               f"{st.max_sample_bytes}")
@@ -317,7 +315,7 @@ class Encoder:
             raise SampleError(f"its media give the processor {pixels} decoded pixels > max_sample_pixels "
                               f"{st.max_sample_pixels}")
 
-    def _image_facts(self, raw: RawSample, m: Media, lists: dict[str, Sequence[bytes]], n_images: int) -> dict:
+    def _image_facts(self, raw: RawSample, m: Media, lists: dict[str, Sequence[bytes]], n_images: int) -> Staged:
         """An image's size, grid and tokens; ``n_images``: images of the sample (Nemotron Omni's patch budget
         depends on how many images its processor is given at once)."""
         if m.item is None:
@@ -336,12 +334,12 @@ class Encoder:
                                         decode=self.settings.media_check == "decode")
         if not ext or len(ext) > 8 or not ext.isalnum():
             ext = {"jpeg": "jpg"}.get(fmt, fmt or "bin")
-        item = {"part": m.part, "item": m.item, "kind": m.kind, "ext": ext, "width": width, "height": height,
-                "offset": offset, "size": size}
-        item.update(self.family.media_input("image", [data], False, None))
-        return {**item, **self.family.plan_image(width, height, n_images).fields("image")}
+        decoded = self.family.media_input("image", [data], False, None)
+        plan = self.family.plan_image(width, height, n_images)
+        item = MediaItem(m.part, m.item, "image", ext, width, height, offset, size, plan.tokens, tuple(plan.grid_thw))
+        return _staged(item, plan, decoded)
 
-    def _video_facts(self, raw: RawSample, m: Media) -> dict:
+    def _video_facts(self, raw: RawSample, m: Media) -> Staged:
         """A video's plan from its container facts (or its frames' headers): the frames the processor is given,
         the grid, the tokens and ``second_per_grid_ts``."""
         decode = self.settings.media_check == "decode"
@@ -357,25 +355,32 @@ class Encoder:
             facts = probe_video(data[0], max_pixels=self.settings.pixel_limit, decode=decode)
         facts = self.family.video_facts(data, bool(named), facts, m.part)
         offset, _ = raw.ranges[m.part]
-        item: dict[str, Any] = {
-            "part": m.part, "item": m.item, "kind": "video", "ext": m.part.rsplit(".", 1)[-1].lower(),
-            "width": facts.width, "height": facts.height, "offset": offset, "size": sum(len(d) for d in data),
-            "sha256": sha256(b"".join(data)),
-            "frames": [[f, *raw.ranges[f if m.item is None else m.part]] for f, _ in named],
-            "total_frames": facts.frames, "fps": facts.fps, "duration": facts.duration}
-        item.update(self.family.media_input("video", data, bool(named), facts))
-        return {**item, **self.family.plan_video(facts, m.part).fields("video")}
+        frames = []
+        for f, _ in named:
+            frame_offset, frame_size = raw.ranges[f if m.item is None else m.part]
+            frames.append((f, frame_offset, frame_size))
+        decoded = self.family.media_input("video", data, bool(named), facts)
+        plan = self.family.plan_video(facts, m.part)
+        item = MediaItem(
+            m.part, m.item, "video", m.part.rsplit(".", 1)[-1].lower(), facts.width, facts.height, offset,
+            sum(len(d) for d in data), plan.tokens, tuple(plan.grid_thw), sha256=sha256(b"".join(data)),
+            frames=tuple(frames), total_frames=facts.frames, fps=facts.fps, duration=facts.duration,
+            frame_indices=tuple(plan.frame_indices), second_per_grid_ts=plan.second_per_grid_ts)
+        return _staged(item, plan, decoded)
 
-    def _audio_facts(self, raw: RawSample, m: Media) -> dict:
+    def _audio_facts(self, raw: RawSample, m: Media) -> Staged:
         """An audio clip's tokens and the length of the waveform its processor is given (``samples``, at the
         processor's rate after any length cap); no grid, no pixels."""
         data = raw.parts[m.part]
         facts = probe_audio(data, decode=self.settings.media_check == "decode")
         offset, size = raw.ranges[m.part]
-        item: dict[str, Any] = {"part": m.part, "item": None, "kind": "audio", "ext": m.part.rsplit(".", 1)[-1].lower(),
-                                "grid_thw": [], "width": 0, "height": 0, "offset": offset, "size": size}
-        item.update(self.family.media_input("audio", [data], False, facts))
-        return {**item, **self.family.plan_audio(facts, m.part).fields("audio")}
+        decoded = self.family.media_input("audio", [data], False, facts)
+        plan = self.family.plan_audio(facts, m.part)
+        measured = decoded.samples if decoded is not None else None  # the processor mode's decoded waveform
+        item = MediaItem(m.part, None, "audio", m.part.rsplit(".", 1)[-1].lower(), 0, 0, offset, size, plan.tokens,
+                         samples=plan.samples if plan.samples is not None else measured,
+                         decoded=measured is not None)
+        return _staged(item, plan, decoded)
 
     # -- encoding --------------------------------------------------------------------------------------------
     def encode_many(self, raws: list[RawSample], strict: bool = False) -> list[Encoded]:
@@ -383,7 +388,7 @@ class Encoder:
         of its own data (a :class:`SampleError`) becomes an ``error`` row (``strict``: raises
         :class:`FatalSampleError` naming it); packtool's own bugs propagate with the sample named
         (:mod:`packtool.errors`)."""
-        staged: list[tuple[RawSample, str, list, list[dict], str] | Encoded] = []
+        staged: list[tuple[RawSample, str, list[tuple[int, int]], list[Staged], str] | Encoded] = []
         for raw in raws:
             with self._guard(raw, strict, staged):
                 if raw.problem:
@@ -397,7 +402,7 @@ class Encoder:
                     staged.append(Encoded(raw.key, raw.shard, raw.index, "dropped", f"over limit: {over}"))
                     continue
                 text, spans = self.target_spans(conv.messages)
-                text, spans = self.family.expand_text(text, spans, media)
+                text, spans, media = self.family.expand_text(text, spans, media)
                 staged.append((raw, text, spans, media, self._untagged_note(conv)))
         texts = [self._bounded(s[1]) for s in staged if not isinstance(s, Encoded)]
         batch = self._tokenize(texts)
@@ -425,18 +430,18 @@ class Encoder:
                 out.append(done)
         return out
 
-    def _over_sample_limits(self, media: list[dict]) -> str:
+    def _over_sample_limits(self, media: list[Staged]) -> str:
         """Why a sample is over the per-sample limits (``sample_max_images``, ``sample_max_visual_tokens``), or
         ``""``. Visual tokens are counted as Megatron-Bridge's Qwen-VL task encoder counts them for its limit: each
         image by the processor's rule from its stored size (without a first resize), each video as planned
         (:meth:`Family.limit_tokens`)."""
         st = self.settings
-        images = [m for m in media if m["kind"] == "image"]
+        images = [p for p in media if p.item.kind == "image"]
         if st.sample_max_images is not None and len(images) > st.sample_max_images:
             return f"{len(images)} images > sample_max_images {st.sample_max_images}"
         if st.sample_max_visual_tokens is None:
             return ""
-        total = sum(self.family.limit_tokens(m) for m in media)
+        total = sum(self.family.limit_tokens(p.item) for p in media)
         if total > st.sample_max_visual_tokens:
             return f"{total} visual tokens > sample_max_visual_tokens {st.sample_max_visual_tokens}"
         return ""
@@ -508,8 +513,8 @@ class Encoder:
                 raise SampleError(f"{m['role']} text of turn {i} is not valid Unicode "
                                   f"({exc.reason} at character {exc.start})") from None
 
-    def _finish(self, raw: RawSample, encoding: Tokens, text_len: int, spans, media: list[dict],
-                 cut: bool) -> Encoded:
+    def _finish(self, raw: RawSample, encoding: Tokens, text_len: int, spans: list[tuple[int, int]],
+                media: list[Staged], cut: bool) -> Encoded:
         """Targets from the reply spans, placeholders expanded, limits applied. ``encoding`` is the tokenizer's
         of a text of ``text_len`` characters; ``cut``: the text was cut before tokenizing (its last tokens are
         dropped as unsettled, and so are the media past the cut)."""
@@ -525,8 +530,8 @@ class Encoder:
                 if end < n and int(ids[end]) in self.special_ids:
                     targets[end] = 1
         self.family.convention.mark_targets(ids, targets, self.special_array, self.newline_id)
-        tokens, targets, media = self.family.place(encoding, ids, targets, media, cut, text_len, self.special_ids)
-        enc = Encoded(raw.key, raw.shard, raw.index, "packed", "", tokens, targets, media, len(tokens), not cut)
+        tokens, targets, items = self.family.place(encoding, ids, targets, media, cut, text_len, self.special_ids)
+        enc = Encoded(raw.key, raw.shard, raw.index, "packed", "", tokens, targets, items, len(tokens), not cut)
         if not targets.any() and not cut:  # cut: the replies lie past the cut, the sample is over-long (_fit)
             raise SampleError("no training targets")
         fitted = self._fit(enc)
@@ -538,7 +543,7 @@ class Encoder:
         """Apply the per-pack limits to one sample: cut at a safe boundary, or drop, per ``overlong``; the result
         carries the uncut sample's facts (:attr:`Encoded.first_target`, :attr:`Encoded.source_media`)."""
         first_target = int(np.argmax(enc.targets)) if enc.targets.any() else -1
-        spans = [[*self.family.media_span(enc.tokens, m), int(m["tokens"])] for m in enc.media]
+        spans = [[*self.family.media_span(enc.tokens, m), int(m.tokens)] for m in enc.media]
         out = self._limit(enc)
         out.first_target, out.source_media = first_target, spans
         return out
@@ -551,14 +556,14 @@ class Encoder:
             cut, why = st.max_tokens, [f"{at_least}{len(enc.tokens)} tokens > {st.max_tokens}"]
         image_total = 0
         for j, m in enumerate(enc.media):
-            image_total += m["tokens"]
+            image_total += m.tokens
             over_images = st.max_images is not None and j + 1 > st.max_images
             over_tokens = st.max_image_tokens is not None and image_total > st.max_image_tokens
             if over_images or over_tokens:
                 s, _ = self.family.media_span(enc.tokens, m)
                 if s < cut:
                     cut = s
-                    why.append(f"{m['kind']} {j + 1} over the per-pack " + ("image cap" if over_images else
+                    why.append(f"{m.kind} {j + 1} over the per-pack " + ("image cap" if over_images else
                                                                                "image-token cap"))
                 break
         for m in enc.media:  # never cut inside a media span
@@ -579,6 +584,12 @@ class Encoder:
         return Encoded(enc.key, enc.shard, enc.index, "truncated", f"truncated to {cut}: {reason}",
                        enc.tokens[:cut].copy(), enc.targets[:cut].copy(), kept, enc.source_tokens,
                        enc.length_known)
+
+
+def _staged(item: MediaItem, plan: ItemPlan, decoded: Decoded | None) -> Staged:
+    """A measured and planned item as encoding carries it: with its plan's expansion text and what the processor
+    mode decoded."""
+    return Staged(item, text=plan.text, input=None if decoded is None else decoded.input)
 
 
 def model_facts(settings: EncodeSettings, dataset_yaml: dict | None = None) -> dict:

@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from packtool.build.item import dumps_media
 from packtool.build.sources.energon import SampleRange, ShardLayout, ShardScan
 from packtool.commit import commit_path
 from packtool.errors import LimitError, SourceError
@@ -242,9 +243,9 @@ def _row(e: Encoded, offset: int) -> dict:
     return {"key": e.key, "shard": e.shard, "status": e.status, "reason": stable_reason(e.reason),
             "tokens": len(e.tokens) if keep else 0, "source_tokens": e.source_tokens,
             "targets": int(np.count_nonzero(e.targets)) if keep else 0, "images": len(e.media) if keep else 0,
-            "image_tokens": sum(m["tokens"] for m in e.media) if keep else 0,
+            "image_tokens": sum(m.tokens for m in e.media) if keep else 0,
             "truncated": e.status == "truncated", "tok_offset": offset if keep else -1,
-            "media": json.dumps(e.media, separators=(",", ":")) if keep and e.media else "[]"}
+            "media": dumps_media(e.media) if keep else "[]"}
 
 
 def _error_row(key: str, shard: str, reason: str) -> dict:

@@ -11,7 +11,7 @@ import bisect
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -19,8 +19,10 @@ import numpy as np
 
 from packtool.errors import SampleError
 from packtool.families.conventions import Convention
+from packtool.format import AUDIO_TAG, MediaRef
 
 if TYPE_CHECKING:
+    from packtool.build.item import MediaItem, Staged
     from packtool.media.audio import AudioFacts
     from packtool.media.video import VideoFacts
     from packtool.settings import EncodeSettings
@@ -29,8 +31,6 @@ if TYPE_CHECKING:
 #: (Qwen2-VL), the expansion written into the text before tokenizing (Nemotron Omni), or the folder's own
 #: processor (the processor mode).
 ExpandIn = Literal["ids", "text", "processor"]
-#: The text tags of a conversation (``<image>``, ``<video>``, ``<audio>``).
-IMAGE_TAG, VIDEO_TAG, AUDIO_TAG = "<image>", "<video>", "<audio>"
 
 
 #: Most images past a cut considered when matching a truncated segment's image plan (see
@@ -57,19 +57,15 @@ class ItemPlan:
     #: The text the placeholder becomes (families that expand in the text).
     text: str | None = None
 
-    def fields(self, kind: str) -> dict[str, Any]:
-        """The item's encoded fields, in the order the encode store records them."""
-        out: dict[str, Any] = {"tokens": self.tokens}
-        if kind != "audio":
-            out["grid_thw"] = list(self.grid_thw)
-        if kind == "video":
-            out["frame_indices"] = list(self.frame_indices)
-            out["second_per_grid_ts"] = self.second_per_grid_ts
-        if kind == "audio" and self.samples is not None:
-            out["samples"] = self.samples
-        if self.text is not None:
-            out["text"] = self.text
-        return out
+
+@dataclass(frozen=True, eq=False)
+class Decoded:
+    """An item's media decoded for a processor that expands the placeholders itself (the processor mode)."""
+
+    #: What the processor is given: an image, a video's frames with their metadata, an audio waveform.
+    input: object
+    #: Audio: samples of the waveform (at the processor's rate, after any length cap).
+    samples: int | None = None
 
 
 @dataclass(frozen=True)
@@ -174,18 +170,19 @@ class Family(ABC):
         raise NoRule(f"media {part!r}: the model folder {Path(self.folder).name} has no rule for audio (the "
                      f"processor mode has)")
 
-    def limit_tokens(self, item: dict) -> int:
+    def limit_tokens(self, item: MediaItem) -> int:
         """An item's visual tokens as a per-sample limit counts them (``sample_max_visual_tokens``): its tokens."""
-        return int(item["tokens"])
+        return item.tokens
 
     def check_media(self, kinds: list[str]) -> None:
         """Refuse a sample's media kinds before its media are read (:class:`SampleError`)."""
         if self.tokens.image_token_id is None and "image" in kinds:
             raise SampleError("sample has images but the tokenizer has no image token")
 
-    def media_input(self, kind: str, data: list[bytes], framed: bool, facts: Any) -> dict[str, Any]:
-        """Fields an item needs besides its plan before expansion (the processor mode: the decoded media)."""
-        return {}
+    def media_input(self, kind: str, data: list[bytes], framed: bool, facts: Any) -> Decoded | None:
+        """What an item needs besides its plan before expansion (the processor mode: the decoded media); None:
+        nothing."""
+        return None
 
     # -- encode: placeholders ------------------------------------------------------------------------------------
     def template_placeholder(self, kind: str) -> str | None:
@@ -200,15 +197,16 @@ class Family(ABC):
         return self.tokens.video_text if kind == "video" else self.tokens.audio_text
 
     def expand_text(self, text: str, spans: list[tuple[int, int]],
-                    media: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+                    media: list[Staged]) -> tuple[str, list[tuple[int, int]], list[Staged]]:
         """The rendered text with the placeholders expanded where the family does it in the text (and the reply
-        spans moved to match); unchanged for a family that expands in the ids."""
-        return text, spans
+        spans moved to match), and the items as :meth:`place` takes them; unchanged for a family that expands in
+        the ids."""
+        return text, spans, media
 
-    def place(self, encoding: Any, ids: np.ndarray, targets: np.ndarray, media: list[dict], cut: bool,
-              text_len: int, special_ids: frozenset[int]) -> tuple[np.ndarray, np.ndarray, list[dict]]:
-        """Tokens, targets and each kept item's ``token_offset`` and ``span``: each placeholder token repeated to
-        its item's count (``cut``: items past a cut text are left out)."""
+    def place(self, encoding: Any, ids: np.ndarray, targets: np.ndarray, media: list[Staged], cut: bool,
+              text_len: int, special_ids: frozenset[int]) -> tuple[np.ndarray, np.ndarray, list[MediaItem]]:
+        """Tokens, targets and each kept item with its ``token_offset`` and ``span``: each placeholder token
+        repeated to its item's count (``cut``: items past a cut text are left out)."""
         placeholder = {"image": self.tokens.image_token_id, "video": self.tokens.video_token_id}
         pads = _positions(ids, [t for t in placeholder.values() if t is not None])
         if cut:
@@ -216,28 +214,29 @@ class Family(ABC):
         if len(pads) != len(media):
             raise SampleError(f"template produced {len(pads)} media placeholders for {len(media)} media items")
         if not media:  # text only: nothing to expand
-            return ids.astype(np.int32), targets, media
-        if any(int(ids[p]) != placeholder.get(m["kind"]) for p, m in zip(pads, media)):
+            return ids.astype(np.int32), targets, []
+        items = [p.item for p in media]
+        if any(int(ids[p]) != placeholder.get(m.kind) for p, m in zip(pads, items)):
             raise SampleError("the template's media placeholders are not in the order of the media kinds")
         if np.any(targets[pads]):
             raise SampleError("a media placeholder lies inside an assistant reply")
         repeat = np.ones(len(ids), dtype=np.int64)
-        repeat[pads] = [m["tokens"] for m in media]
+        repeat[pads] = [m.tokens for m in items]
         new_start = np.concatenate([[0], np.cumsum(repeat)[:-1]])
-        for m, p in zip(media, pads):
-            m["token_offset"] = int(new_start[p])
+        items = [replace(m, token_offset=int(new_start[p])) for m, p in zip(items, pads)]
         tokens = np.repeat(ids, repeat).astype(np.int32)
         targets = np.repeat(targets, repeat)
-        for m in media:
-            m["span"] = list(self.media_span(tokens, m))
-        return tokens, targets, media
+        return tokens, targets, [replace(m, span=self.media_span(tokens, m)) for m in items]
 
-    def media_span(self, tokens: np.ndarray, m: dict) -> tuple[int, int]:
+    def media_span(self, tokens: np.ndarray, m: MediaItem) -> tuple[int, int]:
         """``[start, end)`` of an item's whole expansion: recorded (``span``), else its placeholder tokens widened
         by the vision markers around them."""
-        if m.get("span"):
-            return m["span"][0], m["span"][1]
-        s, e = m["token_offset"], m["token_offset"] + m["tokens"]
+        if m.span:
+            return m.span
+        return self.widen(tokens, m.token_offset, m.token_offset + m.tokens)
+
+    def widen(self, tokens: np.ndarray, s: int, e: int) -> tuple[int, int]:
+        """``[s, e)`` widened by the vision markers right around it."""
         start, end = self.tokens.vision_start_id, self.tokens.vision_end_id
         if s > 0 and start is not None and tokens[s - 1] == start:
             s -= 1
@@ -292,13 +291,13 @@ class Family(ABC):
     #: then re-derives the grids of a whole segment (:meth:`segment_image_grids`) and cannot those of a cut one.
     plans_sample_images: ClassVar[bool] = False
 
-    def video_problems(self, where: str, ref: Any, data: bytes) -> list[str] | None:
+    def video_problems(self, where: str, ref: MediaRef, data: bytes) -> list[str] | None:
         """Problems of a recorded video (``ref``: its :class:`~packtool.format.MediaRef`; ``data``: its bytes) for a
         family whose video plan comes from the container as another reader sees it; None: verify compares
         :meth:`check_video`'s plan with the record."""
         return None
 
-    def segment_image_grids(self, tokens: np.ndarray, media: list[Any]) -> list[list[int]] | None:
+    def segment_image_grids(self, tokens: np.ndarray, media: list[MediaRef]) -> list[list[int]] | None:
         """The image grids an untruncated segment's plan gives (``tokens``: its tokens; ``media``: its
         :class:`~packtool.format.MediaRef` items) for a family that :attr:`plans_sample_images`; else None."""
         return None
@@ -412,16 +411,17 @@ class ExpandsInText(Family):
         raise NotImplementedError
 
     def expand_text(self, text: str, spans: list[tuple[int, int]],
-                    media: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        """Each placeholder of the rendered text replaced by the next expansion of its kind (``media[i]["text"]``,
-        as the processor does it kind by kind), the reply spans shifted to match, and each item's characters
-        recorded as ``media[i]["chars"]`` (start, its first embedding placeholder, end)."""
+                    media: list[Staged]) -> tuple[str, list[tuple[int, int]], list[Staged]]:
+        """Each placeholder of the rendered text replaced by the next expansion of its kind (the item's ``text``,
+        as the processor does it kind by kind), the reply spans shifted to match, and the items with their
+        characters (``chars``: start, its first embedding placeholder, end) instead of their text."""
         if not media:
-            return text, spans
+            return text, spans, media
         marks = self.placeholders()
-        queues: dict[str, list[dict]] = {}
-        for m in media:
-            queues.setdefault(marks[m["kind"]][0], []).append(m)
+        queues: dict[str, list[int]] = {}
+        for i, p in enumerate(media):
+            queues.setdefault(marks[p.item.kind][0], []).append(i)
+        out = list(media)
         pattern = re.compile("|".join(re.escape(t) for t in sorted(queues, key=len, reverse=True)))
         pieces: list[str] = []
         starts: list[int] = []  # where each placeholder starts and ends in the rendered text
@@ -433,10 +433,13 @@ class ExpandsInText(Family):
             if not queue:
                 raise SampleError(f"the chat template renders more {found.group()} placeholders than the sample "
                                   f"has media of that kind")
-            m = queue.pop(0)
-            expansion = m.pop("text")
+            i = queue.pop(0)
+            expansion = out[i].text
+            if expansion is None:
+                raise TypeError(f"{self.name}: {out[i].item.kind} item {i} has no expansion text")
             start = found.start() + shift
-            m["chars"] = [start, start + expansion.index(marks[m["kind"]][1]), start + len(expansion)]
+            out[i] = replace(out[i], text=None, chars=(start, start + expansion.index(marks[out[i].item.kind][1]),
+                                                       start + len(expansion)))
             pieces += [text[last:found.start()], expansion]
             last = found.end()
             shift += len(expansion) - len(found.group())
@@ -455,19 +458,21 @@ class ExpandsInText(Family):
                 raise SampleError("a media placeholder lies inside an assistant reply")
             delta = shifts[before - 1] if before else 0
             moved.append((s + delta, e + delta))
-        return "".join(pieces), moved
+        return "".join(pieces), moved, out
 
-    def place(self, encoding: Any, ids: np.ndarray, targets: np.ndarray, media: list[dict], cut: bool,
-              text_len: int, special_ids: frozenset[int]) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+    def place(self, encoding: Any, ids: np.ndarray, targets: np.ndarray, media: list[Staged], cut: bool,
+              text_len: int, special_ids: frozenset[int]) -> tuple[np.ndarray, np.ndarray, list[MediaItem]]:
         """Each item's ``token_offset`` (its first embedding placeholder) and ``span`` (its whole expansion) from
         the characters :meth:`expand_text` recorded; items past a cut text are left out (one that runs past it
         ends at the last token: the sample is longer than a pack, and truncation never keeps it)."""
         n = len(ids)
         embed = self.embed_ids()
-        kept: list[dict] = []
+        kept: list[MediaItem] = []
         previous_end = 0
-        for m in media:
-            start, first, end = m.pop("chars")
+        for p in media:
+            if p.chars is None:
+                raise TypeError(f"{self.name}: a {p.item.kind} item was placed before its text was expanded")
+            m, (start, first, end) = p.item, p.chars
             if start < previous_end:
                 raise SampleError("the chat template renders the media placeholders in another order than the "
                                   "sample's media")
@@ -478,14 +483,14 @@ class ExpandsInText(Family):
             b = n if end > text_len else covering_token(encoding, end - 1, n) + 1
             if a >= n:
                 continue
-            count = int((ids[a:b] == embed[m["kind"]]).sum())
-            if b < n and count != m["tokens"]:
-                raise SampleError(f"the tokenizer splits the placeholders of {m['kind']} {len(kept) + 1}: "
-                                  f"{count} tokens for {m['tokens']}")
+            count = int((ids[a:b] == embed[m.kind]).sum())
+            if b < n and count != m.tokens:
+                raise SampleError(f"the tokenizer splits the placeholders of {m.kind} {len(kept) + 1}: "
+                                  f"{count} tokens for {m.tokens}")
             if targets[a:b].any():
                 raise SampleError("a media placeholder lies inside an assistant reply")
-            m["token_offset"], m["span"] = (covering_token(encoding, first, n) if first < text_len else n), [a, b]
-            kept.append(m)
+            kept.append(replace(m, token_offset=covering_token(encoding, first, n) if first < text_len else n,
+                                span=(a, b)))
         return ids.astype(np.int32), targets, kept
 
 

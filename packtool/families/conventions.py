@@ -14,7 +14,7 @@ import numpy as np
 
 from packtool.errors import SampleError
 from packtool.families.nemo_rl_rules import assistant_text
-from packtool.format import NEMOTRON_FAMILY
+from packtool.format import MEDIA_TAGS, NEMOTRON_FAMILY, TAG_PATTERN, tag_kinds
 
 #: The preset of NeMo-RL's Nemotron Omni conventions.
 NEMO_RL_NEMOTRON = "nemo-rl-nemotron-omni"
@@ -126,8 +126,6 @@ class NemoRLNemotron(Convention):
 def media_first(text: str) -> str:
     """The turn text with its media tags moved before the text pieces (in their order), each piece stripped of
     edge spaces (how Megatron-Bridge's Qwen-VL task encoder orders a turn); text without tags is unchanged."""
-    from packtool.build.sources.sample import MEDIA_TAGS, TAG_PATTERN, tag_kinds  # the encode side's tags
-
     kinds = tag_kinds(text)
     if not kinds:
         return text

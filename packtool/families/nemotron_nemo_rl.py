@@ -29,8 +29,10 @@ from packtool.families.nemo_rl_rules import (
     video_timestamps,
 )
 from packtool.families.nemotron_omni import NemotronOmni
+from packtool.format import MediaRef
 
 if TYPE_CHECKING:
+    from packtool.build.item import Staged
     from packtool.media import AudioFacts, VideoFacts
     from packtool.settings import EncodeSettings
 
@@ -96,45 +98,49 @@ class NemoRLNemotronOmni(NemotronOmni):
                         text=r.audio_start_token + r.audio_token * plan.tokens + r.audio_end_token)
 
     def expand_text(self, text: str, spans: list[tuple[int, int]],
-                    media: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        self._plan_images(text, media)
-        return super().expand_text(text, spans, media)
+                    media: list[Staged]) -> tuple[str, list[tuple[int, int]], list[Staged]]:
+        return super().expand_text(text, spans, self._plan_images(text, media))
 
-    def _plan_images(self, text: str, media: list[dict]) -> None:
-        """Re-plan the sample's images as NeMo-RL does (in place: grid, tokens, expansion text): one budget for all
-        of them and the video frames from the tokens the text leaves in a pack, the text counted with each image
-        and each video tubelet as ``<img><image></img>`` and each audio item expanded."""
-        images = [m for m in media if m["kind"] == "image"]
-        if not images:
-            return
+    def _plan_images(self, text: str, media: list[Staged]) -> list[Staged]:
+        """The sample's items with its images re-planned as NeMo-RL does (grid, tokens, expansion text): one budget
+        for all of them and the video frames from the tokens the text leaves in a pack, the text counted with each
+        image and each video tubelet as ``<img><image></img>`` and each audio item expanded."""
+        if not any(p.item.kind == "image" for p in media):
+            return media
         r = self.rule
         compact_chunk = r.image_start_token + r.image_token + r.image_end_token
         compact = text.replace(r.image_token, compact_chunk)
-        for m in media:  # the first <video> left is this video's (<image> runs of the expansion are not in `text`)
-            if m["kind"] == "video":
-                per = m["tokens"] // (m["grid_thw"][0] // r.video_temporal_patch_dim)
+        for p in media:  # the first <video> left is this video's (<image> runs of the expansion are not in `text`)
+            m = p.item
+            if m.kind == "video":
+                per = m.tokens // (m.grid_thw[0] // r.video_temporal_patch_dim)
                 chunk = r.image_start_token + r.image_token * per + r.image_end_token
-                compact = compact.replace(r.video_token, m["text"].replace(chunk, compact_chunk), 1)
+                compact = compact.replace(r.video_token, (p.text or "").replace(chunk, compact_chunk), 1)
+        items = [p.item for p in media]
         length = len(self.tok.backend_tokenizer.encode(compact, add_special_tokens=False).ids)
         # an audio item's one placeholder becomes <so_start>, its tokens, <so_end> (all special tokens)
-        length += sum(m["tokens"] + 1 for m in media if m["kind"] == "audio")
+        length += sum(m.tokens + 1 for m in items if m.kind == "audio")
         merge = round(1 / r.downsample_ratio)
-        frames = [f for m in media if m["kind"] != "audio"
-                  for f in ([Frame(m["width"], m["height"])] if m["kind"] == "image"
-                            else [Frame(m["width"], m["height"], True)] * m["grid_thw"][0])]
+        frames = [f for m in items if m.kind != "audio"
+                  for f in ([Frame(m.width, m.height)] if m.kind == "image"
+                            else [Frame(m.width, m.height, True)] * m.grid_thw[0])]
         grids = iter(sample_image_grids(
             frames, self.pack_size - length - BUDGET_RESERVE,
             patch=r.patch_size, merge=merge, min_patches=r.min_num_patches, max_patches=r.max_num_patches,
             video_target_patches=r.video_target_num_patches, video_keep_aspect=r.video_maintain_aspect_ratio,
             temporal_patch=r.video_temporal_patch_dim))
-        for m in media:
-            if m["kind"] == "video":
-                for _ in range(m["grid_thw"][0]):
+        out = []
+        for p in media:
+            if p.item.kind == "video":
+                for _ in range(p.item.grid_thw[0]):
                     next(grids)  # a frame keeps its tile
-            elif m["kind"] == "image":
+            elif p.item.kind == "image":
                 gh, gw = next(grids)
-                m["grid_thw"], m["tokens"] = [1, gh, gw], gh * gw // merge**2
-                m["text"] = r.image_start_token + r.image_token * m["tokens"] + r.image_end_token
+                tokens = gh * gw // merge**2
+                p = replace(p, item=replace(p.item, grid_thw=(1, gh, gw), tokens=tokens),
+                            text=r.image_start_token + r.image_token * tokens + r.image_end_token)
+            out.append(p)
+        return out
 
 
     # -- verify ---------------------------------------------------------------------------------------------------
@@ -144,7 +150,7 @@ class NemoRLNemotronOmni(NemotronOmni):
         """None: NeMo-RL's clips are counted from the decoded waveform (:meth:`plan_audio`)."""
         return None
 
-    def segment_image_grids(self, tokens: np.ndarray, media: list[Any]) -> list[list[int]] | None:
+    def segment_image_grids(self, tokens: np.ndarray, media: list[MediaRef]) -> list[list[int]] | None:
         """The grids NeMo-RL's budget gives an untruncated segment's images: its text counted with each image, and
         each video tubelet, as ``<img><image></img>`` (its tokens less each item's placeholders but those; audio
         stays expanded, as NeMo-RL counts it), a video's frames in the budget too."""
@@ -166,7 +172,7 @@ class NemoRLNemotronOmni(NemotronOmni):
             position += 1 if m.kind == "image" else m.grid_thw[0]
         return out
 
-    def video_problems(self, where: str, ref: Any, data: bytes) -> list[str] | None:
+    def video_problems(self, where: str, ref: MediaRef, data: bytes) -> list[str] | None:
         """Energon's duration and frame count as recorded, the frames the Megatron rule takes from them, the tile,
         and one tile of tokens per tubelet."""
         r = self.rule

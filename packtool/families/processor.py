@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from packtool.errors import ConfigError, SampleError
-from packtool.families.base import Family, ItemPlan, MediaTokens, NoRule, manifest_tokens
+from packtool.families.base import Decoded, Family, ItemPlan, MediaTokens, NoRule, manifest_tokens
 from packtool.families.conventions import TRANSFORMERS, Convention
 
 if TYPE_CHECKING:
+    from packtool.build.item import MediaItem, Staged
     from packtool.media.audio import AudioFacts
     from packtool.media.video import VideoFacts
     from packtool.settings import EncodeSettings
@@ -254,24 +255,24 @@ class ProcessorMode(Family):
         except NoRule:
             return ItemPlan(0)
 
-    def media_input(self, kind: str, data: list[bytes], framed: bool, facts: Any) -> dict[str, Any]:
+    def media_input(self, kind: str, data: list[bytes], framed: bool, facts: Any) -> Decoded | None:
         """The media decoded the way packtool's readers decode them: images as stored, every frame of a video
         with the metadata transformers' own video loader gives, audio at the feature extractor's rate (cut to
         ``audio_max_seconds``)."""
         from packtool.media import decode_audio, decode_frames, decode_video
 
         if kind == "image":
-            return {"input": open_pil(data[0])}
+            return Decoded(open_pil(data[0]))
         if kind == "video":
             every = list(range(facts.frames))
             frames = decode_frames(data, every) if framed else decode_video(data[0], every)
-            return {"input": (frames, {**facts.metadata(), "frames_indices": every})}
+            return Decoded((frames, {**facts.metadata(), "frames_indices": every}))
         if getattr(self.processor, "feature_extractor", None) is None:
             raise SampleError(f"the model's processor ({type(self.processor).__name__}) takes no audio")
         rate = int(self.processor.feature_extractor.sampling_rate)
         limit = self.audio_max_seconds
         wave = decode_audio(data[0], rate=rate, max_samples=None if limit is None else int(limit * rate))
-        return {"input": wave, "samples": len(wave)}
+        return Decoded(wave, len(wave))
 
     #: ``audio_max_seconds`` of the settings (set by :func:`packtool.families.load`).
     audio_max_seconds: float | None = None
@@ -289,70 +290,73 @@ class ProcessorMode(Family):
 
     # -- expansion by the processor ---------------------------------------------------------------------------
     def expand_text(self, text: str, spans: list[tuple[int, int]],
-                    media: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        """The processor's ids for the rendered text and the decoded media, kept with the media
-        (``processor_ids``, one array shared by the sample's items) until :meth:`place`; the text is unchanged."""
+                    media: list[Staged]) -> tuple[str, list[tuple[int, int]], list[Staged]]:
+        """The processor's ids for the rendered text and the decoded media, kept with the items (``ids``, one array
+        shared by the sample's items) until :meth:`place` instead of their decoded media; the text is unchanged."""
         if not media:
-            return text, spans
-        inputs: dict[str, list] = {"image": [], "video": [], "audio": []}
-        for m in media:
-            m.pop("text", None)
-            inputs[m["kind"]].append(m["input"])
+            return text, spans, media
+        inputs: dict[str, list[Any]] = {"image": [], "video": [], "audio": []}
+        for p in media:
+            inputs[p.item.kind].append(p.input)
         ids = processor_ids(self.processor, text, inputs["image"], inputs["video"], inputs["audio"])
         placeholders = np.fromiter(self.media_ids, np.int64)
-        for m in media:
-            item = m.pop("input")
-            placeholder = getattr(self.processor, f"{m['kind']}_token", None)
-            if len(media) > 1 and m["tokens"] <= 0 and isinstance(placeholder, str):
+        out = []
+        for p in media:
+            m = p.item
+            placeholder = getattr(self.processor, f"{m.kind}_token", None)
+            if len(media) > 1 and m.tokens <= 0 and isinstance(placeholder, str):
                 # Its count alone tells it from a neighbour it shares a region with (see place).
-                alone = processor_ids(self.processor, placeholder, *([item] if k == m["kind"] else []
-                                                                     for k in ("image", "video", "audio")))
-                m["tokens"] = int(np.isin(alone, placeholders).sum())
-            m["processor_ids"] = ids
-        return text, spans
+                own: dict[str, list[Any]] = {k: [p.input] if k == m.kind else [] for k in inputs}
+                alone = processor_ids(self.processor, placeholder, own["image"], own["video"], own["audio"])
+                m = replace(m, tokens=int(np.isin(alone, placeholders).sum()))
+            out.append(replace(p, item=m, text=None, input=None, ids=ids))
+        return text, spans, out
 
-    def place(self, encoding: Any, ids: np.ndarray, targets: np.ndarray, media: list[dict], cut: bool,
-              text_len: int, special_ids: frozenset[int]) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+    def place(self, encoding: Any, ids: np.ndarray, targets: np.ndarray, media: list[Staged], cut: bool,
+              text_len: int, special_ids: frozenset[int]) -> tuple[np.ndarray, np.ndarray, list[MediaItem]]:
         """The processor's ids as the tokens, targets aligned onto them from the tokenizer's ids of the unexpanded
         text (``ids``), and each item's tokens and span from the aligned media regions."""
         if not media:
             if self.inner is not None:
                 return self.inner.place(encoding, ids, targets, media, cut, text_len, special_ids)
             return super().place(encoding, ids, targets, media, cut, text_len, special_ids)
-        expanded = media[0]["processor_ids"]
-        for m in media:
-            del m["processor_ids"]
+        expanded = media[0].ids
+        if expanded is None:
+            raise TypeError("processor mode: items placed before the processor expanded their sample")
+        items = [p.item for p in media]
         if cut:
             raise SampleError("processor mode: the text is too long to align with the processor's tokens")
         aligned, regions = align(ids, targets, expanded, self.media_ids | self.placeholder_token_ids, special_ids)
         tokens = expanded.astype(np.int32)
         placeholders = np.isin(expanded, np.fromiter(self.media_ids, np.int64))
         if len(regions) == len(media):  # one region per item: its placeholders are the region's
-            for m, (s, e) in zip(media, regions):
+            placed = []
+            for m, (s, e) in zip(items, regions):
                 at = s + np.flatnonzero(placeholders[s:e])
-                m["token_offset"], m["tokens"] = int(at[0]), len(at)
-                m["span"] = list(self.media_span(tokens, {"token_offset": s, "tokens": e - s}))
-            return tokens, aligned, media
+                placed.append(replace(m, token_offset=int(at[0]), tokens=len(at), span=self.widen(tokens, s, e)))
+            return tokens, aligned, placed
         # Items with only spaces between them share a region: their counts (a rule's, else the processor's on each
         # item alone) tell their placeholders apart, and the region is split between them right after an item's
         # end marker (a special token after its last placeholder), so the spans stay disjoint and in order.
         at = np.flatnonzero(placeholders)
-        if any(m["tokens"] <= 0 for m in media) or sum(m["tokens"] for m in media) != len(at):
+        if any(m.tokens <= 0 for m in items) or sum(m.tokens for m in items) != len(at):
             raise SampleError(f"processor mode: the processor's tokens hold {len(regions)} media regions for "
                               f"{len(media)} media items (items with no text between them cannot be told apart)")
         first = 0
-        for k, m in enumerate(media):
-            start, last = int(at[first]), int(at[first + m["tokens"] - 1])
+        placed = []
+        for m in items:
+            start, last = int(at[first]), int(at[first + m.tokens - 1])
             s, e = next(r for r in regions if r[0] <= start < r[1])
             if last >= e:
                 raise SampleError("processor mode: a media item's placeholders differ from its count")
-            first += m["tokens"]
-            if k and media[k - 1]["span"][1] > s:  # shares the region with the item before it
-                s = media[k - 1]["span"][1]
+            first += m.tokens
+            before = placed[-1].span if placed else None
+            if before is not None and before[1] > s:  # shares the region with the item before it
+                s = before[1]
             if first < len(at) and at[first] < e:  # the next item shares it: end after this item's end marker
                 e = last + 1 + int(int(tokens[last + 1]) in special_ids and last + 2 < at[first])
-            m["token_offset"], m["span"] = start, list(self.media_span(tokens, {"token_offset": s, "tokens": e - s}))
-        return tokens, aligned, media
+            placed.append(replace(m, token_offset=start, span=self.widen(tokens, s, e)))
+        return tokens, aligned, placed
 
     def manifest_entries(self) -> dict[str, Any]:
         if self.inner is not None:

@@ -21,6 +21,7 @@ from packtool.media.folder import read_folder
 from packtool.media.video import VideoFacts
 
 if TYPE_CHECKING:
+    from packtool.build.item import MediaItem
     from packtool.settings import EncodeSettings
 
 
@@ -469,12 +470,12 @@ class Qwen2VL(Family):
     def plan_image(self, width: int, height: int, n_images: int) -> ItemPlan:
         return ItemPlan(self.image.tokens(width, height), self.image.grid(width, height))
 
-    def limit_tokens(self, item: dict) -> int:
+    def limit_tokens(self, item: MediaItem) -> int:
         """An image counts by the processor's rule from its stored size, without a first resize: Megatron-Bridge's
         Qwen-VL task encoder gives its raw images to the processor for its ``max_visual_tokens`` limit."""
-        if item["kind"] != "image":
+        if item.kind != "image":
             return super().limit_tokens(item)
-        return replace(self.image, prefit_factor=0).tokens(item["width"], item["height"])
+        return replace(self.image, prefit_factor=0).tokens(item.width, item.height)
 
     def plan_video(self, facts: VideoFacts, part: str) -> ItemPlan:
         if self.video is None:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from packtool.build.item import loads_media
 from packtool.errors import ConfigError
 from packtool.format import aligned_lengths, row_length
 
@@ -77,8 +78,8 @@ def load_rows(output: Path, split: str, ledger: Any) -> SourceRows:
             else:
                 first += [0] * len(status)
                 exact += [False] * len(status)
-                media += [[[m["span"][0], m["span"][1], m["tokens"]] for m in json.loads(s)]
-                          for s in t.column("media").to_pylist()]
+                media += [[[*(m.span or (m.token_offset, m.token_offset + m.tokens)), m.tokens]
+                           for m in loads_media(s)] for s in t.column("media").to_pylist()]
     else:  # only the ledger: lengths, and nothing of the media beyond a cut
         rows = ledger
         error = [s == "error" for s in rows["status"]]

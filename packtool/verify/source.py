@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow.compute as pc
 
-from packtool.build.encoder import get_encoder
+from packtool.build.encoder import Encoded, get_encoder
 from packtool.build.engine import Engine
+from packtool.build.item import MediaItem
 from packtool.build.sources import open_source
 from packtool.build.sources.energon import ShardScan
 from packtool.build.sources.safepickle import load_bytes_list, video_frames
@@ -188,7 +189,7 @@ class _RecordReader:
         self.con.close()
 
 
-def _compare_segment(where: str, raw, enc, record: PackRecord) -> list[str]:
+def _compare_segment(where: str, raw, enc: Encoded, record: PackRecord) -> list[str]:
     starts = record.segment_starts()
     for seg, start, end in zip(record.segments, starts[:-1], starts[1:]):
         if seg.shard != raw.shard or seg.key != raw.key:
@@ -203,21 +204,22 @@ def _compare_segment(where: str, raw, enc, record: PackRecord) -> list[str]:
             packed, source = [record.media.get(n) for n in m.members], _source_members(raw, e)
             if packed != source:
                 member = next((n for n, a, b in zip(m.members, packed, source) if a != b), m.member)
-                problems.append(f"{where}: media {member} differs from source member {e['part']}")
-            differ = [name for name in RECORDED if name in e and _plain(getattr(m, name)) != _plain(e[name])]
+                problems.append(f"{where}: media {member} differs from source member {e.part}")
+            fresh = {name: getattr(e, name) for name in RECORDED if getattr(e, name) is not None}
+            differ = [name for name, value in fresh.items() if _plain(getattr(m, name)) != _plain(value)]
             if differ:
                 problems.append(f"{where}: media {m.member}: {', '.join(differ)} differ from a fresh encoding "
-                                f"({', '.join(f'{getattr(m, n)} vs {e[n]}' for n in differ)})")
+                                f"({', '.join(f'{getattr(m, n)} vs {fresh[n]}' for n in differ)})")
         return problems
     return [f"{where}: not found in its pack"]
 
 
-def _source_members(raw, e: dict) -> list[bytes]:
+def _source_members(raw, e: MediaItem) -> list[bytes]:
     """The source bytes of each pack member of one encoded media item: the member (or the item of a pickled image
     list), or each frame of a frame list (numbered members, or a video of a pickled list)."""
-    if e.get("frames") and e["item"] is not None:
-        return [frame for _, frame in video_frames(raw.parts[e["part"]], e["part"], e["item"])]
-    if e.get("frames"):
-        return [raw.parts[f] for f, _, _ in e["frames"]]
-    data = raw.parts[e["part"]]
-    return [data if e["item"] is None else load_bytes_list(data)[e["item"]]]
+    if e.frames and e.item is not None:
+        return [frame for _, frame in video_frames(raw.parts[e.part], e.part, e.item)]
+    if e.frames:
+        return [raw.parts[f] for f, _, _ in e.frames]
+    data = raw.parts[e.part]
+    return [data if e.item is None else load_bytes_list(data)[e.item]]

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from packtool.errors import SampleError
-from packtool.format import MediaKind
+from packtool.format import AUDIO_TAG, IMAGE_TAG, MEDIA_TAGS, TAG_PATTERN, VIDEO_TAG, MediaKind, tag_kinds
 
 __all__ = ["AUDIO_TAG", "IMAGE_TAG", "MEDIA_TAGS", "TAG_PATTERN", "VIDEO_TAG", "Conversation", "Media", "MediaKind",
            "SampleError", "json_member", "tag_kinds"]
@@ -51,21 +50,6 @@ class Conversation:
     media: list[Media] = field(default_factory=list)
     #: How many of them the source gave without a tag in the text (placed before the first user text).
     untagged: int = 0
-
-
-#: The placeholders adapters leave in message text where an image, a video or an audio clip goes.
-IMAGE_TAG, VIDEO_TAG, AUDIO_TAG = "<image>", "<video>", "<audio>"
-MEDIA_TAGS: dict[MediaKind, str] = {"image": IMAGE_TAG, "video": VIDEO_TAG, "audio": AUDIO_TAG}
-#: Any media tag.
-TAG_PATTERN = re.compile("|".join(re.escape(t) for t in MEDIA_TAGS.values()))
-_KIND_OF_TAG = {t: k for k, t in MEDIA_TAGS.items()}
-
-
-def tag_kinds(text: str) -> list[MediaKind]:
-    """Kinds of the media tags in ``text``, in order."""
-    if "<" not in text:  # every tag starts with it
-        return []
-    return [_KIND_OF_TAG[m.group(0)] for m in TAG_PATTERN.finditer(text)]
 
 
 def json_member(name: str, data: bytes) -> Any:
