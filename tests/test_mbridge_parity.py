@@ -211,3 +211,147 @@ def test_one_step_resize_differs(bridge, dataset, demo_dir, tmp_path):
     mine = packed_samples(out)
     differ = [k for k in bridge if k in mine and mine[k]["grid"] != bridge[k]["grid"]]
     assert "one0" in differ and len(differ) >= 3, differ
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Encoded video files (mp4, webm, mkv, mov, avi members)
+# ---------------------------------------------------------------------------------------------------------------
+
+#: Encoded videos: (extension, frames, fps, width, height): odd and even frame counts, several rates and sizes, one
+#: past the 60-frame cut, one large enough for the video bounds, one thin.
+VIDEO_FILES = [("mp4", 8, 4, 128, 96), ("webm", 7, 10, 160, 120), ("mkv", 9, 2, 96, 64), ("mov", 6, 25, 200, 150),
+               ("avi", 5, 12, 64, 48), ("mp4", 75, 30, 64, 48), ("mp4", 4, 24, 640, 360), ("webm", 3, 5, 320, 48)]
+
+
+def video_files() -> dict[str, tuple[str, bytes]]:
+    """Each encoded-video sample's video: its extension and bytes."""
+    out = {f"file{i}": (ext, demo.make_video(ext, width=w, height=h, frames=n, fps=fps))
+           for i, (ext, n, fps, w, h) in enumerate(VIDEO_FILES)}
+    out["filemixed"] = ("mp4", demo.make_video("mp4", width=112, height=80, frames=5, fps=8))
+    return out
+
+
+def video_file_chat(key: str) -> bytes:
+    if key == "filemixed":
+        return chat("<image> and <video>: the same?", "No.")
+    return chat("<video>\nWhat happens?", "Nothing.")
+
+
+@pytest.fixture(scope="module")
+def file_datasets(tmp_path_factory) -> tuple[Path, Path]:
+    """The encoded videos twice: as members (what packtool packs), and, for Megatron-Bridge, as its frame-list
+    layout holding every frame of each video as decoded (PyAV, lossless PNG), since its Energon path cannot read a
+    video file (see :func:`test_megatron_bridge_skips_encoded_video_bytes`)."""
+    from packtool.media import decode_video, probe_video
+
+    root = tmp_path_factory.mktemp("mbparity-files")
+    members: dict[str, dict[str, bytes]] = {}
+    frame_lists: dict[str, dict[str, bytes]] = {}
+    image = picture(200, 150, 70)
+    for key, (ext, data) in video_files().items():
+        facts = probe_video(data, max_pixels=1 << 30, decode=True)
+        frames = [png_bytes(f) for f in decode_video(data, range(facts.frames))]
+        jpgs = [image] if key == "filemixed" else []
+        members[key] = {ext: data, **({"png": image} if jpgs else {}), "json": video_file_chat(key)}
+        frame_lists[key] = {"jpgs": pickle.dumps(jpgs), "videos": pickle.dumps([frames]), "json": video_file_chat(key)}
+    demo.write_shard(root / "files/s-0.tar", members.items())
+    demo.prepare_energon(root / "files", ["s-0.tar"], {"train": ["s-0.tar"]},
+                         dataset_yaml={"__module__": "megatron.energon", "__class__": "CrudeWebdataset"})
+    demo.write_shard(root / "frames/s-0.tar", frame_lists.items())
+    demo.prepare_energon(root / "frames", ["s-0.tar"], {"train": ["s-0.tar"]}, dataset_yaml=DATASET_YAML)
+    return root / "files", root / "frames"
+
+
+def bridge_batches(dataset: Path, folder: Path, **limits) -> dict[str, dict]:
+    """Megatron-Bridge's batch of every sample its Energon path keeps, by key (its padding removed)."""
+    energon = mbridge_ref.load("models.qwen_vl.data.energon")
+    from megatron.energon import WorkerConfig, get_loader, get_val_dataset
+
+    tok, processor = qwen_processor(folder)
+    encoder = energon.QwenVLTaskEncoder(tok, processor, max_padding_length=8192, **limits)
+    loader = get_loader(get_val_dataset(dataset, split_part="train", batch_size=1, task_encoder=encoder,
+                                        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0)))
+    out = {}
+    for batch in loader:
+        real = batch["attention_mask"][0].bool()
+        vi = batch["visual_inputs"]
+        grid = getattr(vi, "image_grid_thw", None) if vi is not None else None
+        video_grid = getattr(vi, "video_grid_thw", None) if vi is not None else None
+        out[batch["__keys__"][0]] = {
+            "tokens": batch["input_ids"][0][real].tolist(), "labels": batch["labels"][0][real].tolist(),
+            "loss_mask": batch["loss_mask"][0][real].tolist(),
+            "grid": [] if grid is None else grid.tolist(),
+            "pixels": None if grid is None else vi.pixel_values.float(),
+            "video_grid": [] if video_grid is None else video_grid.tolist(),
+            "video_pixels": None if video_grid is None else vi.pixel_values_videos.float(),
+            "second_per_grid_ts": [] if video_grid is None else vi.second_per_grid_ts.tolist(),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def bridge_frames(file_datasets, demo_dir) -> dict[str, dict]:
+    """Megatron-Bridge's batches of the video files' frame lists."""
+    return bridge_batches(file_datasets[1], demo_dir / "tokenizer")
+
+
+def test_encoded_videos_equal_megatron_bridge_on_their_frames(file_datasets, bridge_frames, demo_dir, tmp_path):
+    """packtool packs each video file; Megatron-Bridge reads the same video's decoded frames as a frame list.
+    Tokens, labels, loss mask, grids, second_per_grid_ts and pixel values are identical for every sample."""
+    files, theirs_all = file_datasets[0], bridge_frames
+    out = tmp_path / "out"
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=8192,
+                                           preset="megatron-bridge-qwen-vl"), PlanSettings(shard_size="4"))
+    pack(files, out, settings, workers=1, progress=False)
+    mine = packed_samples(out)
+    assert set(theirs_all) == set(mine) == set(video_files())
+    differ = [(key, name) for key in sorted(mine) for name in differences(mine[key], theirs_all[key])]
+    assert differ == [], differ
+
+
+def differences(ours: dict, theirs: dict) -> list[str]:
+    """The names of the fields where two samples differ."""
+    out = [name for name in ("tokens", "labels", "loss_mask", "grid", "video_grid", "second_per_grid_ts")
+           if ours[name] != theirs[name]]
+    for name in ("pixels", "video_pixels"):
+        if (ours[name] is None) != (theirs[name] is None) or (
+                theirs[name] is not None and not torch.equal(ours[name], theirs[name])):
+            out.append(name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bytes_dataset(tmp_path_factory) -> Path:
+    """Megatron-Bridge's layout with the video file itself as the ``videos`` field (``field_map`` ``videos: mp4``:
+    the bytes, which ``normalize_energon_vlm_sample`` takes as one video)."""
+    root = tmp_path_factory.mktemp("mbparity-bytes") / "wds"
+    samples = {"file0": {"mp4": video_files()["file0"][1], "json": video_file_chat("file0")}}
+    demo.write_shard(root / "s-0.tar", samples.items())
+    demo.prepare_energon(root, ["s-0.tar"], {"train": ["s-0.tar"]},
+                         dataset_yaml={**DATASET_YAML, "field_map": {"videos": "mp4", "conversation": "json"}})
+    return root
+
+
+@pytest.mark.parametrize("limits", [{}, {"max_num_frames": None, "max_visual_tokens": None}], ids=["default", "off"])
+def test_megatron_bridge_skips_encoded_video_bytes(bytes_dataset, bridge_frames, demo_dir, limits):
+    """Megatron-Bridge's Qwen-VL Energon path cannot read a video file: its ``max_num_frames`` cut takes the file's
+    byte count for a frame count and keeps its first 60 bytes, which transformers' video processor refuses in the
+    ``max_visual_tokens`` check; without both limits qwen_vl_utils' ``fetch_video`` asserts a path or a frame list.
+    Energon skips the sample either way (control: the same video as a frame list is kept). packtool trains it, and
+    its ledger row says so. If this test fails, Megatron-Bridge reads video files now and the preset should
+    follow."""
+    assert bridge_batches(bytes_dataset, demo_dir / "tokenizer", **limits) == {}
+    assert "file0" in bridge_frames
+
+
+def test_video_files_are_trained_and_noted(bytes_dataset, demo_dir, tmp_path):
+    """The preset packs the video file Megatron-Bridge skips, with a ledger note (frame lists get none:
+    :func:`test_limits_and_untagged_images_are_in_the_ledger`)."""
+    out = tmp_path / "out"
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=8192,
+                                           preset="megatron-bridge-qwen-vl"), PlanSettings(shard_size="4"))
+    pack(bytes_dataset, out, settings, workers=1, progress=False)
+    rows = ledger(out)
+    assert rows["file0"]["reason"] == ("1 video file decoded and trained as a frame list (Megatron-Bridge's Qwen-VL "
+                                      "Energon path cannot read video files and skips such a sample)")
+    assert len(packed_samples(out)["file0"]["video_grid"]) == 1
