@@ -5,7 +5,8 @@ Megatron-Bridge's code runs as is (its wheel, imported by :mod:`mbridge_ref`): E
 ``QwenVLTaskEncoder`` (qwen_vl_utils' ``process_vision_info`` then the Qwen2.5-VL processor), one sample a batch.
 packtool packs the same dataset with the preset and its reader reads the packs back. For every sample the tokens,
 labels, loss mask, image grids and pixel values must be identical; the differences packtool chooses are named
-(untagged images) and checked as such. Megatron-Bridge's ``process_vision`` calls the processor the way
+(untagged images, video files: Megatron-Bridge's path cannot read them, so they are compared with Megatron-Bridge
+given their decoded frames) and checked as such. Megatron-Bridge's ``process_vision`` calls the processor the way
 transformers <= 5.12.1 accepts (Megatron-Bridge's pin): these tests run in that environment (`make test`).
 """
 
@@ -97,29 +98,7 @@ def qwen_processor(folder: Path):
 @pytest.fixture(scope="module")
 def bridge(dataset, demo_dir) -> dict[str, dict]:
     """Megatron-Bridge's batch of every sample it keeps, by key (its padding removed)."""
-    energon = mbridge_ref.load("models.qwen_vl.data.energon")
-    from megatron.energon import WorkerConfig, get_loader, get_val_dataset
-
-    tok, processor = qwen_processor(demo_dir / "tokenizer")
-    encoder = energon.QwenVLTaskEncoder(tok, processor, max_padding_length=8192)
-    loader = get_loader(get_val_dataset(dataset, split_part="train", batch_size=1, task_encoder=encoder,
-                                        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0)))
-    out = {}
-    for batch in loader:
-        real = batch["attention_mask"][0].bool()
-        vi = batch["visual_inputs"]
-        grid = getattr(vi, "image_grid_thw", None) if vi is not None else None
-        video_grid = getattr(vi, "video_grid_thw", None) if vi is not None else None
-        out[batch["__keys__"][0]] = {
-            "tokens": batch["input_ids"][0][real].tolist(), "labels": batch["labels"][0][real].tolist(),
-            "loss_mask": batch["loss_mask"][0][real].tolist(),
-            "grid": [] if grid is None else grid.tolist(),
-            "pixels": None if grid is None else vi.pixel_values.float(),
-            "video_grid": [] if video_grid is None else video_grid.tolist(),
-            "video_pixels": None if video_grid is None else vi.pixel_values_videos.float(),
-            "second_per_grid_ts": [] if video_grid is None else vi.second_per_grid_ts.tolist(),
-        }
-    return out
+    return bridge_batches(dataset, demo_dir / "tokenizer")
 
 
 def packed_samples(out: Path) -> dict[str, dict]:
@@ -237,29 +216,41 @@ def video_file_chat(key: str) -> bytes:
     return chat("<video>\nWhat happens?", "Nothing.")
 
 
+def frame_list_dataset(root: Path, fps: float | None = None) -> Path:
+    """Megatron-Bridge's frame-list layout of the encoded videos: every frame as decoded (PyAV, lossless PNG), or
+    with ``fps`` the frames transformers' ``Qwen2VLVideoProcessor`` samples at that rate."""
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    from packtool.media import decode_video, probe_video
+
+    frame_lists: dict[str, dict[str, bytes]] = {}
+    for key, (_, data) in video_files().items():
+        facts = probe_video(data, max_pixels=1 << 30, decode=True)
+        indices = range(facts.frames) if fps is None else Qwen2VLVideoProcessor().sample_frames(
+            VideoMetadata(total_num_frames=facts.frames, fps=facts.fps), fps=fps).tolist()
+        frames = [png_bytes(f) for f in decode_video(data, indices)]
+        jpgs = [picture(200, 150, 70)] if key == "filemixed" else []
+        frame_lists[key] = {"jpgs": pickle.dumps(jpgs), "videos": pickle.dumps([frames]), "json": video_file_chat(key)}
+    demo.write_shard(root / "s-0.tar", frame_lists.items())
+    demo.prepare_energon(root, ["s-0.tar"], {"train": ["s-0.tar"]}, dataset_yaml=DATASET_YAML)
+    return root
+
+
 @pytest.fixture(scope="module")
 def file_datasets(tmp_path_factory) -> tuple[Path, Path]:
     """The encoded videos twice: as members (what packtool packs), and, for Megatron-Bridge, as its frame-list
-    layout holding every frame of each video as decoded (PyAV, lossless PNG), since its Energon path cannot read a
-    video file (see :func:`test_megatron_bridge_skips_encoded_video_bytes`)."""
-    from packtool.media import decode_video, probe_video
-
+    layout holding every frame of each video, since its Energon path cannot read a video file (see
+    :func:`test_megatron_bridge_skips_encoded_video_bytes`)."""
     root = tmp_path_factory.mktemp("mbparity-files")
     members: dict[str, dict[str, bytes]] = {}
-    frame_lists: dict[str, dict[str, bytes]] = {}
-    image = picture(200, 150, 70)
     for key, (ext, data) in video_files().items():
-        facts = probe_video(data, max_pixels=1 << 30, decode=True)
-        frames = [png_bytes(f) for f in decode_video(data, range(facts.frames))]
-        jpgs = [image] if key == "filemixed" else []
-        members[key] = {ext: data, **({"png": image} if jpgs else {}), "json": video_file_chat(key)}
-        frame_lists[key] = {"jpgs": pickle.dumps(jpgs), "videos": pickle.dumps([frames]), "json": video_file_chat(key)}
+        image = {"png": picture(200, 150, 70)} if key == "filemixed" else {}
+        members[key] = {ext: data, **image, "json": video_file_chat(key)}
     demo.write_shard(root / "files/s-0.tar", members.items())
     demo.prepare_energon(root / "files", ["s-0.tar"], {"train": ["s-0.tar"]},
                          dataset_yaml={"__module__": "megatron.energon", "__class__": "CrudeWebdataset"})
-    demo.write_shard(root / "frames/s-0.tar", frame_lists.items())
-    demo.prepare_energon(root / "frames", ["s-0.tar"], {"train": ["s-0.tar"]}, dataset_yaml=DATASET_YAML)
-    return root / "files", root / "frames"
+    return root / "files", frame_list_dataset(root / "frames")
 
 
 def bridge_batches(dataset: Path, folder: Path, **limits) -> dict[str, dict]:
@@ -298,15 +289,29 @@ def bridge_frames(file_datasets, demo_dir) -> dict[str, dict]:
 def test_encoded_videos_equal_megatron_bridge_on_their_frames(file_datasets, bridge_frames, demo_dir, tmp_path):
     """packtool packs each video file; Megatron-Bridge reads the same video's decoded frames as a frame list.
     Tokens, labels, loss mask, grids, second_per_grid_ts and pixel values are identical for every sample."""
-    files, theirs_all = file_datasets[0], bridge_frames
+    assert_same_as_frames(file_datasets[0], bridge_frames, demo_dir, tmp_path)
+
+
+def test_sampled_video_files_equal_megatron_bridge_on_their_frames(file_datasets, demo_dir, tmp_path):
+    """With ``--video-fps 2`` packtool takes the frames transformers' rule samples at 2 fps: identical to
+    Megatron-Bridge given those frames."""
+    theirs = bridge_batches(frame_list_dataset(tmp_path / "frames", fps=2), demo_dir / "tokenizer")
+    mine = assert_same_as_frames(file_datasets[0], theirs, demo_dir, tmp_path, video_fps=2)
+    assert mine["file5"]["video_grid"][0][0] == 2  # 75 frames at 30 fps: 4 of them at 2 fps (an even count)
+
+
+def assert_same_as_frames(files: Path, theirs_all: dict[str, dict], demo_dir: Path, tmp_path: Path,
+                          **settings) -> dict[str, dict]:
+    """Pack the video files with the preset and compare every sample with Megatron-Bridge's batch."""
     out = tmp_path / "out"
-    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=8192,
-                                           preset="megatron-bridge-qwen-vl"), PlanSettings(shard_size="4"))
-    pack(files, out, settings, workers=1, progress=False)
+    pack(files, out, PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=8192,
+                                                 preset="megatron-bridge-qwen-vl", **settings),
+                                  PlanSettings(shard_size="4")), workers=1, progress=False)
     mine = packed_samples(out)
     assert set(theirs_all) == set(mine) == set(video_files())
     differ = [(key, name) for key in sorted(mine) for name in differences(mine[key], theirs_all[key])]
     assert differ == [], differ
+    return mine
 
 
 def differences(ours: dict, theirs: dict) -> list[str]:
