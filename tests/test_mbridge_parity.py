@@ -28,6 +28,7 @@ from packtool.build.sources.safepickle import png_bytes
 from packtool.format import load_manifest
 from packtool.runtime.read import read_packs
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+from packtool.verify.packs import verify_output
 
 DATASET_YAML = {"__module__": "megatron.bridge.data.energon.task_encoder_utils", "__class__": "ChatMLWebdataset",
                 "field_map": {"imgs": "jpgs", "videos": "videos", "conversation": "json"}, "subflavors": {}}
@@ -202,17 +203,21 @@ VIDEO_FILES = [("mp4", 8, 4, 128, 96), ("webm", 7, 10, 160, 120), ("mkv", 9, 2, 
                ("avi", 5, 12, 64, 48), ("mp4", 75, 30, 64, 48), ("mp4", 4, 24, 640, 360), ("webm", 3, 5, 320, 48)]
 
 
-def video_files() -> dict[str, tuple[str, bytes]]:
-    """Each encoded-video sample's video: its extension and bytes."""
-    out = {f"file{i}": (ext, demo.make_video(ext, width=w, height=h, frames=n, fps=fps))
+def video_files() -> dict[str, list[tuple[str, bytes]]]:
+    """Each encoded-video sample's videos: member names and bytes, in placeholder order."""
+    out = {f"file{i}": [(ext, demo.make_video(ext, width=w, height=h, frames=n, fps=fps))]
            for i, (ext, n, fps, w, h) in enumerate(VIDEO_FILES)}
-    out["filemixed"] = ("mp4", demo.make_video("mp4", width=112, height=80, frames=5, fps=8))
+    out["filemixed"] = [("mp4", demo.make_video("mp4", width=112, height=80, frames=5, fps=8))]
+    out["filetwo"] = [("video0.mp4", demo.make_video("mp4", width=96, height=96, frames=6, fps=6)),
+                      ("video1.mkv", demo.make_video("mkv", width=160, height=90, frames=11, fps=15))]
     return out
 
 
 def video_file_chat(key: str) -> bytes:
     if key == "filemixed":
         return chat("<image> and <video>: the same?", "No.")
+    if key == "filetwo":
+        return chat("Is <video> longer than <video>?", "No.")
     return chat("<video>\nWhat happens?", "Nothing.")
 
 
@@ -225,13 +230,15 @@ def frame_list_dataset(root: Path, fps: float | None = None) -> Path:
     from packtool.media import decode_video, probe_video
 
     frame_lists: dict[str, dict[str, bytes]] = {}
-    for key, (_, data) in video_files().items():
-        facts = probe_video(data, max_pixels=1 << 30, decode=True)
-        indices = range(facts.frames) if fps is None else Qwen2VLVideoProcessor().sample_frames(
-            VideoMetadata(total_num_frames=facts.frames, fps=facts.fps), fps=fps).tolist()
-        frames = [png_bytes(f) for f in decode_video(data, indices)]
+    for key, videos in video_files().items():
+        lists = []
+        for _, data in videos:
+            facts = probe_video(data, max_pixels=1 << 30, decode=True)
+            indices = range(facts.frames) if fps is None else Qwen2VLVideoProcessor().sample_frames(
+                VideoMetadata(total_num_frames=facts.frames, fps=facts.fps), fps=fps).tolist()
+            lists.append([png_bytes(f) for f in decode_video(data, indices)])
         jpgs = [picture(200, 150, 70)] if key == "filemixed" else []
-        frame_lists[key] = {"jpgs": pickle.dumps(jpgs), "videos": pickle.dumps([frames]), "json": video_file_chat(key)}
+        frame_lists[key] = {"jpgs": pickle.dumps(jpgs), "videos": pickle.dumps(lists), "json": video_file_chat(key)}
     demo.write_shard(root / "s-0.tar", frame_lists.items())
     demo.prepare_energon(root, ["s-0.tar"], {"train": ["s-0.tar"]}, dataset_yaml=DATASET_YAML)
     return root
@@ -244,9 +251,9 @@ def file_datasets(tmp_path_factory) -> tuple[Path, Path]:
     :func:`test_megatron_bridge_skips_encoded_video_bytes`)."""
     root = tmp_path_factory.mktemp("mbparity-files")
     members: dict[str, dict[str, bytes]] = {}
-    for key, (ext, data) in video_files().items():
+    for key, videos in video_files().items():
         image = {"png": picture(200, 150, 70)} if key == "filemixed" else {}
-        members[key] = {ext: data, **image, "json": video_file_chat(key)}
+        members[key] = {**dict(videos), **image, "json": video_file_chat(key)}
     demo.write_shard(root / "files/s-0.tar", members.items())
     demo.prepare_energon(root / "files", ["s-0.tar"], {"train": ["s-0.tar"]},
                          dataset_yaml={"__module__": "megatron.energon", "__class__": "CrudeWebdataset"})
@@ -307,8 +314,10 @@ def assert_same_as_frames(files: Path, theirs_all: dict[str, dict], demo_dir: Pa
     pack(files, out, PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=8192,
                                                  preset="megatron-bridge-qwen-vl", **settings),
                                   PlanSettings(shard_size="4")), workers=1, progress=False)
+    assert verify_output(out, source=files) == []
     mine = packed_samples(out)
     assert set(theirs_all) == set(mine) == set(video_files())
+    assert len(mine["filetwo"]["video_grid"]) == 2
     differ = [(key, name) for key in sorted(mine) for name in differences(mine[key], theirs_all[key])]
     assert differ == [], differ
     return mine
@@ -330,7 +339,7 @@ def bytes_dataset(tmp_path_factory) -> Path:
     """Megatron-Bridge's layout with the video file itself as the ``videos`` field (``field_map`` ``videos: mp4``:
     the bytes, which ``normalize_energon_vlm_sample`` takes as one video)."""
     root = tmp_path_factory.mktemp("mbparity-bytes") / "wds"
-    samples = {"file0": {"mp4": video_files()["file0"][1], "json": video_file_chat("file0")}}
+    samples = {"file0": {"mp4": video_files()["file0"][0][1], "json": video_file_chat("file0")}}
     demo.write_shard(root / "s-0.tar", samples.items())
     demo.prepare_energon(root, ["s-0.tar"], {"train": ["s-0.tar"]},
                          dataset_yaml={**DATASET_YAML, "field_map": {"videos": "mp4", "conversation": "json"}})
