@@ -307,6 +307,19 @@ def test_sampled_video_files_equal_megatron_bridge_on_their_frames(file_datasets
     assert mine["file5"]["video_grid"][0][0] == 2  # 75 frames at 30 fps: 4 of them at 2 fps (an even count)
 
 
+def test_video_files_without_fetch_video_differ(file_datasets, bridge_frames, demo_dir, tmp_path):
+    """Control: the preset's choices but the processor's resize alone (no fetch_video first) give other video
+    grids, pixels and second_per_grid_ts."""
+    out = tmp_path / "out"
+    pack(file_datasets[0], out, PackSettings(EncodeSettings(
+        tokenizer=str(demo_dir / "tokenizer"), pack_size=8192, media_first=True, target_newline_after_eot=True,
+        min_pixels=200_704, max_pixels=1_003_520, video_min_pixels=200_704, video_max_pixels=1_003_520,
+        video_keep_frames=60), PlanSettings(shard_size="4")), workers=1, progress=False)
+    mine = packed_samples(out)
+    differ = {name for key in mine for name in differences(mine[key], bridge_frames[key])}
+    assert {"video_grid", "video_pixels", "second_per_grid_ts"} <= differ, differ
+
+
 def assert_same_as_frames(files: Path, theirs_all: dict[str, dict], demo_dir: Path, tmp_path: Path,
                           **settings) -> dict[str, dict]:
     """Pack the video files with the preset and compare every sample with Megatron-Bridge's batch."""
