@@ -208,6 +208,8 @@ def video_files() -> dict[str, list[tuple[str, bytes]]]:
     out = {f"file{i}": [(ext, demo.make_video(ext, width=w, height=h, frames=n, fps=fps))]
            for i, (ext, n, fps, w, h) in enumerate(VIDEO_FILES)}
     out["filemixed"] = [("mp4", demo.make_video("mp4", width=112, height=80, frames=5, fps=8))]
+    # 64 frames of 1280x720: past the 60-frame cut and, all 60 kept, past the visual-token limit (dropped by both).
+    out["filebig"] = [("mp4", demo.make_video("mp4", width=1280, height=720, frames=64, fps=30))]
     out["filetwo"] = [("video0.mp4", demo.make_video("mp4", width=96, height=96, frames=6, fps=6)),
                       ("video1.mkv", demo.make_video("mkv", width=160, height=90, frames=11, fps=15))]
     return out
@@ -296,7 +298,7 @@ def bridge_frames(file_datasets, demo_dir) -> dict[str, dict]:
 def test_encoded_videos_equal_megatron_bridge_on_their_frames(file_datasets, bridge_frames, demo_dir, tmp_path):
     """packtool packs each video file; Megatron-Bridge reads the same video's decoded frames as a frame list.
     Tokens, labels, loss mask, grids, second_per_grid_ts and pixel values are identical for every sample."""
-    assert_same_as_frames(file_datasets[0], bridge_frames, demo_dir, tmp_path)
+    assert_same_as_frames(file_datasets[0], bridge_frames, demo_dir, tmp_path, dropped={"filebig"})
 
 
 def test_sampled_video_files_equal_megatron_bridge_on_their_frames(file_datasets, demo_dir, tmp_path):
@@ -304,6 +306,7 @@ def test_sampled_video_files_equal_megatron_bridge_on_their_frames(file_datasets
     Megatron-Bridge given those frames."""
     theirs = bridge_batches(frame_list_dataset(tmp_path / "frames", fps=2), demo_dir / "tokenizer")
     mine = assert_same_as_frames(file_datasets[0], theirs, demo_dir, tmp_path, video_fps=2)
+    assert mine["filebig"]["video_grid"] == [[2, 40, 72]]  # 4 of its frames: within the limit
     assert mine["file5"]["video_grid"][0][0] == 2  # 75 frames at 30 fps: 4 of them at 2 fps (an even count)
 
 
@@ -316,20 +319,22 @@ def test_video_files_without_fetch_video_differ(file_datasets, bridge_frames, de
         min_pixels=200_704, max_pixels=1_003_520, video_min_pixels=200_704, video_max_pixels=1_003_520,
         video_keep_frames=60), PlanSettings(shard_size="4")), workers=1, progress=False)
     mine = packed_samples(out)
-    differ = {name for key in mine for name in differences(mine[key], bridge_frames[key])}
+    differ = {name for key in bridge_frames for name in differences(mine[key], bridge_frames[key])}
     assert {"video_grid", "video_pixels", "second_per_grid_ts"} <= differ, differ
 
 
 def assert_same_as_frames(files: Path, theirs_all: dict[str, dict], demo_dir: Path, tmp_path: Path,
-                          **settings) -> dict[str, dict]:
-    """Pack the video files with the preset and compare every sample with Megatron-Bridge's batch."""
+                          dropped: frozenset[str] | set[str] = frozenset(), **settings) -> dict[str, dict]:
+    """Pack the video files with the preset and compare every sample with Megatron-Bridge's batch; ``dropped``:
+    the samples both leave out (packtool's ledger names the limit)."""
     out = tmp_path / "out"
     pack(files, out, PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=8192,
                                                  preset="megatron-bridge-qwen-vl", **settings),
                                   PlanSettings(shard_size="4")), workers=1, progress=False)
     assert verify_output(out, source=files) == []
     mine = packed_samples(out)
-    assert set(theirs_all) == set(mine) == set(video_files())
+    assert set(theirs_all) == set(mine) == set(video_files()) - dropped
+    assert all(ledger(out)[key]["reason"].startswith("over limit: ") for key in dropped)
     assert len(mine["filetwo"]["video_grid"]) == 2
     differ = [(key, name) for key in sorted(mine) for name in differences(mine[key], theirs_all[key])]
     assert differ == [], differ
