@@ -358,7 +358,9 @@ def bytes_dataset(tmp_path_factory) -> Path:
     """Megatron-Bridge's layout with the video file itself as the ``videos`` field (``field_map`` ``videos: mp4``:
     the bytes, which ``normalize_energon_vlm_sample`` takes as one video)."""
     root = tmp_path_factory.mktemp("mbparity-bytes") / "wds"
-    samples = {"file0": {"mp4": video_files()["file0"][0][1], "json": video_file_chat("file0")}}
+    ext, n, fps, w, h = VIDEO_FILES[0]
+    samples = {"file0": {ext: demo.make_video(ext, width=w, height=h, frames=n, fps=fps),
+                         "json": video_file_chat("file0")}}
     demo.write_shard(root / "s-0.tar", samples.items())
     demo.prepare_energon(root, ["s-0.tar"], {"train": ["s-0.tar"]},
                          dataset_yaml={**DATASET_YAML, "field_map": {"videos": "mp4", "conversation": "json"}})
