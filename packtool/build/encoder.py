@@ -403,7 +403,7 @@ class Encoder:
                     continue
                 text, spans = self.target_spans(conv.messages)
                 text, spans, media = self.family.expand_text(text, spans, media)
-                staged.append((raw, text, spans, media, self._untagged_note(conv)))
+                staged.append((raw, text, spans, media, self._convention_note(conv)))
         texts = [self._bounded(s[1]) for s in staged if not isinstance(s, Encoded)]
         batch = self._tokenize(texts)
         out: list[Encoded] = []
@@ -446,13 +446,19 @@ class Encoder:
             return f"{total} visual tokens > sample_max_visual_tokens {st.sample_max_visual_tokens}"
         return ""
 
-    def _untagged_note(self, conv: Conversation) -> str:
-        """The ledger note of a sample whose media had no tags, where the convention asks for one (its trainer's
-        own path would treat them otherwise; packtool trains them, placed before the first user text)."""
-        why = self.family.convention.untagged_note
-        if not conv.untagged or not why:
-            return ""
-        return f"{conv.untagged} untagged media placed before the first user text ({why})"
+    def _convention_note(self, conv: Conversation) -> str:
+        """The ledger note of a sample the convention's own trainer path would treat otherwise, where the
+        convention asks for one: media without tags (packtool trains them, placed before the first user text),
+        video files (packtool decodes them; their frames go the way of a frame list)."""
+        convention, notes = self.family.convention, []
+        if conv.untagged and convention.untagged_note:
+            notes.append(f"{conv.untagged} untagged media placed before the first user text "
+                         f"({convention.untagged_note})")
+        files = sum(m.kind == "video" and m.item is None and not m.frames for m in conv.media)
+        if files and convention.video_file_note:
+            notes.append(f"{files} video file{'s' if files > 1 else ''} decoded and trained as "
+                         f"{'frame lists' if files > 1 else 'a frame list'} ({convention.video_file_note})")
+        return "; ".join(notes)
 
     @contextmanager
     def _guard(self, raw: RawSample, strict: bool, into: list) -> Iterator[None]:

@@ -51,6 +51,9 @@ class Convention:
     #: Why the ledger notes a sample whose media had no tags in the text (packtool places them before the first
     #: user text, which this trainer's path would not); empty: no note.
     untagged_note: str = ""
+    #: Why the ledger notes a sample with a video file (packtool decodes it and treats its frames as a frame
+    #: list, which this trainer's path cannot do); empty: no note.
+    video_file_note: str = ""
     #: Why this trainer's model cannot take context parallelism > 1 with these packs (None: it can).
     no_context_parallel: str | None = None
     #: Why the convention cannot be used yet (None: it can).
@@ -61,7 +64,8 @@ class Convention:
     def settings(self) -> dict[str, Any]:
         """The encode settings this convention sets (those that differ from the default convention)."""
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("name", "unsupported", "family", "untagged_note", "no_context_parallel")
+                if f.name not in ("name", "unsupported", "family", "untagged_note", "video_file_note",
+                                  "no_context_parallel")
                 and getattr(self, f.name) != getattr(TRANSFORMERS, f.name)}
 
     @classmethod
@@ -148,6 +152,8 @@ CONVENTIONS: dict[str, Convention] = {
                                           sample_max_visual_tokens=16_384, video_keep_frames=60,
                                           untagged_note="Megatron-Bridge's Qwen-VL path would leave them out and "
                                                         "train the text only",
+                                          video_file_note="Megatron-Bridge's Qwen-VL Energon path cannot read video "
+                                                          "files and skips such a sample",
                                           no_context_parallel="Megatron-Bridge's Qwen2.5-VL model does not split "
                                                               "sequences across context-parallel ranks (its recipes "
                                                               "use CP 1)"),

@@ -213,7 +213,8 @@ class Qwen2VLSettings:
     video_config: str = "none"
     #: Megatron-Bridge's Qwen-VL path: frames first go through qwen_vl_utils' ``fetch_video`` (each frame resized
     #: as an image at twice the factor, the last frame repeated to an even count, then the video resized within
-    #: qwen_vl_utils' video bounds), then through this processor rule. ``keep_frames``: only the first frames.
+    #: qwen_vl_utils' video bounds), then through this processor rule, which is not told their frame rate
+    #: (``second_per_grid_ts`` as at :data:`UNKNOWN_FPS`). ``keep_frames``: only the first frames.
     fetch_video: bool = False
     keep_frames: int | None = None
     image_token: str = "<|image_pad|>"
@@ -334,7 +335,8 @@ class Qwen2VLSettings:
         h, w = qwen_resize(height, width, factor, self.video_min_pixels, max_pixels)
         grid = (-(-n // self.video_temporal_patch_size), h // self.video_patch_size, w // self.video_patch_size)
         tokens = grid[0] * grid[1] * grid[2] // self.video_merge_size**2
-        sampled_fps = n / facts.frames * facts.fps if facts.fps else UNKNOWN_FPS
+        # qwen_vl_utils' fetch_video hands the processor its frames without their rate (Megatron-Bridge's path).
+        sampled_fps = n / facts.frames * facts.fps if facts.fps and not self.fetch_video else UNKNOWN_FPS
         return QwenVideoPlan(indices, grid, tokens, self.video_temporal_patch_size / sampled_fps, (h, w))
 
     def video_text(self, facts: VideoFacts) -> str:
