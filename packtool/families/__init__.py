@@ -46,6 +46,7 @@ from packtool.errors import ConfigError
 from packtool.families.base import Family, ItemPlan, MediaTokens, NoMedia, NoRule
 from packtool.families.conventions import CONVENTIONS, TRANSFORMERS, Convention
 from packtool.families.fixed import FixedCount
+from packtool.families.nemotron_mbridge import MBridgeNemotronOmni  # noqa: F401  (registers the preset)
 from packtool.families.nemotron_nemo_rl import NemoRLNemotronOmni  # noqa: F401  (registers the variant)
 from packtool.families.nemotron_omni import NemotronOmni
 from packtool.families.processor import ProcessorMode

@@ -144,8 +144,12 @@ def nemotron_inputs(batch: Mapping, temporal_patch_dim: int) -> dict:
                    imgs_sizes=torch.tensor(sizes, dtype=torch.int64),
                    num_frames=torch.tensor(frames, dtype=torch.int64))
     if batch.get("input_features") is not None and len(batch["input_features"]):
+        length = batch.get("sound_length")  # the reader's own count (Megatron-Bridge's preset), else transformers'
         out.update(sound_clips=batch["input_features"],
-                   sound_length=batch["input_features_mask"].sum(-1).to(torch.int64) + 1)
+                   sound_length=length if length is not None else batch["input_features_mask"].sum(-1).to(
+                       torch.int64) + 1)
+    if kinds and batch.get("num_image_tiles") is not None:  # Megatron-Bridge's preset: one per image, per tubelet
+        out["num_image_tiles"] = batch["num_image_tiles"]
     return out
 
 
