@@ -98,7 +98,7 @@ CLIPS = {"a80": (12_800, 16_000), "a81": (12_960, 16_000), "a16": (2_560, 16_000
 
 def audio_samples() -> dict[str, dict[str, bytes]]:
     """One clip per sample (Megatron-Bridge's ChatML audio field): alone, with images (the clip goes after the last
-    image), with a video, over several turns, stereo, and one with a ``<audio>`` tag in its text."""
+    image), with a video, over several turns, stereo, FLAC, and one with a ``<audio>`` tag in its text."""
     out: dict[str, dict[str, bytes]] = {}
     for key, (samples, rate) in CLIPS.items():
         out[key] = {"jpgs": NONE, "videos": NONE, "wav": demo.make_audio("wav", samples=samples, rate=rate),
@@ -112,6 +112,8 @@ def audio_samples() -> dict[str, dict[str, bytes]]:
     out["a_stereo"] = {"jpgs": NONE, "videos": NONE,
                        "wav": demo.make_audio("wav", samples=8_000, rate=16_000, channels=2),
                        "json": chat("Hear this.", "Heard.")}
+    out["a_flac"] = {"jpgs": NONE, "videos": NONE, "wav": demo.make_audio("flac", samples=24_000, rate=16_000),
+                     "json": chat("And this?", "Another tone.")}
     out["a_tag"] = {"jpgs": NONE, "videos": NONE, "wav": demo.make_audio("wav", samples=8_000, rate=16_000),
                     "json": chat("<audio>\nWhat is said?", "A tone.")}
     return out
@@ -343,6 +345,19 @@ def test_preset_output_verifies(runs):
             except pytest.skip.Exception:
                 continue
             assert verify_output(out) == []
+
+
+def test_several_packs_in_one_batch(runs):
+    """``collate_packs`` keeps the preset's own fields: ``num_image_tiles`` and the media of every pack, in order."""
+    from packtool.runtime.loader import collate_packs
+
+    _, out = runs("0.6.2", "visual")
+    rows = list(read_packs(out, pad_to="segments")) * 2  # (the samples fill one pack: it goes in twice)
+    one = [megatron_bridge_batch(r) for r in rows]
+    both = megatron_bridge_batch(collate_packs(rows, pad_token_id=0))
+    assert torch.equal(both["num_image_tiles"], torch.cat([b["num_image_tiles"] for b in one]))
+    assert torch.equal(both["num_frames"], torch.cat([b["num_frames"] for b in one]))
+    assert torch.equal(both["visual_inputs"].pixel_values, torch.cat([b["visual_inputs"].pixel_values for b in one], 1))
 
 
 def token_rows(out: Path) -> dict[str, list[int]]:
