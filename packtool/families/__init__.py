@@ -33,7 +33,9 @@ Adding a convention (the same family under another trainer's data path, :mod:`.c
    ``placeholder_text`` / ``expand_text`` (headers and joins around media), ``manifest_entries`` /
    ``from_manifest`` (what a reader needs to reproduce its pixels), and register the subclass in the family's
    ``variants`` under the convention's name: ``NemotronOmni.variants["my-convention"] = MyNemotronOmni``.
-   :func:`load` builds the variant when the settings name that convention.
+   :func:`load` builds the variant when the settings name that convention. A convention for one family can keep
+   both in one module that registers them (``CONVENTIONS[name] = ...``, imported here), as
+   :mod:`.nemotron_mbridge` does.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from packtool.errors import ConfigError, SampleError
-from packtool.families.base import ItemPlan, NoRule
+from packtool.families.base import AUDIO_TAG, IMAGE_TAG, VIDEO_TAG, ItemPlan, NoRule
 from packtool.families.conventions import CONVENTIONS, Convention
 from packtool.families.nemotron_omni import NemotronOmni
 from packtool.format import NEMOTRON_FAMILY
@@ -51,7 +51,7 @@ AUDIO_SECONDS = 10.0
 AUDIO_RATE = 16_000
 MEL_BINS = 128
 HOP = 160
-_VISUAL_TAGS = re.compile(r"(<image>|<video>)")
+_VISUAL_TAGS = re.compile(f"({re.escape(IMAGE_TAG)}|{re.escape(VIDEO_TAG)})")
 
 
 @dataclass(frozen=True)
@@ -63,12 +63,12 @@ class MBridgeNemotron(Convention):
         """A turn with image or video tags cut at them, each text piece stripped of edge spaces, the pieces and
         the tags joined with newlines (an audio tag, which only packtool's untagged placement writes, is kept in
         front: the family moves the clip to Megatron-Bridge's place)."""
-        if "<image>" not in text and "<video>" not in text:
+        if IMAGE_TAG not in text and VIDEO_TAG not in text:
             return text
-        audio = text.count("<audio>")
-        text = text.replace("<audio>", "")
+        audio = text.count(AUDIO_TAG)
+        text = text.replace(AUDIO_TAG, "")
         parts = [p if _VISUAL_TAGS.fullmatch(p) else p.strip(" ") for p in _VISUAL_TAGS.split(text) if p]
-        return "<audio>" * audio + "\n".join(parts)
+        return AUDIO_TAG * audio + "\n".join(parts)
 
 
 CONVENTIONS[MB_NEMOTRON] = MBridgeNemotron(
