@@ -317,21 +317,27 @@ def test_every_sample_equals_megatron_bridge(runs, version, name):
 
 
 @pytest.mark.parametrize("version", ["0.6.2", "main"])
-def test_named_differences_are_in_the_ledger(runs, folder, version):
+def test_untagged_image_is_in_the_ledger(runs, version):
     """The untagged image is trained, placed before the text, and the ledger says so (Megatron-Bridge trains that
-    sample's text only); a ``<audio>`` tag is refused with the reason (Megatron-Bridge trains it as text)."""
-    from transformers import AutoTokenizer
-
+    sample's text only)."""
     theirs, out = runs(version, "visual")
     rows = ledger(out)
     assert rows["untagged"]["status"] == "packed"
     assert "1 untagged media placed before the first user text" in rows["untagged"]["reason"]
     assert packed_samples(out)["untagged"]["num_frames"].tolist() == [1] and theirs["untagged"]["num_frames"] is None
     assert all(r["reason"] == "" for k, r in rows.items() if k != "untagged")
+
+
+@pytest.mark.parametrize("version", ["0.6.2", "main"])
+def test_audio_tag_is_refused(runs, folder, version):
+    """A ``<audio>`` tag is refused with the reason (Megatron-Bridge trains it as text)."""
+    from transformers import AutoTokenizer
+
     theirs, out = runs(version, "audio")
     rows = ledger(out)
     assert rows["a_tag"]["status"] == "error" and "a <audio> tag in the text" in rows["a_tag"]["reason"]
     assert "<audio>\nWhat is said?" in AutoTokenizer.from_pretrained(folder).decode(theirs["a_tag"]["tokens"])
+    assert all(r["reason"] == "" for k, r in rows.items() if k != "a_tag")
 
 
 def test_preset_output_verifies(runs):

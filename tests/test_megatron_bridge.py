@@ -386,6 +386,8 @@ def test_cli_preset(demo_dir, tmp_path):
             "--pack-size", "2048"]
     result = CliRunner().invoke(app, args + ["--preset", "megatron-bridge-nemotron-omni"])
     assert result.exit_code == 2 and "is for nemotron_omni model folders" in result.output, result.output
+    result = CliRunner().invoke(app, args + ["--audio-count", "frames"])
+    assert result.exit_code == 2 and "audio_count applies to --preset megatron-bridge-nemotron-omni" in result.output
     result = CliRunner().invoke(app, args + ["--preset", "megatron-bridge-qwen-vl", "--max-pixels", "5000"])
     assert result.exit_code == 2 and "sets max_pixels to 1003520, not 5000" in result.output
     result = CliRunner().invoke(app, args + ["--preset", "megatron-bridge-qwen-vl", "--cp-size", "2"])
