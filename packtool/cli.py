@@ -19,6 +19,7 @@ from packtool.errors import LimitError, PacktoolError
 from packtool.settings import (
     Algorithm,
     AlignFor,
+    AudioCount,
     EncodeSettings,
     ImageResize,
     PlanSettings,
@@ -160,6 +161,10 @@ def pack(
     sample_max_visual_tokens: int | None = typer.Option(None, help="Drop samples whose images and videos take "
                                                                    "more tokens."),
     video_keep_frames: int | None = typer.Option(None, help="Keep only the first N frames of each video."),
+    audio_count: str = typer.Option(default(E, "audio_count"),
+                                    help=", ".join(choices(AudioCount)) + ": audio tokens of --preset "
+                                         "megatron-bridge-nemotron-omni from the features' valid length "
+                                         "(Megatron-Bridge main) or frame count (0.6.2)."),
     workers: int | None = typer.Option(None, help="Worker processes (default: all cores)."),
     engine: str = typer.Option(default(R, "engine"), help="local or ray."),
     ray_address: str | None = typer.Option(None, help="Ray cluster address host:port (with --engine ray)."),

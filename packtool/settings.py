@@ -40,6 +40,9 @@ Preset = Literal["megatron-bridge-qwen-vl", "megatron-bridge-nemotron-omni", "ne
 #: Whose rule derives the per-segment alignment from the parallel sizes (``--align-for``).
 AlignFor = Literal["megatron", "nemo-rl"]
 ImageResize = Literal["processor", "qwen_vl_utils"]
+#: Audio token count of ``--preset megatron-bridge-nemotron-omni``: from the features' valid length (Megatron-Bridge
+#: main) or their frame count (0.6.2).
+AudioCount = Literal["valid", "frames"]
 
 #: The encode settings each preset sets: those of its convention (:mod:`packtool.families.conventions`).
 PRESETS: dict[str, dict[str, Any]] = {name: c.settings() for name, c in CONVENTIONS.items()}
@@ -247,6 +250,10 @@ class EncodeSettings:
     sample_max_visual_tokens: int | None = None
     #: Only the first this many frames of each video are kept (Megatron-Bridge's ``max_num_frames``).
     video_keep_frames: int | None = None
+    #: With ``--preset megatron-bridge-nemotron-omni``: each clip's ``<so_embedding>`` count and ``sound_length``
+    #: from the Parakeet features' valid length (``valid``, Megatron-Bridge main) or their frame count, one more
+    #: (``frames``, Megatron-Bridge 0.6.2).
+    audio_count: AudioCount = "valid"
     #: A named set of the settings above (:data:`PRESETS`): it fills those still at their default, and any of them
     #: given a different value is an error, so the recorded preset always means what it says.
     preset: Preset | None = None
@@ -261,6 +268,9 @@ class EncodeSettings:
         _check_choice(self.media_check, MediaCheck, "media_check")
         _check_choice(self.media_tokens, MediaTokens, "media_tokens")
         _check_choice(self.image_resize, ImageResize, "image_resize")
+        _check_choice(self.audio_count, AudioCount, "audio_count")
+        if self.audio_count != "valid" and self.preset != "megatron-bridge-nemotron-omni":
+            raise ConfigError("audio_count applies to --preset megatron-bridge-nemotron-omni only")
         for name in ("min_pixels", "max_pixels", "image_tokens", "max_images", "max_image_tokens", "video_frames",
                      "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels",
                      "sample_max_images", "sample_max_visual_tokens", "video_keep_frames"):
@@ -312,7 +322,8 @@ class EncodeSettings:
 
 #: Encode settings added after the manifest's fields were fixed: recorded (manifest, stamps) only when they differ
 #: from their default, so an output made without them keeps its bytes and its stamps.
-RECORDED_WHEN_SET = ("image_resize", "sample_max_images", "sample_max_visual_tokens", "video_keep_frames")
+RECORDED_WHEN_SET = ("image_resize", "sample_max_images", "sample_max_visual_tokens", "video_keep_frames",
+                     "audio_count")
 
 
 def _recorded(encode: EncodeSettings) -> dict[str, Any]:

@@ -70,20 +70,26 @@ class _Stubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__getattr__ = placeholder  # type: ignore[method-assign]
 
 
-def available() -> bool:
-    return (MBRIDGE_DIR / "megatron" / "bridge").is_dir() and (MBRIDGE_DIR / "qwen_vl_utils").is_dir()
+def available(root: Path | None = None) -> bool:
+    root = root or MBRIDGE_DIR
+    return (root / "megatron" / "bridge").is_dir() and (root / "qwen_vl_utils").is_dir()
 
 
-def load(module: str) -> ModuleType:
-    """Import ``megatron.bridge.<module>`` from the installed wheel (skips the test where `make` has not run)."""
-    if not available():
-        pytest.skip(f"Megatron-Bridge's wheel is not installed in {MBRIDGE_DIR} (`make` installs it)")
-    if not any(isinstance(f, _Stubs) for f in sys.meta_path):
-        sys.path.append(str(MBRIDGE_DIR))  # qwen_vl_utils
-        sys.meta_path.insert(0, _Stubs(MBRIDGE_DIR))
+def load(module: str, root: Path | None = None) -> ModuleType:
+    """Import ``megatron.bridge.<module>`` from the installed wheel (``root``: a folder laid out the same way,
+    by default :data:`MBRIDGE_DIR`; skips the test where `make` has not run). One process imports from one folder."""
+    root = root or MBRIDGE_DIR
+    if not available(root):
+        pytest.skip(f"Megatron-Bridge's wheel is not installed in {root} (`make` installs it)")
+    loaded = [f for f in sys.meta_path if isinstance(f, _Stubs)]
+    if loaded and loaded[0].root != root:
+        pytest.skip(f"this process imported Megatron-Bridge from {loaded[0].root}, not {root}")
+    if not loaded:
+        sys.path.append(str(root))  # qwen_vl_utils
+        sys.meta_path.insert(0, _Stubs(root))
     return importlib.import_module(f"megatron.bridge.{module}")
 
 
-def version() -> str:
-    found = sorted(MBRIDGE_DIR.glob("megatron_bridge-*.dist-info"))
+def version(root: Path | None = None) -> str:
+    found = sorted((root or MBRIDGE_DIR).glob("megatron_bridge-*.dist-info"))
     return found[-1].name.split("-")[1] if found else "unknown"

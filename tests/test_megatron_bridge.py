@@ -369,8 +369,10 @@ def test_presets_fill_named_settings_and_are_recorded(demo_dir):
                                                                                                     False, None)
     with pytest.raises(ConfigError, match="sets min_pixels to 200704, not 3136"):
         EncodeSettings(tokenizer="m", pack_size=64, preset="megatron-bridge-qwen-vl", min_pixels=3136)
-    with pytest.raises(ConfigError, match="not supported yet"):
-        EncodeSettings(tokenizer="m", pack_size=64, preset="megatron-bridge-nemotron-omni")
+    nemotron = EncodeSettings(tokenizer="m", pack_size=64, preset="megatron-bridge-nemotron-omni")
+    assert (nemotron.target_newline_after_eot, nemotron.media_first, nemotron.audio_count) == (True, False, "valid")
+    with pytest.raises(ConfigError, match="audio_count applies to --preset megatron-bridge-nemotron-omni only"):
+        EncodeSettings(tokenizer="m", pack_size=64, audio_count="frames")
     with pytest.raises(ConfigError, match="unknown preset"):
         EncodeSettings(tokenizer="m", pack_size=64, preset="nope")  # type: ignore[arg-type]
 
@@ -383,7 +385,9 @@ def test_cli_preset(demo_dir, tmp_path):
     args = ["pack", str(demo_dir / "dataset"), str(tmp_path / "out"), "--tokenizer", str(demo_dir / "tokenizer"),
             "--pack-size", "2048"]
     result = CliRunner().invoke(app, args + ["--preset", "megatron-bridge-nemotron-omni"])
-    assert result.exit_code == 2 and "not supported yet" in result.output
+    assert result.exit_code == 2 and "is for nemotron_omni model folders" in result.output, result.output
+    result = CliRunner().invoke(app, args + ["--audio-count", "frames"])
+    assert result.exit_code == 2 and "audio_count applies to --preset megatron-bridge-nemotron-omni" in result.output
     result = CliRunner().invoke(app, args + ["--preset", "megatron-bridge-qwen-vl", "--max-pixels", "5000"])
     assert result.exit_code == 2 and "sets max_pixels to 1003520, not 5000" in result.output
     result = CliRunner().invoke(app, args + ["--preset", "megatron-bridge-qwen-vl", "--cp-size", "2"])

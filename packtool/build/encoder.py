@@ -274,7 +274,8 @@ class Encoder:
             return typed_adapter(raw.parts, kind=self.kind, field_map=self.field_map,
                                  prompt=self.settings.caption_prompt)
         if self.chatml is not None:
-            return chatml_adapter(raw.parts, fields=self.chatml, allow_pickle=self.settings.allow_pickle)
+            return chatml_adapter(raw.parts, fields=self.chatml, allow_pickle=self.settings.allow_pickle,
+                                  audio=self.family.convention.chatml_audio)
         return conversation_adapter(raw.parts, allow_pickle=self.settings.allow_pickle)
 
     def _media_facts(self, raw: RawSample, conv: Conversation) -> list[Staged]:

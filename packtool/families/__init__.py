@@ -35,7 +35,9 @@ Adding a convention (the same family under another trainer's data path, :mod:`.c
    ``placeholder_text`` / ``expand_text`` (headers and joins around media), ``manifest_entries`` /
    ``from_manifest`` (what a reader needs to reproduce its pixels), and register the subclass in the family's
    ``variants`` under the convention's name: ``NemotronOmni.variants["my-convention"] = MyNemotronOmni``.
-   :func:`load` builds the variant when the settings name that convention.
+   :func:`load` builds the variant when the settings name that convention. A convention for one family can keep
+   both in one module that registers them (``CONVENTIONS[name] = ...``, imported here), as
+   :mod:`.nemotron_mbridge` does.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from packtool.errors import ConfigError
 from packtool.families.base import Family, ItemPlan, MediaTokens, NoMedia, NoRule
 from packtool.families.conventions import CONVENTIONS, TRANSFORMERS, Convention
 from packtool.families.fixed import FixedCount
+from packtool.families.nemotron_mbridge import MBridgeNemotronOmni  # noqa: F401  (registers the preset)
 from packtool.families.nemotron_nemo_rl import NemoRLNemotronOmni  # noqa: F401  (registers the variant)
 from packtool.families.nemotron_omni import NemotronOmni
 from packtool.families.processor import ProcessorMode

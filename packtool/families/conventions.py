@@ -56,6 +56,9 @@ class Convention:
     video_file_note: str = ""
     #: Why this trainer's model cannot take context parallelism > 1 with these packs (None: it can).
     no_context_parallel: str | None = None
+    #: Whether a ``ChatMLWebdataset``'s ``audio`` member is taken: one clip, never tagged in the text (the family
+    #: places it); False: such a sample is refused.
+    chatml_audio: bool = False
     #: Why the convention cannot be used yet (None: it can).
     unsupported: str | None = None
     #: The family the convention is for (its ``name``; None: any).
@@ -65,7 +68,7 @@ class Convention:
         """The encode settings this convention sets (those that differ from the default convention)."""
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name not in ("name", "unsupported", "family", "untagged_note", "video_file_note",
-                                  "no_context_parallel")
+                                  "no_context_parallel", "chatml_audio")
                 and getattr(self, f.name) != getattr(TRANSFORMERS, f.name)}
 
     @classmethod
@@ -160,8 +163,5 @@ CONVENTIONS: dict[str, Convention] = {
     # NeMo-RL's Qwen2.5-VL path (generic_sft + hf_multimodal): whole assistant messages are targets.
     "nemo-rl-qwen-vl": NemoRLChat("nemo-rl-qwen-vl", target_newline_after_eot=True),
     NEMO_RL_NEMOTRON: NemoRLNemotron(NEMO_RL_NEMOTRON, family=NEMOTRON_FAMILY),
-    "megatron-bridge-nemotron-omni": Convention(
-        "megatron-bridge-nemotron-omni",
-        unsupported="Megatron-Bridge's Nemotron Omni collate path writes other frame labels and canvases than "
-                    "transformers' processor, which packtool follows (no preset needed for that)"),
+    # Megatron-Bridge's Nemotron Omni Energon path: packtool.families.nemotron_mbridge adds it.
 }

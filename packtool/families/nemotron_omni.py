@@ -8,7 +8,7 @@
   seconds: ``. The processor writes times only when it is given the video's metadata; packtool always gives it
   (frame rate and frame numbers) when the frame rate is known, and the labels are then ``Frame 1 and frame 2: ``
   only for frame lists without a rate. This follows the transformers processor; Megatron-Bridge's own collate path
-  writes different labels and canvases.
+  writes different labels and canvases (``--preset megatron-bridge-nemotron-omni``: :mod:`.nemotron_mbridge`).
 * Audio: ``<so_start>`` + ``<so_embedding>``×n + ``<so_end>``, n from the waveform length at the processor's
   rate (mel frames ``1 + L // hop``, then the encoder's stride-2 convolutions).
 

@@ -85,7 +85,7 @@ def collate_packs(rows: list[dict], pad_token_id: int) -> dict:
 
 #: Media tensors of reader rows that stack along their first dimension.
 MEDIA_KEYS = ("image_grid_thw", "pixel_values", "image_grid_hw", "pixel_values_videos", "video_grid_thw",
-              "second_per_grid_ts")
+              "second_per_grid_ts", "sound_length", "num_image_tiles")
 
 
 class PackDataset(torch.utils.data.IterableDataset):

@@ -29,7 +29,8 @@ Megatron-Bridge's `nemotron_omni_step` and its processor-expanded `NemotronOmniM
 | `imgs_sizes` | int64 `[n_images + Σframes, 2]` | pixel (height, width) of each image and each video frame |
 | `num_frames` | int64 `[n_images + n_videos]` | 1 per image, a video's frame count |
 | `sound_clips` | float32 `[clips, mel frames, mel bins]`, or None | the feature extractor's `input_features` |
-| `sound_length` | int64 `[clips]`, or None | `input_features_mask.sum(-1) + 1` |
+| `sound_length` | int64 `[clips]`, or None | `input_features_mask.sum(-1) + 1` (or the reader's, see below) |
+| `num_image_tiles` | int32 `[images + tubelets]` | only under Megatron-Bridge's preset (see below) |
 
 Patches follow placeholder order: images and video chunks share the `<image>` placeholder, and the model replaces
 them in order. A one-frame video is repeated to `temporal_patch_dim` frames, as Megatron-Bridge's own collate
@@ -37,6 +38,9 @@ does, so the temporal embedder (not the image one) takes it. `sound_length` is t
 the audio encoder's subsampling rule (`get_audio_features`), so the encoder yields exactly each clip's
 `<so_embedding>` count (Megatron-Bridge's own collate counts tokens from `mask.sum(-1)` and would differ by one
 for some lengths).
+
+Packs of `--preset megatron-bridge-nemotron-omni` (`packtool.runtime.nemotron_mbridge`) carry their own
+`sound_length` and `num_image_tiles`, as Megatron-Bridge's collate gives them.
 
 The steps treat a batch as packed only when it has `cu_seqlens_q`; they build `PackedSeqParams(qkv_format="thd")`
 from the `cu_seqlens_*`/`max_seqlen_*` keys and read the host keys with `.cpu()` (so they are tensors, not ints).
@@ -144,8 +148,12 @@ def nemotron_inputs(batch: Mapping, temporal_patch_dim: int) -> dict:
                    imgs_sizes=torch.tensor(sizes, dtype=torch.int64),
                    num_frames=torch.tensor(frames, dtype=torch.int64))
     if batch.get("input_features") is not None and len(batch["input_features"]):
+        length = batch.get("sound_length")  # the reader's own count (Megatron-Bridge's preset), else transformers'
         out.update(sound_clips=batch["input_features"],
-                   sound_length=batch["input_features_mask"].sum(-1).to(torch.int64) + 1)
+                   sound_length=length if length is not None else batch["input_features_mask"].sum(-1).to(
+                       torch.int64) + 1)
+    if kinds and batch.get("num_image_tiles") is not None:  # Megatron-Bridge's preset: one per image, per tubelet
+        out["num_image_tiles"] = batch["num_image_tiles"]
     return out
 
 

@@ -16,7 +16,8 @@ Each ``field_map`` value is the member that fills that field. ``conversation`` h
 bytes, or decoded ``HxWx3`` uint8 arrays from ``convert_to_qwenvl_wds.py``, re-encoded as PNG, see
 :mod:`packtool.build.sources.safepickle`). ``videos`` is one video member (``video.mp4``) or a pickled list of videos
 (``videos``/``mp4s``), each a list of encoded frames; a video of decoded frames (``convert_to_qwenvl_wds.py``'s
-arrays) is refused per sample, and so is ``audio``.
+arrays) is refused per sample. ``audio`` (one clip) is taken only where the convention says so (``audio=True``:
+Megatron-Bridge's Nemotron Omni path, which tags no audio in the text); else it is refused per sample.
 """
 
 from __future__ import annotations
@@ -89,8 +90,10 @@ def _refuse_pickle(member: str, allow_pickle: bool) -> None:
         raise SampleError(f"pickled member {member!r} refused (pickled members are read only when allowed)")
 
 
-def chatml_adapter(parts: dict[str, bytes], *, fields: ChatMLFields, allow_pickle: bool = False) -> Conversation:
-    """The conversation of one raw sample (``{part: bytes}``) of a ``ChatMLWebdataset``."""
+def chatml_adapter(parts: dict[str, bytes], *, fields: ChatMLFields, allow_pickle: bool = False,
+                   audio: bool = False) -> Conversation:
+    """The conversation of one raw sample (``{part: bytes}``) of a ``ChatMLWebdataset`` (``audio``: take its audio
+    clip, placed untagged; a ``<audio>`` in the text is then the sample's error)."""
     videos = _member(parts, fields, "videos")
     video_media: list[Media] = []
     if videos is not None and _ext(videos) in PICKLED_VIDEOS:
@@ -100,7 +103,8 @@ def chatml_adapter(parts: dict[str, bytes], *, fields: ChatMLFields, allow_pickl
         video_media = [Media(part=videos, kind="video")]
     elif videos is not None:
         raise SampleError(f"videos member {videos!r} is neither a video nor a pickled video list")
-    if _member(parts, fields, "audio") is not None:
+    clip = _member(parts, fields, "audio")
+    if clip is not None and not audio:
         raise SampleError(f"audio member {fields.audio!r}: audio is not supported yet")
     _member(parts, fields, "conversation")  # always mapped; raises when this sample lacks it
     name = fields.conversation
@@ -115,5 +119,11 @@ def chatml_adapter(parts: dict[str, bytes], *, fields: ChatMLFields, allow_pickl
         media = [Media(part=imgs)]
     elif imgs is not None:
         raise SampleError(f"imgs member {imgs!r} is neither an image nor a pickled image list")
-    messages, media, untagged = place_media(messages, media + video_media)
-    return Conversation(messages=messages, media=media, untagged=untagged)
+    if clip is None:
+        messages, media, untagged = place_media(messages, media + video_media)
+        return Conversation(messages=messages, media=media, untagged=untagged)
+    if any("<audio>" in m["content"] for m in messages):
+        raise SampleError("a <audio> tag in the text: Megatron-Bridge's Nemotron Omni path tags no audio (it would "
+                          "train the tag as text and place the clip after the last image)")
+    messages, media, untagged = place_media(messages, media + video_media + [Media(part=clip, kind="audio")])
+    return Conversation(messages=messages, media=media, untagged=untagged - 1)

@@ -1,0 +1,389 @@
+"""`--preset megatron-bridge-nemotron-omni` against Megatron-Bridge's own Nemotron Omni Energon path, sample by sample.
+
+Megatron-Bridge's code runs as is (:mod:`mbridge_nemotron_ref`, in a process of its own): Energon's loader reads a
+``ChatMLWebdataset`` through ``NemotronOmniTaskEncoder`` with its Energon recipe's settings (temporal video embedder)
+and transformers' own Nemotron Omni processor of the demo folder, one sample a batch. packtool packs the same dataset
+with the preset, its reader and ``megatron_bridge_batch`` read the packs back, and for every sample the tokens,
+labels, loss mask, pixel values, ``imgs_sizes``, ``num_frames``, ``num_image_tiles``, ``sound_clips`` and
+``sound_length`` must be identical. The differences packtool chooses are named and checked as such.
+
+Versions: Megatron-Bridge 0.6.2 (its wheel, which `make` installs into ``.venv-mbridge/mbridge``; its compact
+placeholders expanded by its own per-tubelet count, packed with ``audio_count="frames"``), and main where
+``PACKTOOL_MBRIDGE_MAIN`` names a folder holding main's ``src/megatron/bridge`` (packed with the default
+``audio_count="valid"``). Both run under the main environment's transformers (5.23): Megatron-Bridge's pins
+(transformers 5.12.1) lack the ``nemotron_h_omni`` processor, and their ParakeetFeatureExtractor needs librosa.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import demo
+import mbridge_ref
+from packtool.build.pipeline import pack
+from packtool.build.sources.safepickle import png_bytes
+from packtool.format import load_manifest
+from packtool.runtime.megatron_batch import megatron_bridge_batch
+from packtool.runtime.read import read_packs
+from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+
+PRESET = "megatron-bridge-nemotron-omni"
+FIELDS = {"imgs": "jpgs", "videos": "videos", "conversation": "json"}
+HERE = Path(__file__).resolve().parent
+
+
+def dataset_yaml(audio: bool) -> dict:
+    return {"__module__": "megatron.bridge.data.energon.task_encoder_utils", "__class__": "ChatMLWebdataset",
+            "field_map": {**FIELDS, **({"audio": "wav"} if audio else {})}, "subflavors": {}}
+
+
+def picture(width: int, height: int, seed: int, mode: str = "RGB") -> bytes:
+    return png_bytes(np.array(demo.render_image(width, height, seed, mode=mode)))
+
+
+def chat(*turns: str) -> bytes:
+    roles = ["human", "gpt"]
+    return json.dumps([{"from": roles[i % 2], "value": t} for i, t in enumerate(turns)]).encode()
+
+
+def frames(n: int, width: int, height: int, seed: int) -> list[bytes]:
+    return [picture(width, height, seed + k) for k in range(n)]
+
+
+NONE = pickle.dumps([])
+
+
+def visual_samples() -> dict[str, dict[str, bytes]]:
+    """Images of several sizes (the canvas itself, smaller, larger, thin, grayscale), several images, frame-list
+    videos of odd and even frame counts, mixed media, several turns, text only."""
+    out: dict[str, dict[str, bytes]] = {}
+    for i, (w, h) in enumerate([(512, 512), (64, 48), (640, 360), (37, 500), (1200, 900), (300, 200)]):
+        out[f"one{i}"] = {"jpgs": pickle.dumps([picture(w, h, i)]), "videos": NONE,
+                          "json": chat("<image>\nWhat is shown?", "Cells.")}
+    out["gray"] = {"jpgs": pickle.dumps([picture(200, 100, 20, mode="L")]), "videos": NONE,
+                   "json": chat("Describe <image>", "Gray blocks.")}
+    out["two"] = {"jpgs": pickle.dumps([picture(56, 56, 21), picture(640, 180, 22)]), "videos": NONE,
+                  "json": chat("Compare <image> and <image> here.", "The second is wider.")}
+    out["adjacent"] = {"jpgs": pickle.dumps([picture(90, 60, 23), picture(60, 90, 24)]), "videos": NONE,
+                       "json": chat("<image> <image>Same?", "No.")}
+    out["turns"] = {"jpgs": pickle.dumps([picture(320, 240, 25), picture(150, 600, 26)]), "videos": NONE,
+                    "json": chat("<image> Colours?", "Several.", "And this one <image>?", "Blue.")}
+    out["text"] = {"jpgs": NONE, "videos": NONE, "json": chat("Say hello.", "Hello.", "Again?", "Hello.")}
+    for i, (n, w, h) in enumerate([(1, 96, 64), (2, 128, 96), (3, 320, 240), (4, 64, 64), (7, 100, 50)]):
+        out[f"video{i}"] = {"jpgs": NONE, "videos": pickle.dumps([frames(n, w, h, 100 + 10 * i)]),
+                            "json": chat("<video>\nWhat happens?", "Nothing.")}
+    out["mixed"] = {"jpgs": pickle.dumps([picture(200, 150, 50)]),
+                    "videos": pickle.dumps([frames(3, 96, 96, 60)]),
+                    "json": chat("<image> and <video>: the same?", "No.")}
+    out["untagged"] = {"jpgs": pickle.dumps([picture(300, 120, 40)]), "videos": NONE,
+                       "json": chat("What is in the picture?", "Blocks.")}
+    return out
+
+
+#: Clip lengths in samples at 16 kHz: the feature frame count (samples // 160) a multiple of 8 (12800: 80; 2560:
+#: 16), one off it, short, over the 10 s cut.
+CLIPS = {"a80": (12_800, 16_000), "a81": (12_960, 16_000), "a16": (2_560, 16_000), "a3s": (48_000, 16_000),
+         "a12s": (192_000, 16_000), "a_short": (1_000, 16_000)}
+
+
+def audio_samples() -> dict[str, dict[str, bytes]]:
+    """One clip per sample (Megatron-Bridge's ChatML audio field): alone, with images (the clip goes after the last
+    image), with a video, over several turns, stereo, FLAC, and one with a ``<audio>`` tag in its text."""
+    out: dict[str, dict[str, bytes]] = {}
+    for key, (samples, rate) in CLIPS.items():
+        out[key] = {"jpgs": NONE, "videos": NONE, "wav": demo.make_audio("wav", samples=samples, rate=rate),
+                    "json": chat("What is said?", "A tone.")}
+    out["a_img"] = {"jpgs": pickle.dumps([picture(120, 80, 70), picture(80, 120, 71)]), "videos": NONE,
+                    "wav": demo.make_audio("wav", samples=20_000, rate=16_000),
+                    "json": chat("<image> and <image>: which one sounds?", "The first.")}
+    out["a_video"] = {"jpgs": NONE, "videos": pickle.dumps([frames(2, 64, 48, 80)]),
+                      "wav": demo.make_audio("wav", samples=16_160, rate=16_000),
+                      "json": chat("Watch <video> and listen.", "Done.", "Again?", "Yes.")}
+    out["a_stereo"] = {"jpgs": NONE, "videos": NONE,
+                       "wav": demo.make_audio("wav", samples=8_000, rate=16_000, channels=2),
+                       "json": chat("Hear this.", "Heard.")}
+    out["a_flac"] = {"jpgs": NONE, "videos": NONE, "wav": demo.make_audio("flac", samples=24_000, rate=16_000),
+                     "json": chat("And this?", "Another tone.")}
+    out["a_tag"] = {"jpgs": NONE, "videos": NONE, "wav": demo.make_audio("wav", samples=8_000, rate=16_000),
+                    "json": chat("<audio>\nWhat is said?", "A tone.")}
+    return out
+
+
+def write(root: Path, samples: dict[str, dict[str, bytes]], audio: bool) -> Path:
+    demo.write_shard(root / "s-0.tar", samples.items())
+    demo.prepare_energon(root, ["s-0.tar"], {"train": ["s-0.tar"]}, dataset_yaml=dataset_yaml(audio))
+    return root
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    import nemotron_omni_model
+
+    return nemotron_omni_model.write_model_folder(tmp_path_factory.mktemp("mbnemotron") / "nemotron")
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mbnemotron-data")
+    return {"visual": write(root / "visual", visual_samples(), False),
+            "audio": write(root / "audio", audio_samples(), True)}
+
+
+def roots() -> dict[str, Path]:
+    """Megatron-Bridge versions to compare with: the wheel (`make`), and main's source where named."""
+    wheel = mbridge_ref.MBRIDGE_DIR
+    if not mbridge_ref.available(wheel):
+        wheel = Path(sys.prefix).parent / ".venv-mbridge" / "mbridge"
+    found = {"0.6.2": wheel}
+    main = os.environ.get("PACKTOOL_MBRIDGE_MAIN")
+    if main:
+        found["main"] = Path(main) / "src"
+    return found
+
+
+def bridge(version: str, dataset: Path, folder: Path, tmp: Path) -> dict[str, dict]:
+    """Megatron-Bridge's batch of every sample it keeps, by key (run in a process of its own; 0.6.2's compact
+    placeholders expanded)."""
+    pytest.importorskip("transformers.models.nemotron_h_omni",
+                        reason="transformers' Nemotron Omni processor (5.23+) runs in Megatron-Bridge's collate")
+    if dataset.name == "audio":
+        pytest.importorskip("soundfile", reason="Megatron-Bridge's Energon audio decoder reads clips with soundfile")
+    root = roots().get(version)
+    if root is None or not (root / "megatron" / "bridge").is_dir():
+        pytest.skip(f"Megatron-Bridge {version} is not here (`make` installs 0.6.2; PACKTOOL_MBRIDGE_MAIN names "
+                    f"main's checkout)")
+    target = tmp / f"{version}-{dataset.name}.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent / "examples"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, str(HERE / "mbridge_nemotron_ref.py"), str(root), str(dataset), str(folder),
+                    str(target)], check=True, env=env)
+    found = torch.load(target, weights_only=False)
+    if version != "0.6.2":
+        return found
+    image = json.loads((folder / "tokenizer.json").read_text())
+    image_id = next(t["id"] for t in image["added_tokens"] if t["content"] == "<image>")
+    return {key: compact_to_expanded(sample, image_id) for key, sample in found.items()}
+
+
+def packed(dataset: Path, folder: Path, out: Path, **settings) -> Path:
+    encode = EncodeSettings(tokenizer=str(folder), pack_size=8192, allow_pickle=True, **settings)
+    pack(dataset, out, PackSettings(encode, PlanSettings(shard_size="4")), workers=1, progress=False)
+    return out
+
+
+def packed_samples(out: Path) -> dict[str, dict]:
+    """Each packed sample as packtool's reader and ``megatron_bridge_batch`` give it, in Megatron-Bridge's fields."""
+    manifest = load_manifest(out)
+    img, so = manifest["vision_start_token_id"], manifest["audio_start_token_id"]
+    got = {}
+    for batch in read_packs(out, pad_to="segments"):
+        mb = megatron_bridge_batch(batch)
+        cu, starts = batch["cu_seqlens_unpadded"].tolist(), batch["cu_seqlens_padded"].tolist()
+        kinds = iter(batch["media_kinds"])
+        videos = iter(batch["video_grid_thw"].tolist())
+        pixels = mb["visual_inputs"].pixel_values[0] if mb["visual_inputs"] is not None else None
+        sizes, nframes, tiles = mb["imgs_sizes"], mb["num_frames"], mb.get("num_image_tiles")
+        clips, lengths = mb["sound_clips"], mb["sound_length"]
+        at = {"patch": 0, "size": 0, "item": 0, "tile": 0, "clip": 0}
+        for i, key in enumerate(batch["keys"]):
+            a, n = starts[i], cu[i + 1] - cu[i]
+            ids = batch["tokens"][0, a:a + n]
+            blocks, n_clips = int((ids == img).sum()), int((ids == so).sum())
+            items = []
+            while blocks > 0 or n_clips > 0:
+                kind = next(kinds)
+                if kind == "audio":
+                    n_clips -= 1
+                    items.append(("audio", 0))
+                    continue
+                frames_ = 1 if kind == "image" else next(videos)[0]
+                blocks -= 1 if kind == "image" else -(-frames_ // 2)
+                items.append((kind, max(frames_, 2) if kind == "video" else 1))
+            sample: dict = {"tokens": ids, "labels": batch["labels"][0, a:a + n],
+                            "loss_mask": batch["loss_mask"][0, a:a + n]}
+            model_frames = sum(f for k, f in items if k != "audio")
+            if model_frames:
+                p, s, t = at["patch"], at["size"], at["item"]
+                sample["pixel_values"] = pixels[p:p + 1024 * model_frames]
+                sample["imgs_sizes"] = sizes[s:s + model_frames]
+                sample["num_frames"] = nframes[t:t + sum(k != "audio" for k, _ in items)]
+                n_tiles = sum(1 if k == "image" else -(-f // 2) for k, f in items if k != "audio")
+                sample["num_image_tiles"] = tiles[at["tile"]:at["tile"] + n_tiles]
+                at["patch"] += 1024 * model_frames
+                at["size"] += model_frames
+                at["item"] += len(sample["num_frames"])
+                at["tile"] += n_tiles
+            n_audio = sum(k == "audio" for k, _ in items)
+            if n_audio:
+                sample["sound_clips"] = clips[at["clip"]:at["clip"] + n_audio]
+                sample["sound_length"] = lengths[at["clip"]:at["clip"] + n_audio]
+                at["clip"] += n_audio
+            got[key] = sample
+    return got
+
+
+def compact_to_expanded(theirs: dict, image_id: int) -> dict:
+    """Megatron-Bridge 0.6.2's compact rows (one ``<image>`` per image or tubelet, which its model expands) with the
+    k-th placeholder repeated to its own count (``num_image_tiles[k]`` × its per-tubelet tokens), the labels and
+    loss mask at it repeated with it."""
+    ids = theirs["tokens"]
+    at = torch.nonzero(ids == image_id).flatten()
+    if not len(at):
+        return theirs
+    repeat = torch.ones_like(ids)
+    repeat[at] = theirs["num_image_tiles"].to(ids.dtype) * theirs["per_tubelet"]
+    return {**theirs, **{k: torch.repeat_interleave(theirs[k], repeat) for k in ("tokens", "labels", "loss_mask")}}
+
+
+def ledger(out: Path) -> dict[str, dict]:
+    return {r["key"]: r for r in pq.read_table(out / "ledger.parquet").to_pylist()}
+
+
+#: Audio count each Megatron-Bridge version takes (:data:`packtool.settings.AudioCount`).
+AUDIO_COUNT = {"0.6.2": "frames", "main": "valid"}
+#: Samples whose difference packtool chooses (README, "Megatron-Bridge's Nemotron Omni path"): an untagged image
+#: (trained, placed before the text; Megatron-Bridge leaves it out) and a ``<audio>`` tag (refused; Megatron-Bridge
+#: trains the tag as text).
+NAMED = {"untagged", "a_tag"}
+FIELD_NAMES = ("tokens", "labels", "loss_mask", "pixel_values", "imgs_sizes", "num_frames", "num_image_tiles",
+               "sound_clips", "sound_length")
+
+
+@pytest.fixture(scope="module")
+def runs(datasets, folder, tmp_path_factory):
+    """``(version, dataset) -> (Megatron-Bridge's samples, packtool's output)``, made once each."""
+    tmp = tmp_path_factory.mktemp("mbnemotron-runs")
+    cache: dict = {}
+
+    def get(version: str, name: str):
+        if (version, name) not in cache:
+            theirs = bridge(version, datasets[name], folder, tmp)
+            out = tmp / f"{name}-{AUDIO_COUNT[version]}"
+            if not out.exists():
+                packed(datasets[name], folder, out, preset=PRESET, audio_count=AUDIO_COUNT[version])
+            cache[version, name] = theirs, out
+        return cache[version, name]
+
+    return get
+
+
+def differing(mine: dict, theirs: dict) -> list[str]:
+    """The fields of one sample that differ (``sound_clips``: packtool's pads to the pack's longest clip)."""
+    bad = []
+    for name in FIELD_NAMES:
+        ours, ref = mine.get(name), theirs.get(name)
+        if name == "pixel_values" and ref is not None:
+            ref = ref[0]
+        if name == "sound_clips" and ours is not None and ref is not None:
+            ours, pad = ours[:, :ref.shape[1]], ours[:, ref.shape[1]:]
+            if pad.any():
+                bad.append("sound_clips padding")
+        if ours is None and ref is None:
+            continue
+        if ours is None or ref is None or ours.shape != ref.shape or ours.dtype != ref.dtype or \
+                not torch.equal(ours, ref):
+            bad.append(name)
+    return bad
+
+
+@pytest.mark.parametrize("name", ["visual", "audio"])
+@pytest.mark.parametrize("version", ["0.6.2", "main"])
+def test_every_sample_equals_megatron_bridge(runs, version, name):
+    """Tokens, labels, loss mask, pixel values (bfloat16), imgs_sizes, num_frames, num_image_tiles, sound_clips and
+    sound_length of every sample both keep: identical."""
+    theirs, out = runs(version, name)
+    mine = packed_samples(out)
+    expected = set(visual_samples() if name == "visual" else audio_samples())
+    assert set(theirs) == expected  # Megatron-Bridge trains every sample
+    assert set(mine) == expected - {"a_tag"}
+    compared = sorted(expected - NAMED)
+    assert len(compared) >= 9
+    problems = {key: differing(mine[key], theirs[key]) for key in compared}
+    assert {k: v for k, v in problems.items() if v} == {}
+    if name == "audio":  # each clip's tokens: three ceil-halvings of the features' valid length or frame count
+        for key, (samples, _) in CLIPS.items():
+            frames = min(samples, 160_000) // 160 + (AUDIO_COUNT[version] == "frames")
+            assert int((mine[key]["tokens"] == load_manifest(out)["audio_token_id"]).sum()) == -(-frames // 8)
+
+
+@pytest.mark.parametrize("version", ["0.6.2", "main"])
+def test_untagged_image_is_in_the_ledger(runs, version):
+    """The untagged image is trained, placed before the text, and the ledger says so (Megatron-Bridge trains that
+    sample's text only)."""
+    theirs, out = runs(version, "visual")
+    rows = ledger(out)
+    assert rows["untagged"]["status"] == "packed"
+    assert "1 untagged media placed before the first user text" in rows["untagged"]["reason"]
+    assert packed_samples(out)["untagged"]["num_frames"].tolist() == [1] and theirs["untagged"]["num_frames"] is None
+    assert all(r["reason"] == "" for k, r in rows.items() if k != "untagged")
+
+
+@pytest.mark.parametrize("version", ["0.6.2", "main"])
+def test_audio_tag_is_refused(runs, folder, version):
+    """A ``<audio>`` tag is refused with the reason (Megatron-Bridge trains it as text)."""
+    from transformers import AutoTokenizer
+
+    theirs, out = runs(version, "audio")
+    rows = ledger(out)
+    assert rows["a_tag"]["status"] == "error" and "a <audio> tag in the text" in rows["a_tag"]["reason"]
+    assert "<audio>\nWhat is said?" in AutoTokenizer.from_pretrained(folder).decode(theirs["a_tag"]["tokens"])
+    assert all(r["reason"] == "" for k, r in rows.items() if k != "a_tag")
+
+
+def test_preset_output_verifies(runs):
+    """verify re-derives every plan of the preset's output (both audio counts) and finds nothing."""
+    from packtool.verify.packs import verify_output
+
+    for version in AUDIO_COUNT:
+        for name in ("visual", "audio"):
+            try:
+                _, out = runs(version, name)
+            except pytest.skip.Exception:
+                continue
+            assert verify_output(out) == []
+
+
+def test_several_packs_in_one_batch(runs):
+    """``collate_packs`` keeps the preset's own fields: ``num_image_tiles`` and the media of every pack, in order."""
+    from packtool.runtime.loader import collate_packs
+
+    _, out = runs("0.6.2", "visual")
+    rows = list(read_packs(out, pad_to="segments")) * 2  # (the samples fill one pack: it goes in twice)
+    one = [megatron_bridge_batch(r) for r in rows]
+    both = megatron_bridge_batch(collate_packs(rows, pad_token_id=0))
+    assert torch.equal(both["num_image_tiles"], torch.cat([b["num_image_tiles"] for b in one]))
+    assert torch.equal(both["num_frames"], torch.cat([b["num_frames"] for b in one]))
+    assert torch.equal(both["visual_inputs"].pixel_values, torch.cat([b["visual_inputs"].pixel_values for b in one], 1))
+
+
+def token_rows(out: Path) -> dict[str, list[int]]:
+    """Each packed sample's tokens (media not decoded)."""
+    got = {}
+    for batch in read_packs(out, pad_to="segments", images=False):
+        cu, starts = batch["cu_seqlens_unpadded"].tolist(), batch["cu_seqlens_padded"].tolist()
+        for i, key in enumerate(batch["keys"]):
+            got[key] = batch["tokens"][0, starts[i]:starts[i] + cu[i + 1] - cu[i]].tolist()
+    return got
+
+
+def test_controls_differ(runs, datasets, folder, tmp_path):
+    """Controls: transformers' processor (no preset) gives other tokens for the same samples; the other audio count
+    other tokens (a clip of 12,800 samples: 80 feature frames) and other sound lengths."""
+    theirs, out = runs("0.6.2", "visual")
+    default = token_rows(packed(datasets["visual"], folder, tmp_path / "default"))
+    keys = ("one0", "one1", "two", "video2", "text")
+    assert [k for k in keys if default[k] != theirs[k]["tokens"].tolist()] == ["one0", "one1", "two", "video2"]
+    theirs, _ = runs("0.6.2", "audio")  # frame counts
+    valid = packed_samples(packed(datasets["audio"], folder, tmp_path / "valid", preset=PRESET))
+    assert {"tokens", "sound_length"} <= set(differing(valid["a80"], theirs["a80"]))
+    assert differing(valid["a81"], theirs["a81"]) == ["sound_length"]
