@@ -59,7 +59,7 @@ _CHARS_PER_TOKEN = 64
 _STABLE_TOKENS = 64
 
 
-@dataclass
+@dataclass(frozen=True)
 class Encoded:
     """One encoded sample: what the ledger records and, unless dropped, what a pack segment holds."""
 
@@ -549,48 +549,45 @@ class Encoder:
     def _fit(self, enc: Encoded) -> Encoded:
         """Apply the per-pack limits to one sample: cut at a safe boundary, or drop, per ``overlong``; the result
         carries the uncut sample's facts (:attr:`Encoded.first_target`, :attr:`Encoded.source_media`)."""
+        spans = [self.family.media_span(enc.tokens, m) for m in enc.media]
         first_target = int(np.argmax(enc.targets)) if enc.targets.any() else -1
-        spans = [[*self.family.media_span(enc.tokens, m), int(m.tokens)] for m in enc.media]
-        out = self._limit(enc)
-        out.first_target, out.source_media = first_target, spans
-        return out
+        source_media = [[s, e, int(m.tokens)] for (s, e), m in zip(spans, enc.media)]
+        cut, reason = self._safe_cut(enc, spans)
+        if cut == len(enc.tokens):
+            return replace(enc, first_target=first_target, source_media=source_media)
+        if self.settings.overlong == "drop" or not enc.targets[:cut].any():
+            why = (f"over limit: {reason}" if self.settings.overlong == "drop" else
+                   f"no training target fits before a safe cut at {cut} tokens ({reason})")
+            return Encoded(enc.key, enc.shard, enc.index, "dropped", why, source_tokens=enc.source_tokens,
+                           length_known=enc.length_known, first_target=first_target, source_media=source_media)
+        kept = [m for m, (_, e) in zip(enc.media, spans) if e <= cut]
+        return replace(enc, status="truncated", reason=f"truncated to {cut}: {reason}",
+                       tokens=enc.tokens[:cut].copy(), targets=enc.targets[:cut].copy(), media=kept,
+                       first_target=first_target, source_media=source_media)
 
-    def _limit(self, enc: Encoded) -> Encoded:
+    def _safe_cut(self, enc: Encoded, spans: list[tuple[int, int]]) -> tuple[int, str]:
+        """Where the per-pack limits cut the sample (its length: nowhere), never inside a media span (``spans``:
+        each item's), and why."""
         st = self.settings
         cut, why = len(enc.tokens), []
         if cut > st.max_tokens:
             at_least = "" if enc.length_known else "at least "
             cut, why = st.max_tokens, [f"{at_least}{len(enc.tokens)} tokens > {st.max_tokens}"]
         image_total = 0
-        for j, m in enumerate(enc.media):
+        for j, (m, (s, _)) in enumerate(zip(enc.media, spans)):
             image_total += m.tokens
             over_images = st.max_images is not None and j + 1 > st.max_images
             over_tokens = st.max_image_tokens is not None and image_total > st.max_image_tokens
             if over_images or over_tokens:
-                s, _ = self.family.media_span(enc.tokens, m)
                 if s < cut:
                     cut = s
                     why.append(f"{m.kind} {j + 1} over the per-pack " + ("image cap" if over_images else
                                                                                "image-token cap"))
                 break
-        for m in enc.media:  # never cut inside a media span
-            s, e = self.family.media_span(enc.tokens, m)
+        for s, e in spans:  # never cut inside a media span
             if s < cut < e:
                 cut = s
-        if cut == len(enc.tokens):
-            return enc
-        reason = "; ".join(why)
-        if st.overlong == "drop":
-            return Encoded(enc.key, enc.shard, enc.index, "dropped", f"over limit: {reason}",
-                           source_tokens=enc.source_tokens, length_known=enc.length_known)
-        if not enc.targets[:cut].any():
-            return Encoded(enc.key, enc.shard, enc.index, "dropped",
-                           f"no training target fits before a safe cut at {cut} tokens ({reason})",
-                           source_tokens=enc.source_tokens, length_known=enc.length_known)
-        kept = [m for m in enc.media if self.family.media_span(enc.tokens, m)[1] <= cut]
-        return Encoded(enc.key, enc.shard, enc.index, "truncated", f"truncated to {cut}: {reason}",
-                       enc.tokens[:cut].copy(), enc.targets[:cut].copy(), kept, enc.source_tokens,
-                       enc.length_known)
+        return cut, "; ".join(why)
 
 
 def _staged(item: MediaItem, plan: ItemPlan, decoded: Decoded | None) -> Staged:
