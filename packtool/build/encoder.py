@@ -47,10 +47,9 @@ from packtool.errors import (
     sample_reason,
     user_code,
 )
-from packtool.families import Family, ItemPlan
-from packtool.families.base import Decoded
+from packtool.families import Family
 from packtool.format import sha256
-from packtool.media import image_size, probe_audio, probe_frames, probe_video
+from packtool.media import AudioFacts, VideoFacts, image_size, probe_audio, probe_frames, probe_video
 from packtool.settings import EncodeSettings
 
 #: Texts longer than this many characters per kept token are cut before tokenizing (see ``Encoder._bounded``).
@@ -80,6 +79,18 @@ class Encoded:
     #: first target token, and ``[start, end, placeholder tokens]`` of every media item's span.
     first_target: int = -1
     source_media: list[list[int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, eq=False)
+class _Measured:
+    """A media item measured, before its family plans it (:meth:`Encoder._plan`): the item (where its bytes lie,
+    its size, a video's container facts; no tokens yet), the bytes its processor is given (each frame's for a
+    video given as frames: ``framed``), and the probe's facts of a video or an audio clip."""
+
+    item: MediaItem
+    data: list[bytes]
+    framed: bool = False
+    facts: VideoFacts | AudioFacts | None = None
 
 
 def check_tokenizer_dir(tokenizer_dir: str | Path) -> None:
@@ -287,11 +298,12 @@ class Encoder:
         for m in conv.media:
             try:
                 if m.kind == "image":
-                    facts.append(self._image_facts(raw, m, lists, n_images))
+                    measured = self._measure_image(raw, m, lists)
                 elif m.kind == "video":
-                    facts.append(self._video_facts(raw, m))
+                    measured = self._measure_video(raw, m)
                 else:
-                    facts.append(self._audio_facts(raw, m))
+                    measured = self._measure_audio(raw, m)
+                facts.append(self._plan(measured, n_images))
             except SampleError:
                 raise
             except ValueError as exc:  # the media layer's reasons name no member
@@ -316,12 +328,10 @@ class Encoder:
             raise SampleError(f"its media give the processor {pixels} decoded pixels > max_sample_pixels "
                               f"{st.max_sample_pixels}")
 
-    def _image_facts(self, raw: RawSample, m: Media, lists: dict[str, Sequence[bytes]], n_images: int) -> Staged:
-        """An image's size, grid and tokens; ``n_images``: images of the sample (Nemotron Omni's patch budget
-        depends on how many images its processor is given at once)."""
+    def _measure_image(self, raw: RawSample, m: Media, lists: dict[str, Sequence[bytes]]) -> _Measured:
+        """An image's size and format (``lists``: the sample's pickled lists read so far)."""
         if m.item is None:
             data = raw.parts[m.part]
-            offset, size = raw.ranges[m.part]
             ext = m.part.rsplit(".", 1)[-1].lower()
         else:
             if m.part not in lists:
@@ -330,19 +340,15 @@ class Encoder:
             if m.item >= len(items):
                 raise SampleError(f"media {m.part}[{m.item}] referenced but missing")
             data, ext = items[m.item], ""
-            offset, size = raw.ranges[m.part]  # the writer re-reads the list and takes the item
+        offset, size = raw.ranges[m.part]  # of a list item: the list's (the writer re-reads it and takes the item)
         width, height, fmt = image_size(data, max_pixels=self.settings.pixel_limit,
                                         decode=self.settings.media_check == "decode")
         if not ext or len(ext) > 8 or not ext.isalnum():
             ext = {"jpeg": "jpg"}.get(fmt, fmt or "bin")
-        decoded = self.family.media_input("image", [data], False, None)
-        plan = self.family.plan_image(width, height, n_images)
-        item = MediaItem(m.part, m.item, "image", ext, width, height, offset, size, plan.tokens, tuple(plan.grid_thw))
-        return _staged(item, plan, decoded)
+        return _Measured(MediaItem(m.part, m.item, "image", ext, width, height, offset, size, 0), [data])
 
-    def _video_facts(self, raw: RawSample, m: Media) -> Staged:
-        """A video's plan from its container facts (or its frames' headers): the frames the processor is given,
-        the grid, the tokens and ``second_per_grid_ts``."""
+    def _measure_video(self, raw: RawSample, m: Media) -> _Measured:
+        """A video's container facts (or its frames' headers), as the family reads them, and where its bytes lie."""
         decode = self.settings.media_check == "decode"
         if m.item is not None:  # a video of a pickled list: its encoded frames as stored, named by format
             named = video_frames(raw.parts[m.part], m.part, m.item)
@@ -356,32 +362,38 @@ class Encoder:
             facts = probe_video(data[0], max_pixels=self.settings.pixel_limit, decode=decode)
         facts = self.family.video_facts(data, bool(named), facts, m.part)
         offset, _ = raw.ranges[m.part]
-        frames = []
-        for f, _ in named:
-            frame_offset, frame_size = raw.ranges[f if m.item is None else m.part]
-            frames.append((f, frame_offset, frame_size))
-        decoded = self.family.media_input("video", data, bool(named), facts)
-        plan = self.family.plan_video(facts, m.part)
-        item = MediaItem(
-            m.part, m.item, "video", m.part.rsplit(".", 1)[-1].lower(), facts.width, facts.height, offset,
-            sum(len(d) for d in data), plan.tokens, tuple(plan.grid_thw), sha256=sha256(b"".join(data)),
-            frames=tuple(frames), total_frames=facts.frames, fps=facts.fps, duration=facts.duration,
-            frame_indices=tuple(plan.frame_indices), second_per_grid_ts=plan.second_per_grid_ts)
-        return _staged(item, plan, decoded)
+        frames = tuple((f, *raw.ranges[f if m.item is None else m.part]) for f, _ in named)
+        item = MediaItem(m.part, m.item, "video", m.part.rsplit(".", 1)[-1].lower(), facts.width, facts.height,
+                         offset, sum(len(d) for d in data), 0, sha256=sha256(b"".join(data)), frames=frames,
+                         total_frames=facts.frames, fps=facts.fps, duration=facts.duration)
+        return _Measured(item, data, bool(named), facts)
 
-    def _audio_facts(self, raw: RawSample, m: Media) -> Staged:
-        """An audio clip's tokens and the length of the waveform its processor is given (``samples``, at the
-        processor's rate after any length cap); no grid, no pixels."""
+    def _measure_audio(self, raw: RawSample, m: Media) -> _Measured:
+        """An audio clip's facts (no grid, no pixels)."""
         data = raw.parts[m.part]
-        facts = probe_audio(data, decode=self.settings.media_check == "decode")
         offset, size = raw.ranges[m.part]
-        decoded = self.family.media_input("audio", [data], False, facts)
-        plan = self.family.plan_audio(facts, m.part)
-        measured = decoded.samples if decoded is not None else None  # the processor mode's decoded waveform
-        item = MediaItem(m.part, None, "audio", m.part.rsplit(".", 1)[-1].lower(), 0, 0, offset, size, plan.tokens,
-                         samples=plan.samples if plan.samples is not None else measured,
-                         decoded=measured is not None)
-        return _staged(item, plan, decoded)
+        item = MediaItem(m.part, None, "audio", m.part.rsplit(".", 1)[-1].lower(), 0, 0, offset, size, 0)
+        return _Measured(item, [data], facts=probe_audio(data, decode=self.settings.media_check == "decode"))
+
+    def _plan(self, measured: _Measured, n_images: int) -> Staged:
+        """A measured item decoded where the family's processor mode needs it (:meth:`Family.media_input`), then
+        planned by the family: its tokens, grid, frames and ``second_per_grid_ts``, and the length of the waveform
+        an audio clip's processor is given (``samples``: the plan's, else the decoded waveform's).
+        ``n_images``: images of the sample (Nemotron Omni's patch budget depends on how many images its
+        processor is given at once)."""
+        item, facts = measured.item, measured.facts
+        decoded = self.family.media_input(item.kind, measured.data, measured.framed, facts)
+        if isinstance(facts, VideoFacts):
+            plan = self.family.plan_video(facts, item.part)
+        elif isinstance(facts, AudioFacts):
+            plan = self.family.plan_audio(facts, item.part)
+        else:  # an image: planned from its size
+            plan = self.family.plan_image(item.width, item.height, n_images)
+        samples = decoded.samples if decoded is not None else None  # the processor mode's decoded waveform
+        item = replace(item, tokens=plan.tokens, grid_thw=tuple(plan.grid_thw),
+                       frame_indices=tuple(plan.frame_indices), second_per_grid_ts=plan.second_per_grid_ts,
+                       samples=plan.samples if plan.samples is not None else samples, decoded=samples is not None)
+        return Staged(item, text=plan.text, input=None if decoded is None else decoded.input)
 
     # -- encoding --------------------------------------------------------------------------------------------
     def encode_many(self, raws: list[RawSample], strict: bool = False) -> list[Encoded]:
@@ -588,12 +600,6 @@ class Encoder:
             if s < cut < e:
                 cut = s
         return cut, "; ".join(why)
-
-
-def _staged(item: MediaItem, plan: ItemPlan, decoded: Decoded | None) -> Staged:
-    """A measured and planned item as encoding carries it: with its plan's expansion text and what the processor
-    mode decoded."""
-    return Staged(item, text=plan.text, input=None if decoded is None else decoded.input)
 
 
 def model_facts(settings: EncodeSettings, dataset_yaml: dict | None = None) -> dict:
