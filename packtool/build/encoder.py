@@ -60,7 +60,8 @@ _STABLE_TOKENS = 64
 
 @dataclass(frozen=True)
 class Encoded:
-    """One encoded sample: what the ledger records and, unless dropped, what a pack segment holds."""
+    """One encoded sample: what the ledger records and, unless dropped, what a pack segment holds (frozen: the
+    per-pack limits make a new one)."""
 
     key: str
     shard: str
@@ -70,7 +71,7 @@ class Encoded:
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     targets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
     #: Media kept, in placeholder order.
-    media: list[MediaItem] = field(default_factory=list)
+    media: tuple[MediaItem, ...] = ()
     #: Length before truncation (0 if encoding failed).
     source_tokens: int = 0
     #: False when a huge text was cut before tokenizing: ``source_tokens`` is then a lower bound.
@@ -78,7 +79,7 @@ class Encoded:
     #: Facts of the sample before any cut, so another pack size can be judged without encoding again: its
     #: first target token, and ``[start, end, placeholder tokens]`` of every media item's span.
     first_target: int = -1
-    source_media: list[list[int]] = field(default_factory=list)
+    source_media: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -550,7 +551,8 @@ class Encoder:
                     targets[end] = 1
         self.family.convention.mark_targets(ids, targets, self.special_array, self.newline_id)
         tokens, targets, items = self.family.place(encoding, ids, targets, media, cut, text_len, self.special_ids)
-        enc = Encoded(raw.key, raw.shard, raw.index, "packed", "", tokens, targets, items, len(tokens), not cut)
+        enc = Encoded(raw.key, raw.shard, raw.index, "packed", "", tokens, targets, tuple(items), len(tokens),
+                      not cut)
         if not targets.any() and not cut:  # cut: the replies lie past the cut, the sample is over-long (_fit)
             raise SampleError("no training targets")
         fitted = self._fit(enc)
@@ -563,7 +565,7 @@ class Encoder:
         carries the uncut sample's facts (:attr:`Encoded.first_target`, :attr:`Encoded.source_media`)."""
         spans = [self.family.media_span(enc.tokens, m) for m in enc.media]
         first_target = int(np.argmax(enc.targets)) if enc.targets.any() else -1
-        source_media = [[s, e, int(m.tokens)] for (s, e), m in zip(spans, enc.media)]
+        source_media = tuple((s, e, int(m.tokens)) for (s, e), m in zip(spans, enc.media))
         cut, reason = self._safe_cut(enc, spans)
         if cut == len(enc.tokens):
             return replace(enc, first_target=first_target, source_media=source_media)
@@ -572,7 +574,7 @@ class Encoder:
                    f"no training target fits before a safe cut at {cut} tokens ({reason})")
             return Encoded(enc.key, enc.shard, enc.index, "dropped", why, source_tokens=enc.source_tokens,
                            length_known=enc.length_known, first_target=first_target, source_media=source_media)
-        kept = [m for m, (_, e) in zip(enc.media, spans) if e <= cut]
+        kept = tuple(m for m, (_, e) in zip(enc.media, spans) if e <= cut)
         return replace(enc, status="truncated", reason=f"truncated to {cut}: {reason}",
                        tokens=enc.tokens[:cut].copy(), targets=enc.targets[:cut].copy(), media=kept,
                        first_target=first_target, source_media=source_media)
