@@ -94,6 +94,19 @@ class _Measured:
     facts: VideoFacts | AudioFacts | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class _Rendered:
+    """A sample rendered before tokenizing: its text (placeholders expanded where the family does it in the text),
+    the character spans of its replies, its media measured and planned, and its ledger note
+    (:meth:`Encoder._convention_note`)."""
+
+    raw: RawSample
+    text: str
+    spans: list[tuple[int, int]]
+    media: list[Staged]
+    note: str
+
+
 def check_tokenizer_dir(tokenizer_dir: str | Path) -> None:
     """Raise :class:`ConfigError` if the folder cannot provide a fast tokenizer and a chat template."""
     d = Path(tokenizer_dir)
@@ -402,7 +415,7 @@ class Encoder:
         of its own data (a :class:`SampleError`) becomes an ``error`` row (``strict``: raises
         :class:`FatalSampleError` naming it); packtool's own bugs propagate with the sample named
         (:mod:`packtool.errors`)."""
-        staged: list[tuple[RawSample, str, list[tuple[int, int]], list[Staged], str] | Encoded] = []
+        staged: list[_Rendered | Encoded] = []
         for raw in raws:
             with self._guard(raw, strict, staged):
                 if raw.problem:
@@ -417,30 +430,26 @@ class Encoder:
                     continue
                 text, spans = self.target_spans(conv.messages)
                 text, spans, media = self.family.expand_text(text, spans, media)
-                staged.append((raw, text, spans, media, self._convention_note(conv)))
-        texts = [self._bounded(s[1]) for s in staged if not isinstance(s, Encoded)]
-        batch = self._tokenize(texts)
+                staged.append(_Rendered(raw, text, spans, media, self._convention_note(conv)))
+        texts = [self._bounded(s.text) for s in staged if isinstance(s, _Rendered)]
+        batch = iter(zip(texts, self._tokenize(texts)))
         out: list[Encoded] = []
-        j = 0
         for s in staged:
             if isinstance(s, Encoded):
                 out.append(s)
                 continue
-            raw, text, spans, media, note = s
-            encoding = batch[j]
-            j += 1
-            with self._guard(raw, strict, out):
-                tokenized = texts[j - 1]
+            tokenized, encoding = next(batch)
+            with self._guard(s.raw, strict, out):
                 while True:
                     if isinstance(encoding, Exception):
                         raise encoding
-                    if len(tokenized) == len(text) or len(encoding) > self.settings.max_tokens + _STABLE_TOKENS:
+                    if len(tokenized) == len(s.text) or len(encoding) > self.settings.max_tokens + _STABLE_TOKENS:
                         break
-                    tokenized = text[:len(tokenized) * 8]  # the cut left too few tokens: cut further out
+                    tokenized = s.text[:len(tokenized) * 8]  # the cut left too few tokens: cut further out
                     encoding = self._tokenize([tokenized])[0]
-                done = self._finish(raw, encoding, len(tokenized), spans, media, cut=len(tokenized) < len(text))
-                if note and done.status in ("packed", "truncated"):
-                    done = replace(done, reason="; ".join(r for r in (done.reason, note) if r))
+                done = self._finish(s.raw, encoding, len(tokenized), s.spans, s.media, cut=len(tokenized) < len(s.text))
+                if s.note and done.status in ("packed", "truncated"):
+                    done = replace(done, reason="; ".join(r for r in (done.reason, s.note) if r))
                 out.append(done)
         return out
 
