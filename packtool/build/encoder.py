@@ -376,6 +376,7 @@ class Encoder:
             facts = probe_video(data[0], max_pixels=self.settings.pixel_limit, decode=decode)
         facts = self.family.video_facts(data, bool(named), facts, m.part)
         offset, _ = raw.ranges[m.part]
+        # each frame's member and where it lies (a pickled list's frames: where the list lies)
         frames = tuple((f, *raw.ranges[f if m.item is None else m.part]) for f, _ in named)
         item = MediaItem(m.part, m.item, "video", m.part.rsplit(".", 1)[-1].lower(), facts.width, facts.height,
                          offset, sum(len(d) for d in data), 0, sha256=sha256(b"".join(data)), frames=frames,
