@@ -47,10 +47,9 @@ from packtool.errors import (
     sample_reason,
     user_code,
 )
-from packtool.families import Family, ItemPlan
-from packtool.families.base import Decoded
+from packtool.families import Family
 from packtool.format import sha256
-from packtool.media import image_size, probe_audio, probe_frames, probe_video
+from packtool.media import AudioFacts, VideoFacts, image_size, probe_audio, probe_frames, probe_video
 from packtool.settings import EncodeSettings
 
 #: Texts longer than this many characters per kept token are cut before tokenizing (see ``Encoder._bounded``).
@@ -59,9 +58,10 @@ _CHARS_PER_TOKEN = 64
 _STABLE_TOKENS = 64
 
 
-@dataclass
+@dataclass(frozen=True)
 class Encoded:
-    """One encoded sample: what the ledger records and, unless dropped, what a pack segment holds."""
+    """One encoded sample: what the ledger records and, unless dropped, what a pack segment holds (frozen: the
+    per-pack limits make a new one)."""
 
     key: str
     shard: str
@@ -71,7 +71,7 @@ class Encoded:
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     targets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
     #: Media kept, in placeholder order.
-    media: list[MediaItem] = field(default_factory=list)
+    media: tuple[MediaItem, ...] = ()
     #: Length before truncation (0 if encoding failed).
     source_tokens: int = 0
     #: False when a huge text was cut before tokenizing: ``source_tokens`` is then a lower bound.
@@ -79,7 +79,32 @@ class Encoded:
     #: Facts of the sample before any cut, so another pack size can be judged without encoding again: its
     #: first target token, and ``[start, end, placeholder tokens]`` of every media item's span.
     first_target: int = -1
-    source_media: list[list[int]] = field(default_factory=list)
+    source_media: tuple[tuple[int, int, int], ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class _Measured:
+    """A media item measured, before its family plans it (:meth:`Encoder._plan`): the item (where its bytes lie,
+    its size, a video's container facts; no tokens yet), the bytes its processor is given (each frame's for a
+    video given as frames: ``framed``), and the probe's facts of a video or an audio clip."""
+
+    item: MediaItem
+    data: list[bytes]
+    framed: bool = False
+    facts: VideoFacts | AudioFacts | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class _Rendered:
+    """A sample rendered before tokenizing: its text (placeholders expanded where the family does it in the text),
+    the character spans of its replies, its media measured and planned, and its ledger note
+    (:meth:`Encoder._convention_note`)."""
+
+    raw: RawSample
+    text: str
+    spans: list[tuple[int, int]]
+    media: list[Staged]
+    note: str
 
 
 def check_tokenizer_dir(tokenizer_dir: str | Path) -> None:
@@ -287,11 +312,12 @@ class Encoder:
         for m in conv.media:
             try:
                 if m.kind == "image":
-                    facts.append(self._image_facts(raw, m, lists, n_images))
+                    measured = self._measure_image(raw, m, lists)
                 elif m.kind == "video":
-                    facts.append(self._video_facts(raw, m))
+                    measured = self._measure_video(raw, m)
                 else:
-                    facts.append(self._audio_facts(raw, m))
+                    measured = self._measure_audio(raw, m)
+                facts.append(self._plan(measured, n_images))
             except SampleError:
                 raise
             except ValueError as exc:  # the media layer's reasons name no member
@@ -316,12 +342,10 @@ class Encoder:
             raise SampleError(f"its media give the processor {pixels} decoded pixels > max_sample_pixels "
                               f"{st.max_sample_pixels}")
 
-    def _image_facts(self, raw: RawSample, m: Media, lists: dict[str, Sequence[bytes]], n_images: int) -> Staged:
-        """An image's size, grid and tokens; ``n_images``: images of the sample (Nemotron Omni's patch budget
-        depends on how many images its processor is given at once)."""
+    def _measure_image(self, raw: RawSample, m: Media, lists: dict[str, Sequence[bytes]]) -> _Measured:
+        """An image's size and format (``lists``: the sample's pickled lists read so far)."""
         if m.item is None:
             data = raw.parts[m.part]
-            offset, size = raw.ranges[m.part]
             ext = m.part.rsplit(".", 1)[-1].lower()
         else:
             if m.part not in lists:
@@ -330,19 +354,15 @@ class Encoder:
             if m.item >= len(items):
                 raise SampleError(f"media {m.part}[{m.item}] referenced but missing")
             data, ext = items[m.item], ""
-            offset, size = raw.ranges[m.part]  # the writer re-reads the list and takes the item
+        offset, size = raw.ranges[m.part]  # of a list item: the list's (the writer re-reads it and takes the item)
         width, height, fmt = image_size(data, max_pixels=self.settings.pixel_limit,
                                         decode=self.settings.media_check == "decode")
         if not ext or len(ext) > 8 or not ext.isalnum():
             ext = {"jpeg": "jpg"}.get(fmt, fmt or "bin")
-        decoded = self.family.media_input("image", [data], False, None)
-        plan = self.family.plan_image(width, height, n_images)
-        item = MediaItem(m.part, m.item, "image", ext, width, height, offset, size, plan.tokens, tuple(plan.grid_thw))
-        return _staged(item, plan, decoded)
+        return _Measured(MediaItem(m.part, m.item, "image", ext, width, height, offset, size, 0), [data])
 
-    def _video_facts(self, raw: RawSample, m: Media) -> Staged:
-        """A video's plan from its container facts (or its frames' headers): the frames the processor is given,
-        the grid, the tokens and ``second_per_grid_ts``."""
+    def _measure_video(self, raw: RawSample, m: Media) -> _Measured:
+        """A video's container facts (or its frames' headers), as the family reads them, and where its bytes lie."""
         decode = self.settings.media_check == "decode"
         if m.item is not None:  # a video of a pickled list: its encoded frames as stored, named by format
             named = video_frames(raw.parts[m.part], m.part, m.item)
@@ -356,32 +376,39 @@ class Encoder:
             facts = probe_video(data[0], max_pixels=self.settings.pixel_limit, decode=decode)
         facts = self.family.video_facts(data, bool(named), facts, m.part)
         offset, _ = raw.ranges[m.part]
-        frames = []
-        for f, _ in named:
-            frame_offset, frame_size = raw.ranges[f if m.item is None else m.part]
-            frames.append((f, frame_offset, frame_size))
-        decoded = self.family.media_input("video", data, bool(named), facts)
-        plan = self.family.plan_video(facts, m.part)
-        item = MediaItem(
-            m.part, m.item, "video", m.part.rsplit(".", 1)[-1].lower(), facts.width, facts.height, offset,
-            sum(len(d) for d in data), plan.tokens, tuple(plan.grid_thw), sha256=sha256(b"".join(data)),
-            frames=tuple(frames), total_frames=facts.frames, fps=facts.fps, duration=facts.duration,
-            frame_indices=tuple(plan.frame_indices), second_per_grid_ts=plan.second_per_grid_ts)
-        return _staged(item, plan, decoded)
+        # each frame's member and where it lies (a pickled list's frames: where the list lies)
+        frames = tuple((f, *raw.ranges[f if m.item is None else m.part]) for f, _ in named)
+        item = MediaItem(m.part, m.item, "video", m.part.rsplit(".", 1)[-1].lower(), facts.width, facts.height,
+                         offset, sum(len(d) for d in data), 0, sha256=sha256(b"".join(data)), frames=frames,
+                         total_frames=facts.frames, fps=facts.fps, duration=facts.duration)
+        return _Measured(item, data, bool(named), facts)
 
-    def _audio_facts(self, raw: RawSample, m: Media) -> Staged:
-        """An audio clip's tokens and the length of the waveform its processor is given (``samples``, at the
-        processor's rate after any length cap); no grid, no pixels."""
+    def _measure_audio(self, raw: RawSample, m: Media) -> _Measured:
+        """An audio clip's facts (no grid, no pixels)."""
         data = raw.parts[m.part]
-        facts = probe_audio(data, decode=self.settings.media_check == "decode")
         offset, size = raw.ranges[m.part]
-        decoded = self.family.media_input("audio", [data], False, facts)
-        plan = self.family.plan_audio(facts, m.part)
-        measured = decoded.samples if decoded is not None else None  # the processor mode's decoded waveform
-        item = MediaItem(m.part, None, "audio", m.part.rsplit(".", 1)[-1].lower(), 0, 0, offset, size, plan.tokens,
-                         samples=plan.samples if plan.samples is not None else measured,
-                         decoded=measured is not None)
-        return _staged(item, plan, decoded)
+        item = MediaItem(m.part, None, "audio", m.part.rsplit(".", 1)[-1].lower(), 0, 0, offset, size, 0)
+        return _Measured(item, [data], facts=probe_audio(data, decode=self.settings.media_check == "decode"))
+
+    def _plan(self, measured: _Measured, n_images: int) -> Staged:
+        """A measured item decoded where the family's processor mode needs it (:meth:`Family.media_input`), then
+        planned by the family: its tokens, grid, frames and ``second_per_grid_ts``, and the length of the waveform
+        an audio clip's processor is given (``samples``: the plan's, else the decoded waveform's).
+        ``n_images``: images of the sample (Nemotron Omni's patch budget depends on how many images its
+        processor is given at once)."""
+        item, facts = measured.item, measured.facts
+        decoded = self.family.media_input(item.kind, measured.data, measured.framed, facts)
+        if isinstance(facts, VideoFacts):
+            plan = self.family.plan_video(facts, item.part)
+        elif isinstance(facts, AudioFacts):
+            plan = self.family.plan_audio(facts, item.part)
+        else:  # an image: planned from its size
+            plan = self.family.plan_image(item.width, item.height, n_images)
+        samples = decoded.samples if decoded is not None else None  # the processor mode's decoded waveform
+        item = replace(item, tokens=plan.tokens, grid_thw=tuple(plan.grid_thw),
+                       frame_indices=tuple(plan.frame_indices), second_per_grid_ts=plan.second_per_grid_ts,
+                       samples=plan.samples if plan.samples is not None else samples, decoded=samples is not None)
+        return Staged(item, text=plan.text, input=None if decoded is None else decoded.input)
 
     # -- encoding --------------------------------------------------------------------------------------------
     def encode_many(self, raws: list[RawSample], strict: bool = False) -> list[Encoded]:
@@ -389,7 +416,7 @@ class Encoder:
         of its own data (a :class:`SampleError`) becomes an ``error`` row (``strict``: raises
         :class:`FatalSampleError` naming it); packtool's own bugs propagate with the sample named
         (:mod:`packtool.errors`)."""
-        staged: list[tuple[RawSample, str, list[tuple[int, int]], list[Staged], str] | Encoded] = []
+        staged: list[_Rendered | Encoded] = []
         for raw in raws:
             with self._guard(raw, strict, staged):
                 if raw.problem:
@@ -404,30 +431,26 @@ class Encoder:
                     continue
                 text, spans = self.target_spans(conv.messages)
                 text, spans, media = self.family.expand_text(text, spans, media)
-                staged.append((raw, text, spans, media, self._convention_note(conv)))
-        texts = [self._bounded(s[1]) for s in staged if not isinstance(s, Encoded)]
-        batch = self._tokenize(texts)
+                staged.append(_Rendered(raw, text, spans, media, self._convention_note(conv)))
+        texts = [self._bounded(s.text) for s in staged if isinstance(s, _Rendered)]
+        batch = iter(zip(texts, self._tokenize(texts)))
         out: list[Encoded] = []
-        j = 0
         for s in staged:
             if isinstance(s, Encoded):
                 out.append(s)
                 continue
-            raw, text, spans, media, note = s
-            encoding = batch[j]
-            j += 1
-            with self._guard(raw, strict, out):
-                tokenized = texts[j - 1]
+            tokenized, encoding = next(batch)
+            with self._guard(s.raw, strict, out):
                 while True:
                     if isinstance(encoding, Exception):
                         raise encoding
-                    if len(tokenized) == len(text) or len(encoding) > self.settings.max_tokens + _STABLE_TOKENS:
+                    if len(tokenized) == len(s.text) or len(encoding) > self.settings.max_tokens + _STABLE_TOKENS:
                         break
-                    tokenized = text[:len(tokenized) * 8]  # the cut left too few tokens: cut further out
+                    tokenized = s.text[:len(tokenized) * 8]  # the cut left too few tokens: cut further out
                     encoding = self._tokenize([tokenized])[0]
-                done = self._finish(raw, encoding, len(tokenized), spans, media, cut=len(tokenized) < len(text))
-                if note and done.status in ("packed", "truncated"):
-                    done = replace(done, reason="; ".join(r for r in (done.reason, note) if r))
+                done = self._finish(s.raw, encoding, len(tokenized), s.spans, s.media, cut=len(tokenized) < len(s.text))
+                if s.note and done.status in ("packed", "truncated"):
+                    done = replace(done, reason="; ".join(r for r in (done.reason, s.note) if r))
                 out.append(done)
         return out
 
@@ -538,7 +561,8 @@ class Encoder:
                     targets[end] = 1
         self.family.convention.mark_targets(ids, targets, self.special_array, self.newline_id)
         tokens, targets, items = self.family.place(encoding, ids, targets, media, cut, text_len, self.special_ids)
-        enc = Encoded(raw.key, raw.shard, raw.index, "packed", "", tokens, targets, items, len(tokens), not cut)
+        enc = Encoded(raw.key, raw.shard, raw.index, "packed", "", tokens, targets, tuple(items), len(tokens),
+                      not cut)
         if not targets.any() and not cut:  # cut: the replies lie past the cut, the sample is over-long (_fit)
             raise SampleError("no training targets")
         fitted = self._fit(enc)
@@ -549,54 +573,45 @@ class Encoder:
     def _fit(self, enc: Encoded) -> Encoded:
         """Apply the per-pack limits to one sample: cut at a safe boundary, or drop, per ``overlong``; the result
         carries the uncut sample's facts (:attr:`Encoded.first_target`, :attr:`Encoded.source_media`)."""
+        spans = [self.family.media_span(enc.tokens, m) for m in enc.media]
         first_target = int(np.argmax(enc.targets)) if enc.targets.any() else -1
-        spans = [[*self.family.media_span(enc.tokens, m), int(m.tokens)] for m in enc.media]
-        out = self._limit(enc)
-        out.first_target, out.source_media = first_target, spans
-        return out
+        source_media = tuple((s, e, int(m.tokens)) for (s, e), m in zip(spans, enc.media))
+        cut, reason = self._safe_cut(enc, spans)
+        if cut == len(enc.tokens):
+            return replace(enc, first_target=first_target, source_media=source_media)
+        if self.settings.overlong == "drop" or not enc.targets[:cut].any():
+            why = (f"over limit: {reason}" if self.settings.overlong == "drop" else
+                   f"no training target fits before a safe cut at {cut} tokens ({reason})")
+            return Encoded(enc.key, enc.shard, enc.index, "dropped", why, source_tokens=enc.source_tokens,
+                           length_known=enc.length_known, first_target=first_target, source_media=source_media)
+        kept = tuple(m for m, (_, e) in zip(enc.media, spans) if e <= cut)
+        return replace(enc, status="truncated", reason=f"truncated to {cut}: {reason}",
+                       tokens=enc.tokens[:cut].copy(), targets=enc.targets[:cut].copy(), media=kept,
+                       first_target=first_target, source_media=source_media)
 
-    def _limit(self, enc: Encoded) -> Encoded:
+    def _safe_cut(self, enc: Encoded, spans: list[tuple[int, int]]) -> tuple[int, str]:
+        """Where the per-pack limits cut the sample (its length: nowhere), never inside a media span (``spans``:
+        each item's), and why."""
         st = self.settings
         cut, why = len(enc.tokens), []
         if cut > st.max_tokens:
             at_least = "" if enc.length_known else "at least "
             cut, why = st.max_tokens, [f"{at_least}{len(enc.tokens)} tokens > {st.max_tokens}"]
         image_total = 0
-        for j, m in enumerate(enc.media):
+        for j, (m, (s, _)) in enumerate(zip(enc.media, spans)):
             image_total += m.tokens
             over_images = st.max_images is not None and j + 1 > st.max_images
             over_tokens = st.max_image_tokens is not None and image_total > st.max_image_tokens
             if over_images or over_tokens:
-                s, _ = self.family.media_span(enc.tokens, m)
                 if s < cut:
                     cut = s
                     why.append(f"{m.kind} {j + 1} over the per-pack " + ("image cap" if over_images else
                                                                                "image-token cap"))
                 break
-        for m in enc.media:  # never cut inside a media span
-            s, e = self.family.media_span(enc.tokens, m)
+        for s, e in spans:  # never cut inside a media span
             if s < cut < e:
                 cut = s
-        if cut == len(enc.tokens):
-            return enc
-        reason = "; ".join(why)
-        if st.overlong == "drop":
-            return Encoded(enc.key, enc.shard, enc.index, "dropped", f"over limit: {reason}",
-                           source_tokens=enc.source_tokens, length_known=enc.length_known)
-        if not enc.targets[:cut].any():
-            return Encoded(enc.key, enc.shard, enc.index, "dropped",
-                           f"no training target fits before a safe cut at {cut} tokens ({reason})",
-                           source_tokens=enc.source_tokens, length_known=enc.length_known)
-        kept = [m for m in enc.media if self.family.media_span(enc.tokens, m)[1] <= cut]
-        return Encoded(enc.key, enc.shard, enc.index, "truncated", f"truncated to {cut}: {reason}",
-                       enc.tokens[:cut].copy(), enc.targets[:cut].copy(), kept, enc.source_tokens,
-                       enc.length_known)
-
-
-def _staged(item: MediaItem, plan: ItemPlan, decoded: Decoded | None) -> Staged:
-    """A measured and planned item as encoding carries it: with its plan's expansion text and what the processor
-    mode decoded."""
-    return Staged(item, text=plan.text, input=None if decoded is None else decoded.input)
+        return cut, "; ".join(why)
 
 
 def model_facts(settings: EncodeSettings, dataset_yaml: dict | None = None) -> dict:
