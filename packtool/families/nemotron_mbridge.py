@@ -138,7 +138,7 @@ class MBridgeNemotronOmni(NemotronOmni):
         if (channels := decord_channels(facts.width)) != 3:
             raise SampleError(f"media {part!r}: decord (Megatron-Bridge's Nemotron Omni video decoder) reads frames "
                               f"{facts.width} pixels wide as {channels} channels (its row padding), which its JPEG "
-                              f"step cannot take")
+                              f"step cannot take (Energon skips the sample)")
         return facts
 
     def plan_video(self, facts: VideoFacts, part: str) -> ItemPlan:
