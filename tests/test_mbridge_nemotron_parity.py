@@ -490,3 +490,27 @@ def test_encoded_video_controls_differ(runs, folder, tmp_path):
     ref = theirs["f_30fps"]
     assert mine["tokens"].shape == ref["tokens"].shape and not torch.equal(mine["tokens"], ref["tokens"])
     assert differing(mine, ref) == ["tokens", "pixel_values"]
+
+
+#: Widths whose decoded rows decord pads to another multiple of the width (measured: 4 channels at 24, 48 and 72
+#: pixels, 6 at 16), and widths it reads right.
+DECORD_WIDTHS = (16, 24, 44, 48, 50, 64, 72, 80, 96, 120)
+
+
+def test_decord_channel_rule(tmp_path):
+    """:func:`decord_channels` (why the preset refuses some widths) against decord itself, run in a process of its
+    own (its FFmpeg and PyAV's do not share one), on an mp4 of each width."""
+    from packtool.families.nemotron_mbridge import decord_channels
+
+    found = decord_dir()
+    if found is None:
+        pytest.skip("decord is not here (`make` installs it beside the wheel; PACKTOOL_DECORD_DIR names another)")
+    for w in DECORD_WIDTHS:
+        (tmp_path / f"{w}.mp4").write_bytes(demo.make_video("mp4", width=w, height=32, frames=2, fps=4))
+    code = ("import sys, decord; sys.stdout.write(' '.join(str(decord.VideoReader(p)[0].shape[2]) "
+            "for p in sys.argv[1:]))")
+    result = subprocess.run([sys.executable, "-c", code, *(str(tmp_path / f"{w}.mp4") for w in DECORD_WIDTHS)],
+                            check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(found)})
+    measured = dict(zip(DECORD_WIDTHS, map(int, result.stdout.split()), strict=True))
+    assert measured == {w: decord_channels(w) for w in DECORD_WIDTHS}
+    assert {w: c for w, c in measured.items() if c != 3} == {16: 6, 24: 4, 48: 4, 72: 4}
