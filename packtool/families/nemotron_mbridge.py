@@ -264,9 +264,10 @@ def sampled_frames(total: int, fps: float) -> tuple[tuple[int, ...], float]:
 
 
 def decord_channels(width: int) -> int:
-    """Channels decord 0.6 gives a decoded RGB frame ``width`` pixels wide: its rows are padded to a multiple of 32
-    pixels and it takes the padded row over the width for the channel count when that divides evenly (3 for every
-    width of 96 and more, or a multiple of 32; 4 for 24, 48 and 72 pixels)."""
+    """Channels decord 0.6 gives a decoded RGB frame ``width`` pixels wide (measured on every even width up to 398):
+    as if its rows were padded to a multiple of 32 pixels and the padded row over the width, where that divides
+    evenly, were the channel count (3 for every width of 96 and more, or a multiple of 32; 4 for 24, 48 and 72
+    pixels, more for narrower ones)."""
     row = -(-width // 32) * 32 * 3
     return row // width if row != 3 * width and row % width == 0 else 3
 
