@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml constraints.txt
 
 # The second test environment: Megatron-Bridge's own pins (Python 3.12, transformers <=5.12.1, tokenizers <0.23) with
 # the runtime side's dependencies only, plus Megatron-Bridge's data code for the comparison tests: its wheel (pure
-# Python) and qwen-vl-utils, --no-deps (its CUDA-only dependencies are left out), in a folder of their own.
+# Python) and qwen-vl-utils, --no-deps (its CUDA-only dependencies are left out), in a folder of their own. librosa:
+# Megatron-Bridge's own `audio` extra, which transformers <=5.12's Parakeet audio features need (the reader's too).
 # pyenv's own 3.12 first (its python3.12 shim refuses while 3.12 is not a selected version), else python3.12.
 PY312 ?= $(shell p=$$(ls -d "$$(pyenv root 2>/dev/null || echo "$${PYENV_ROOT:-$$HOME/.pyenv}")"/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1); \
 	if [ -x "$$p" ]; then echo "$$p"; else command -v python3.12; fi)
@@ -28,7 +29,7 @@ MB_TESTS := tests/test_read.py tests/test_megatron_bridge.py tests/test_mbridge_
 $(MB_STAMP): pyproject.toml constraints-mbridge.txt
 	$(PY312) -m venv $(MB_VENV)
 	$(MB_VENV)/bin/pip install -q --upgrade pip
-	$(MB_VENV)/bin/pip install -q -c constraints-mbridge.txt -e '.[test,media]'
+	$(MB_VENV)/bin/pip install -q -c constraints-mbridge.txt -e '.[test,media]' librosa
 	$(MB_VENV)/bin/pip install -q --no-deps --target $(MB_VENV)/mbridge megatron-bridge==0.6.2 qwen-vl-utils==0.0.14
 	touch $(MB_STAMP)
 

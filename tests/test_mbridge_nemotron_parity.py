@@ -514,3 +514,49 @@ def test_decord_channel_rule(tmp_path):
     measured = dict(zip(DECORD_WIDTHS, map(int, result.stdout.split()), strict=True))
     assert measured == {w: decord_channels(w) for w in DECORD_WIDTHS}
     assert {w: c for w, c in measured.items() if c != 3} == {16: 6, 24: 4, 48: 4, 72: 4}
+
+
+#: The interpreter of Megatron-Bridge's own pins (`make` builds it beside the main environment).
+PINS_PYTHON = Path(sys.prefix).parent / ".venv-mbridge" / "bin" / "python"
+
+#: Every tensor of every batch ``megatron_bridge_batch`` gives for an output, saved to a file (run under either
+#: interpreter).
+BATCH_TENSORS = """
+import sys, torch
+from packtool.runtime.megatron_batch import megatron_bridge_batch
+from packtool.runtime.read import read_packs
+rows = []
+for batch in read_packs(sys.argv[1]):
+    mb = megatron_bridge_batch(batch)
+    visual = mb.pop("visual_inputs", None)
+    row = {k: v for k, v in mb.items() if isinstance(v, torch.Tensor)}
+    if visual is not None:
+        row["pixel_values"] = visual.pixel_values
+    rows.append(row)
+torch.save(rows, sys.argv[2])
+"""
+
+
+def test_reader_runs_in_megatron_bridge_environment(runs, tmp_path):
+    """The preset's reader reads no model folder, so it runs where Megatron-Bridge trains: under its pins (Python
+    3.12, transformers 5.12.1, whose Parakeet features take librosa, Megatron-Bridge's `audio` extra) every tensor
+    of every batch of the preset's outputs (images, frame lists, encoded videos, audio) equals the main
+    environment's."""
+    if not PINS_PYTHON.exists():
+        pytest.skip(f"Megatron-Bridge's pins environment is not at {PINS_PYTHON} (`make` builds it)")
+    compared = []
+    for name in ("visual", "audio", "files", "files_audio"):
+        try:
+            _, out = runs("0.6.2", name)
+        except pytest.skip.Exception:
+            continue
+        for python, tag in ((PINS_PYTHON, "pins"), (Path(sys.executable), "main")):
+            subprocess.run([str(python), "-c", BATCH_TENSORS, str(out), str(tmp_path / f"{name}-{tag}.pt")],
+                           check=True)
+        pins, main = (torch.load(tmp_path / f"{name}-{tag}.pt") for tag in ("pins", "main"))
+        assert len(pins) == len(main) > 0, name
+        for theirs, mine in zip(pins, main):
+            assert theirs.keys() == mine.keys(), name
+            assert [k for k in mine if not torch.equal(theirs[k], mine[k])] == [], name
+        compared.append(name)
+    assert "visual" in compared
