@@ -92,7 +92,8 @@ def test_the_runtime_side_imports_nothing_from_the_build_side():
     be installed into a training container alone); the conventions' text layout runs without it too (the media
     tags are the format's)."""
     code = ("import sys, packtool.runtime.read, packtool.runtime.loader, packtool.runtime.megatron_batch, "
-            "packtool.runtime.nemotron; from packtool.runtime import read_packs, megatron_bridge_batch; "
+            "packtool.runtime.nemotron, packtool.runtime.nemotron_mbridge; "
+            "from packtool.runtime import read_packs, megatron_bridge_batch; "
             "from packtool.families.conventions import media_first; "
             "assert media_first('Look at <image>') == '<image>Look at'; "
             "print([m for m in sys.modules if m.startswith('packtool.build')])")
@@ -101,8 +102,9 @@ def test_the_runtime_side_imports_nothing_from_the_build_side():
                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
     assert out.stdout.strip() == "[]", out.stdout
     # The control: the build side's encoder does import it.
-    control = subprocess.run([sys.executable, "-c", code.replace("packtool.runtime.nemotron;",
-                                                                 "packtool.runtime.nemotron, packtool.build.encoder;")],
+    with_encoder = code.replace("packtool.runtime.nemotron_mbridge;",
+                                "packtool.runtime.nemotron_mbridge, packtool.build.encoder;")
+    control = subprocess.run([sys.executable, "-c", with_encoder],
                              capture_output=True, text=True, check=True, env={"PYTHONPATH": str(root),
                                                                              "PATH": "/usr/bin:/bin"})
     assert "packtool.build.encoder" in control.stdout

@@ -52,14 +52,12 @@ from packtool import families
 from packtool.errors import FormatError
 from packtool.format import Manifest, PackRecord
 from packtool.runtime.loader import PackSample, _manifest, _reader_processor, cook_pack
+from packtool.runtime.nemotron import CLIP_MEAN, CLIP_STD
 from packtool.runtime.read import open_pack, open_stored_image, pack_to_batch
 
 #: The media keys of a Qwen2-VL-style reader batch that NeMo-RL's ``hf_multimodal`` adapter carries (the
 #: transformers processor's own names).
 QWEN_MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-#: CLIP's mean and standard deviation, which NeMo-RL's Nemotron visual path normalises with.
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 #: Options of NeMo-RL's own SFT encoders (``nemotron_multimodal``'s keyword arguments) that a recipe overlay
 #: inherits: they decide tokens and media at packing time, which packtool did, so they are accepted and not used.
 RECIPE_OPTIONS = frozenset({

@@ -42,6 +42,11 @@ from packtool.families.nemotron_omni import NemotronOmniSettings
 from packtool.format import MediaRef, PackRecord
 from packtool.media import AudioFacts, read_folder
 
+#: CLIP's mean and standard deviation: Megatron-Bridge's temporal path and NeMo-RL's Nemotron visual path normalize
+#: with these constants, not the model folder's.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
 #: Keys of a sub-processor's saved settings that name its class rather than configure it.
 _CLASS_KEYS = ("image_processor_type", "video_processor_type", "feature_extractor_type", "processor_class",
                "auto_map")

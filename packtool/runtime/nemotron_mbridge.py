@@ -29,11 +29,7 @@ import torch
 
 from packtool.errors import FormatError
 from packtool.format import PackRecord
-from packtool.runtime.nemotron import _grids, _patches, pad_frames
-
-#: The normalization Megatron-Bridge's temporal path applies (OpenAI CLIP's mean and standard deviation).
-MEAN = (0.48145466, 0.4578275, 0.40821073)
-STD = (0.26862954, 0.26130258, 0.27577711)
+from packtool.runtime.nemotron import CLIP_MEAN, CLIP_STD, _grids, _patches, pad_frames
 
 
 def canvas_patches(image: Any, canvas: int, patch: int) -> torch.Tensor:
@@ -46,7 +42,7 @@ def canvas_patches(image: Any, canvas: int, patch: int) -> torch.Tensor:
         x = torch.nn.functional.interpolate(x, size=(canvas, canvas), mode="bicubic", align_corners=False,
                                             antialias=True)
     x = x[0] / 255.0
-    x = (x - torch.tensor(MEAN).view(3, 1, 1)) / torch.tensor(STD).view(3, 1, 1)
+    x = (x - torch.tensor(CLIP_MEAN).view(3, 1, 1)) / torch.tensor(CLIP_STD).view(3, 1, 1)
     return _patches(x[None], patch)
 
 
