@@ -31,7 +31,7 @@ class PackSummary:
     """What a run did."""
 
     output: Path
-    #: The Energon dataset that was packed: the source itself, or where a JSON/Parquet source was staged.
+    #: The source that was packed (an Energon dataset, or a JSON/Parquet file or folder, read in place).
     source: Path
     splits: dict[str, SplitSummary]
     #: Seconds per stage of this call (empty when the output was already complete).
@@ -59,8 +59,8 @@ def pack(source: str | Path, output: str | Path, *, config: str | Path | None = 
     values, given = cfg.merge(cfg.read(config) if config is not None else None,
                               {"source": str(source), "output": str(output), **settings})
     run = cfg.build(values, given)
-    staged = resolve_source(run.source, run.output, media_dir=run.media_dir, staging=run.staging)
-    result = run_pack(staged, run.output, run.settings, run.options)
+    src = resolve_source(run.source, media_dir=run.media_dir, absolute_media_paths=run.absolute_media_paths)
+    result = run_pack(src, run.output, run.settings, run.options)
     splits = {name: SplitSummary(c["samples"], c["packed"], c["truncated"], c["dropped"], c["error"],
                                  result.packs.get(name, 0)) for name, c in result.counts.items()}
-    return PackSummary(result.output, Path(staged).resolve(), splits, dict(result.seconds), run.config)
+    return PackSummary(result.output, Path(run.source).resolve(), splits, dict(result.seconds), run.config)

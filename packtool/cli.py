@@ -91,8 +91,9 @@ def pack(
     print_config: bool = typer.Option(False, help="Print the run's settings as a config file and stop."),
     media_dir: Path | None = typer.Option(None, help="Folder of the media a JSON/Parquet source names "
                                                      "(default: the source's folder)."),
-    staging: Path | None = typer.Option(None, help="Where a non-Energon source is staged as an Energon "
-                                                   "dataset (default: OUTPUT.source)."),
+    absolute_media_paths: bool = typer.Option(False, help="Read absolute media paths of a JSON/Parquet "
+                                                          "source (else each is its record's error)."),
+    staging: Path | None = typer.Option(None, hidden=True, help="Refused: file sources are read in place."),
     tokenizer: str | None = typer.Option(None, help="Model folder, or a model id in the local Hugging Face "
                                                     "cache, or msc://PROFILE/path (tokenizer, chat template, "
                                                     "processor config)."),
@@ -210,14 +211,14 @@ def pack(
     settings, options, out = run.settings, run.options, run.output
     from packtool.build.sources.files import resolve_source
 
-    src = _one_line(lambda: resolve_source(run.source, out, media_dir=run.media_dir, staging=run.staging,
-                                           log=typer.echo if options.progress else None))
+    src = _one_line(lambda: resolve_source(run.source, media_dir=run.media_dir,
+                                           absolute_media_paths=run.absolute_media_paths))
     from packtool.build.pipeline import check_inputs
     from packtool.build.pipeline import pack as run_pack
 
-    _one_line(lambda: check_inputs(src, out, settings))  # what needs no sample fails before any worker
+    opened = _one_line(lambda: check_inputs(src, out, settings))  # what needs no sample fails before any worker
     with ExitStack() as stack:  # the workers start first: their start-ups overlap this process's imports
-        pool = _one_line(lambda: stack.enter_context(pack_engine(src, settings.encode, options)))
+        pool = _one_line(lambda: stack.enter_context(pack_engine(opened.root, settings.encode, options)))
 
         result = _one_line(lambda: run_pack(src, out, settings, options, started_engine=pool))
     from packtool.verify.stats import compute
@@ -284,7 +285,7 @@ def stats(
 def verify(
     output: str = typer.Argument(..., help="A packed OUTPUT folder (or msc://PROFILE/path)."),
     source: str | None = typer.Option(None, help="Also check media bytes and tokens against SOURCE (for a "
-                                                 "JSON/Parquet source: its staging, brought up to date)."),
+                                                 "JSON/Parquet source: the file as it is now, read in place)."),
     workers: int | None = typer.Option(None, help="Worker processes (default: all cores)."),
     engine: str = typer.Option(default(R, "engine"), help="local or ray."),
     ray_address: str | None = typer.Option(None, help="Ray cluster address host:port (with --engine ray)."),

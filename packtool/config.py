@@ -2,8 +2,9 @@
 
 :data:`KEYS` is the one list of what a run takes: the fields of :class:`~packtool.settings.EncodeSettings`,
 :class:`~packtool.settings.PlanSettings` and :class:`~packtool.settings.RunOptions`, plus the source, the
-output, ``split``, ``media_dir``, ``staging`` and the parallel sizes ``align`` derives from. The command line has one
-flag per key (a test holds them equal), the config file and :func:`packtool.pack` take the same names.
+output, ``split``, ``media_dir``, ``absolute_media_paths`` and the parallel sizes ``align`` derives from
+(``staging`` is refused: file sources are read in place). The command line has one flag per key (a test
+holds them equal), the config file and :func:`packtool.pack` take the same names.
 
 Values are merged in this order: the settings' defaults, the config file, then what was given explicitly (flags or
 keyword arguments). A preset fills only the settings nobody gave: one given explicitly, from the file or a flag,
@@ -37,13 +38,14 @@ _ENCODE = tuple(f.name for f in fields(EncodeSettings))
 _PLAN = tuple(f.name for f in fields(PlanSettings))
 _RUN = tuple(f.name for f in fields(RunOptions))
 #: Keys besides the settings classes' fields.
-EXTRA_KEYS = ("source", "output", "media_dir", "staging", "split", "cp_size", "tp_size", "sequence_parallel",
-              "align_for")
+EXTRA_KEYS = ("source", "output", "media_dir", "absolute_media_paths", "staging", "split", "cp_size", "tp_size",
+              "sequence_parallel", "align_for")
 #: Every key a pack run takes.
 KEYS = (*EXTRA_KEYS, *_ENCODE, *_PLAN, *_RUN)
 #: Keys that name files: relative paths in a config file are read relative to the file's folder.
 PATH_KEYS = ("source", "output", "media_dir", "staging", "tokenizer")
-_EXTRA_DEFAULTS: dict[str, Any] = {"source": None, "output": None, "media_dir": None, "staging": None, "split": [],
+_EXTRA_DEFAULTS: dict[str, Any] = {"source": None, "output": None, "media_dir": None, "absolute_media_paths": False,
+                                   "staging": None, "split": [],
                                    "cp_size": 1, "tp_size": 1, "sequence_parallel": False, "align_for": "megatron",
                                    "align": None,
                                    "tokenizer": None, "pack_size": None, "workers": None}
@@ -103,7 +105,8 @@ class PackRun:
     settings: PackSettings
     options: RunOptions
     media_dir: Path | None
-    staging: Path | None
+    #: Whether a file source's absolute media paths are read (else each is its record's error).
+    absolute_media_paths: bool
     #: The merged values, as :func:`dump` writes them (paths as given, the tokenizer as given: a folder or an id).
     config: dict
 
@@ -125,6 +128,9 @@ def build(values: Mapping[str, Any], given: Collection[str]) -> PackRun:
     from packtool.hub import resolve_model
 
     values = dict(values)
+    if values.get("staging") is not None:
+        raise ConfigError("staging: JSON/JSONL, Parquet and save_to_disk sources are read in place, nothing is "
+                          "staged; remove the staging option")
     for key in ("source", "output", "tokenizer", "pack_size"):
         if values.get(key) is None:
             raise ConfigError(f"{key} is required (a flag, an argument or a key of the config file)")
@@ -149,15 +155,14 @@ def build(values: Mapping[str, Any], given: Collection[str]) -> PackRun:
     if isinstance(split, str):
         split = [split]
     settings = PackSettings(encode, plan, tuple(split))
-    media_dir, staging = values.get("media_dir"), values.get("staging")
+    media_dir = values.get("media_dir")
     config = {k: _plain(values[k]) for k in KEYS}
     for key in PATH_KEYS:  # recorded absolute, so the printed config runs from anywhere
         value = config[key]
         if value is not None and not is_remote(value) and (key != "tokenizer" or Path(value).expanduser().is_dir()):
             config[key] = str(Path(value).expanduser().resolve())
     return PackRun(location(values["source"]), location(values["output"]), settings, options,
-                   Path(media_dir) if media_dir is not None else None,
-                   Path(staging) if staging is not None else None, config)
+                   Path(media_dir) if media_dir is not None else None, bool(values["absolute_media_paths"]), config)
 
 
 def _plain(value: Any) -> Any:
@@ -198,15 +203,12 @@ def recorded_config(settings: PackSettings, source: Path) -> dict:
 
 
 def recorded(output: str | Path) -> str:
-    """The config file of the run that made ``output`` (from its manifest; for a staged JSON/Parquet source, the
-    file or folder given and its media folder, from the staging's record)."""
-    from packtool.build.sources.files import staged_input
+    """The config file of the run that made ``output`` (from its manifest; for a JSON/Parquet source, with its
+    media folder)."""
     from packtool.format import Manifest
 
     manifest = Manifest.read(output)
     if manifest.run_config is None:
         raise ConfigError(f"{output} records no run config (packed by an older packtool); its settings: "
                           f"{manifest.settings}")
-    config = dict(manifest.run_config)
-    config.update(staged_input(Path(config["source"])))
-    return dump(config)
+    return dump(dict(manifest.run_config))

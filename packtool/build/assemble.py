@@ -56,8 +56,10 @@ def media_bytes_of(media_json: list[str]) -> np.ndarray:
 class _Sources:
     """Open source shards and encode stores of one write task, each checked once before use."""
 
-    def __init__(self, root: Path, enc_dirs: list[str], stamps: dict[str, SourceStamp]):
+    def __init__(self, root: Path, enc_dirs: list[str], stamps: dict[str, SourceStamp], files: dict | None = None):
         self.root, self.enc_dirs, self.stamps = root, enc_dirs, stamps
+        #: Source shards that are chunks of a file source: their media are read from the user's files by record.
+        self.chunks = files or {}
         self.arrays: dict[int, tuple[NpyReader, NpyReader]] = {}
         self.files: dict[str, BinaryIO] = {}
         self.remote = any(is_remote(d) for d in enc_dirs[:1]) or is_remote(root)
@@ -84,6 +86,8 @@ class _Sources:
         wanted: dict[str, list[tuple[int, int]]] = {}
         total = 0
         for shard, media_json in zip(batch.column("shard").to_pylist(), batch.column("media").to_pylist()):
+            if shard in self.chunks:
+                continue  # a file source's media are read from local files
             for m in loads_media(media_json):
                 reads = [(o, n) for _, o, n in m.frames[:1 if m.item is not None else None]] \
                     if m.frames else [(m.offset, m.size)]
@@ -98,13 +102,20 @@ class _Sources:
                 for (o, n), data in zip(reads, path.path.read_ranges(reads)):
                     self.fetched[(shard, o, n)] = data
 
-    def media(self, shard: str, m: MediaItem) -> bytes:
-        """The bytes of one media item (of a frame list: see :meth:`frames`)."""
-        data = self._read(shard, m.part, m.offset, m.size)
+    def media(self, shard: str, m: MediaItem, key: str = "") -> bytes:
+        """The bytes of one media item (of a frame list: see :meth:`frames`) of sample ``key``."""
+        data = self._read(shard, m.part, m.offset, m.size, key)
         return data if m.item is None else load_bytes_list(data)[m.item]
 
-    def _read(self, shard: str, part: str, offset: int, size: int) -> bytes:
+    def _read(self, shard: str, part: str, offset: int, size: int, key: str = "") -> bytes:
         """The bytes of one source member."""
+        chunk = self.chunks.get(shard)
+        if chunk is not None:  # read in place: the record's file (or cell), checked against its stamp
+            data = chunk.media_bytes(int(key.split(":", 1)[0]) - chunk.first, part)[offset:offset + size]
+            if len(data) != size:
+                raise SourceError(f"{shard}: media {part} of record {key} changed after it was encoded; run the "
+                                  f"same command again to encode it anew")
+            return data
         f = self._open(shard)
         data = self.fetched.get((shard, offset, size))
         if data is None:
@@ -114,12 +125,13 @@ class _Sources:
             raise SourceError(f"{shard}: short read of member {part}")
         return data
 
-    def frames(self, shard: str, m: MediaItem) -> list[bytes]:
+    def frames(self, shard: str, m: MediaItem, key: str = "") -> list[bytes]:
         """The bytes of each frame of a video given as a list of images (members, or a video of a pickled list)."""
         if m.item is not None:
             _, offset, size = m.frames[0]
-            return [frame for _, frame in video_frames(self._read(shard, m.part, offset, size), m.part, m.item)]
-        return [self._read(shard, part, offset, size) for part, offset, size in m.frames]
+            return [frame for _, frame in video_frames(self._read(shard, m.part, offset, size, key), m.part,
+                                                       m.item)]
+        return [self._read(shard, part, offset, size, key) for part, offset, size in m.frames]
 
     def _open(self, shard: str) -> BinaryIO:
         if shard not in self.files:
@@ -152,6 +164,8 @@ class WriteTask:
     segments: pa.Table
     pack_size: int
     align: int
+    #: The file source chunks its segments come from (:class:`~packtool.build.sources.files.FileChunk`), by name.
+    files: dict | None = None
 
 
 def write_shard(task: WriteTask) -> list[IndexedRecord]:
@@ -160,7 +174,7 @@ def write_shard(task: WriteTask) -> list[IndexedRecord]:
     path = location(task.path)
     if path.exists() and idx_path(path).exists():
         return index_tar(path)
-    sources = _Sources(location(task.root), task.enc_dirs, task.stamps)
+    sources = _Sources(location(task.root), task.enc_dirs, task.stamps, task.files)
     try:
         return write_tar(path, _records(task.split, task.segments, sources, task.pack_size, task.align))
     finally:
@@ -171,7 +185,7 @@ def write_part(task: WriteTask) -> list[IndexedRecord]:
     """Write some consecutive packs of an output shard as a part file (see :func:`~packtool.shards.join_tar`):
     how the packs of one shard are written by several workers. Returns the part's index."""
     Path(task.path).parent.mkdir(parents=True, exist_ok=True)
-    sources = _Sources(Path(task.root), task.enc_dirs, task.stamps)
+    sources = _Sources(Path(task.root), task.enc_dirs, task.stamps, task.files)
     try:
         with naming(task.path), open(task.path, "wb") as f:
             return write_records(f, _records(task.split, task.segments, sources, task.pack_size, task.align))
@@ -218,14 +232,14 @@ def assemble_record(key: str, split: str, group: list[tuple[Any, ...]], sources:
         for m in loads_media(media_json):
             items += 1
             if m.frames:  # a video given as images: one member per frame, in frame order
-                frames = sources.frames(shard, m)
+                frames = sources.frames(shard, m, sample_key)
                 names = [f"m{items - 1}.{i}.{part.rsplit('.', 1)[-1].lower()}"
                          for i, (part, _, _) in enumerate(m.frames)]
                 media.update(zip(names, frames))
                 data, member = b"".join(frames), names[0]
             else:
                 names, member = [], f"m{items - 1}.{m.ext}"
-                data = media[member] = sources.media(shard, m)
+                data = media[member] = sources.media(shard, m, sample_key)
             digest = sha256(data)
             if m.sha256 and digest != m.sha256:  # a video's bytes as the encoder measured them
                 raise SourceError(f"{shard}: the bytes of {m.kind} {m.part!r} of sample {sample_key} differ "

@@ -24,7 +24,8 @@ from packtool.build.engine import Engine
 from packtool.build.ledger import write_ledger
 from packtool.build.output import OutputDir, check_paths
 from packtool.build.sources import SourceDataset, open_source
-from packtool.build.sources.energon import ScanTask, scan_layout
+from packtool.build.sources.energon import ScanTask, ShardLayout, scan_layout
+from packtool.build.sources.files import FileDataset, FileSource, chunk_digest, open_files, recorded_source, stamp_chunk
 from packtool.build.split_plan import SplitPlan, load_encoded, plan_split
 from packtool.build.store import (
     BYTES_PER_RANGE,
@@ -80,7 +81,7 @@ class _Clock:
         self.last = now
 
 
-def pack(source: str | Path, output: str | Path, settings: PackSettings, run: RunOptions | None = None, *,
+def pack(source: str | Path | FileSource, output: str | Path, settings: PackSettings, run: RunOptions | None = None, *,
          started_engine: Engine | None = None, **options: object) -> PackResult:
     """Pack every requested split of ``source`` into ``output`` (see the module docstring). ``run`` (or its
     fields as keyword ``options``) says how the run goes. ``started_engine``: an entered engine from
@@ -92,8 +93,9 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, run: Ru
     """
     run = run or RunOptions(**options)  # type: ignore[arg-type]
     clock = _Clock()
-    source, output = resolved(source), resolved(output)
+    output = resolved(output)
     src = check_inputs(source, output, settings)
+    source = src.root
     fingerprints = settings.fingerprints(source, tokenizer_fingerprint(settings.encode.tokenizer))
     # The engine is up (Ray reached) and the model folder proven by a worker before OUTPUT is touched; the OUTPUT
     # lock outlives every worker.
@@ -103,11 +105,25 @@ def pack(source: str | Path, output: str | Path, settings: PackSettings, run: Ru
         return _pack(own, src, output, settings, run, fingerprints, clock)
 
 
-def check_inputs(source: str | Path, output: str | Path, settings: PackSettings) -> SourceDataset:
+def check_inputs(source: str | Path | FileSource, output: str | Path, settings: PackSettings) -> SourceDataset:
     """Every check that needs no sample, in a fraction of a second (the caller runs it before starting workers):
-    the source's metadata and shards, OUTPUT's place, the model folder's files. Returns the opened source."""
+    the source's metadata and shards, OUTPUT's place, the model folder's files. Returns the opened source (a
+    file source: OUTPUT and the model folder are checked first, then its records are found, see
+    :func:`~packtool.build.sources.files.open_files`)."""
     from packtool.build.encoder import check_tokenizer_dir
 
+    if isinstance(source, FileSource):
+        assert source.path is not None
+        check_paths(source.path.resolve(), resolved(output), location(settings.encode.tokenizer))
+        if not is_remote(settings.encode.tokenizer):
+            check_tokenizer_dir(settings.encode.tokenizer)
+        files = open_files(source, list(settings.splits) or None)
+        for split in files.splits:
+            try:
+                check_split_name(split)
+            except FormatError as exc:
+                raise ConfigError(str(exc)) from None
+        return files
     source, output = resolved(source), resolved(output)
     src = open_source(source, list(settings.splits) or None)
     check_paths(source, output, location(settings.encode.tokenizer))
@@ -126,7 +142,7 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
     source = src.root
     facts = engine.map(model_facts, [FactsTask(settings.encode, src.dataset_yaml)], progress=False)[0]
     with OutputDir(output, fingerprints, overwrite=run.overwrite) as out:
-        stamps = {s: SourceStamp.of(source, s, src.metadata) for shards in src.splits.values() for s in shards}
+        stamps = _stamps(engine, src, run)
         if out.drop_stale_encodings(stamps):
             out.clear_output()  # a source shard changed since it was encoded: every plan is stale
         done = _finished(output, run)
@@ -140,17 +156,32 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
         clock.lap("plan")
         out_shards = {split: [shard_path(split, k) for k in range(plan.n_shards)] for split, plan in plans.items()}
         indexes = {} if run.dry_run else _write(engine, source, output, settings, run, plans, out_shards, enc_dirs,
-                                                stamps)
+                                                stamps, src.chunks if isinstance(src, FileDataset) else {})
         clock.lap("write")
         counts, packs = write_ledger(output, plans)
         if not run.dry_run:
             write_energon_metadata(output, {k: v for k, v in out_shards.items() if v}, indexes,
                                    version("megatron-energon"))
             _copy_tokenizer(location(settings.encode.tokenizer), output / TOKENIZER_DIR)
-        commit_bytes(output / MANIFEST, _manifest(settings, fingerprints, source, out_shards, counts, packs,
-                                                  run.dry_run, facts).to_bytes())
+        manifest = _manifest(settings, fingerprints, source, out_shards, counts, packs, run.dry_run, facts)
+        if isinstance(src, FileDataset) and src.source is not None and manifest.run_config is not None:
+            manifest.run_config.update(recorded_source(src.source))
+        commit_bytes(output / MANIFEST, manifest.to_bytes())
         clock.lap("finalize")
         return PackResult(output, counts, packs, clock.seconds, over_limits(counts, run))
+
+
+def _stamps(engine: Engine, src: SourceDataset, run: RunOptions) -> dict[str, SourceStamp]:
+    """Each source shard's stamp. A file source's chunks are stamped by the workers (each record's bytes and
+    each media file's stat, see :mod:`packtool.build.sources.files`); ``src.chunks`` then hold their records'
+    stamps, which the write stage checks each record against."""
+    if not isinstance(src, FileDataset):
+        return {s: SourceStamp.of(src.root, s, src.metadata) for shards in src.splits.values() for s in shards}
+    names = list(src.chunks)
+    stamped = engine.map(stamp_chunk, [src.chunks[n] for n in names], desc="stamp", unit="chunk",
+                         progress=run.progress, names=names)
+    src.chunks.update(zip(names, stamped))
+    return {n: SourceStamp(n, c.count, 0, 0, chunk_digest(c)) for n, c in src.chunks.items()}
 
 
 def over_limits(counts: dict, run: RunOptions) -> list[tuple[str, int, int, float]]:
@@ -181,8 +212,13 @@ def _encode(engine: Engine, out: OutputDir, src: SourceDataset, settings: PackSe
             stamps: dict[str, SourceStamp]) -> dict[str, list[Path]]:
     """Walk every shard's headers, then encode its ranges; returns each split's range stores in order."""
     shards = [(split, i, shard) for split, names in src.splits.items() for i, shard in enumerate(names)]
-    layouts = engine.map(scan_layout, [ScanTask(src.root, shard, src.excluded_samples) for _, _, shard in shards],
-                         desc="scan", unit="shard", progress=run.progress, names=[shard for _, _, shard in shards])
+    files = src.chunks if isinstance(src, FileDataset) else {}
+    if files:  # a chunk's records are its samples, one after another
+        layouts = [ShardLayout(shard, tuple(range(files[shard].count)), frozenset(), frozenset())
+                   for _, _, shard in shards]
+    else:
+        layouts = engine.map(scan_layout, [ScanTask(src.root, shard, src.excluded_samples) for _, _, shard in shards],
+                             desc="scan", unit="shard", progress=run.progress, names=[shard for _, _, shard in shards])
     tasks: list[EncodeTask] = []
     names: list[str] = []
     enc_dirs: dict[str, list[Path]] = {split: [] for split in src.splits}
@@ -193,7 +229,7 @@ def _encode(engine: Engine, out: OutputDir, src: SourceDataset, settings: PackSe
             enc_dirs[split].append(store)
             tasks.append(EncodeTask(str(src.root), layout, span, src.excluded_samples, settings.encode,
                                     src.dataset_yaml, src.shard_counts.get(shard), stamps[shard], run.strict,
-                                    str(store), limits))
+                                    str(store), limits, files.get(shard)))
             names.append(f"{shard} (samples from {span.first})")
     engine.map(encode_range, tasks, desc="encode", unit="range", progress=run.progress, names=names)
     return enc_dirs
@@ -202,7 +238,7 @@ def _encode(engine: Engine, out: OutputDir, src: SourceDataset, settings: PackSe
 def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, run: RunOptions,
            plans: dict[str, SplitPlan],
            out_shards: dict[str, list[str]], enc_dirs: dict[str, list[Path]],
-           stamps: dict[str, SourceStamp]) -> dict[str, list[IndexedRecord]]:
+           stamps: dict[str, SourceStamp], files: dict) -> dict[str, list[IndexedRecord]]:
     """One task per output shard, each with a compact table of its own rows (no Python object per row); with
     fewer shards than workers, each shard is written as parts by several tasks and joined (same bytes)."""
     shards = []
@@ -215,10 +251,11 @@ def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, r
         table = plan.table.append_column("pack", pa.array(plan.pack)).select(list(SEGMENT_COLUMNS))
         split_stamps = {s: stamps[s] for s in src_shards(plan)}
         for k in range(plan.n_shards):
+            segments = table.take(rows[bounds[k]:bounds[k + 1]])
+            chunks = {s: files[s] for s in segments.column("shard").unique().to_pylist()} if files else {}
             shards.append(WriteTask(str(output / out_shards[split][k]), split, str(source),
-                                    [str(d) for d in enc_dirs[split]], split_stamps,
-                                    table.take(rows[bounds[k]:bounds[k + 1]]), settings.encode.pack_size,
-                                    settings.encode.align))
+                                    [str(d) for d in enc_dirs[split]], split_stamps, segments,
+                                    settings.encode.pack_size, settings.encode.align, chunks))
     # Parts are joined where the output is (a local file system): an object store only takes whole objects.
     if not shards or len(shards) >= engine.workers or is_remote(output):
         written = engine.map(write_shard, shards, desc="write", unit="shard", progress=run.progress,

@@ -18,16 +18,17 @@ import json
 import os
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from packtool.build.item import dumps_media
-from packtool.build.sources.energon import SampleRange, ShardLayout, ShardScan
+from packtool.build.sources.energon import RawSample, SampleRange, ShardLayout, ShardScan
 from packtool.commit import commit_path
 from packtool.errors import LimitError, SourceError
 from packtool.format import KEPT, STATUSES, npy_bytes
@@ -157,6 +158,8 @@ class EncodeTask:
     out_dir: str
     #: When the samples fail systematically enough to stop the run.
     limits: FailureLimits = FailureLimits()
+    #: The shard is a chunk of a file source (:class:`~packtool.build.sources.files.FileChunk`), read in place.
+    files: Any = None
 
 
 def encode_range(task: EncodeTask) -> dict[str, int]:
@@ -176,8 +179,9 @@ def encode_range(task: EncodeTask) -> dict[str, int]:
     chunk: list = []
     chunk_bytes, unreadable = 0, None
     shard = layout.shard
-    scan = ShardScan(location(root), shard, excluded, max_sample_bytes=settings.max_sample_bytes, span=span,
-                     layout=layout)
+    scan: ShardScan | ChunkScan = ShardScan(location(root), shard, excluded, max_sample_bytes=settings.max_sample_bytes,
+                                            span=span, layout=layout) if task.files is None else \
+        ChunkScan(task.files, span, settings.max_sample_bytes)
     samples = iter(scan)
     watch = _FailureWatch(limits, shard)
     while True:
@@ -226,6 +230,21 @@ def encode_range(task: EncodeTask) -> dict[str, int]:
         pq.write_table(table, tmp / "samples.parquet")
         (tmp / "source.json").write_text(json.dumps(range_stamp(stamp, span)))
     return status_counts(table)
+
+
+class ChunkScan:
+    """The samples of one range of a file source's chunk (what :class:`ShardScan` is for a shard)."""
+
+    def __init__(self, chunk: Any, span: SampleRange | None = None, max_sample_bytes: int | None = None):
+        self.chunk, self.max_sample_bytes = chunk, max_sample_bytes
+        self.first = span.first if span is not None else 0
+        self.stop = span.stop if span is not None else None
+        self.seen = 0
+
+    def __iter__(self) -> Iterator[RawSample]:
+        for raw in self.chunk.samples(self.first, self.stop, max_sample_bytes=self.max_sample_bytes):
+            self.seen += 1
+            yield raw
 
 
 #: The address in an object's default repr (``<_io.BytesIO object at 0x7f…>``), which a library's error text may

@@ -36,6 +36,7 @@ import numpy as np
 
 from packtool import families
 from packtool.build.engine import Engine
+from packtool.build.sources.files import FileSource
 from packtool.errors import FormatError
 from packtool.families import Family
 from packtool.families.base import NoMedia
@@ -516,16 +517,17 @@ def _check_sqlite_extent(path: Path, n_shards: int) -> list[str]:
 
 
 # -- the whole output -----------------------------------------------------------------------------------------
-def verify_output(output: str | Path, *, source: str | Path | None = None, workers: int = 1,
+def verify_output(output: str | Path, *, source: str | Path | FileSource | None = None, workers: int = 1,
                   engine: EngineKind = "local", ray_address: str | None = None, retokenize: bool = False) -> list[str]:
     """Every check (see the module docstring); ``workers``, ``engine`` and ``ray_address`` as for ``pack``
     (the shards, and with ``source`` the source shards, are checked in parallel on one engine). ``retokenize``
     also encodes every segment's text again even where the pack's array digest proves its tokens intact."""
     with Engine(engine, workers, ray_address) as runner:
-        return _verify(location(output), None if source is None else location(source), runner, retokenize)
+        where = source if source is None or isinstance(source, FileSource) else location(source)
+        return _verify(location(output), where, runner, retokenize)
 
 
-def _verify(out: Path, source: Path | None, runner: Engine, retokenize: bool = False) -> list[str]:
+def _verify(out: Path, source: Path | FileSource | None, runner: Engine, retokenize: bool = False) -> list[str]:
     try:
         manifest = Manifest.read(out)
     except FormatError as exc:

@@ -23,8 +23,9 @@ from packtool.build.engine import Engine
 from packtool.build.item import MediaItem
 from packtool.build.sources import open_source
 from packtool.build.sources.energon import ShardScan
+from packtool.build.sources.files import FileChunk, FileDataset, FileSource, open_files
 from packtool.build.sources.safepickle import load_bytes_list, video_frames
-from packtool.build.store import UNREADABLE
+from packtool.build.store import UNREADABLE, ChunkScan
 from packtool.errors import FormatError, SourceError
 from packtool.format import KEPT, LEDGER, META, TOKENIZER_DIR, InfoJson, Manifest, PackRecord
 from packtool.settings import EncodeSettings
@@ -49,15 +50,17 @@ def _settings(out: Path, manifest: Manifest) -> EncodeSettings:
     return EncodeSettings(**kw)
 
 
-def check_against_source(out: Path, source: Path, manifest: Manifest, engine: Engine) -> list[str]:
+def check_against_source(out: Path, source: Path | FileSource, manifest: Manifest, engine: Engine) -> list[str]:
     """Problems found by re-encoding the source: missing or extra samples, changed tokens, targets or media."""
     try:
-        src = open_source(source, list(manifest.counts))
+        src = open_files(source, list(manifest.counts)) if isinstance(source, FileSource) else \
+            open_source(source, list(manifest.counts))
     except SourceError as exc:
         return [f"source: {exc}"]
     shards = [s for ss in src.splits.values() for s in ss]
+    chunks = src.chunks if isinstance(src, FileDataset) else {}
     tasks = [SourceShardCheck(str(out), str(src.root), shard, src.excluded_samples, src.dataset_yaml,
-                              src.shard_counts.get(shard), manifest) for shard in shards]
+                              src.shard_counts.get(shard), manifest, chunks.get(shard)) for shard in shards]
     problems = [p for found in engine.map(check_source_shard, tasks, desc="verify source", unit="shard",
                                           progress=False) for p in found]
     try:
@@ -93,6 +96,8 @@ class SourceShardCheck:
     #: The shard's sample count from the dataset's ``.info.json`` (None if unknown).
     expected: int | None
     manifest: Manifest
+    #: The shard is a chunk of a file source (:class:`~packtool.build.sources.files.FileChunk`).
+    files: FileChunk | None = None
 
 
 def check_source_shard(task: SourceShardCheck) -> list[str]:
@@ -111,7 +116,9 @@ def check_source_shard(task: SourceShardCheck) -> list[str]:
         return [f"{shard}: packs cannot be looked up ({exc})"]
     problems: list[str] = []
     occurrence: Counter = Counter()
-    scan = ShardScan(location(root), shard, excluded, max_sample_bytes=encoder.settings.max_sample_bytes)
+    scan: ShardScan | ChunkScan = ShardScan(location(root), shard, excluded,
+                                            max_sample_bytes=encoder.settings.max_sample_bytes) \
+        if task.files is None else ChunkScan(task.files, None, encoder.settings.max_sample_bytes)
     samples = iter(scan)
     chunk, done, error = [], 0, None
     try:

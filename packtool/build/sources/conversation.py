@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import re
 
-from packtool.build.sources.files import PROBLEM_PART
 from packtool.build.sources.safepickle import encoded_videos, load_bytes_list
 from packtool.build.sources.sample import (
     MEDIA_TAGS,
@@ -213,8 +212,6 @@ def place_media(messages: list[dict], media: list[Media]) -> tuple[list[dict], l
 
 def conversation_adapter(parts: dict[str, bytes], *, allow_pickle: bool = False) -> Conversation:
     """The conversation of one raw sample (``{part: bytes}``)."""
-    if PROBLEM_PART in parts:  # a staged record that could not be read (see packtool.build.sources.files)
-        raise SampleError(parts[PROBLEM_PART].decode("utf-8", "replace"))
     name = _json_part(parts)
     doc = json_member(name, parts[name])
     for p in parts:

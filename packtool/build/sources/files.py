@@ -1,63 +1,69 @@
-"""Sources beside Energon datasets: JSON / JSONL conversations with a media folder (LLaVA, ShareGPT, OpenAI
-messages), Hugging Face ``datasets`` saved to disk (Arrow) and Parquet files with media columns.
+"""Sources beside Energon datasets, read in place: JSON / JSONL conversations with a media folder (LLaVA,
+ShareGPT, OpenAI messages), Hugging Face ``datasets`` saved to disk (Arrow) and Parquet files with media columns.
 
-Such a source is *staged*: its records are written, in order, as the crude Energon dataset they stand for (one
-WebDataset sample per record: a ``json`` member holding the record with its media references renamed to members,
-plus one member per media file, byte for byte), and the pack run reads that dataset like any other. So a record
-gives exactly the tokens its Energon equivalent gives, gets a ledger row with its reason, and resumes, detects
-stale input and writes the same bytes whatever the workers or engine, through the one Energon path.
+Nothing is copied. A split's records are cut into *chunks* (:class:`FileChunk`: up to :data:`RECORDS_PER_CHUNK`
+consecutive records of one file; a Parquet row group), which the pipeline treats as it treats an Energon shard:
+each chunk is encoded in ranges, stamped, and re-encoded only when its stamp changes. Records are streamed: a
+JSONL file line by line, a JSON array by a streaming scan of its tokens (:func:`json_spans`: only the byte span of
+each element is kept, never the file), a Parquet file by row group, a ``save_to_disk`` folder by its Arrow files.
 
-Staging is incremental. Records are cut into shards of :data:`RECORDS_PER_SHARD`; each shard's stamp is the
-digest of its records' text plus the size and times of every media file it reads, kept in ``.nv-meta/``
-:data:`STAGE_FILE`. A rerun rewrites only the shards whose stamp changed (and the pack run then re-encodes only
-those), so an edited record or a replaced image is never packed stale.
+A record becomes the raw sample its Energon equivalent is (:func:`record_sample`): a ``json`` member (the record
+with its media references renamed to members ``m0.jpg``, ``m1.png``, …) plus its media's bytes, read from the
+user's files (or the Parquet/Arrow cells) when the sample is encoded, and again when its pack is written. So a
+record gives the tokens its Energon sample gives, and its ledger row, resume, stale input and ``verify --source``
+follow the Energon path.
 
-What a record may hold (see :mod:`packtool.build.sources.conversation` for the conversation itself):
+Stamps. Each record's stamp (:func:`FileChunk.stamp_records`) is the digest of its bytes (its JSON text; a row's
+values, media cells included) and of each media file it names: size, modification time, inode and device, or
+``missing`` (a file that appears later makes the record stale), plus the media folder's own identity. A chunk's
+stamp is the digest of its records' stamps, so an edited record or a replaced image re-encodes only its chunk;
+when its pack is written each record read is checked against its stamp again, so nothing is packed stale.
 
-* media named by ``image``/``images``, ``video``/``videos`` (an entry may be a list of frames), ``audio``/
-  ``audios``, or by OpenAI content parts (``{"type": "image_url", "image_url": {"url": "a.jpg"}}``,
-  ``{"type": "image", "image": "a.jpg"}``): paths relative to the media folder (absolute paths are read as they
-  are; a relative path may not climb out of the folder with ``..``, though it may go through a symbolic link;
-  URLs are never fetched);
-* in Arrow/Parquet rows, media columns named as above holding Hugging Face ``Image``/``Audio`` values
-  (``{"bytes", "path"}``, one or a list) or path strings.
-
-A record whose media cannot be read keeps its place and gets an error row naming the file and the folder looked in.
+What a record may hold (see :mod:`packtool.build.sources.conversation` for the conversation itself): media named
+by ``image``/``images``, ``video``/``videos`` (an entry may be a list of frames), ``audio``/``audios``, or by
+OpenAI content parts, as paths relative to the media folder; in Arrow/Parquet rows, media columns named so that
+hold bytes (``binary``, ``large_binary``, lists of them), ``{"bytes", "path", …}`` structs (``datasets``'
+``Image``/``Audio`` features; extra keys such as ``mime`` are ignored) or path strings. Only regular files are
+read as media (a FIFO, a device or a socket is refused before it is opened), a path may not leave the media
+folder (by ``..`` or by a symbolic link), absolute paths only with ``absolute_media_paths``, and URLs are never
+fetched. A record that cannot be used keeps its place and gets an error row saying why.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from packtool.commit import commit_bytes
+from packtool.build.sources.energon import RawSample, SourceDataset
 from packtool.errors import SourceError
 from packtool.format import META
 from packtool.storage import is_remote, location
 
-#: Records per staged shard.
-RECORDS_PER_SHARD = 1000
-#: What staging records under ``.nv-meta``: the input, and each shard's stamp.
-STAGE_FILE = "packtool-source.json"
-#: Member of a staged sample that says why the record cannot be used (the conversation adapter reports it).
-PROBLEM_PART = "packtool-problem"
+#: Records per chunk of a JSON/JSONL file (a Parquet chunk is a row group; an Arrow chunk this many rows).
+RECORDS_PER_CHUNK = 1000
 #: Record fields (and Arrow/Parquet columns) that name media, with their kind.
 MEDIA_FIELDS = {"image": "image", "images": "image", "video": "video", "videos": "video", "audio": "audio",
                 "audios": "audio"}
 #: Content-part types that name a media item (as :mod:`packtool.build.sources.conversation` reads them).
 _PART_TYPES = {"image": "image", "image_url": "image", "video": "video", "video_url": "video", "audio": "audio",
                "input_audio": "audio", "audio_url": "audio"}
-#: The file name patterns of the files of each split of a Hugging Face folder of Parquet files.
-_SPLIT_NAMES = {"train": "train", "validation": "val", "val": "val", "valid": "val", "test": "test",
-                "dev": "val"}
+#: Split names, one mapping for every layout (Energon calls the validation split ``val``).
+SPLIT_NAMES = {"train": "train", "validation": "val", "val": "val", "valid": "val", "test": "test", "dev": "val"}
+#: Bytes read at once while streaming a JSON/JSONL file.
+_BLOCK = 1 << 20
 
 SourceKind = Literal["json", "arrow", "parquet"]
+
+
+def split_name(name: str) -> str:
+    """A split's name as packtool packs it (``validation``, ``valid`` and ``dev`` are ``val``)."""
+    return SPLIT_NAMES.get(name.lower(), name)
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,8 @@ class FileSource:
     media_dir: Path
     #: The file or folder given.
     path: Path | None = None
+    #: Whether absolute media paths are read (else each is its record's error).
+    absolute_media_paths: bool = False
 
     def describe(self) -> dict:
         return {"kind": self.kind, "splits": {s: [str(f) for f in fs] for s, fs in self.splits.items()},
@@ -81,11 +89,13 @@ def is_energon(path: Path) -> bool:
     return (Path(path) / META).is_dir()
 
 
-def detect(source: str | Path, media_dir: str | Path | None = None) -> FileSource | None:
+def detect(source: str | Path, media_dir: str | Path | None = None, *,
+           absolute_media_paths: bool = False) -> FileSource | None:
     """The file source at ``source`` (None: an Energon dataset). Raises :class:`SourceError` for anything else,
     saying what packtool reads."""
     found = _detect(source, media_dir)
-    return None if found is None else FileSource(found.kind, found.splits, found.media_dir, Path(source))
+    return None if found is None else FileSource(found.kind, found.splits, found.media_dir, Path(source),
+                                                 absolute_media_paths)
 
 
 def _detect(source: str | Path, media_dir: str | Path | None) -> FileSource | None:
@@ -108,7 +118,15 @@ def _detect(source: str | Path, media_dir: str | Path | None) -> FileSource | No
             return FileSource("arrow", {"train": (path,)}, media)
     elif (path / "dataset_dict.json").is_file():
         splits = _read_json_file(path / "dataset_dict.json").get("splits", [])
-        return FileSource("arrow", {s: _arrow_files(path / s) for s in splits}, media)
+        named: dict[str, tuple[Path, ...]] = {}
+        for s in splits:
+            if not isinstance(s, str) or "/" in s or s in ("", ".", ".."):
+                raise SourceError(f"{path / 'dataset_dict.json'} names a split {s!r} that is not a folder name")
+            if split_name(s) in named:
+                raise SourceError(f"{path} has splits that are both {split_name(s)!r} (validation, valid and dev "
+                                  f"are all 'val')")
+            named[split_name(s)] = _arrow_files(path / s)
+        return FileSource("arrow", named, media)
     elif (path / "state.json").is_file():
         return FileSource("arrow", {"train": _arrow_files(path)}, media)
     else:
@@ -129,8 +147,7 @@ def _folder_splits(path: Path) -> FileSource | None:
             continue
         splits: dict[str, list[Path]] = {}
         for f in files:
-            prefix = f.name.split(".")[0].split("-")[0].lower()
-            splits.setdefault(_SPLIT_NAMES.get(prefix, prefix), []).append(f)
+            splits.setdefault(split_name(f.name.split(".")[0].split("-")[0]), []).append(f)
         return FileSource(kind, {s: tuple(fs) for s, fs in sorted(splits.items())}, path)  # type: ignore[arg-type]
     return None
 
@@ -153,88 +170,265 @@ def _read_json_file(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+# -- streaming the records' spans -----------------------------------------------------------------------------
+
+
+def jsonl_spans(path: Path) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` byte span of each non-blank line of a JSONL file, one line at a time."""
+    offset = 0
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                yield offset, offset + len(line)
+            offset += len(line)
+
+
+def json_spans(path: Path) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` byte span of each element of a JSON array file (or of its ``"data"`` array), by a
+    streaming scan of its structure (strings, escapes, brackets; 1 MiB at a time: the file is never held). A
+    file whose top level is several values is read as JSONL. Raises :class:`SourceError` for a file that holds
+    no list of records."""
+    first = _first_byte(path)
+    if first == b"[":
+        yield from _array_spans(path, data_key=False)
+        return
+    if first != b"{":
+        raise SourceError(f"{path} holds no JSON list of records" + (" (it is empty)" if first is None else ""))
+    spans, end = _object_scan(path)
+    if end is None:
+        yield from jsonl_spans(path)  # several top-level objects: one record per line
+        return
+    if spans is None:
+        raise SourceError(f"{path} holds a JSON object; expected a list of records (or {{\"data\": [...]}})")
+    yield from spans
+
+
+def _first_byte(path: Path) -> bytes | None:
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(_BLOCK)
+            if not block:
+                return None
+            stripped = block.lstrip()
+            if stripped:
+                return stripped[:1]
+
+
+class _Scanner:
+    """A byte-level walk over JSON structure: depth, strings and escapes, with the offsets of commas and brackets
+    at a chosen depth. No recursion, so any nesting depth is walked (parsing an element is the record's own
+    business)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escape = False
+
+    def events(self, path: Path) -> Iterator[tuple[int, int, int]]:
+        """``(offset, byte, depth before it)`` of each structural byte outside strings, and of each string's
+        opening and closing quote."""
+        offset = 0
+        with open(path, "rb") as f:
+            while True:
+                block = f.read(_BLOCK)
+                if not block:
+                    return
+                i, n = 0, len(block)
+                while i < n:
+                    if self.in_string:
+                        if self.escape:
+                            self.escape = False
+                            i += 1
+                            continue
+                        q, b = block.find(b'"', i), block.find(b"\\", i)
+                        if b != -1 and (q == -1 or b < q):
+                            self.escape = True
+                            i = b + 1
+                            continue
+                        if q == -1:
+                            break
+                        self.in_string = False
+                        yield offset + q, 0x22, self.depth
+                        i = q + 1
+                        continue
+                    c = block[i]
+                    if c == 0x22:
+                        self.in_string = True
+                        yield offset + i, c, self.depth
+                    elif c in (0x5B, 0x7B):
+                        yield offset + i, c, self.depth
+                        self.depth += 1
+                    elif c in (0x5D, 0x7D):
+                        self.depth -= 1
+                        yield offset + i, c, self.depth + 1
+                    elif c in (0x2C, 0x3A):
+                        yield offset + i, c, self.depth
+                    i += 1
+                offset += n
+
+
+def _array_spans(path: Path, data_key: bool) -> Iterator[tuple[int, int]]:
+    """Element spans of the top-level array (``data_key``: of the array that is the top-level object's
+    ``"data"`` value)."""
+    scanner = _Scanner()
+    inner = 2 if data_key else 1
+    start: int | None = None
+    key_start, last_key, value_key, in_array = -1, b"", b"", False
+    with open(path, "rb") as f:
+        for offset, c, depth in scanner.events(path):
+            if data_key and not in_array and depth == 1:
+                if c == 0x22:
+                    if scanner.in_string:
+                        key_start = offset
+                    else:
+                        f.seek(key_start + 1)
+                        last_key = f.read(min(offset - key_start - 1, 16)) if offset - key_start <= 17 else b""
+                elif c == 0x3A:
+                    value_key = last_key
+                elif c == 0x2C:
+                    value_key = b""
+                elif c == 0x5B and value_key == b"data":
+                    in_array, start = True, offset + 1
+                continue
+            if not data_key and depth == 0 and c == 0x5B:
+                in_array, start = True, offset + 1
+                continue
+            if not in_array or depth != inner:
+                continue
+            if c in (0x2C, 0x5D) and start is not None:
+                if c == 0x2C or _nonblank(f, start, offset):
+                    yield start, offset
+                start = offset + 1
+                if c == 0x5D:
+                    return
+    if in_array and start is not None:  # cut short: what is left is one last (broken) record
+        end = os.stat(path).st_size
+        with open(path, "rb") as f:
+            if _nonblank(f, start, end):
+                yield start, end
+
+
+def _nonblank(f: Any, start: int, end: int) -> bool:
+    f.seek(start)
+    while start < end:
+        block = f.read(min(_BLOCK, end - start))
+        if not block:
+            return False
+        if block.strip():
+            return True
+        start += len(block)
+    return False
+
+
+def _object_scan(path: Path) -> tuple[Iterator[tuple[int, int]] | None, int | None]:
+    """For a file starting with ``{``: ``(spans of its "data" array or None, end of the first top-level value)``;
+    the end is None when another value follows it (a JSONL file named ``.json``)."""
+    scanner = _Scanner()
+    end = None
+    has_data = False
+    key_start, last_key, value_key = -1, b"", b""
+    with open(path, "rb") as f:
+        for offset, c, depth in scanner.events(path):
+            if end is not None:
+                return None, None  # a second top-level value
+            if depth == 1:
+                if c == 0x22:
+                    if scanner.in_string:
+                        key_start = offset
+                    else:
+                        f.seek(key_start + 1)
+                        last_key = f.read(min(offset - key_start - 1, 16)) if offset - key_start <= 17 else b""
+                elif c == 0x3A:
+                    value_key = last_key
+                elif c == 0x2C:
+                    value_key = b""
+                elif c == 0x5B and value_key == b"data":
+                    has_data = True
+            if depth == 0 and c == 0x7D:
+                end = offset + 1
+                tail_size = os.stat(path).st_size - end
+                if _nonblank(f, end, end + tail_size):
+                    return None, None
+    return (_array_spans(path, data_key=True) if has_data else None), end if end is not None else 0
+
+
 # -- records --------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class Record:
     """One record of a file source: the document, or why it cannot be read; ``blobs`` holds media given as bytes
-    (Arrow/Parquet), keyed by the placeholder the document names them by."""
+    (Arrow/Parquet), keyed by the placeholder the document names them by; ``text`` its bytes as stored (a
+    JSON record's text), for its stamp."""
 
     doc: Any = None
     problem: str | None = None
     blobs: dict[str, bytes] | None = None
+    text: bytes = b""
 
 
-def json_records(path: Path) -> Iterator[Record]:
-    """The records of a JSON array file or a JSONL file (blank lines skipped; a line that is not JSON is a
-    record with a problem)."""
+def json_record(text: bytes, where: str) -> Record:
+    """A record from its JSON text; text that does not parse (bad UTF-8, a cut surrogate, nesting too deep) is a
+    record with a problem."""
     try:
-        text = path.read_bytes()
-    except OSError as exc:
-        raise SourceError(f"cannot read {path}: {exc.strerror}") from None
-    if path.suffix.lower() == ".json":
-        try:
-            doc = json.loads(text)
-        except ValueError as exc:
-            if "Extra data" not in str(exc):
-                raise SourceError(f"{path} is not valid JSON: {exc}") from None
-        else:
-            if isinstance(doc, dict) and isinstance(doc.get("data"), list):
-                doc = doc["data"]
-            if not isinstance(doc, list):
-                raise SourceError(f"{path} holds a JSON {type(doc).__name__}; expected a list of records")
-            for d in doc:
-                yield Record(d)
-            return
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            yield Record(json.loads(line))
-        except ValueError as exc:
-            yield Record(problem=f"line {number} of {path.name} is not valid JSON: {exc}")
+        return Record(json.loads(text), text=text)
+    except RecursionError:
+        return Record(problem=f"{where} is JSON nested too deep to parse", text=text)
+    except ValueError as exc:
+        return Record(problem=f"{where} is not valid JSON: {exc}", text=text)
 
 
-def table_records(path: Path, kind: SourceKind) -> Iterator[Record]:
-    """The rows of an Arrow file (as ``save_to_disk`` writes it: an IPC stream) or a Parquet file, read with
-    pyarrow; media columns' bytes become blobs."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        if kind == "parquet":
-            batches = pq.ParquetFile(path).iter_batches(batch_size=256)
-        else:
-            try:
-                reader = pa.ipc.open_stream(pa.memory_map(str(path)))
-            except pa.ArrowInvalid:
-                reader = pa.ipc.open_file(pa.memory_map(str(path)))
-            batches = iter(reader.read_all().to_batches(256))
-        for batch in batches:
-            for row in batch.to_pylist():
-                yield _row_record(row)
-    except (OSError, pa.ArrowException) as exc:
-        raise SourceError(f"cannot read {path}: {exc}") from None
-
-
-def _row_record(row: dict) -> Record:
+#: Column layouts of a media column a row value may come in, by what pyarrow gives for it.
+def _row_record(row: dict, columns: dict[str, str]) -> Record:
+    """A table row as a record: media columns' bytes become blobs named ``blob:<k>:<path>``. A media value that
+    is neither bytes, a path, a ``{"bytes", "path"}`` struct nor a list of them is the record's problem naming
+    the column, as is any other value JSON cannot hold."""
     blobs: dict[str, bytes] = {}
 
-    def media(value: Any) -> Any:
-        if isinstance(value, dict) and set(value) <= {"bytes", "path"}:
-            if value.get("bytes") is not None:
-                name = f"blob:{len(blobs)}:{value.get('path') or ''}"
-                blobs[name] = value["bytes"]
+    def media(value: Any, column: str) -> Any:
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            name = f"blob:{len(blobs)}:"
+            blobs[name] = bytes(value)
+            return name
+        if isinstance(value, dict) and ("bytes" in value or "path" in value):
+            data, path = value.get("bytes"), value.get("path")
+            if data is not None:
+                if not isinstance(data, (bytes, bytearray, memoryview)):
+                    raise _Unreadable(column, f"its 'bytes' is a {type(data).__name__}")
+                name = f"blob:{len(blobs)}:{path if isinstance(path, str) else ''}"
+                blobs[name] = bytes(data)
                 return name
-            return value.get("path")
-        if isinstance(value, list):
-            return [media(v) for v in value]
-        return value
+            if isinstance(path, str):
+                return path
+            raise _Unreadable(column, "a value has neither bytes nor a path")
+        if isinstance(value, (list, tuple)):
+            return [media(v, column) for v in value]
+        if value is None or isinstance(value, str):
+            return value
+        raise _Unreadable(column, f"a value is a {type(value).__name__}")
 
-    doc = {k: (media(v) if k in MEDIA_FIELDS else v) for k, v in row.items()}
-    doc = {k: v for k, v in doc.items() if _jsonable(v)}
-    return Record(doc, blobs=blobs or None)
+    doc: dict[str, Any] = {}
+    try:
+        for k, v in row.items():
+            doc[k] = media(v, k) if k in columns else v
+    except _Unreadable as exc:
+        return Record(problem=f"media column {exc.column!r} cannot be read: {exc.why}")
+    bad = [k for k, v in doc.items() if not _jsonable(v)]
+    if bad:
+        return Record(problem=f"column {bad[0]!r} holds a value that is not text, a number or a list "
+                              f"({type(doc[bad[0]]).__name__}); name media columns image(s), video(s) or audio(s)")
+    text = json.dumps(doc, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode("utf-8",
+                                                                                            "surrogatepass")
+    h = hashlib.sha256(text)
+    for name in sorted(blobs):
+        h.update(name.encode("utf-8", "surrogatepass") + hashlib.sha256(blobs[name]).digest())
+    return Record(doc, blobs=blobs or None, text=h.digest())
+
+
+class _Unreadable(Exception):
+    def __init__(self, column: str, why: str):
+        super().__init__(why)
+        self.column, self.why = column, why
 
 
 def _jsonable(value: Any) -> bool:
@@ -245,7 +439,19 @@ def _jsonable(value: Any) -> bool:
     return True
 
 
-# -- staging --------------------------------------------------------------------------------------------------
+def record_id(doc: Any) -> str | None:
+    """The record's own ``id`` (a string or a number), printable and at most 80 characters, or None."""
+    if not isinstance(doc, dict):
+        return None
+    value = doc.get("id")
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        return None
+    text = str(value)
+    text = text.encode("unicode_escape").decode("ascii") if not text.isprintable() else text
+    return text[:80] or None
+
+
+# -- media references -----------------------------------------------------------------------------------------
 
 
 def _media_refs(doc: Any) -> list[tuple[Any, Any, str]]:
@@ -274,15 +480,15 @@ def _media_refs(doc: Any) -> list[tuple[Any, Any, str]]:
                 continue
             value = part.get(part["type"])
             if isinstance(value, dict):
-                field = next((k for k in ("url", "path") if isinstance(value.get(k), str)), None)
-                if field is not None:
-                    out.append((value, field, part_kind))
+                key_name = next((k for k in ("url", "path") if isinstance(value.get(k), str)), None)
+                if key_name is not None:
+                    out.append((value, key_name, part_kind))
             elif isinstance(value, str):
                 out.append((part, part["type"], part_kind))
             else:
-                field = next((k for k in ("path", "url") if isinstance(part.get(k), str)), None)
-                if field is not None:
-                    out.append((part, field, part_kind))
+                key_name = next((k for k in ("path", "url") if isinstance(part.get(k), str)), None)
+                if key_name is not None:
+                    out.append((part, key_name, part_kind))
     return out
 
 
@@ -293,7 +499,7 @@ _MAGIC = ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG", "png"), (b"GIF8", "gif"), (b"BM
 
 def _extension(name: str, data: bytes | None) -> str:
     base = name.rsplit("/", 1)[-1]
-    if "." in base and base.rsplit(".", 1)[-1].isalnum():
+    if "." in base and base.rsplit(".", 1)[-1].isalnum() and base.rsplit(".", 1)[-1].isascii():
         return base.rsplit(".", 1)[-1].lower()
     if data is not None:
         if data[:4] == b"RIFF" and data[8:12] in (b"WEBP", b"WAVE", b"AVI "):
@@ -306,203 +512,488 @@ def _extension(name: str, data: bytes | None) -> str:
     return "bin"
 
 
+class RecordProblem(Exception):
+    """Why a record cannot be used (its error row)."""
+
+
+@dataclass(frozen=True)
+class MediaFile:
+    """A media file a record names, checked: its path, and its stamp when it was looked at."""
+
+    path: str
+    stamp: tuple
+
+
+def _file_stamp(st: os.stat_result) -> tuple:
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+
+class MediaFolder:
+    """Where a source's relative media paths are read from, and the rules for reading them."""
+
+    def __init__(self, folder: Path, absolute: bool):
+        self.folder, self.absolute = folder, absolute
+        try:
+            self.real = os.path.realpath(folder, strict=True)
+            st = os.stat(self.real)
+            self.stamp: tuple = (self.real, st.st_ino, st.st_dev)
+        except OSError:
+            self.real, self.stamp = str(folder), ("missing", str(folder))
+
+    def locate(self, ref: str) -> tuple[str, tuple]:
+        """The file a reference names and its stamp (``("missing", why)`` where it cannot be stat'ed); raises
+        :class:`RecordProblem` for a reference that may not be read."""
+        short = ref[:80]
+        if "\x00" in ref or any(0xD800 <= ord(c) <= 0xDFFF for c in ref):
+            raise RecordProblem(f"media path {short!r} is not a file name (a NUL or a lone surrogate)")
+        if "://" in ref:
+            raise RecordProblem(f"media {short!r} is a URL; packtool reads local files only (download it into the "
+                                f"media folder)")
+        if os.path.isabs(ref):
+            if not self.absolute:
+                raise RecordProblem(f"media path {short!r} is absolute; absolute paths are read only with "
+                                    f"--absolute-media-paths (absolute_media_paths: true), else name files "
+                                    f"relative to the media folder {self.folder}")
+            path = ref
+        else:
+            if Path(os.path.normpath(ref)).parts[:1] == ("..",):
+                raise RecordProblem(f"media path {short!r} leaves the media folder {self.folder}")
+            path = os.path.join(self.folder, ref)
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError):
+                return path, ("missing", f"media file {short!r} not found in {self.folder} ({exc.strerror})")
+            return path, ("missing", f"media file {path}: {exc.strerror or 'cannot be read'}")
+        if not os.path.isabs(ref):
+            real = os.path.realpath(path)
+            if not (real + os.sep).startswith(self.real.rstrip(os.sep) + os.sep):
+                raise RecordProblem(f"media path {short!r} is a link to {real}, outside the media folder "
+                                    f"{self.folder}")
+        if not stat.S_ISREG(st.st_mode):
+            what = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                    else "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file")
+            raise RecordProblem(f"media path {short!r} is {what}; only regular files are read as media")
+        return path, _file_stamp(st)
+
+    def read(self, path: str, stamp: tuple) -> bytes:
+        """The bytes of a located file, which must still be the regular file stamped (never blocks on a FIFO
+        put in its place)."""
+        if stamp[0] == "missing":
+            raise RecordProblem(stamp[1])
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            raise RecordProblem(f"media file {path}: {exc.strerror or 'cannot be read'}") from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or _file_stamp(st) != stamp:
+                raise SourceError(f"media file {path} changed after it was encoded; run the same command again "
+                                  f"to encode it anew")
+            data = f.read()
+        if len(data) != stamp[0]:
+            raise SourceError(f"media file {path} changed while it was read; run the same command again")
+        return data
+
+
 @dataclass
-class _Staged:
-    """One record as a staged sample: its members, and the media files it read (path, size, times)."""
+class Resolved:
+    """A record as a sample: its ``json`` member's bytes, and each media member's source: bytes or a file."""
 
-    members: list[tuple[str, bytes]]
-    files: list[tuple[str, int, int, int]]
+    text: bytes
+    members: list[tuple[str, bytes | MediaFile]]
 
 
-def _stage_record(record: Record, media_dir: Path) -> _Staged:
-    """The members of one record's sample. A record that cannot be used becomes a sample whose problem member
-    says why (its ledger row then carries that reason)."""
+def resolve(record: Record, folder: MediaFolder) -> Resolved:
+    """The members of a record's sample, its media located (not read); raises :class:`RecordProblem`."""
     if record.problem is not None:
-        return _Staged([(PROBLEM_PART, record.problem.encode())], [])
-    doc = json.loads(json.dumps(record.doc))  # a private copy to rename references in
+        raise RecordProblem(record.problem)
+    try:
+        doc = json.loads(json.dumps(record.doc))  # a private copy to rename references in
+    except (TypeError, ValueError) as exc:
+        raise RecordProblem(f"the record cannot be held as JSON ({exc})") from None
     names: dict[str, str] = {}
-    members: list[tuple[str, bytes]] = []
-    files: list[tuple[str, int, int, int]] = []
+    members: list[tuple[str, bytes | MediaFile]] = []
     for container, key, _kind in _media_refs(doc):
         ref = container[key]
         if ref.startswith("data:"):
             continue  # inline data: the conversation adapter refuses it with its own reason
         if ref not in names:
-            data: bytes | None
+            source: bytes | MediaFile
             if record.blobs and ref in record.blobs:
-                data = record.blobs[ref]
+                source = record.blobs[ref]
+                ext = _extension(ref.split(":", 2)[-1], source)
             else:
-                if "://" in ref:
-                    return _problem(f"media {ref[:80]!r} is a URL; packtool reads local files only (download it "
-                                    f"into the media folder)")
-                path = Path(ref) if Path(ref).is_absolute() else media_dir / ref
-                if not Path(ref).is_absolute() and Path(os.path.normpath(ref)).parts[:1] == ("..",):
-                    return _problem(f"media path {ref[:80]!r} leaves the media folder {media_dir}")
-                try:
-                    with open(path, "rb") as f:
-                        st = os.fstat(f.fileno())
-                        data = f.read()
-                except OSError as exc:
-                    why = exc.strerror or "cannot be read"
-                    return _problem(f"media file {ref[:80]!r} not found in {media_dir} ({why})"
-                                    if isinstance(exc, FileNotFoundError) else f"media file {path}: {why}")
-                files.append((str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-            named = ref.split(":", 2)[-1] if record.blobs and ref in record.blobs else ref
-            names[ref] = f"m{len(names)}.{_extension(named, data)}"
-            members.append((names[ref], data))
+                path, stamp = folder.locate(ref)
+                source = MediaFile(path, stamp)
+                ext = _extension(ref, None)
+            names[ref] = f"m{len(names)}.{ext}"
+            members.append((names[ref], source))
         container[key] = names[ref]
-    text = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
-    return _Staged([("json", text), *members], files)
+    try:
+        text = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError as exc:
+        raise RecordProblem(f"the record's text is not valid Unicode ({exc.reason}: a cut or lone surrogate)") \
+            from None
+    return Resolved(text, members)
 
 
-def _problem(reason: str) -> _Staged:
-    return _Staged([(PROBLEM_PART, reason.encode())], [])
+def record_stamp(record: Record, folder: MediaFolder) -> str:
+    """A record's stamp: its bytes, and each media file it names as it is now (see the module doc)."""
+    h = hashlib.sha256(record.text)
+    h.update(repr(folder.stamp).encode())
+    try:
+        resolved = resolve(record, folder)
+    except RecordProblem as exc:
+        h.update(b"problem\0" + str(exc).encode("utf-8", "replace"))
+        return h.hexdigest()[:32]
+    for name, source in resolved.members:
+        if isinstance(source, MediaFile):
+            h.update(f"{name}\0{source.path}\0{source.stamp!r}\0".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()[:32]
 
 
-def _records(src: FileSource, split: str) -> Iterator[Record]:
-    for path in src.splits[split]:
-        yield from (json_records(path) if src.kind == "json" else table_records(path, src.kind))
+# -- chunks ---------------------------------------------------------------------------------------------------
 
 
-def _shards_of(records: Iterator[Record]) -> Iterator[list[Record]]:
-    chunk: list[Record] = []
-    for r in records:
-        chunk.append(r)
-        if len(chunk) == RECORDS_PER_SHARD:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
+@dataclass(frozen=True)
+class FileChunk:
+    """Consecutive records of one file: what the pipeline treats as a source shard."""
+
+    kind: SourceKind
+    #: The file, and the chunk's name (the ledger's ``shard``: the file's name relative to the source, and the
+    #: chunk's first record in the file).
+    path: str
+    shard: str
+    #: Position in its split of the chunk's first record (its key), and each record's place in the file: byte
+    #: offsets of JSON records (``ends``: where each ends), row numbers of table rows.
+    first: int
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+    media_dir: str
+    absolute_media_paths: bool = False
+    #: Each record's stamp, and the folder's (set by :func:`stamp_chunk`).
+    stamps: tuple[str, ...] = ()
+
+    @property
+    def count(self) -> int:
+        return len(self.starts)
+
+    def folder(self) -> MediaFolder:
+        return MediaFolder(Path(self.media_dir), self.absolute_media_paths)
+
+    def records(self, first: int = 0, stop: int | None = None) -> Iterator[tuple[int, Record]]:
+        """``(index in the chunk, record)`` of records ``first`` to ``stop``, streamed."""
+        stop = self.count if stop is None else min(stop, self.count)
+        if self.kind == "json":
+            name = Path(self.path).name
+            jsonl = Path(self.path).suffix.lower() == ".jsonl"
+            with open(self.path, "rb") as f:
+                for i in range(first, stop):
+                    f.seek(self.starts[i])
+                    text = f.read(self.ends[i] - self.starts[i])
+                    where = (f"line {self._line(i)} of {name}" if jsonl else
+                             f"record {self.first + i} of {name}")
+                    yield i, json_record(text, where)
+            return
+        yield from self._rows(first, stop)
+
+    def _line(self, i: int) -> int:
+        with open(self.path, "rb") as f:
+            n, left = 1, self.starts[i]
+            while left > 0:
+                block = f.read(min(_BLOCK, left))
+                if not block:
+                    break
+                n += block.count(b"\n")
+                left -= len(block)
+            return n
+
+    def _rows(self, first: int, stop: int) -> Iterator[tuple[int, Record]]:
+        import pyarrow as pa
+
+        if first >= stop:
+            return
+        lo, hi = self.starts[first], self.starts[stop - 1] + 1
+        try:
+            for offset, batch in _table_batches(Path(self.path), self.kind, lo, hi):
+                columns = _media_columns(batch.schema)
+                for j, row in enumerate(batch.to_pylist()):
+                    row_number = offset + j
+                    if lo <= row_number < hi:
+                        yield first + row_number - lo, _row_record(row, columns)
+        except (OSError, pa.ArrowException) as exc:
+            raise SourceError(f"cannot read {self.path}: {exc}") from None
+
+    def samples(self, first: int = 0, stop: int | None = None, *, media: bool = True,
+                max_sample_bytes: int | None = None) -> Iterator[Any]:
+        """The raw samples of records ``first`` to ``stop`` (media bytes read unless ``media`` is False)."""
+        folder = self.folder()
+        for i, record in self.records(first, stop):
+            sample = RawSample(key=self.key(i, record), shard=self.shard, index=i)
+            try:
+                resolved = resolve(record, folder)
+                sample.parts["json"] = resolved.text
+                total = len(resolved.text)
+                for name, source in resolved.members:
+                    if isinstance(source, MediaFile):
+                        size = source.stamp[0] if source.stamp[0] != "missing" else 0
+                        if max_sample_bytes is not None and total + size > max_sample_bytes:
+                            raise RecordProblem(f"sample holds more than {max_sample_bytes} bytes "
+                                                f"(max_sample_bytes)")
+                        data = folder.read(source.path, source.stamp) if media else b""
+                    else:
+                        data = source
+                    total += len(data)
+                    sample.parts[name] = data
+                    sample.ranges[name] = (0, len(data))
+                if max_sample_bytes is not None and total > max_sample_bytes:
+                    raise RecordProblem(f"sample holds more than {max_sample_bytes} bytes (max_sample_bytes)")
+            except RecordProblem as exc:
+                sample.parts.clear()
+                sample.ranges.clear()
+                sample.problem = str(exc)
+            yield sample
+
+    def key(self, i: int, record: Record) -> str:
+        """A record's key: its position in the split, and its own ``id`` where it has one (``000000042:r42``)."""
+        own = record_id(record.doc)
+        return f"{self.first + i:09d}" + (f":{own}" if own is not None else "")
+
+    def media_bytes(self, index: int, member: str) -> bytes:
+        """The bytes of member ``member`` of record ``index``, read now from the user's file or cell; the record
+        must still match its stamp."""
+        (i, record), = list(self.records(index, index + 1))
+        folder = self.folder()
+        if self.stamps and record_stamp(record, folder) != self.stamps[i]:
+            raise SourceError(f"record {self.first + i} of {self.path} (or a media file it names) changed after it "
+                              f"was encoded; run the same command again to encode it anew")
+        try:
+            resolved = resolve(record, folder)
+            source = dict(resolved.members)[member]
+            return folder.read(source.path, source.stamp) if isinstance(source, MediaFile) else source
+        except (RecordProblem, KeyError) as exc:
+            raise SourceError(f"record {self.first + i} of {self.path}: {member}: {exc}") from None
 
 
-def _doc_digest(chunk: list[Record], first: int) -> str:
-    h = hashlib.sha256(str(first).encode())
-    for r in chunk:
-        h.update(json.dumps([r.doc, r.problem], sort_keys=True, default=repr).encode() + b"\0")
-        for name, blob in sorted((r.blobs or {}).items()):
-            h.update(name.encode() + hashlib.sha256(blob).digest())
+def _media_columns(schema: Any) -> dict[str, str]:
+    """The media columns of a table, by name (as :data:`MEDIA_FIELDS`)."""
+    return {name: kind for name, kind in MEDIA_FIELDS.items() if schema.get_field_index(name) >= 0}
+
+
+#: Decoded table batches kept for the media of later rows (a pack's rows come in any order), bytes at most.
+_CACHE_BYTES = 64 << 20
+_cache: dict[tuple[str, int], Any] = {}
+
+
+def _table_batches(path: Path, kind: SourceKind, lo: int, hi: int, size: int = 16) -> Iterator[tuple[int, Any]]:
+    """``(first row number, batch)`` of batches of a table file that hold rows ``lo`` to ``hi``: a Parquet
+    file's row groups that hold them (streamed from the group's start: Parquet has no random access inside a
+    group), an Arrow file's batches (memory-mapped). A batch of a single row is served from a small cache."""
+    import pyarrow.parquet as pq
+
+    if hi - lo == 1:
+        for (p, start), batch in list(_cache.items()):
+            if p == str(path) and start <= lo < start + batch.num_rows:
+                yield start, batch
+                return
+    if kind == "parquet":
+        pf = pq.ParquetFile(path)
+        meta = pf.metadata
+        start = 0
+        for g in range(meta.num_row_groups):
+            n = meta.row_group(g).num_rows
+            if start < hi and lo < start + n:
+                offset = start
+                for batch in pf.iter_batches(batch_size=size, row_groups=[g]):
+                    if offset + batch.num_rows > lo:
+                        _remember(path, offset, batch, hi - lo == 1)
+                        yield offset, batch
+                    offset += batch.num_rows
+                    if offset >= hi:
+                        return
+            start += n
+        return
+    offset = 0
+    for batch in _arrow_reader(path):
+        if offset >= hi:
+            return
+        if offset + batch.num_rows > lo:
+            for k in range(0, batch.num_rows, size):
+                if offset + k + size > lo and offset + k < hi:
+                    piece = batch.slice(k, size)
+                    _remember(path, offset + k, piece, hi - lo == 1)
+                    yield offset + k, piece
+        offset += batch.num_rows
+
+
+def _remember(path: Path, start: int, batch: Any, wanted: bool) -> None:
+    if not wanted:
+        return
+    _cache[(str(path), start)] = batch
+    while sum(b.nbytes for b in _cache.values()) > _CACHE_BYTES and len(_cache) > 1:
+        del _cache[next(iter(_cache))]
+
+
+def _arrow_reader(path: Path) -> Any:
+    """The record batches of an Arrow file (``save_to_disk`` writes IPC streams; IPC files are read too),
+    memory-mapped."""
+    import pyarrow as pa
+
+    try:
+        return pa.ipc.open_stream(pa.memory_map(str(path)))
+    except pa.ArrowInvalid:
+        reader = pa.ipc.open_file(pa.memory_map(str(path)))
+        return (reader.get_batch(k) for k in range(reader.num_record_batches))
+
+
+def stamp_chunk(chunk: FileChunk) -> FileChunk:
+    """The chunk with each record's stamp (a task: workers stamp chunks in parallel)."""
+    folder = chunk.folder()
+    return replace(chunk, stamps=tuple(record_stamp(r, folder) for _, r in chunk.records()))
+
+
+def chunk_digest(chunk: FileChunk) -> str:
+    """A stamped chunk's stamp: the digest of its records' stamps and where they are."""
+    h = hashlib.sha256(json.dumps([chunk.kind, chunk.path, chunk.first, chunk.media_dir,
+                                   chunk.absolute_media_paths]).encode())
+    for s in chunk.stamps:
+        h.update(s.encode())
     return h.hexdigest()
 
 
-def _files_current(files: list) -> bool:
-    for path, size, mtime, ctime in files:
-        try:
-            st = os.stat(path)
-        except OSError:
-            return False
-        if (st.st_size, st.st_mtime_ns, st.st_ctime_ns) != (size, mtime, ctime):
-            return False
-    return True
+# -- the dataset ----------------------------------------------------------------------------------------------
 
 
-def stage(src: FileSource, staging: str | Path, *, log: Callable[[str], None] | None = None) -> Path:
-    """Write (or bring up to date) the Energon dataset ``src`` stands for in ``staging``; returns its path. A
-    folder that holds anything but a previous staging is refused (nothing packtool did not write is removed); two
-    runs never stage into one folder at once."""
-    root = Path(staging)
-    record_file = root / META / STAGE_FILE
-    lock_name = "packtool-staging.lock"
-    begun = {p.name for p in (root / META).iterdir()} <= {lock_name} if (root / META).is_dir() else False
-    if root.exists() and not record_file.is_file() and any(p.name != META or not begun for p in root.iterdir()):
-        raise SourceError(f"staging folder {root} exists and was not made by packtool; choose another (staging)")
-    (root / META).mkdir(parents=True, exist_ok=True)
-    with open(root / META / lock_name, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise SourceError(f"another packtool run is staging into {root}") from None
-        return _stage(src, root, record_file, log)
+def _chunks_of_file(kind: SourceKind, path: Path, label: str, first: int, media_dir: str,
+                    absolute: bool) -> list[FileChunk]:
+    """The chunks of one file, its records found by streaming (see the module doc)."""
+    chunks: list[FileChunk] = []
+    in_file = 0
+
+    def close(starts: list[int], ends: list[int]) -> None:
+        nonlocal first, in_file
+        if starts:
+            chunks.append(FileChunk(kind, str(path), f"{label}@{in_file:09d}", first, tuple(starts), tuple(ends),
+                                    media_dir, absolute))
+            first += len(starts)
+            in_file += len(starts)
+
+    try:
+        if kind == "json":
+            spans = jsonl_spans(path) if path.suffix.lower() == ".jsonl" else json_spans(path)
+            starts: list[int] = []
+            ends: list[int] = []
+            for a, b in spans:
+                starts.append(a)
+                ends.append(b)
+                if len(starts) == RECORDS_PER_CHUNK:
+                    close(starts, ends)
+                    starts, ends = [], []
+            close(starts, ends)
+        elif kind == "parquet":
+            import pyarrow.parquet as pq
+
+            meta = pq.ParquetFile(path).metadata
+            row = 0
+            for g in range(meta.num_row_groups):
+                n = meta.row_group(g).num_rows
+                for a in range(row, row + n, RECORDS_PER_CHUNK):
+                    close(list(range(a, min(a + RECORDS_PER_CHUNK, row + n))), [])
+                row += n
+        else:
+            rows = sum(b.num_rows for b in _arrow_reader(path))
+            for a in range(0, rows, RECORDS_PER_CHUNK):
+                close(list(range(a, min(a + RECORDS_PER_CHUNK, rows))), [])
+    except SourceError:
+        raise
+    except OSError as exc:
+        raise SourceError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except Exception as exc:  # pyarrow's errors on a file that is not Parquet/Arrow
+        raise SourceError(f"cannot read {path}: {exc}") from None
+    return chunks
 
 
-def _stage(src: FileSource, root: Path, record_file: Path, log: Callable[[str], None] | None) -> Path:
-    import yaml
-
-    from packtool.shards import write_tar
-
-    previous = _read_json_file(record_file) if record_file.is_file() else {}
-    old_shards: dict = previous.get("shards", {}) if isinstance(previous.get("shards"), dict) else {}
-    shards: dict[str, dict] = {}
-    split_parts: dict[str, list[str]] = {}
-    counts: dict[str, int] = {}
-    written = 0
-    for split in src.splits:
-        split_parts[split] = []
+def open_files(src: FileSource, splits: list[str] | None = None) -> Any:
+    """The :class:`~packtool.build.sources.energon.SourceDataset` of a file source: its chunks as shards,
+    records found by streaming (nothing is parsed or read beyond their boundaries)."""
+    chosen = list(src.splits) if not splits else splits
+    unknown = [s for s in chosen if s not in src.splits]
+    if unknown:
+        raise SourceError(f"unknown split {unknown[0]!r}; {src.path} has {', '.join(src.splits)}")
+    base = src.path if src.path is not None and src.path.is_dir() else None
+    media_dir = str(src.media_dir.resolve())
+    chunks: dict[str, FileChunk] = {}
+    splits_out: dict[str, list[str]] = {}
+    for split in chosen:
         first = 0
-        for number, chunk in enumerate(_shards_of(_records(src, split))):
-            name = f"shards/{split}-{number:06d}.tar"
-            digest = _doc_digest(chunk, first)
-            old = old_shards.get(name)
-            if not (old and old.get("records") == digest and (root / name).is_file()
-                    and _files_current(old.get("files", []))):
-                staged = [_stage_record(r, src.media_dir) for r in chunk]
-                write_tar(root / name, ((str(first + i).zfill(9), s.members) for i, s in enumerate(staged)))
-                old = {"records": digest, "files": [list(f) for s in staged for f in s.files]}
-                written += 1
-            shards[name] = old
-            split_parts[split].append(name)
-            counts[name] = len(chunk)
-            first += len(chunk)
-        if not split_parts[split]:
+        names: list[str] = []
+        for path in src.splits[split]:
+            label = str(path.relative_to(base)) if base is not None else path.name
+            for chunk in _chunks_of_file(src.kind, path, label, first, media_dir, src.absolute_media_paths):
+                chunks[chunk.shard] = chunk
+                names.append(chunk.shard)
+                first += chunk.count
+        if not names:
             raise SourceError(f"split {split!r} of {src.splits[split][0]} holds no records")
-    for name in set(old_shards) - set(shards):  # shards of a longer previous input: ours to remove
-        for path in (root / name, root / (name + ".idx")):
-            path.unlink(missing_ok=True)
-    meta = root / META
-    commit_bytes(meta / "split.yaml", yaml.safe_dump({"split_parts": split_parts}, sort_keys=True).encode())
-    commit_bytes(meta / "dataset.yaml", yaml.safe_dump({"__module__": "megatron.energon",
-                                                        "__class__": "CrudeWebdataset"}).encode())
-    commit_bytes(meta / ".info.json", json.dumps({"shard_counts": counts}, indent=1, sort_keys=True).encode())
-    commit_bytes(record_file, json.dumps({"source": src.describe(), "shards": shards}, indent=1,
-                                         sort_keys=True).encode())
-    if log is not None:
-        log(f"staged {sum(counts.values())} records of {', '.join(src.splits)} in {root} "
-            f"({written} of {len(shards)} shards written)")
-    return root
+        splits_out[split] = names
+    return FileDataset(Path(src.path or src.media_dir), splits_out, frozenset(), {}, {n: c.count for n, c in
+                                                                                     chunks.items()},
+                       "", chunks=chunks, source=src)
 
 
-def default_staging(output: str | Path) -> Path:
-    """Where a file source is staged unless told: beside OUTPUT, as ``<OUTPUT>.source``."""
-    output = Path(output).resolve()
-    return output.with_name(output.name + ".source")
+@dataclass
+class FileDataset(SourceDataset):
+    """A file source opened: its chunks stand for shards (``splits`` names them)."""
+
+    chunks: dict[str, FileChunk] = field(default_factory=dict)
+    source: FileSource | None = None
 
 
-def resolve_source(source: str | Path, output: str | Path, *, media_dir: str | Path | None = None,
-                   staging: str | Path | None = None, log: Callable[[str], None] | None = None) -> Path:
-    """The Energon dataset to pack for ``source``: itself, or the staging of a file source."""
-    if is_remote(source):  # an Energon dataset in an object store (file sources are staged from local files)
+# -- what the commands are given ------------------------------------------------------------------------------
+
+
+def resolve_source(source: str | Path, *, media_dir: str | Path | None = None,
+                   absolute_media_paths: bool = False) -> Path | FileSource:
+    """What to pack for ``source``: an Energon dataset's path, or the file source it is (read in place)."""
+    if is_remote(source):  # an Energon dataset in an object store
+        if media_dir is not None:
+            raise SourceError(f"{source} is an Energon dataset: its media are members, a media folder does not "
+                              f"apply (media_dir)")
         return location(source)
-    src = detect(source, media_dir)
+    src = detect(source, media_dir, absolute_media_paths=absolute_media_paths)
     if src is None:
         if media_dir is not None:
             raise SourceError(f"{source} is an Energon dataset: its media are members, a media folder does not "
                               f"apply (media_dir)")
         return Path(source)
-    return stage(src, staging if staging is not None else default_staging(output), log=log)
+    return src
 
 
-def source_for_verify(source: str | Path, output: str | Path) -> Path:
-    """The Energon dataset ``verify --source`` compares OUTPUT with: ``source`` itself, or, for a file source, its
-    staging as the run recorded it, brought up to date first (so an input edited since packing shows up)."""
+def source_for_verify(source: str | Path, output: str | Path) -> Path | FileSource:
+    """What ``verify --source`` compares OUTPUT with: an Energon dataset, or the file source OUTPUT was packed
+    from, read as it is now with the media folder the run recorded (so an input edited since shows up)."""
     from packtool.format import Manifest
 
     if is_remote(source):
         return location(source)
     if detect(source) is None:
         return Path(source)
-    manifest = Manifest.read(output)
-    staged = staged_input(Path(manifest.source))
-    if not staged:
-        raise SourceError(f"{output} was not packed from a JSON/Parquet source (its source is {manifest.source})")
-    return resolve_source(source, output, media_dir=staged.get("media_dir"), staging=manifest.source)
+    config = Manifest.read(output).run_config or {}
+    if "media_dir" not in config:
+        raise SourceError(f"{output} was not packed from a JSON/Parquet source (its source is "
+                          f"{config.get('source')})")
+    found = detect(source, config.get("media_dir"), absolute_media_paths=bool(config.get("absolute_media_paths")))
+    assert found is not None
+    return found
 
 
-def staged_input(staging: Path) -> dict:
-    """``{"source": the file or folder given, "media_dir": ...}`` when ``staging`` is a staged file source, else
-    {}."""
-    record = staging / META / STAGE_FILE
-    if not record.is_file():
-        return {}
-    described = _read_json_file(record).get("source", {})
-    if not isinstance(described, dict) or not described.get("input"):
-        return {}
-    return {"source": described["input"], "media_dir": described.get("media_dir"), "staging": str(staging)}
+def recorded_source(src: FileSource) -> dict:
+    """What a manifest's ``run_config`` adds for a file source: its media folder and the absolute-path rule."""
+    return {"media_dir": str(src.media_dir.resolve()), "absolute_media_paths": src.absolute_media_paths}
+
+
+def describe_progress(dataset: Any, log: Callable[[str], None] | None) -> None:
+    if log is not None and isinstance(dataset, FileDataset):
+        log(f"reading {sum(dataset.shard_counts.values())} records of {', '.join(dataset.splits)} in place")
