@@ -84,16 +84,16 @@ def energon_equivalent(root: Path, media: Path) -> Path:
     return write_source(root, samples)
 
 
-def run_pack(source: Path, out: Path, tokenizer: Path, *, media_dir: Path | None = None, workers: int = 1,
-             staging: Path | None = None) -> Path:
-    staged = resolve_source(source, out, media_dir=media_dir, staging=staging)
+def run_pack(source: Path, out: Path, tokenizer: Path, *, media_dir: Path | None = None, workers: int = 1) -> Path:
+    src = resolve_source(source, media_dir=media_dir)
     settings = PackSettings(EncodeSettings(tokenizer=str(tokenizer), pack_size=PACK_SIZE), PlanSettings(shard_size="4"))
-    pack(staged, out, settings, workers=workers, progress=False)
+    pack(src, out, settings, workers=workers, progress=False)
     return out
 
 
 def tokens_by_key(out: Path) -> dict[str, tuple]:
-    return {seg.key: (tuple(tokens.tolist()), tuple(targets.tolist()))
+    """Each sample's tokens and targets by its position (a record's key adds its own id: ``000000004:r4``)."""
+    return {seg.key.split(":")[0]: (tuple(tokens.tolist()), tuple(targets.tolist()))
             for seg, tokens, targets, _ in fx.packed_segments(out)}
 
 
@@ -162,8 +162,7 @@ def test_every_bad_record_gets_a_ledger_row_with_its_reason(demo_dir, media, tmp
     records.append(json.dumps({"messages": [{"role": "user", "content": "only a question"}]}))
     (tmp_path / "bad.jsonl").write_text("\n".join(records) + "\n\n")
     out = tmp_path / "out"
-    staged = resolve_source(tmp_path / "bad.jsonl", out, media_dir=media)
-    pack(staged, out, PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=PACK_SIZE)),
+    pack(resolve_source(tmp_path / "bad.jsonl", media_dir=media), out, PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=PACK_SIZE)),
          workers=1, progress=False)
     rows = ledger(out)
     assert len(rows) == 7 and rows["000000000"][0] == "packed" and rows["000000003"][0] == "packed"
@@ -175,7 +174,18 @@ def test_every_bad_record_gets_a_ledger_row_with_its_reason(demo_dir, media, tmp
     assert rows["000000006"] == ("error", "no assistant turn")
 
 
-def test_resume_and_stale_input(demo_dir, media, tmp_path):
+def _encoded_at(out: Path) -> dict[str, int]:
+    """When each encode range of OUTPUT was committed (its ``source.json``'s modification time)."""
+    return {str(p.parent.relative_to(out)): p.stat().st_mtime_ns
+            for p in sorted((out / ".packtool" / "encode").glob("*/*/*/source.json"))}
+
+
+def test_resume_and_stale_input(demo_dir, media, tmp_path, monkeypatch):
+    """Read in place: a rerun reads and writes nothing again; a replaced image or an edited record re-encodes
+    its chunk only, and the packs equal a fresh run's."""
+    from packtool.build.sources import files
+
+    monkeypatch.setattr(files, "RECORDS_PER_CHUNK", 4)  # 12 records: 3 chunks
     tok = demo_dir / "tokenizer"
     pics = tmp_path / "media"
     pics.mkdir()
@@ -186,49 +196,66 @@ def test_resume_and_stale_input(demo_dir, media, tmp_path):
     source = tmp_path / "data.json"
     source.write_text(json.dumps([llava(i) for i in range(N)]))
     out = run_pack(source, tmp_path / "out", tok, media_dir=pics)
-    staged = tmp_path / "out.source" / "shards" / "train-000000.tar"
-    first, before, first_tokens = digest(out), os.stat(staged).st_mtime_ns, tokens_by_key(out)
-    run_pack(source, out, tok, media_dir=pics)  # resume: nothing is staged or written again
-    assert digest(out) == first and os.stat(staged).st_mtime_ns == before
-    # An image replaced under the same name (other size: other image tokens) is never packed stale.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.json", "media", "out"]  # nothing staged
+    first, encoded, first_tokens = digest(out), _encoded_at(out), tokens_by_key(out)
+    assert len(encoded) == 3
+    run_pack(source, out, tok, media_dir=pics)  # resume: nothing is encoded or written again
+    assert digest(out) == first and _encoded_at(out) == encoded
+    # An image replaced under the same name (other size: other image tokens) is never packed stale; only its
+    # chunk (records 4-7) is encoded again.
     (pics / _images(5)[0]).write_bytes(make_image(300, 200, seed=99, fmt="JPEG"))
     run_pack(source, out, tok, media_dir=pics)
-    assert os.stat(staged).st_mtime_ns != before
+    again = _encoded_at(out)
+    assert [k for k in again if again[k] != encoded[k]] == ["train/000001/000000"]
     fresh = run_pack(source, tmp_path / "fresh", tok, media_dir=pics)
     assert digest(out) != first and tokens_by_key(out) == tokens_by_key(fresh)
     assert len(tokens_by_key(out)["000000005"][0]) > len(first_tokens["000000005"][0])
-    # An edited record too.
+    # An edited record too (its chunk only).
     records = [llava(i) for i in range(N)]
     records[0]["conversations"][1]["value"] = "Edited."
     source.write_text(json.dumps(records))
+    before = _encoded_at(out)
     run_pack(source, out, tok, media_dir=pics)
+    after = _encoded_at(out)
+    assert [k for k in after if after[k] != before[k]] == ["train/000000/000000"]
     assert tokens_by_key(out) == tokens_by_key(run_pack(source, tmp_path / "fresh2", tok, media_dir=pics))
+    # A missing media file is stamped as missing: once it appears, its record is encoded again and packed.
+    gone = pics / _images(8)[0]
+    kept = gone.read_bytes()
+    gone.unlink()
+    run_pack(source, out, tok, media_dir=pics)
+    assert ledger(out)["000000008:r8"][0] == "error"
+    gone.write_bytes(kept)
+    run_pack(source, out, tok, media_dir=pics)
+    assert ledger(out)["000000008:r8"][0] in ("packed", "truncated")
 
 
 def test_same_bytes_whatever_the_workers(demo_dir, media, tmp_path):
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(sharegpt(i)) for i in range(N)))
     one = run_pack(tmp_path / "d.jsonl", tmp_path / "one", demo_dir / "tokenizer", media_dir=media)
-    staged = digest(tmp_path / "one.source")
-    (tmp_path / "one.source").rename(tmp_path / "elsewhere")  # staged again from nothing, at the same path
-    two = run_pack(tmp_path / "d.jsonl", tmp_path / "two", demo_dir / "tokenizer", media_dir=media, workers=2,
-                   staging=tmp_path / "one.source")
-    assert digest(tmp_path / "one.source") == staged
+    two = run_pack(tmp_path / "d.jsonl", tmp_path / "two", demo_dir / "tokenizer", media_dir=media, workers=2)
     assert digest(one) == digest(two)
 
 
-def test_sources_packtool_does_not_read_and_foreign_staging(tmp_path):
+def test_sources_packtool_does_not_read_and_staging_refused(demo_dir, tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(SourceError, match="no .nv-meta folder"):
-        resolve_source(tmp_path / "notes.txt", tmp_path / "out")
+        resolve_source(tmp_path / "notes.txt")
     (tmp_path / "a.json").write_text('{"x": 1}')
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=PACK_SIZE))
     with pytest.raises(SourceError, match="expected a list of records"):
-        resolve_source(tmp_path / "a.json", tmp_path / "out")
+        pack(resolve_source(tmp_path / "a.json"), tmp_path / "out", settings, progress=False)
+    assert not (tmp_path / "out").exists()
     (tmp_path / "b.json").write_text("[]")
-    (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "keep.txt").write_text("user data")
-    with pytest.raises(SourceError, match="was not made by packtool"):
-        resolve_source(tmp_path / "b.json", tmp_path / "out", staging=tmp_path / "mine")
-    assert (tmp_path / "mine" / "keep.txt").read_text() == "user data"
+    with pytest.raises(SourceError, match="holds no records"):
+        pack(resolve_source(tmp_path / "b.json"), tmp_path / "out", settings, progress=False)
+    done = subprocess.run([sys.executable, "-m", "packtool.cli", "pack", str(tmp_path / "b.json"),
+                           str(tmp_path / "out"), "--tokenizer", str(demo_dir / "tokenizer"), "--pack-size", "64",
+                           "--staging", str(tmp_path / "st")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "packtool: error: staging: JSON/JSONL, Parquet and save_to_disk sources are read in place, nothing is "
+        "staged; remove the staging option"]
+    assert not (tmp_path / "st").exists() and not (tmp_path / "out").exists()
 
 
 def test_python_api_packs_a_llava_file(demo_dir, media, tmp_path):
@@ -241,7 +268,8 @@ def test_python_api_packs_a_llava_file(demo_dir, media, tmp_path):
     (tmp_path / "llava.json").write_text(json.dumps([llava(i) for i in range(N)]))
     summary = packtool.pack(tmp_path / "llava.json", tmp_path / "out", tokenizer=str(demo_dir / "tokenizer"),
                             pack_size=PACK_SIZE, media_dir=str(media), shard_size="4", workers=1, progress=False)
-    assert isinstance(summary, packtool.PackSummary) and summary.source == (tmp_path / "out.source").resolve()
+    assert isinstance(summary, packtool.PackSummary) and summary.source == (tmp_path / "llava.json").resolve()
+    assert not (tmp_path / "out.source").exists()
     assert summary.splits["train"].samples == N and summary.splits["train"].error == 0
     manifest = json.loads((tmp_path / "out" / ".nv-meta" / "packtool.json").read_text())
     assert summary.splits["train"].packs == manifest["packs"]["train"] > 0
@@ -291,8 +319,8 @@ def test_readme_quick_start_runs_as_written(demo_dir, tmp_path):
 
 
 def test_verify_against_a_json_source(demo_dir, media, tmp_path):
-    """``verify --source data.json`` compares with the staging, brought up to date: an image edited since packing
-    is reported."""
+    """``verify --source data.json`` compares with the file as it is now: an image edited since packing is
+    reported."""
     pics = tmp_path / "media"
     shutil.copytree(media, pics)
     (tmp_path / "d.json").write_text(json.dumps([llava(i) for i in range(N)]))
@@ -312,11 +340,9 @@ def test_verify_against_a_json_source(demo_dir, media, tmp_path):
 
 
 def test_dataset_dict_and_parquet_folder_splits(media, tmp_path):
-    """A ``save_to_disk`` DatasetDict gives one split per folder; Parquet files named by split give their splits;
-    both stage every row in order."""
-    import yaml
-
-    from packtool.build.sources.files import detect, stage
+    """A ``save_to_disk`` DatasetDict gives one split per folder (``validation`` is ``val``); Parquet files named
+    by split give their splits; every row is read, in order."""
+    from packtool.build.sources.files import detect, open_files
 
     table = pa.table({"messages": [sharegpt(i)["messages"] for i in range(5)],
                       "images": [[{"bytes": (media / n).read_bytes(), "path": n} for n in _images(i)]
@@ -330,11 +356,9 @@ def test_dataset_dict_and_parquet_folder_splits(media, tmp_path):
                                                                               "data-00000-of-00001.arrow"}]}))
     (root / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "validation"]}))
     src = detect(root)
-    assert src is not None and src.kind == "arrow" and list(src.splits) == ["train", "validation"]
-    staged = stage(src, tmp_path / "st")
-    parts = yaml.safe_load((staged / ".nv-meta" / "split.yaml").read_text())["split_parts"]
-    counts = json.loads((staged / ".nv-meta" / ".info.json").read_text())["shard_counts"]
-    assert [counts[s] for p in parts.values() for s in p] == [3, 2]
+    assert src is not None and src.kind == "arrow" and list(src.splits) == ["train", "val"]
+    opened = open_files(src)
+    assert [opened.shard_counts[s] for p in opened.splits.values() for s in p] == [3, 2]
     (tmp_path / "pq").mkdir()
     pq.write_table(table.slice(0, 4), tmp_path / "pq" / "train-00000-of-00001.parquet")
     pq.write_table(table.slice(4), tmp_path / "pq" / "validation-00000-of-00001.parquet")
