@@ -176,7 +176,7 @@ def test_every_bad_record_gets_a_ledger_row_with_its_reason(demo_dir, media, tmp
 
 def _encoded_at(out: Path) -> dict[str, int]:
     """When each encode range of OUTPUT was committed (its ``source.json``'s modification time)."""
-    return {str(p.parent.relative_to(out)): p.stat().st_mtime_ns
+    return {str(p.parent.relative_to(out / ".packtool" / "encode")): p.stat().st_mtime_ns
             for p in sorted((out / ".packtool" / "encode").glob("*/*/*/source.json"))}
 
 
