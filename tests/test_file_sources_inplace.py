@@ -1,0 +1,235 @@
+"""File sources read in place: hostile records and media paths are their record's error row (the run goes on),
+JSON arrays are streamed, every media column layout ``datasets``/pyarrow write is read (or is an error row naming
+the column), split names map one way, the ledger keeps a record's own id, and a run writes nothing outside
+OUTPUT while its memory stays bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import packfixture as fx
+from mediafixture import make_image
+from packtool.build.pipeline import pack
+from packtool.build.sources.files import detect, json_spans, resolve_source
+from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+
+PACK_SIZE = 1024
+
+
+@pytest.fixture()
+def pics(tmp_path) -> Path:
+    root = tmp_path / "media"
+    root.mkdir()
+    for i in range(4):
+        (root / f"{i}.png").write_bytes(make_image(40 + 8 * i, 30 + 4 * i, seed=i, fmt="PNG"))
+    return root
+
+
+def record(i: int, images: list[str] | None = None, text: str | None = None) -> dict:
+    names = [f"{i % 4}.png"] if images is None else images
+    return {"messages": [{"role": "user", "content": "<image>\n" * len(names) + (text or f"What is {i}?")},
+                         {"role": "assistant", "content": f"Picture {i}."}], "images": names}
+
+
+def run(source: Path, out: Path, tokenizer: Path, media: Path | None = None, *, absolute: bool = False,
+        workers: int = 1) -> Path:
+    src = resolve_source(source, media_dir=media, absolute_media_paths=absolute)
+    settings = PackSettings(EncodeSettings(tokenizer=str(tokenizer), pack_size=PACK_SIZE), PlanSettings(shard_size="4"))
+    pack(src, out, settings, workers=workers, progress=False, max_error_rate=1.0)
+    return out
+
+
+def ledger(out: Path) -> dict[str, tuple[str, str]]:
+    t = pq.read_table(out / "ledger.parquet", columns=["key", "status", "reason"])
+    return {k: (s, r) for k, s, r in zip(*(t.column(c).to_pylist() for c in ("key", "status", "reason")))}
+
+
+def tokens(out: Path) -> dict[str, tuple]:
+    return {seg.key.split(":")[0]: (tuple(t.tolist()), tuple(g.tolist()), len(seg.media))
+            for seg, t, g, _ in fx.packed_segments(out)}
+
+
+def test_hostile_records_and_media_paths_are_error_rows(demo_dir, pics, tmp_path):
+    outside = tmp_path / "secret.png"
+    outside.write_bytes((pics / "0.png").read_bytes())
+    os.symlink(outside, pics / "link.png")
+    os.mkfifo(pics / "fifo.png")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(pics / "sock.png"))
+    lines = [json.dumps(record(0)).encode(),                                      # 0 fine
+             json.dumps(record(1, text="cut \ud83d surrogate")).encode(),         # 1 lone surrogate in text
+             json.dumps(record(2, ["a\x00.png"])).encode(),                        # 2 NUL in a media path
+             json.dumps(record(3, ["\udc80.png"])).encode(),                       # 3 lone surrogate in a path
+             b"[" * 100_000 + b"]" * 100_000,                                      # 4 nested too deep
+             b'{"messages": "\xff\xfe bad utf-8"}',                                # 5 bad UTF-8
+             json.dumps(record(6, ["fifo.png"])).encode(),                         # 6 a FIFO (never blocks)
+             json.dumps(record(7, ["/dev/zero"])).encode(),                        # 7 absolute, not allowed
+             json.dumps(record(8, ["sock.png"])).encode(),                         # 8 a socket
+             json.dumps(record(9, ["link.png"])).encode(),                         # 9 a link out of the folder
+             json.dumps(record(10, [str(pics / "1.png")])).encode(),               # 10 absolute, not allowed
+             json.dumps(record(11)).encode()]                                      # 11 fine
+    (tmp_path / "d.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    rows = ledger(run(tmp_path / "d.jsonl", tmp_path / "out", demo_dir / "tokenizer", pics))
+    sock.close()
+    assert len(rows) == 12
+    assert rows["000000000"][0] == "packed" and rows["000000011"][0] == "packed"
+    want = {1: "not valid Unicode", 2: "NUL or a lone surrogate", 3: "NUL or a lone surrogate",
+            4: "nested too deep", 5: "not valid JSON", 6: "is a FIFO; only regular files", 7: "is absolute",
+            8: "is a socket", 9: "outside the media folder", 10: "--absolute-media-paths"}
+    for i, why in want.items():
+        status, reason = rows[f"{i:09d}"]
+        assert status == "error" and why in reason, (i, reason)
+    # Absolute paths opted in: a regular file is read, a device is still refused.
+    rows = ledger(run(tmp_path / "d.jsonl", tmp_path / "abs", demo_dir / "tokenizer", pics, absolute=True))
+    assert rows["000000010"][0] == "packed"
+    assert rows["000000007"][0] == "error" and "is a device" in rows["000000007"][1]
+
+
+def test_json_arrays_are_streamed(demo_dir, pics, tmp_path):
+    """A JSON array (or ``{"data": [...]}``) is scanned for its elements' spans: strings holding brackets,
+    quotes and escapes do not confuse it; a broken element is its own error row; tokens equal the JSONL's."""
+    recs = [record(i, text=f'tricky "[{{,}}]" \\ {i}') for i in range(6)]
+    (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+    texts = [json.dumps(r, indent=2) for r in recs]
+    (tmp_path / "a.json").write_text("[\n" + " ,\n".join(texts) + "\n ]\n")
+    (tmp_path / "b.json").write_text('{"info": {"data": [1]}, "x": "data", "data": [' + ",".join(texts) + "]}")
+    spans = list(json_spans(tmp_path / "a.json"))
+    assert [json.loads((tmp_path / "a.json").read_bytes()[a:b]) for a, b in spans] == recs
+    assert len(list(json_spans(tmp_path / "b.json"))) == 6
+    reference = tokens(run(tmp_path / "r.jsonl", tmp_path / "o-r", demo_dir / "tokenizer", pics))
+    assert len(reference) == 6
+    for name in ("a.json", "b.json"):
+        assert tokens(run(tmp_path / name, tmp_path / f"o-{name}", demo_dir / "tokenizer", pics)) == reference
+    broken = texts[:2] + ['{"messages": tru}', "[" * 50_000 + "]" * 50_000] + texts[2:]
+    (tmp_path / "c.json").write_text("[" + ",".join(broken) + "]")
+    rows = ledger(run(tmp_path / "c.json", tmp_path / "o-c", demo_dir / "tokenizer", pics))
+    assert [rows[f"{i:09d}"][0] for i in range(8)] == ["packed"] * 2 + ["error"] * 2 + ["packed"] * 4
+    assert "not valid JSON" in rows["000000002"][1] and "nested too deep" in rows["000000003"][1]
+
+
+def test_media_column_layouts(demo_dir, pics, tmp_path):
+    """Every layout of a media column ``datasets``/pyarrow write gives the tokens of the JSONL with paths; a
+    column that cannot be read is an error row naming it, never a sample packed without its media."""
+    n = 6
+    recs = [record(i, [f"{i % 4}.png", f"{(i + 1) % 4}.png"][: 1 + i % 2]) for i in range(n)]
+    (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+    reference = tokens(run(tmp_path / "r.jsonl", tmp_path / "o-ref", demo_dir / "tokenizer", pics))
+    assert sum(m for _, _, m in reference.values()) == 9
+    data = [[(pics / name).read_bytes() for name in r["images"]] for r in recs]
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    messages = pa.array([r["messages"] for r in recs], pa.list_(message))
+    hf = pa.struct([("bytes", pa.binary()), ("path", pa.string()), ("mime", pa.string())])
+    layouts = {
+        "list_binary": pa.array(data, pa.list_(pa.binary())),
+        "list_large_binary": pa.array(data, pa.list_(pa.large_binary())),
+        "list_struct": pa.array([[{"bytes": b, "path": None, "mime": "image/png"} for b in d] for d in data],
+                                pa.list_(hf)),
+    }
+    for name, column in layouts.items():
+        pq.write_table(pa.table({"messages": messages, "images": column}), tmp_path / f"{name}.parquet")
+        got = tokens(run(tmp_path / f"{name}.parquet", tmp_path / f"o-{name}", demo_dir / "tokenizer"))
+        assert got == reference, name
+    # One image per row: a plain binary / large_binary column, a struct (bytes or a path).
+    single = [i for i in range(n) if i % 2 == 0]
+    one = pa.table({"messages": messages.take(single)})
+    first = [data[i][0] for i in single]
+    singles = {"binary": pa.array(first, pa.binary()), "large_binary": pa.array(first, pa.large_binary()),
+               "struct": pa.array([{"bytes": None, "path": recs[i]["images"][0], "mime": "x"} for i in single],
+                                  hf)}
+    want = {f"{k:09d}": v for k, v in zip(range(len(single)), (reference[f"{i:09d}"] for i in single))}
+    for name, column in singles.items():
+        pq.write_table(one.append_column("image", column), tmp_path / f"{name}.parquet")
+        got = tokens(run(tmp_path / f"{name}.parquet", tmp_path / f"o1-{name}", demo_dir / "tokenizer", pics))
+        assert got == want, name
+    # Control: a media column of numbers is every row's error, naming the column.
+    pq.write_table(one.append_column("image", pa.array([7] * len(single))), tmp_path / "bad.parquet")
+    rows = ledger(run(tmp_path / "bad.parquet", tmp_path / "o-bad", demo_dir / "tokenizer", pics))
+    assert {s for s, _ in rows.values()} == {"error"}
+    assert all("media column 'image' cannot be read" in r for _, r in rows.values())
+
+
+def test_split_names_and_record_ids(demo_dir, pics, tmp_path):
+    for name in ("train.jsonl", "dev.jsonl"):
+        (tmp_path / "f" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "f" / name).write_text("\n".join(json.dumps({**record(i), "id": f"r{i}"}) for i in range(3)))
+    src = detect(tmp_path / "f", pics)
+    assert src is not None and list(src.splits) == ["train", "val"]
+    rows = ledger(run(tmp_path / "f", tmp_path / "out", demo_dir / "tokenizer", pics))
+    splits = pq.read_table(tmp_path / "out" / "ledger.parquet", columns=["split", "key"]).to_pylist()
+    assert sorted((r["split"], r["key"]) for r in splits) == [(s, f"{i:09d}:r{i}") for s in ("train", "val")
+                                                              for i in range(3)]
+    assert rows["000000002:r2"][0] == "packed"
+
+
+def noise_png(width: int, height: int) -> bytes:
+    """A PNG of random pixels (PNG cannot compress them: about 3 bytes a pixel)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _tree_rss(pid: int) -> int:
+    try:
+        root = psutil.Process(pid)
+        return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+    except psutil.Error:
+        return 0
+
+
+def test_many_large_images_bounded_memory_nothing_written_outside_output(demo_dir, tmp_path):
+    """200 records of 4 MB images (800 MB of media): the process tree's peak memory stays far below the media
+    (bounded by a pack and a sample), and no file is written outside OUTPUT (no staging copy)."""
+    media = tmp_path / "media"
+    media.mkdir()
+    blob = noise_png(1180, 1180)
+    assert len(blob) > 4_000_000
+    for i in range(200):
+        (media / f"{i}.png").write_bytes(blob)
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(record(i, [f"{i}.png"])) for i in range(200)))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch), "PACKTOOL_SCRATCH": str(scratch),
+           "PACKTOOL_WORK": str(scratch / "work")}
+    before = {p for p in tmp_path.rglob("*")}
+    proc = subprocess.Popen([sys.executable, "-m", "packtool.cli", "pack", str(tmp_path / "d.jsonl"),
+                             str(tmp_path / "out"), "--media-dir", str(media), "--tokenizer",
+                             str(demo_dir / "tokenizer"), "--pack-size", "8192", "--workers", "2",
+                             "--media-check", "header", "--no-progress"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    peak = [0]
+
+    def sample() -> None:
+        while proc.poll() is None:
+            peak[0] = max(peak[0], _tree_rss(proc.pid))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=sample)
+    watcher.start()
+    _, err = proc.communicate(timeout=900)
+    watcher.join()
+    assert proc.returncode == 0, err
+    media_bytes = 200 * len(blob)
+    assert peak[0] < media_bytes / 2, peak[0]  # the media are never all held
+    out_files = sum(p.stat().st_size for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert out_files > media_bytes  # the packs hold the media's bytes
+    new = {p for p in tmp_path.rglob("*") if not p.is_relative_to(tmp_path / "out")} - before
+    written = sum(p.stat().st_size for p in new if p.is_file() and not p.is_relative_to(scratch / "work"))
+    assert written <= 0.05 * media_bytes, sorted(map(str, new))[:10]
