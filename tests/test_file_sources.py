@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -162,7 +161,8 @@ def test_every_bad_record_gets_a_ledger_row_with_its_reason(demo_dir, media, tmp
     records.append(json.dumps({"messages": [{"role": "user", "content": "only a question"}]}))
     (tmp_path / "bad.jsonl").write_text("\n".join(records) + "\n\n")
     out = tmp_path / "out"
-    pack(resolve_source(tmp_path / "bad.jsonl", media_dir=media), out, PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=PACK_SIZE)),
+    pack(resolve_source(tmp_path / "bad.jsonl", media_dir=media), out,
+         PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=PACK_SIZE)),
          workers=1, progress=False)
     rows = ledger(out)
     assert len(rows) == 7 and rows["000000000"][0] == "packed" and rows["000000003"][0] == "packed"

@@ -37,6 +37,7 @@ import os
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -367,15 +368,15 @@ class Record:
     text: bytes = b""
 
 
-def json_record(text: bytes, where: str) -> Record:
+def json_record(text: bytes, where: Callable[[], str]) -> Record:
     """A record from its JSON text; text that does not parse (bad UTF-8, a cut surrogate, nesting too deep) is a
-    record with a problem."""
+    record with a problem (``where()`` names the record in it)."""
     try:
         return Record(json.loads(text), text=text)
     except RecursionError:
-        return Record(problem=f"{where} is JSON nested too deep to parse", text=text)
+        return Record(problem=f"{where()} is JSON nested too deep to parse", text=text)
     except ValueError as exc:
-        return Record(problem=f"{where} is not valid JSON: {exc}", text=text)
+        return Record(problem=f"{where()} is not valid JSON: {exc}", text=text)
 
 
 #: Column layouts of a media column a row value may come in, by what pyarrow gives for it.
@@ -693,11 +694,13 @@ class FileChunk:
                 for i in range(first, stop):
                     f.seek(self.starts[i])
                     text = f.read(self.ends[i] - self.starts[i])
-                    where = (f"line {self._line(i)} of {name}" if jsonl else
-                             f"record {self.first + i} of {name}")
-                    yield i, json_record(text, where)
+                    yield i, json_record(text, partial(self._where, i, name, jsonl))
             return
         yield from self._rows(first, stop)
+
+    def _where(self, i: int, name: str, jsonl: bool) -> str:
+        """How an error names record ``i`` (found only then: counting lines reads the file up to it)."""
+        return f"line {self._line(i)} of {name}" if jsonl else f"record {self.first + i} of {name}"
 
     def _line(self, i: int) -> int:
         with open(self.path, "rb") as f:
