@@ -941,7 +941,7 @@ def open_files(src: FileSource, splits: list[str] | None = None) -> Any:
         if not names:
             raise SourceError(f"split {split!r} of {src.splits[split][0]} holds no records")
         splits_out[split] = names
-    return FileDataset(Path(src.path or src.media_dir), splits_out, frozenset(), {}, {n: c.count for n, c in
+    return FileDataset(Path(src.path or src.media_dir).resolve(), splits_out, frozenset(), {}, {n: c.count for n, c in
                                                                                      chunks.items()},
                        "", chunks=chunks, source=src)
 
@@ -995,8 +995,3 @@ def source_for_verify(source: str | Path, output: str | Path) -> Path | FileSour
 def recorded_source(src: FileSource) -> dict:
     """What a manifest's ``run_config`` adds for a file source: its media folder and the absolute-path rule."""
     return {"media_dir": str(src.media_dir.resolve()), "absolute_media_paths": src.absolute_media_paths}
-
-
-def describe_progress(dataset: Any, log: Callable[[str], None] | None) -> None:
-    if log is not None and isinstance(dataset, FileDataset):
-        log(f"reading {sum(dataset.shard_counts.values())} records of {', '.join(dataset.splits)} in place")
