@@ -93,7 +93,7 @@ def pack(
                                                      "(default: the source's folder)."),
     absolute_media_paths: bool = typer.Option(False, help="Read absolute media paths of a JSON/Parquet "
                                                           "source (else each is its record's error)."),
-    staging: Path | None = typer.Option(None, hidden=True, help="Refused: file sources are read in place."),
+    staging: Path | None = typer.Option(None, help="Refused: JSON/Parquet sources are read in place."),
     tokenizer: str | None = typer.Option(None, help="Model folder, or a model id in the local Hugging Face "
                                                     "cache, or msc://PROFILE/path (tokenizer, chat template, "
                                                     "processor config)."),
