@@ -55,6 +55,7 @@ from packtool.families.nemotron_nemo_rl import NemoRLNemotronOmni  # noqa: F401 
 from packtool.families.nemotron_omni import NemotronOmni
 from packtool.families.processor import ProcessorMode
 from packtool.families.qwen2_vl import Qwen2VL
+from packtool.families.qwen3_vl import Qwen3VL
 
 if TYPE_CHECKING:
     from packtool.settings import EncodeSettings
@@ -66,6 +67,7 @@ __all__ = ["CONVENTIONS", "FAMILIES", "TRANSFORMERS", "Convention", "Family", "I
 FAMILIES: tuple[type[Family], ...] = (
     NemotronOmni,
     FixedCount,
+    Qwen3VL,
     Qwen2VL,
     NoMedia,
 )
