@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -31,7 +30,7 @@ from test_nemotron_pack import REPLY, source_sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-import qwen3_vl_model  # noqa: E402
+import qwen3_vl_model
 
 PACK_SIZE = 8192
 
