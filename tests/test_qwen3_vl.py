@@ -255,6 +255,8 @@ def test_detection_is_exact(demo_dir, tmp_path):
     assert isinstance(Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048)).family, Qwen3VL)
     with pytest.raises(ConfigError, match="image_resize do not apply to a Qwen3-VL"):
         Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048, image_resize="qwen_vl_utils"))
+    with pytest.raises(ConfigError, match="image_tokens do not apply to a Qwen3-VL"):
+        Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048, image_tokens=576))
     import json
 
     for name, key, other in (("preprocessor_config.json", "processor_class", "Qwen2_5_VLProcessor"),
@@ -265,3 +267,16 @@ def test_detection_is_exact(demo_dir, tmp_path):
         cfg[key] = other
         (folder / name).write_text(json.dumps(cfg))
     assert isinstance(Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048)).family, Qwen2VL)
+
+
+def test_megatron_bridge_batches_are_refused(qwen3_run):
+    """Megatron-Bridge's Qwen3-VL step takes a row as one sequence: a pack's batch is refused with the reason."""
+    from packtool import families
+    from packtool.families.qwen3_vl import Qwen3VL
+    from packtool.runtime.megatron_batch import megatron_bridge_batch
+    from packtool.runtime.read import read_packs
+
+    batch = next(read_packs(qwen3_run.out, images=False))
+    assert families.of_batch(batch) is Qwen3VL
+    with pytest.raises(ValueError, match="qwen3_vl_step treats each batch row as one sequence"):
+        megatron_bridge_batch(batch, temporal_patch_dim=2)

@@ -66,8 +66,8 @@ __all__ = ["CONVENTIONS", "FAMILIES", "TRANSFORMERS", "Convention", "Family", "I
 #: The families a model folder is matched against, in order (the first whose ``detect`` says yes).
 FAMILIES: tuple[type[Family], ...] = (
     NemotronOmni,
-    FixedCount,
     Qwen3VL,
+    FixedCount,
     Qwen2VL,
     NoMedia,
 )

@@ -151,5 +151,17 @@ class Qwen3VL(ExpandsInText):
 
     @classmethod
     def owns_batch(cls, batch: Mapping[str, Any]) -> bool:
-        """Never taken from a batch's keys alone (its layout is the base one without ``second_per_grid_ts``)."""
-        return False
+        """A reader batch with ``video_grid_thw`` and no ``second_per_grid_ts`` (Qwen3-VL writes timestamps in the
+        text instead) is laid out by this family."""
+        return "video_grid_thw" in batch and "second_per_grid_ts" not in batch and "image_grid_hw" not in batch
+
+    @classmethod
+    def bridge_media(cls, batch: Mapping[str, Any], temporal_patch_dim: int) -> dict[str, Any]:
+        """Refused: Megatron-Bridge's ``qwen3_vl_step`` takes each batch row as one sequence (its own in-batch
+        packing builds the boundaries; the model computes the rope over the whole row), so a pack's segments would
+        attend across each other."""
+        raise ValueError("Megatron-Bridge's qwen3_vl_step treats each batch row as one sequence (it ignores a "
+                         "batch's cu_seqlens and computes the rope over the whole row), so packtool gives Qwen3-VL "
+                         "packs no Megatron-Bridge batch; use its in-batch packing (pack_sequences_in_batch) on "
+                         "unpacked data, or read the packs with the per-segment rope "
+                         "(packtool.families.qwen3_vl.reader.position_ids)")
