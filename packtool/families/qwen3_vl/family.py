@@ -160,7 +160,9 @@ class Qwen3VL(ExpandsInText):
         """Refused: Megatron-Bridge's ``qwen3_vl_step`` takes each batch row as one sequence (its own in-batch
         packing builds the boundaries; the model computes the rope over the whole row), so a pack's segments would
         attend across each other."""
-        raise ValueError("Megatron-Bridge's qwen3_vl_step treats each batch row as one sequence (it ignores a "
+        raise ValueError("a batch with video_grid_thw and no second_per_grid_ts (Qwen3-VL's layout) has no "
+                         "Megatron-Bridge batch: Megatron-Bridge's qwen3_vl_step treats each batch row as one "
+                         "sequence (it ignores a "
                          "batch's cu_seqlens and computes the rope over the whole row), so packtool gives Qwen3-VL "
                          "packs no Megatron-Bridge batch; use its in-batch packing (pack_sequences_in_batch) on "
                          "unpacked data, or read the packs with the per-segment rope "
