@@ -110,7 +110,9 @@ def test_json_arrays_are_streamed(demo_dir, pics, tmp_path):
     assert len(list(json_spans(tmp_path / "b.json"))) == 6
     reference = tokens(run(tmp_path / "r.jsonl", tmp_path / "o-r", demo_dir / "tokenizer", pics))
     assert len(reference) == 6
-    for name in ("a.json", "b.json"):
+    (tmp_path / "l.json").write_text((tmp_path / "r.jsonl").read_text())  # JSONL named .json
+    assert len(list(json_spans(tmp_path / "l.json"))) == 6
+    for name in ("a.json", "b.json", "l.json"):
         assert tokens(run(tmp_path / name, tmp_path / f"o-{name}", demo_dir / "tokenizer", pics)) == reference
     broken = texts[:2] + ['{"messages": tru}', "[" * 50_000 + "]" * 50_000] + texts[2:]
     (tmp_path / "c.json").write_text("[" + ",".join(broken) + "]")

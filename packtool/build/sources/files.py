@@ -345,7 +345,7 @@ def _object_scan(path: Path) -> tuple[Iterator[tuple[int, int]] | None, int | No
                     value_key = b""
                 elif c == 0x5B and value_key == b"data":
                     has_data = True
-            if depth == 0 and c == 0x7D:
+            if c == 0x7D and scanner.depth == 0:  # the top-level object closes
                 end = offset + 1
                 tail_size = os.stat(path).st_size - end
                 if _nonblank(f, end, end + tail_size):
