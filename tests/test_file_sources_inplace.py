@@ -143,6 +143,11 @@ def test_media_column_layouts(demo_dir, pics, tmp_path):
         pq.write_table(pa.table({"messages": messages, "images": column}), tmp_path / f"{name}.parquet")
         got = tokens(run(tmp_path / f"{name}.parquet", tmp_path / f"o-{name}", demo_dir / "tokenizer"))
         assert got == reference, name
+    # An Arrow IPC file (not a stream) of the same rows.
+    with pa.ipc.new_file(tmp_path / "f.arrow", pa.schema([("messages", messages.type),
+                                                          ("images", pa.list_(pa.binary()))])) as writer:
+        writer.write_table(pa.table({"messages": messages, "images": layouts["list_binary"]}), max_chunksize=4)
+    assert tokens(run(tmp_path / "f.arrow", tmp_path / "o-f", demo_dir / "tokenizer")) == reference
     # One image per row: a plain binary / large_binary column, a struct (bytes or a path).
     single = [i for i in range(n) if i % 2 == 0]
     one = pa.table({"messages": messages.take(single)})

@@ -796,9 +796,11 @@ def _table_batches(path: Path, kind: SourceKind, lo: int, hi: int, size: int = 1
     group), an Arrow file's batches (memory-mapped). A batch of a single row is served from a small cache."""
     import pyarrow.parquet as pq
 
+    st = os.stat(path)
+    version = f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}"  # a rewritten file is never served stale
     if hi - lo == 1:
         for (p, start), batch in list(_cache.items()):
-            if p == str(path) and start <= lo < start + batch.num_rows:
+            if p == version and start <= lo < start + batch.num_rows:
                 yield start, batch
                 return
     if kind == "parquet":
@@ -811,7 +813,7 @@ def _table_batches(path: Path, kind: SourceKind, lo: int, hi: int, size: int = 1
                 offset = start
                 for batch in pf.iter_batches(batch_size=size, row_groups=[g]):
                     if offset + batch.num_rows > lo:
-                        _remember(path, offset, batch, hi - lo == 1)
+                        _remember(version, offset, batch, hi - lo == 1)
                         yield offset, batch
                     offset += batch.num_rows
                     if offset >= hi:
@@ -826,15 +828,15 @@ def _table_batches(path: Path, kind: SourceKind, lo: int, hi: int, size: int = 1
             for k in range(0, batch.num_rows, size):
                 if offset + k + size > lo and offset + k < hi:
                     piece = batch.slice(k, size)
-                    _remember(path, offset + k, piece, hi - lo == 1)
+                    _remember(version, offset + k, piece, hi - lo == 1)
                     yield offset + k, piece
         offset += batch.num_rows
 
 
-def _remember(path: Path, start: int, batch: Any, wanted: bool) -> None:
+def _remember(version: str, start: int, batch: Any, wanted: bool) -> None:
     if not wanted:
         return
-    _cache[(str(path), start)] = batch
+    _cache[(version, start)] = batch
     while sum(b.nbytes for b in _cache.values()) > _CACHE_BYTES and len(_cache) > 1:
         del _cache[next(iter(_cache))]
 
