@@ -12,15 +12,20 @@ import importlib.util
 import io
 import json
 import math
+import os
 import subprocess
 import sys
+import types
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_savable_loader, get_val_dataset
+from megatron.energon import Cooker, DefaultTaskEncoder, WorkerConfig, get_savable_loader, get_val_dataset
 
 import packfixture as fx
 from packtool.errors import FormatError
@@ -103,6 +108,61 @@ def nemotron_image_inputs(image, patch_sizes: tuple[int, int], patch_dim: int = 
     mean = torch.tensor([0.48145466, 0.4578275, 0.40821073])[:, None, None]
     std = torch.tensor([0.26862954, 0.26130258, 0.27577711])[:, None, None]
     return (pixels - mean) / std, (height, width)
+
+
+class StandInSFTTaskEncoder(DefaultTaskEncoder, ABC):
+    """NeMo-RL's ``BaseSFTTaskEncoder`` (``multimodal/task_encoders/base.py``) as CI holds it: Energon's default
+    task encoder with keyword-only cooker functions and the four abstract steps (pre-encode, post-encode, batch,
+    encode_batch). Energon itself asserts that pre-encode and ``encode_sample`` are not both overridden."""
+
+    sample_schema: ClassVar[str]
+
+    def __init__(self, *, cooker_functions) -> None:
+        super().__init__()
+        self.cookers = tuple(c if isinstance(c, Cooker) else Cooker(c) for c in cooker_functions)
+
+    @abstractmethod
+    def preencode_sample(self, sample): ...
+
+    @abstractmethod
+    def postencode_sample(self, sample): ...
+
+    @abstractmethod
+    def batch(self, samples): ...
+
+    @abstractmethod
+    def encode_batch(self, batch): ...
+
+
+def load_encoder_module(label: str, monkeypatch) -> types.ModuleType:
+    """The encoder file executed afresh as its own module (it picks its base class at import)."""
+    spec = importlib.util.spec_from_file_location(f"_packtool_encoder_{label}", nemo_rl.encoder_file())
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def stand_in_module(monkeypatch) -> Iterator[types.ModuleType]:
+    """The encoder file loaded where ``nemo_rl``'s base module is the stand-in (and nothing else of NeMo-RL is)."""
+    names = ["nemo_rl", "nemo_rl.data", "nemo_rl.data.energon", "nemo_rl.data.energon.multimodal",
+             "nemo_rl.data.energon.multimodal.task_encoders"]
+    for name in names:
+        package = types.ModuleType(name)
+        package.__path__ = []  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, name, package)
+    base = types.ModuleType("nemo_rl.data.energon.multimodal.task_encoders.base")
+    base.BaseSFTTaskEncoder = StandInSFTTaskEncoder  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, base.__name__, base)
+    yield load_encoder_module("stand_in", monkeypatch)
+
+
+def loader_batches(path: Path, encoder, batch_size: int = 2, split: str = "val") -> list:
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    return list(get_savable_loader(get_val_dataset(path, split_part=split, worker_config=wc, batch_size=batch_size,
+                                                   task_encoder=encoder)))
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------
@@ -224,6 +284,100 @@ def test_encoder_refuses_what_cannot_hold(nemo_rl_packed, tmp_path):
         wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
         next(iter(get_savable_loader(get_val_dataset(nemo_rl_packed, split_part="val", worker_config=wc,
                                                      batch_size=1, task_encoder=encoder))))
+
+
+def test_encoder_holds_nemo_rls_base_contract(stand_in_module, nemo_rl_packed):
+    """Against the stand-in of NeMo-RL's base: the encoder instantiates with ``_task_encoder``'s keyword arguments
+    (all abstract steps implemented), passes Energon's pre/post-encode assertion, and gives the batches it gives on
+    Energon's default base."""
+    cls = stand_in_module.PacktoolSFTTaskEncoder
+    assert issubclass(cls, StandInSFTTaskEncoder) and not cls.__abstractmethods__
+    kwargs = nemo_rl_encoder_kwargs(max_sequence_length=2048)
+    encoder = cls(**kwargs)
+    assert [c.cook.__name__ for c in encoder.cookers] == ["cook_packtool_pack"]
+    got = loader_batches(nemo_rl_packed, encoder)
+    want = loader_batches(nemo_rl_packed, loaded_encoder_class()(**nemo_rl_encoder_kwargs(max_sequence_length=2048)))
+    assert len(got) == len(want) > 0
+    for a, b in zip(got, want):
+        assert a["source_ids"] == b["source_ids"]
+        assert_batch_equal(a, {k: v for k, v in b.items() if isinstance(v, torch.Tensor)})
+
+
+def test_control_the_stand_in_holds_nemo_rls_contract(stand_in_module, nemo_rl_packed):
+    """Controls: the stand-in refuses what NeMo-RL's base refuses, so the test above can fail: an encoder without
+    post-encode cannot be made; one that also overrides encode_sample (packtool's earlier encoder) fails Energon's
+    assertion when the loader is built."""
+    cls = stand_in_module.PacktoolSFTTaskEncoder
+    kwargs = nemo_rl_encoder_kwargs(max_sequence_length=2048)
+
+    class NoPost(StandInSFTTaskEncoder):
+        def preencode_sample(self, sample):
+            return sample
+
+        def batch(self, samples):
+            return samples
+
+        def encode_batch(self, batch):
+            return batch
+
+    with pytest.raises(TypeError, match="abstract"):
+        NoPost(cooker_functions=[])
+
+    class AlsoEncodeSample(cls):
+        def encode_sample(self, sample):
+            return self.preencode_sample(sample)
+
+    with pytest.raises(AssertionError, match="pre- and post-encode"):
+        loader_batches(nemo_rl_packed, AlsoEncodeSample(**kwargs))
+
+
+def test_encoder_loader_state_resumes(nemo_rl_packed):
+    """The loader's saved state restores the same next batches (the encoder's steps are stateless)."""
+    cls = loaded_encoder_class()
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+
+    def loader():
+        encoder = cls(**nemo_rl_encoder_kwargs(max_sequence_length=2048))
+        return get_savable_loader(get_val_dataset(nemo_rl_packed, split_part="val", worker_config=wc, batch_size=1,
+                                                  task_encoder=encoder))
+
+    first = loader()
+    it = iter(first)
+    next(it)
+    state = first.save_state_rank()
+    rest = [b["source_ids"] for b in it]
+    again = loader()
+    again.restore_state_rank(state)
+    assert rest and [b["source_ids"] for b in again] == rest
+
+
+@pytest.mark.skipif(not os.environ.get("PACKTOOL_NEMO_RL_SRC"),
+                    reason="set PACKTOOL_NEMO_RL_SRC to a folder holding NeMo-RL's nemo_rl package")
+def test_nemo_rls_own_registry_builds_the_encoder(nemo_rl_packed, monkeypatch):
+    """NeMo-RL's own code (its registry, model families and BaseSFTTaskEncoder from PACKTOOL_NEMO_RL_SRC) resolves
+    the file-backed encoder and cooker the overlays configure, as ``_task_encoder`` does, and the encoder it builds
+    gives batches through Energon's loader."""
+    monkeypatch.syspath_prepend(os.environ["PACKTOOL_NEMO_RL_SRC"])
+    for name in [n for n in sys.modules if n == "nemo_rl" or n.startswith("nemo_rl.")]:
+        monkeypatch.delitem(sys.modules, name)
+    from nemo_rl.data.energon.multimodal import registry
+    from nemo_rl.data.energon.multimodal.task_encoders.base import BaseSFTTaskEncoder
+
+    cooker = registry.COOKER_REGISTRY.resolve_configured_for_model_family(
+        name=None, python_file=nemo_rl.encoder_file(), object_name="cook_packtool_pack", model_family="nemotron")
+    cls = registry.TASK_ENCODER_REGISTRY.resolve_configured_for_model_family(
+        name=None, python_file=nemo_rl.encoder_file(), object_name="PacktoolSFTTaskEncoder", model_family="qwen")
+    assert issubclass(cls, BaseSFTTaskEncoder) and not cls.__abstractmethods__
+    kwargs = nemo_rl_encoder_kwargs(max_sequence_length=2048)
+    kwargs["cooker_functions"] = [Cooker(cooker, has_subflavors={"packtool": 1})]
+    batches = loader_batches(nemo_rl_packed, cls(**kwargs))
+    samples, pad = samples_of(nemo_rl_packed), load_manifest(nemo_rl_packed)["pad_token_id"]
+    assert batches
+    for batch in batches:
+        want = reference_packed_batch([[samples[k] for k in keys] for keys in batch["source_ids"]], 16, pad)
+        assert_batch_equal(batch, want)
+    for name in [n for n in sys.modules if n.startswith("_nemo_rl_energon_component_")]:
+        monkeypatch.delitem(sys.modules, name)
 
 
 def test_alignment_must_be_a_multiple_of_the_recipes():

@@ -354,19 +354,25 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
 
     cookers = [Cooker(cook_packtool_pack, has_subflavors={"packtool": 1})]
     decoder = None  # raw bytes: the packs hold npy/json/original media
+    #: NeMo-RL's packing hooks check a sample schema against the encoder's; packs are never packed again.
+    sample_schema = "packtool_pack"
 
     def __init__(self, *, adapter: Any = None, cooker_functions: Sequence[Any] = (), include_source_ids: bool = True,
                  packer: Any = None, tokenizer: Any = None, sequence_length_pad_multiple: int = 1,
                  only_unmask_final: bool = False, sequence_multiple: int | None = None, images: bool = True,
                  **recipe_options: Any) -> None:
+        if packer is not None or recipe_options.get("packing_hooks") is not None:
+            raise ValueError("packtool packs are made offline: remove data.energon.task_encoder.packing")
+        recipe_options.pop("packing_hooks", None)
         if _BaseEncoder is DefaultTaskEncoder:
             super().__init__()
-        else:
+        else:  # NeMo-RL's base: keyword-only cooker functions (and, in some versions, packing hooks)
             params = inspect.signature(_BaseEncoder.__init__).parameters
-            super().__init__(**({"cooker_functions": list(self.cookers)} if "cooker_functions" in params else {}))
+            base_kwargs: dict[str, Any] = {"cooker_functions": []} if "cooker_functions" in params else {}
+            if "packing_hooks" in params:
+                base_kwargs["packing_hooks"] = None
+            super().__init__(**base_kwargs)
         self.cookers = list(type(self).cookers)  # packs are read by packtool's cooker, whatever else is configured
-        if packer is not None:
-            raise ValueError("packtool packs are made offline: remove data.energon.task_encoder.packing")
         if only_unmask_final:
             raise ValueError("packtool packs carry their targets: only_unmask_final cannot change them")
         unknown = sorted(set(recipe_options) - RECIPE_OPTIONS)
@@ -378,8 +384,11 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
         self.include_source_ids, self.tokenizer = include_source_ids, tokenizer
         self.sequence_multiple, self.images = sequence_multiple, images
 
+    # NeMo-RL's base declares the sample steps as pre-encode (before its optional online packing) and post-encode
+    # (after it); Energon refuses an encoder that also overrides encode_sample. A pack is read in pre-encode; there
+    # is nothing left to do after selection, as no online packing runs.
     @stateless
-    def encode_sample(self, sample: PackSample) -> NemoRLPack:
+    def preencode_sample(self, sample: PackSample) -> NemoRLPack:
         info = sample.__sources__[0]
         manifest = _manifest(str(info.dataset_path))
         where = f"{info.dataset_path}/{info.shard_name}"
@@ -396,6 +405,10 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
             message = str(exc) or type(exc).__name__
             raise FatalSampleError(f"packtool could not read a pack for NeMo-RL: {message}") from exc
         return NemoRLPack.derive_from(sample, row=row)
+
+    @stateless
+    def postencode_sample(self, sample: NemoRLPack) -> NemoRLPack:
+        return sample
 
     @stateless
     def batch(self, samples: list[NemoRLPack]) -> Any:
