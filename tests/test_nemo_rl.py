@@ -542,16 +542,18 @@ def test_qwen_preset_with_images_equals_nemo_rls(demo_dir):
 MM_MARKER = "\ue000"
 
 
-def nemo_rl_reply(text: str) -> str:
+def nemo_rl_reply(text: str, ultra: bool = False) -> str:
     """``_normalize_assistant_thinking`` (``nemotron_visual.py``), prompt format nemotron6-moe, trace format
-    normalized."""
+    normalized (``ultra``: ``_clean_thinking_trace`` without the newline before ``</think>``, and the answer right
+    after it)."""
     if "<think>" not in text and "</think>" not in text:
         return "<think></think>" + text.strip()
     inner = text[text.index("<think>") + 7:text.index("</think>")].strip()
-    text = text[:text.index("<think>")] + (f"<think>\n{inner}\n</think>" if inner else "<think></think>") + \
+    close = "</think>" if ultra else "\n</think>"
+    text = text[:text.index("<think>")] + (f"<think>\n{inner}{close}" if inner else "<think></think>") + \
         text[text.index("</think>") + 8:]
     head, tail = text.split("</think>")
-    return head + "</think>\n" + tail.lstrip()
+    return head + ("</think>" if ultra else "</think>\n") + tail.lstrip()
 
 
 def nemo_rl_image_grids(sizes, available: int, *, min_patches=1024, max_patches=13312, patch=16, video_target=1024):
@@ -658,7 +660,7 @@ def nemo_rl_audio_clips(samples: int, rate: int, target: int = 16000, hop: int =
     return per, frames, tokens
 
 
-def nemo_rl_nemotron_sample(tok, messages: list[dict], sizes, max_len: int, audio=(), videos=()):
+def nemo_rl_nemotron_sample(tok, messages: list[dict], sizes, max_len: int, audio=(), videos=(), ultra=False):
     """NeMo-RL's nemotron_multimodal (``NemotronMultiModalProcessorAdapter.preencode`` and ``postencode``): replies
     normalised; each image part rendered ``<img>`` + marker + ``</img>``, each video part as ``_video_prompt`` with
     one marker per pair of frames (``videos``: (width, height, seconds of its frames)); the chat template's text
@@ -673,7 +675,7 @@ def nemo_rl_nemotron_sample(tok, messages: list[dict], sizes, max_len: int, audi
     for m in messages:
         text = m["content"]
         if m["role"] == "assistant":
-            text = nemo_rl_reply(text)
+            text = nemo_rl_reply(text, ultra)
         text = text.replace("<audio>", "<so_start><so_embedding><so_end>")
         out = ""
         for piece in re.split("(<image>|<video>)", text):
@@ -811,6 +813,42 @@ def test_nemotron_preset_equals_nemo_rls_images_audio_and_replies(nemotron_folde
     assert budget_bound >= 3  # the text-dependent, shared budget changed grids, not only the replies
 
 
+def test_nemotron_preset_thinking_trace_format(nemotron_folder, tmp_path):
+    """``--thinking-trace-format ultra`` renders replies as NeMo-RL's ``ultra`` (``...</think>Yes``); normalized is the
+    control that differs; the setting is refused off the preset; the encoder refuses a recipe value other than the
+    packs'."""
+    from packtool.build.encoder import Encoder
+    from packtool.errors import ConfigError
+    from packtool.settings import EncodeSettings
+
+    turns = [{"role": "user", "content": "Is it?"}, {"role": "assistant", "content": "<think>\nhmm\n</think>\nYes"}]
+    raw = raw_sample("t", turns, [])
+    settings = dict(tokenizer=str(nemotron_folder), pack_size=4096, preset="nemo-rl-nemotron-omni")
+    ultra = Encoder(EncodeSettings(**settings, thinking_trace_format="ultra")).encode_many([raw])[0]
+    normal = Encoder(EncodeSettings(**settings)).encode_many([raw])[0]
+    enc = Encoder(EncodeSettings(**settings))
+    want_ultra, _, _ = nemo_rl_nemotron_sample(enc.tok, turns, [], 4096, ultra=True)
+    want_normal, _, _ = nemo_rl_nemotron_sample(enc.tok, turns, [], 4096)
+    assert ultra.tokens.tolist() == want_ultra and normal.tokens.tolist() == want_normal
+    assert want_ultra != want_normal and "</think>Yes" in enc.tok.decode(want_ultra)
+    with pytest.raises(ConfigError, match="thinking_trace_format"):
+        EncodeSettings(tokenizer=str(nemotron_folder), pack_size=4096, thinking_trace_format="ultra")
+    with pytest.raises(ConfigError, match="thinking_trace_format"):
+        EncodeSettings(**settings, thinking_trace_format="compact")  # type: ignore[arg-type]
+    manifest = {"settings": {"preset": "nemo-rl-nemotron-omni", "thinking_trace_format": "ultra"}}
+    nemo_rl.check_thinking_trace_format(manifest, "ultra")
+    nemo_rl.check_thinking_trace_format(manifest, None)
+    with pytest.raises(FormatError, match="--thinking-trace-format normalized"):
+        nemo_rl.check_thinking_trace_format(manifest, "normalized")
+    with pytest.raises(FormatError, match="--thinking-trace-format ultra"):
+        nemo_rl.check_thinking_trace_format({"settings": {"preset": "nemo-rl-nemotron-omni"}}, "ultra")
+    with pytest.raises(FormatError, match="without --preset"):
+        nemo_rl.check_thinking_trace_format({"settings": {}}, "normalized")
+    with pytest.raises(ValueError, match="prompt_format"):
+        loaded_encoder_class()(**nemo_rl_encoder_kwargs(max_sequence_length=2048,
+                                                        options={"prompt_format": "nemotron5"}))
+
+
 def test_nemotron_preset_refuses_what_it_cannot_do_yet(nemotron_folder, demo_dir):
     from packtool.build.encoder import Encoder
     from packtool.errors import ConfigError
@@ -858,15 +896,17 @@ def test_nemotron_preset_pack_verify_and_batch(nemotron_folder, tmp_path):
         waves += [samples[key][f"{i}.wav"] for i in range(len(audio))]
     mf.write_source(tmp_path / "src", samples)
     settings = PackSettings(EncodeSettings(tokenizer=str(nemotron_folder), pack_size=4096, align=16,
-                                           preset="nemo-rl-nemotron-omni"), PlanSettings(shard_size="8"))
+                                           preset="nemo-rl-nemotron-omni", thinking_trace_format="ultra"),
+                            PlanSettings(shard_size="8"))
     pack(tmp_path / "src", tmp_path / "out", settings, workers=1, progress=False)
-    assert verify_output(tmp_path / "out", source=tmp_path / "src") == []
+    assert verify_output(tmp_path / "out", source=tmp_path / "src") == []  # re-derived with the recorded format
 
     from transformers import AutoProcessor
 
     from packtool.runtime.nemotron import nemotron_processors
 
     manifest = load_manifest(tmp_path / "out")
+    assert manifest["settings"]["thinking_trace_format"] == "ultra"
     processors = nemotron_processors(manifest, tmp_path / "out" / ".nv-meta" / "tokenizer")
     extractor = AutoProcessor.from_pretrained(nemotron_folder).feature_extractor  # what NeMo-RL's adapter holds
     checked = heard = 0
@@ -890,7 +930,9 @@ def test_nemotron_preset_pack_verify_and_batch(nemotron_folder, tmp_path):
     rows = {row.pack_key: row for row in (
         nemo_rl.nemo_rl_row({**m, "__key__": k}, manifest, image_processor=processors)
         for shard in sorted((tmp_path / "out" / "train").glob("*.tar")) for k, m in scan_records(shard))}
-    for batch in nemo_rl_loader(tmp_path / "out", 1, split="train"):
+    with pytest.raises(Exception, match="thinking_trace_format 'normalized'"):  # the recipe's value must be the packs'
+        next(iter(nemo_rl_loader(tmp_path / "out", 1, split="train", thinking_trace_format="normalized")))
+    for batch in nemo_rl_loader(tmp_path / "out", 1, split="train", thinking_trace_format="ultra"):
         row = next(r for r in rows.values() if r.keys == batch["source_ids"][0])
         for key, segments in row.media.items():
             assert all(torch.equal(a, b) for a, b in zip(batch[key][0], segments)), key

@@ -63,6 +63,8 @@ class Convention:
     unsupported: str | None = None
     #: The family the convention is for (its ``name``; None: any).
     family: str | None = None
+    #: How a reply's thinking trace is rendered (NeMo-RL's ``thinking_trace_format``; its Nemotron convention only).
+    thinking_trace_format: str = "normalized"
 
     def settings(self) -> dict[str, Any]:
         """The encode settings this convention sets (those that differ from the default convention)."""
@@ -80,7 +82,8 @@ class Convention:
                        max_pixels=settings.max_pixels, image_resize=settings.image_resize,
                        sample_max_images=settings.sample_max_images,
                        sample_max_visual_tokens=settings.sample_max_visual_tokens,
-                       video_keep_frames=settings.video_keep_frames)
+                       video_keep_frames=settings.video_keep_frames,
+                       thinking_trace_format=settings.thinking_trace_format)
 
     # -- what the encoder asks of it ------------------------------------------------------------------------------
     def turn_text(self, text: str, role: str = "user") -> str:
@@ -125,7 +128,7 @@ class NemoRLNemotron(Convention):
         if role != "assistant":
             return text
         try:
-            return assistant_text(text)
+            return assistant_text(text, ultra=self.thinking_trace_format == "ultra")
         except ValueError as exc:
             raise SampleError(str(exc)) from None
 

@@ -59,7 +59,9 @@ from packtool.runtime.read import open_pack, open_stored_image, pack_to_batch
 #: transformers processor's own names).
 QWEN_MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 #: Options of NeMo-RL's own SFT encoders (``nemotron_multimodal``'s keyword arguments) that a recipe overlay
-#: inherits: they decide tokens and media at packing time, which packtool did, so they are accepted and not used.
+#: inherits: they decide tokens and media at packing time, which packtool did. ``prompt_format`` must be
+#: ``nemotron6-moe`` and ``thinking_trace_format`` the packs' (:func:`check_thinking_trace_format`); the others are
+#: accepted and not checked.
 RECIPE_OPTIONS = frozenset({
     "packing_sequence_length", "patch_dim", "temporal_patch_size", "prompt_format", "thinking_trace_format",
     "relax_thinking_trace_check", "video_min_num_frames", "video_max_num_frames", "video_default_fps",
@@ -67,6 +69,25 @@ RECIPE_OPTIONS = frozenset({
     "video_aug_scale_resolution_only", "allow_large_videos", "tiling_augment_prob", "video_decode_thread_count",
     "audio_subsampling_factor", "audio_num_mel_bins", "audio_clip_duration_seconds", "min_audio_duration_seconds",
     "max_audio_duration_seconds", "loss_mask_mode"})
+
+
+#: The prompt format packtool's ``nemo-rl-nemotron-omni`` preset renders (NeMo-RL's ``prompt_format``).
+NEMOTRON_PROMPT_FORMAT = "nemotron6-moe"
+
+
+def check_thinking_trace_format(manifest: Mapping, recipe_value: str | None) -> None:
+    """Refuse a recipe's ``thinking_trace_format`` other than the one the packs' replies were rendered with
+    (``--thinking-trace-format`` under ``--preset nemo-rl-nemotron-omni``; ``normalized`` unless recorded)."""
+    if recipe_value is None:
+        return
+    settings = manifest.get("settings", {})
+    if settings.get("preset") != "nemo-rl-nemotron-omni":
+        raise FormatError(f"the recipe sets thinking_trace_format {recipe_value!r}, but the packs were made without "
+                          f"--preset nemo-rl-nemotron-omni, which renders the traces")
+    packed = settings.get("thinking_trace_format", "normalized")
+    if recipe_value != packed:
+        raise FormatError(f"the recipe sets thinking_trace_format {recipe_value!r}, the packs were made with "
+                          f"{packed!r}: pack again with --thinking-trace-format {recipe_value}")
 
 
 @dataclass(frozen=True)
@@ -378,6 +399,11 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
         unknown = sorted(set(recipe_options) - RECIPE_OPTIONS)
         if unknown:
             raise ValueError(f"unknown PacktoolSFTTaskEncoder options: {unknown}")
+        prompt_format = recipe_options.get("prompt_format")
+        if prompt_format is not None and prompt_format != NEMOTRON_PROMPT_FORMAT:
+            raise ValueError(f"prompt_format {prompt_format!r}: packtool's Nemotron Omni packs are laid out in "
+                             f"{NEMOTRON_PROMPT_FORMAT!r}")
+        self.thinking_trace_format: str | None = recipe_options.get("thinking_trace_format")
         if sequence_multiple is not None and sequence_multiple < 1:
             raise ValueError(f"sequence_multiple must be >= 1, got {sequence_multiple}")
         self.max_sequence_length = getattr(adapter, "max_sequence_length", None)
@@ -393,6 +419,7 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
         manifest = _manifest(str(info.dataset_path))
         where = f"{info.dataset_path}/{info.shard_name}"
         try:
+            check_thinking_trace_format(manifest, self.thinking_trace_format)
             processors = _reader_processor(str(info.dataset_path)) if self.images else None
             row = nemo_rl_row({**sample.members, "__key__": sample.__key__}, manifest,
                               multiple=self.sequence_multiple, images=self.images, image_processor=processors,
