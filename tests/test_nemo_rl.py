@@ -71,11 +71,13 @@ def nemo_rl_encoder_kwargs(*, max_sequence_length: int, tokenizer=None, packer=N
             **(options or {})}
 
 
-def reference_packed_batch(packs: list[list[tuple[list[int], list[int]]]], multiple: int, pad_id: int) -> dict:
+def reference_packed_batch(packs: list[list[tuple[list[int], list[int]]]], multiple: int, pad_id: int,
+                           capacity: int | None = None) -> dict:
     """``prepare_packed_sft_batch`` (``multimodal/packing.py``) with ``pack_selected_samples``' padded lengths and
     ``batched_message_log_to_flat_message``'s right padding, for samples given as (token ids, token loss mask): each
     sample's first token loses its loss, each sample is padded with the pad id to ``ceil(cost / multiple) *
-    multiple``, rows are padded to the longest; ``cu_seqlens`` sums real lengths, ``cu_seqlens_padded`` padded."""
+    multiple``, rows are padded to the longest; ``cu_seqlens`` sums real lengths, ``cu_seqlens_padded`` padded. With
+    ``capacity`` (NeMo-RL's current ``generic_sft``), each pack's last sample is padded on to the capacity."""
     rows, masks, real, padded = [], [], [], []
     for pack in packs:
         ids, mask, lengths, widths = [], [], [], []
@@ -83,6 +85,8 @@ def reference_packed_batch(packs: list[list[tuple[list[int], list[int]]]], multi
             loss = list(loss)
             loss[0] = 0
             width = math.ceil(len(tokens) / multiple) * multiple
+            if capacity is not None and len(widths) == len(pack) - 1:  # the last sample takes the pack's tail
+                width = capacity - sum(widths)
             ids += list(tokens) + [pad_id] * (width - len(tokens))
             mask += loss + [0] * (width - len(tokens))
             lengths.append(len(tokens))
@@ -227,12 +231,13 @@ def test_packs_become_nemo_rl_packed_batches(nemo_rl_packed):
     samples = samples_of(nemo_rl_packed)
     pad = load_manifest(nemo_rl_packed)["pad_token_id"]
     seen = set()
-    for multiple, batch_size in ((None, 1), (8, 2)):
-        for batch in nemo_rl_loader(nemo_rl_packed, batch_size, sequence_multiple=multiple):
+    for multiple, batch_size, layout in ((None, 1, "samples"), (8, 2, "samples"), (None, 2, "capacity")):
+        for batch in nemo_rl_loader(nemo_rl_packed, batch_size, sequence_multiple=multiple, pack_layout=layout):
             packs = [[samples[k] for k in keys] for keys in batch["source_ids"]]
-            want = reference_packed_batch(packs, multiple or 16, pad)
+            want = reference_packed_batch(packs, multiple or 16, pad, capacity=2048 if layout == "capacity" else None)
             assert_batch_equal(batch, want)
-            assert all(int(p[-1]) <= 2048 for p in batch["cu_seqlens_padded"])
+            ends = [int(p[-1]) for p in batch["cu_seqlens_padded"]]
+            assert all(e <= 2048 for e in ends) and (layout == "samples" or set(ends) == {2048})
             seen.update(k for keys in batch["source_ids"] for k in keys)
             if multiple is None:
                 assert all((p % 16 == 0).all() for p in batch["cu_seqlens_padded"])
@@ -245,7 +250,7 @@ def test_control_pack_tail_padding_is_not_nemo_rl_layout(nemo_rl_packed):
     samples = samples_of(nemo_rl_packed)
     pad = load_manifest(nemo_rl_packed)["pad_token_id"]
     differs = 0
-    for batch in nemo_rl_loader(nemo_rl_packed, 1):
+    for batch in nemo_rl_loader(nemo_rl_packed, 1, pack_layout="samples"):
         pack = [samples[k] for k in batch["source_ids"][0]]
         tail = reference_packed_batch([[(sum((t for t, _ in pack), []), sum((m for _, m in pack), []))]], 16, pad)
         differs += not torch.equal(tail["input_ids"], batch["input_ids"])
@@ -358,8 +363,8 @@ def test_nemo_rls_own_registry_builds_the_encoder(nemo_rl_packed, monkeypatch):
     the file-backed encoder and cooker the overlays configure, as ``_task_encoder`` does, and the encoder it builds
     gives batches through Energon's loader."""
     monkeypatch.syspath_prepend(os.environ["PACKTOOL_NEMO_RL_SRC"])
-    for name in [n for n in sys.modules if n == "nemo_rl" or n.startswith("nemo_rl.")]:
-        monkeypatch.delitem(sys.modules, name)
+    for name in [n for n in sys.modules if n == "nemo_rl" or n.startswith(("nemo_rl.", "_nemo_rl_energon_component_"))]:
+        monkeypatch.delitem(sys.modules, name)  # NeMo-RL's own modules, and the encoder file loaded on its base
     from nemo_rl.data.energon.multimodal import registry
     from nemo_rl.data.energon.multimodal.task_encoders.base import BaseSFTTaskEncoder
 
@@ -374,10 +379,9 @@ def test_nemo_rls_own_registry_builds_the_encoder(nemo_rl_packed, monkeypatch):
     samples, pad = samples_of(nemo_rl_packed), load_manifest(nemo_rl_packed)["pad_token_id"]
     assert batches
     for batch in batches:
-        want = reference_packed_batch([[samples[k] for k in keys] for keys in batch["source_ids"]], 16, pad)
+        want = reference_packed_batch([[samples[k] for k in keys] for keys in batch["source_ids"]], 16, pad,
+                                      capacity=2048)
         assert_batch_equal(batch, want)
-    for name in [n for n in sys.modules if n.startswith("_nemo_rl_energon_component_")]:
-        monkeypatch.delitem(sys.modules, name)
 
 
 def test_alignment_must_be_a_multiple_of_the_recipes():

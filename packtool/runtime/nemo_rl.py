@@ -37,7 +37,7 @@ import inspect
 import io
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -292,10 +292,19 @@ def _boundaries(values: list[torch.Tensor]):
     return PackedTensor(values, dim_to_pack=0)
 
 
-def nemo_rl_batch(rows: Sequence[NemoRLRow], pad_token_id: int) -> dict[str, Any]:
-    """NeMo-RL's packed SFT batch of one pack per row (module docstring)."""
+#: How NeMo-RL's ``prepare_packed_sft_batch`` lays a pack out: ``capacity`` (NeMo-RL's current ``generic_sft``, with
+#: ``loss_mask_mode``): the last sample's padding runs to the pack capacity, so every row is the capacity long and
+#: each ``cu_seqlens_padded`` ends at it; ``samples`` (its earlier version): each sample padded to the multiple only.
+PACK_LAYOUTS = ("capacity", "samples")
+
+
+def nemo_rl_batch(rows: Sequence[NemoRLRow], pad_token_id: int, *, capacity: int | None = None) -> dict[str, Any]:
+    """NeMo-RL's packed SFT batch of one pack per row (module docstring); with ``capacity`` each row's last sample
+    is padded to it (the ``capacity`` layout of :data:`PACK_LAYOUTS`)."""
     if not rows:
         raise ValueError("a NeMo-RL batch needs at least one pack")
+    if capacity is not None:
+        rows = [_to_capacity(r, capacity, pad_token_id) for r in rows]
     length = max(len(r.input_ids) for r in rows)
     input_ids = torch.full((len(rows), length), pad_token_id, dtype=torch.int64)
     token_mask = torch.zeros((len(rows), length), dtype=torch.float32)
@@ -322,6 +331,16 @@ def nemo_rl_batch(rows: Sequence[NemoRLRow], pad_token_id: int) -> dict[str, Any
     except ImportError:
         return batch
     return BatchedDataDict(batch)
+
+
+def _to_capacity(row: NemoRLRow, capacity: int, pad_token_id: int) -> NemoRLRow:
+    extra = capacity - len(row.input_ids)
+    if extra < 0:
+        raise FormatError(f"pack {row.pack_key} lays out {len(row.input_ids)} tokens, more than the capacity "
+                          f"{capacity}")
+    return replace(row, input_ids=torch.cat([row.input_ids, torch.full((extra,), pad_token_id, dtype=torch.int64)]),
+                   token_mask=torch.cat([row.token_mask, torch.zeros(extra, dtype=torch.float32)]),
+                   padded=[*row.padded[:-1], row.padded[-1] + extra])
 
 
 # -- the task encoder NeMo-RL loads ------------------------------------------------------------------------------
@@ -369,8 +388,10 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
 
     Options (``task_encoder.options``): ``sequence_multiple`` pads samples to this multiple instead of the pack's
     alignment (set it to the policy's ``make_sequence_length_divisible_by``; the pack's alignment must be a
-    multiple of it); ``images`` (default true) decodes the media. The options of NeMo-RL's own encoders that a
-    recipe overlay inherits (:data:`RECIPE_OPTIONS`) are accepted and not used; any other option is an error.
+    multiple of it); ``images`` (default true) decodes the media; ``pack_layout`` (:data:`PACK_LAYOUTS`, default
+    ``capacity``: NeMo-RL's current batch, every row padded to the capacity, ``max_total_sequence_length``; ``samples``:
+    its earlier one). The options of NeMo-RL's own encoders that a recipe overlay inherits (:data:`RECIPE_OPTIONS`)
+    are accepted and not used (``prompt_format`` and ``thinking_trace_format`` checked); any other is an error.
     """
 
     cookers = [Cooker(cook_packtool_pack, has_subflavors={"packtool": 1})]
@@ -381,7 +402,7 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
     def __init__(self, *, adapter: Any = None, cooker_functions: Sequence[Any] = (), include_source_ids: bool = True,
                  packer: Any = None, tokenizer: Any = None, sequence_length_pad_multiple: int = 1,
                  only_unmask_final: bool = False, sequence_multiple: int | None = None, images: bool = True,
-                 **recipe_options: Any) -> None:
+                 pack_layout: str = "capacity", **recipe_options: Any) -> None:
         if packer is not None or recipe_options.get("packing_hooks") is not None:
             raise ValueError("packtool packs are made offline: remove data.energon.task_encoder.packing")
         recipe_options.pop("packing_hooks", None)
@@ -406,6 +427,9 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
         self.thinking_trace_format: str | None = recipe_options.get("thinking_trace_format")
         if sequence_multiple is not None and sequence_multiple < 1:
             raise ValueError(f"sequence_multiple must be >= 1, got {sequence_multiple}")
+        if pack_layout not in PACK_LAYOUTS:
+            raise ValueError(f"pack_layout must be one of {list(PACK_LAYOUTS)}, got {pack_layout!r}")
+        self.pack_layout = pack_layout
         self.max_sequence_length = getattr(adapter, "max_sequence_length", None)
         self.include_source_ids, self.tokenizer = include_source_ids, tokenizer
         self.sequence_multiple, self.images = sequence_multiple, images
@@ -445,7 +469,10 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
         if self.tokenizer is not None and tokenizer_pad != pad:
             raise ValueError(f"the packs pad with token {pad}, NeMo-RL's tokenizer with {tokenizer_pad}: give NeMo-RL "
                              f"the model folder the packs were made with")
-        batch = nemo_rl_batch([s.row for s in samples], pad)
+        capacity = None
+        if self.pack_layout == "capacity":  # NeMo-RL's capacity: its max_total_sequence_length, else the pack size
+            capacity = self.max_sequence_length or int(manifest["settings"]["pack_size"])
+        batch = nemo_rl_batch([s.row for s in samples], pad, capacity=capacity)
         if not self.include_source_ids:
             del batch["source_ids"]
         return batch
