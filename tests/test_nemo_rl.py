@@ -264,7 +264,7 @@ def test_qwen_media_are_the_processors(nemo_rl_packed):
     from packtool.runtime.read import read_packs
 
     by_key = {b["pack_key"]: b for b in read_packs(nemo_rl_packed, split="val")}
-    with_images = 0
+    with_images = image_only = 0
     for batch in nemo_rl_loader(nemo_rl_packed, 1):
         reader = next(b for b in by_key.values() if b["keys"] == batch["source_ids"][0])
         if batch.get("image_grid_thw") is None or batch["image_grid_thw"][0] is None:
@@ -273,7 +273,10 @@ def test_qwen_media_are_the_processors(nemo_rl_packed):
         with_images += 1
         (grid,), (pixels,) = batch["image_grid_thw"][0], batch["pixel_values"][0]  # one segment per pack
         assert torch.equal(grid, reader["image_grid_thw"]) and torch.equal(pixels, reader["pixel_values"])
-    assert with_images > 0
+        if int(reader["video_grid_thw"].shape[0]) == 0:  # an image-only pack carries no (empty) video keys
+            image_only += 1
+            assert all(batch.get(k) is None for k in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"))
+    assert with_images > 0 and image_only > 0
 
 
 def test_encoder_refuses_what_cannot_hold(nemo_rl_packed, tmp_path):

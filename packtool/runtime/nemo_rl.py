@@ -148,7 +148,12 @@ def _media(members: Mapping[str, Any], record: PackRecord, manifest: Mapping, fa
         return own
     batch = pack_to_batch(members, manifest, pad_to="segments", images=True, image_processor=image_processor,
                           source=source)
-    return {key: [batch[key]] for key in QWEN_MEDIA_KEYS if key in batch}
+    return {key: [batch[key]] for key in QWEN_MEDIA_KEYS if _present(batch.get(key))}
+
+
+def _present(value: Any) -> bool:
+    """A media field the pack has: not missing, not an empty tensor (no empty video keys in an image-only pack)."""
+    return value is not None and (not isinstance(value, torch.Tensor) or value.numel() > 0)
 
 
 def nemotron_inputs(record: PackRecord, manifest: Mapping, where: str,
