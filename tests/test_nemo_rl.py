@@ -1089,3 +1089,40 @@ def test_nemotron_preset_video_pack_verify_and_batch(nemotron_folder, tmp_path):
     path.write_text(json.dumps(data))
     problems = verify_output(tmp_path / "out")
     assert sum("video rule gives" in p for p in problems) == 4, problems[:3]
+
+
+def test_transparent_palette_and_cmyk_images_read_as_the_trainers_decoder(demo_dir, tmp_path):
+    """Under a trainer preset the reader feeds its processor each image as the trainer's Energon decoder (pilrgb)
+    gives it, ``convert("RGB")``: alpha dropped without compositing, palette and CMYK converted by PIL. Control: the
+    same images handed over as stored (the processor composites alpha onto white) give other pixel values."""
+    from PIL import Image
+
+    import mediafixture as mf
+    from packtool.build.pipeline import pack
+    from packtool.runtime.read import processor_for_output, read_packs
+    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+
+    rng = np.random.default_rng(0)
+    rgba = Image.fromarray(rng.integers(0, 256, (64, 96, 4), dtype=np.uint8), "RGBA")
+    palette = Image.fromarray(rng.integers(0, 256, (80, 56, 3), dtype=np.uint8)).convert("P")
+    palette.info["transparency"] = 0
+    cmyk = Image.fromarray(rng.integers(0, 256, (72, 72, 4), dtype=np.uint8), "CMYK")
+
+    def encoded(image, fmt):
+        buf = io.BytesIO()
+        image.save(buf, format=fmt)
+        return buf.getvalue()
+
+    members = {"0.png": encoded(rgba, "PNG"), "1.png": encoded(palette, "PNG"), "2.jpg": encoded(cmyk, "JPEG")}
+    turns = [{"role": "user", "content": "<image><image><image>What?"}, {"role": "assistant", "content": "Noise."}]
+    mf.write_source(tmp_path / "src", {"s0": {"json": json.dumps({"messages": turns}).encode(), **members}})
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=4096,
+                                           preset="nemo-rl-qwen-vl"), PlanSettings())
+    pack(tmp_path / "src", tmp_path / "out", settings, workers=1, progress=False)
+    (batch,) = list(read_packs(tmp_path / "out", split="train"))
+    proc = processor_for_output(tmp_path / "out", load_manifest(tmp_path / "out"))
+    stored = [Image.open(io.BytesIO(members[name])) for name in sorted(members)]
+    want = proc(images=[im.convert("RGB") for im in stored], return_tensors="pt")["pixel_values"]
+    assert torch.allclose(batch["pixel_values"], want.float(), atol=1e-6)
+    control = proc(images=stored, return_tensors="pt")["pixel_values"]
+    assert not torch.allclose(batch["pixel_values"], control.float(), atol=1e-3)
