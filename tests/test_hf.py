@@ -93,10 +93,11 @@ def test_check_model_refuses_and_turns_cache_off():
     model.config._attn_implementation = "paged|sdpa"
     with pytest.raises(ValueError, match="packtool: error: attention implementation"):
         check_model(model)
-    from transformers import WhisperConfig
+    from transformers import LlavaConfig, WhisperConfig
 
-    with pytest.raises(ValueError, match="packtool: error: model type 'whisper'"):
-        check_model(type("M", (), {"config": WhisperConfig(vocab_size=10)})())
+    for config in (LlavaConfig(), WhisperConfig()):
+        with pytest.raises(ValueError, match=f"packtool: error: model type '{config.model_type}'"):
+            check_model(type("M", (), {"config": config})())
 
 
 def test_qwen25vl_images_and_videos_packed_equals_alone(video_pack):  # noqa: F811

@@ -90,7 +90,8 @@ def family_of_model(model) -> HFFamily:
     for family in FAMILIES.values():
         if model_type in family.model_types:
             return family
-    if not any(hasattr(config, k) for k in ("vision_config", "audio_config", "text_config")):
+    if not getattr(config, "is_encoder_decoder", False) and not any(
+            hasattr(config, k) for k in ("vision_config", "audio_config", "text_config")):
         return FAMILIES["none"]
     raise ValueError(f"packtool: error: model type {model_type!r} has no packed-row hook "
                      f"(supported: text-only models, {', '.join(FAMILIES['qwen2_vl'].model_types)})")
