@@ -173,3 +173,24 @@ def test_collator_loss_counts_target_tokens(tmp_path):
         logits = out.logits[0, :-1]
         summed = F.cross_entropy(logits, row["labels"][0, 1:], ignore_index=IGNORE_INDEX, reduction="sum")
     assert abs(out.loss.item() - summed.item() / (2 * n)) <= 1e-5 * out.loss.item()
+
+
+def test_trl_sft_example_steps(tmp_path):
+    """examples/trl_sft.py's trainer (TRL's SFTTrainer, its preparation and packing off) takes two steps."""
+    pytest.importorskip("trl")
+    from transformers import PreTrainedTokenizerFast
+
+    import trl_sft
+
+    text_packs(tmp_path / "packs", n_packs=3)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=fx.tokenizer(), pad_token="<|endoftext|>")
+    model = tiny_text_model("sdpa")
+    model.config.use_cache = True
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = trl_sft.build_trainer(tmp_path / "packs", model, tokenizer, tmp_path / "run", max_steps=2,
+                                    packs_per_step=2, learning_rate=1e-2, use_cpu=True)
+    assert model.config.use_cache is False
+    assert len(trainer.train_dataset) == 3 and trainer.train_dataset[0] == {"pack": 0}  # not re-prepared by TRL
+    result = trainer.train()
+    assert result.global_step == 2 and np.isfinite(result.training_loss)
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))

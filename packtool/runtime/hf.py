@@ -235,6 +235,13 @@ class HFPackDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self._index)
 
+    def index_dataset(self):
+        """A ``datasets.Dataset`` of ``{"pack": i}`` items (for trainers that require one, e.g. TRL's
+        SFTTrainer); pair it with ``HFPackCollator(self)``, which reads each pack."""
+        import datasets
+
+        return datasets.Dataset.from_dict({"pack": list(range(len(self)))})
+
     def __getitem__(self, i: int) -> dict:
         from packtool.runtime.read import pack_to_batch, processor_for_output
         from packtool.shards import iter_records
@@ -251,7 +258,21 @@ class HFPackDataset(torch.utils.data.Dataset):
 class HFPackCollator:
     """Collator for :class:`HFPackDataset`: the rows of a micro-batch concatenated into one padding-free packed row
     (:func:`concat_hf_batches`). Trainer counts the batch's target tokens (``num_items_in_batch``) from ``labels``
-    and the model divides its summed loss by it, as an unpacked run normalises per target token."""
+    and the model divides its summed loss by it, as an unpacked run normalises per target token.
+
+    With ``packs`` (an :class:`HFPackDataset`), items may be ``{"pack": i}`` (:meth:`HFPackDataset.index_dataset`,
+    the ``datasets.Dataset`` TRL's SFTTrainer requires): the collator reads pack ``i`` itself."""
+
+    def __init__(self, packs: HFPackDataset | None = None):
+        self.packs = packs
 
     def __call__(self, rows: Iterable[Mapping]) -> dict:
-        return concat_hf_batches(list(rows))
+        resolved = []
+        for row in rows:
+            if "input_ids" not in row:
+                if self.packs is None or "pack" not in row:
+                    raise ValueError("packtool: error: a collated item is neither a packed row nor {'pack': i} "
+                                     "of an HFPackCollator given its HFPackDataset")
+                row = self.packs[int(row["pack"])]
+            resolved.append(row)
+        return concat_hf_batches(resolved)
