@@ -56,7 +56,6 @@ def check_packed_equals_alone(model, row: dict, alone: list[tuple[dict, torch.Te
     print(f"max |logit diff| {worst:.2e}; packed loss {packed.loss.item():.6f}, alone {expected:.6f}")
     assert worst <= LOGIT_TOL
     assert abs(packed.loss.item() - expected) <= LOSS_RTOL * expected
-    # Control: the reader's (already shifted) labels fed as they are train one token off.
     return packed.loss.item()
 
 

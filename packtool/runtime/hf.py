@@ -142,9 +142,9 @@ def hf_batch(batch: Mapping, manifest=None, *, tokens_per_second: int | None = N
     """One reader batch (:func:`packtool.runtime.read.pack_to_batch`) as a padding-free packed row for a Hugging
     Face model's ``forward`` (see the module docstring). ``family``: a :data:`FAMILIES` name; by default
     ``qwen2_vl`` when the batch or manifest has Qwen2-VL media, else ``none``."""
-    hook = FAMILIES[family] if family is not None else family_of_batch(batch, manifest)
     if family is not None and family not in FAMILIES:
         raise ValueError(f"packtool: error: unknown family {family!r} (known: {', '.join(FAMILIES)})")
+    hook = FAMILIES[family] if family is not None else family_of_batch(batch, manifest)
     tokens = batch["tokens"][0]
     real = ~batch["padding_mask"][0]
     shifted = batch["labels"][0]
