@@ -190,12 +190,53 @@ def test_failures_in_a_row_stop_the_run(tok, tmp_path):
     long = [(f"l{i:03d}", {"json": b'{"conversations": [{"from": "human", "value": "'
                            + b"word " * (3000 + i) + b'"}, {"from": "gpt", "value": "ok"}]}'}) for i in range(12)]
     src = dataset(tmp_path / "src", {"shards/a.tar": [sample(0), *long, sample(1)]})
-    args = pack_args(src, tmp_path / "o", tok, "--overlong", "drop", "--max-drop-rate", "1")
+    args = pack_args(src, tmp_path / "o", tok, "--overlong", "drop", "--max-drop-rate", "0.5")
     result = run(*args, "--max-failures-in-a-row", "10")
     assert result.exit_code == 3 and "stopped early: 10 samples in a row of shards/a.tar failed" in result.output, \
         result.output
     assert "l000 to l009" in result.output
-    assert run(*args, "--max-failures-in-a-row", "13").exit_code == 0  # control: 12 in a row only
+    assert "10 dropped already exceed max_drop_rate 50.00%" in result.output, result.output
+    late = run(*args, "--max-failures-in-a-row", "13")  # control: 12 in a row only, failed at the end
+    assert late.exit_code == 3 and "stopped early" not in late.output and "dropped rate" in late.output, late.output
+    # 12 in a row, but within a drop limit of 90 %: the run is never stopped early (it passes its limit)
+    assert run(*pack_args(src, tmp_path / "p", tok, "--overlong", "drop", "--max-drop-rate", "0.9"),
+               "--max-failures-in-a-row", "10").exit_code == 0
+
+
+def _watch_stops(statuses: list[tuple[str, str]], total: int | None, **rates: float) -> int | None:
+    """Feed a failure watch these ``(status, reason)`` samples in chunks of 64; the sample it stops at, or None."""
+    from packtool.build.encoder import Encoded
+    from packtool.build.store import FailureLimits, _FailureWatch
+    from packtool.errors import LimitError
+
+    limits = FailureLimits(100, 20, total, tuple({"error": 0.01, "dropped": 0.05, **rates}.items()))
+    watch = _FailureWatch(limits, "shards/a.tar")
+    samples = [Encoded(f"k{i}", "shards/a.tar", i, status, reason) for i, (status, reason) in enumerate(statuses)]
+    for start in range(0, len(samples), 64):
+        try:
+            watch.see(samples[start:start + 64])
+        except LimitError as exc:
+            assert "stopped early" in str(exc)
+            return watch.statuses.total()
+    return None
+
+
+def test_early_stop_only_when_the_run_is_certain_to_exceed_its_limit():
+    ok = ("packed", "")
+    empty = ("dropped", "no training targets: the reply is empty")
+    # 25 empty replies in 5,000 samples (0.5 %, the drop limit is 5 %): 20 with one reason never stop the run
+    assert _watch_stops([empty if i % 200 == 0 else ok for i in range(5000)], 5000) is None
+    # 110 too long in a row in 3,000 (3.7 %): within the limit, no stop
+    long = ("dropped", "longer than the pack")
+    assert _watch_stops([long] * 110 + [ok] * 2890, 3000) is None
+    # the first 200 all failing for one reason: systematic and past the 1 % error limit of 5,000 (50) -> stops
+    broken = ("error", "no rule for video in this model folder")
+    assert _watch_stops([broken] * 200 + [ok] * 4800, 5000) == 51
+    # the same drops past the limit of a smaller run stop as soon as they exceed it (150 of 3,000)
+    assert _watch_stops([long] * 200 + [ok] * 2800, 3000) == 151
+    # a total unknown: never stops; failures that are not systematic (scattered, each reason once) never stop
+    assert _watch_stops([broken] * 200, None) is None
+    assert _watch_stops([("error", f"bad sample {i}") if i % 2 else ok for i in range(400)], 400) is None
 
 
 def test_limit_settings_are_checked():

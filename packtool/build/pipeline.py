@@ -186,7 +186,12 @@ def _encode(engine: Engine, out: OutputDir, src: SourceDataset, settings: PackSe
     tasks: list[EncodeTask] = []
     names: list[str] = []
     enc_dirs: dict[str, list[Path]] = {split: [] for split in src.splits}
-    limits = FailureLimits(run.max_failures_in_a_row, run.max_same_failures)
+    # An upper bound of the run's samples (a lost tail adds an error row per shard), so stopping early on it is
+    # certain to fail a rate limit.
+    total = sum(max(len(layout.starts), src.shard_counts.get(shard) or 0) + 1
+                for (_, _, shard), layout in zip(shards, layouts))
+    limits = FailureLimits(run.max_failures_in_a_row, run.max_same_failures, total,
+                           tuple((status, limit) for status, limit in run.limits().items() if status != "truncated"))
     for (split, i, shard), layout in zip(shards, layouts):
         for k, span in enumerate(layout.ranges(SAMPLES_PER_RANGE, BYTES_PER_RANGE)):
             store = out.encode_dir(split, i, k)
