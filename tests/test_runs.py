@@ -47,6 +47,37 @@ def src(tmp_path) -> Path:
     return dataset(tmp_path / "src", {"shards/a.tar": [sample(i) for i in range(6)]})
 
 
+def _snapshot(out: Path) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and ".packtool" not in p.parts}
+
+
+def test_a_damaged_encode_store_is_encoded_again_and_overwrite_keeps_the_output_until_it_can_write(tok, src,
+                                                                                                  tmp_path):
+    from packtool.format import Manifest
+
+    out = tmp_path / "out"
+    assert run(*pack_args(src, out, tok)).exit_code == 0
+    finished = _snapshot(out)
+    store = next((out / ".packtool/encode").glob("*/*/*"))
+    # a deleted part of the encode store: a rerun with --overwrite encodes that range again and writes
+    for seed, part in enumerate(("tokens.npy", "samples.parquet"), 1):
+        (store / part).unlink()
+        again = run(*pack_args(src, out, tok, "--overwrite", "--seed", str(seed)))
+        assert again.exit_code == 0, again.output
+        assert (store / part).exists() and Manifest.read(out).seed == seed
+    # a part cut short: the same
+    (store / "targets.npy").write_bytes((store / "targets.npy").read_bytes()[:-3])
+    again = run(*pack_args(src, out, tok, "--overwrite"))
+    assert again.exit_code == 0, again.output
+    assert _snapshot(out) == finished  # the original settings again: the same bytes
+    # a run that fails after encoding (every sample dropped) leaves the finished output as it was
+    failed = run(*pack_args(src, out, tok, "--overwrite", "--overlong", "drop"), "--pack-size", "8")
+    assert failed.exit_code == 2 and "pack_size 8" in failed.output, failed.output
+    assert _snapshot(out) == finished
+    assert run(*pack_args(src, out, tok)).exit_code == 0 and _snapshot(out) == finished  # still finished
+
+
 # -- 1. --overwrite only removes what packtool wrote -------------------------------------------------------------
 def test_overwrite_never_empties_a_folder_packtool_did_not_make(tok, src, tmp_path):
     out = tmp_path / "f"

@@ -129,7 +129,7 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
         stamps = {s: SourceStamp.of(source, s, src.metadata) for shards in src.splits.values() for s in shards}
         if out.drop_stale_encodings(stamps):
             out.clear_output()  # a source shard changed since it was encoded: every plan is stale
-        done = _finished(output, run)
+        done = None if out.replacing else _finished(output, run)
         if done is not None:
             return done
         enc_dirs = _encode(engine, out, src, settings, run, stamps)
@@ -138,6 +138,7 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
         for split, plan in plans.items():
             _check_packable(split, plan, settings)
         clock.lap("plan")
+        out.make_room()  # the output this run replaces goes only now, when its replacement is ready to write
         out_shards = {split: [shard_path(split, k) for k in range(plan.n_shards)] for split, plan in plans.items()}
         indexes = {} if run.dry_run else _write(engine, source, output, settings, run, plans, out_shards, enc_dirs,
                                                 stamps)

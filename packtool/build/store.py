@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from packtool.build.item import dumps_media
@@ -32,7 +33,7 @@ from packtool.commit import commit_path
 from packtool.errors import LimitError, SourceError
 from packtool.format import KEPT, STATUSES, npy_bytes
 from packtool.settings import EncodeSettings
-from packtool.storage import ObjectPath, file_version, location, open_read, read_parquet
+from packtool.storage import ObjectPath, file_version, location, open_read, parquet_file, read_parquet
 
 if TYPE_CHECKING:
     from packtool.build.encoder import Encoded
@@ -79,11 +80,40 @@ def range_stamp(stamp: SourceStamp, span: SampleRange) -> dict:
 
 
 def is_current(folder: Path, stamp: SourceStamp, span: SampleRange) -> bool:
-    """Whether ``folder`` holds a committed encoding of this range of the shard as ``stamp`` describes it now."""
+    """Whether ``folder`` holds a committed encoding of this range of the shard as ``stamp`` describes it now,
+    whole (:func:`is_whole`: a part deleted or damaged since makes the range be encoded again)."""
     try:
-        return json.loads((location(folder) / "source.json").read_text()) == range_stamp(stamp, span)
+        if json.loads((location(folder) / "source.json").read_text()) != range_stamp(stamp, span):
+            return False
     except (OSError, ValueError):
         return False
+    return is_whole(folder)
+
+
+def is_whole(folder: Path) -> bool:
+    """Whether every part of a range's store is there and agrees with its ``samples.parquet``: the facts have as
+    many rows, ``tokens.npy`` and ``targets.npy`` as many elements as the kept rows' tokens and exactly the bytes
+    their headers promise."""
+    folder = location(folder)
+    try:
+        rows = read_parquet(folder / "samples.parquet", columns=["status", "tokens"])
+        if parquet_file(folder / SOURCE_FACTS).metadata.num_rows != rows.num_rows:
+            return False
+        kept = pc.is_in(rows.column("status"), value_set=pa.array(list(KEPT)))
+        tokens = int(pc.sum(pc.if_else(kept, rows.column("tokens"), 0)).as_py() or 0)
+        for name in ("tokens.npy", "targets.npy"):
+            with open_read(folder / name, readahead=4096) as f:
+                version = np.lib.format.read_magic(f)
+                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                    np.lib.format.read_array_header_2_0
+                shape, _, dtype = read_header(f)
+                start = f.tell()
+                size = f.seek(0, os.SEEK_END)
+            if shape != (tokens,) or size != start + tokens * dtype.itemsize:
+                return False
+    except Exception:  # a part missing, cut short or not what it should be: any reader's error
+        return False
+    return True
 
 
 #: A range's facts of every sample before any cut, row for row with ``samples.parquet`` (first target token,
