@@ -291,6 +291,31 @@ def test_stats_of_a_file_that_is_no_ledger_and_of_an_unknown_algorithm_are_one_l
     assert run("stats", out, "--compare", "bfd").exit_code == 0  # control
 
 
+def test_stats_on_a_garbage_manifest_and_a_cut_tokenizer_json_are_one_line(tok, src, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    assert run(*pack_args(src, out, tok)).exit_code == 0
+    manifest = out / ".nv-meta/packtool.json"
+    good = manifest.read_text()
+    for text, needle in (("garbage{", "unreadable manifest"), ("[1, 2]", "manifest must be a mapping"),
+                         ('{"settings": 3}', "its settings are a int"),
+                         ('{"settings": {"pack_size": "x"}}', "its pack_size is 'x'")):
+        manifest.write_text(text)
+        refused(run("stats", out), str(manifest), needle)
+    manifest.write_text(good)
+    assert run("stats", out).exit_code == 0  # the control
+    # a hub snapshot whose tokenizer.json was cut short (an interrupted download)
+    snapshot = tmp_path / "hub/models--Acme--Cut/snapshots/abc"
+    shutil.copytree(tok, snapshot)
+    data = (snapshot / "tokenizer.json").read_bytes()
+    (snapshot / "tokenizer.json").write_bytes(data[:len(data) // 2])
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    args = pack_args(src, tmp_path / "o2", tok)
+    args[args.index("--tokenizer") + 1] = "Acme/Cut"
+    refused(run(*args), "tokenizer.json is not valid JSON", "download cut short")
+    (snapshot / "tokenizer.json").write_bytes(data)
+    assert run(*args).exit_code == 0  # the control: the whole file packs
+
+
 def test_a_shard_listed_twice_or_in_two_splits_is_refused(tok, tmp_path):
     shards = {"shards/a.tar": [sample(i) for i in range(3)], "shards/b.tar": [sample(i) for i in range(3, 6)]}
     twice = dataset(tmp_path / "twice", shards, split_parts={"train": ["shards/a.tar", "shards/b.tar",
