@@ -316,6 +316,27 @@ def test_stats_on_a_garbage_manifest_and_a_cut_tokenizer_json_are_one_line(tok, 
     assert run(*args).exit_code == 0  # the control: the whole file packs
 
 
+def test_pack_with_workers_at_a_scripts_module_level_runs_once(tok, src, tmp_path):
+    """The README's example as a script without ``if __name__ == "__main__":``: the workers do not run the script
+    again (spawn would import it in each), so the run packs once and says so once."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "my_pack.py"
+    script.write_text(f"""import packtool
+print("script started", flush=True)
+summary = packtool.pack({str(src)!r}, {str(tmp_path / 'out')!r}, tokenizer={str(tok)!r}, pack_size=2048,
+                        workers=2, progress=False)
+print("packs", summary.splits["train"].packs, flush=True)
+""")
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("script started") == 1 and p.stdout.count("packs ") == 1, p.stdout
+    assert (tmp_path / "out/.nv-meta/packtool.json").exists()
+
+
 def test_a_shard_listed_twice_or_in_two_splits_is_refused(tok, tmp_path):
     shards = {"shards/a.tar": [sample(i) for i in range(3)], "shards/b.tar": [sample(i) for i in range(3, 6)]}
     twice = dataset(tmp_path / "twice", shards, split_parts={"train": ["shards/a.tar", "shards/b.tar",
