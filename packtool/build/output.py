@@ -30,7 +30,7 @@ from packtool.build.store import SourceStamp
 from packtool.commit import commit_bytes, is_temporary, remove_temporaries
 from packtool.errors import OutputError
 from packtool.format import MANIFEST, META, TOKENIZER_DIR, TOKENIZER_FILES
-from packtool.storage import is_remote, location, remove_tree, resolved
+from packtool.storage import ObjectPath, is_remote, location, physical, remove_tree, resolved
 
 #: The work folder inside OUTPUT: lock, stamps, encode store.
 WORK = ".packtool"
@@ -71,6 +71,17 @@ def foreign_files(output: Path) -> list[str]:
     return sorted(found)
 
 
+def _same_store_overlap(source: Path, output: Path) -> bool:
+    """Whether two object-store locations named through different profiles lie in one another (two profiles may
+    share a bucket, one with a base path inside the other's): compared by provider, endpoint, bucket and key."""
+    if not (is_remote(source) and is_remote(output)):
+        return False
+    a, b = physical(cast(ObjectPath, source)), physical(cast(ObjectPath, output))
+    if a is None or b is None or a[:2] != b[:2]:
+        return False
+    return a[2] == b[2] or a[2] in b[2].parents or b[2] in a[2].parents
+
+
 def _named(paths: list[str], limit: int = 3) -> str:
     return ", ".join(paths[:limit]) + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
 
@@ -80,7 +91,8 @@ def check_paths(source: Path, output: Path, model: Path | None = None) -> None:
     that holds the model folder (its copy in the output would be written from files a rerun deletes), or that
     is not a folder."""
     source, output = resolved(source), resolved(output)
-    if output == source or source in output.parents or output in source.parents:
+    if output == source or source in output.parents or output in source.parents or _same_store_overlap(source,
+                                                                                                         output):
         raise OutputError(f"output {output} overlaps the source {source}; choose a folder outside it")
     if model is not None:
         model = resolved(model)

@@ -41,6 +41,7 @@ from packtool.errors import ConfigError, FormatError
 from packtool.format import (
     FORMAT_VERSION,
     MANIFEST,
+    META,
     TOKENIZER_DIR,
     TOKENIZER_FILES,
     IndexedRecord,
@@ -172,10 +173,25 @@ def _finished(output: Path, run: RunOptions) -> PackResult | None:
     if not path.exists():
         return None
     manifest = Manifest.read(output)
+    if _missing(output, manifest):  # a file of the output deleted since: the run writes it again
+        return None
     if run.dry_run or not manifest.dry_run:
         return PackResult(output, manifest.counts, manifest.packs, over_limits=over_limits(manifest.counts, run))
     path.unlink()
     return None
+
+
+def _missing(output: Path, manifest: Manifest) -> list[str]:
+    """The files a finished output must hold that are not there (relative to ``output``): the ledger, and unless
+    a dry run made it, every pack shard with its index and Energon's split and dataset files."""
+    need = ["ledger.parquet"]
+    if not manifest.dry_run:
+        need += [f"{META}/split.yaml", f"{META}/dataset.yaml"]
+        need += [name for shards in manifest.splits.values() for s in shards for name in (s, f"{s}.idx")]
+    if is_remote(output):  # one listing instead of a request per file
+        present = {f.relative_to(output).as_posix() for f in output.files()}  # type: ignore[attr-defined]
+        return [n for n in need if n not in present]
+    return [n for n in need if not (output / n).is_file()]
 
 
 def _encode(engine: Engine, out: OutputDir, src: SourceDataset, settings: PackSettings, run: RunOptions,
