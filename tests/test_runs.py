@@ -71,6 +71,10 @@ def test_a_damaged_encode_store_is_encoded_again_and_overwrite_keeps_the_output_
     again = run(*pack_args(src, out, tok, "--overwrite"))
     assert again.exit_code == 0, again.output
     assert _snapshot(out) == finished  # the original settings again: the same bytes
+    # a pack shard deleted from the finished output: the rerun writes it again, the same bytes
+    shard = next(out.glob("train/pack-*.tar"))
+    shard.unlink()
+    assert run(*pack_args(src, out, tok)).exit_code == 0 and _snapshot(out) == finished
     # a run that fails after encoding (every sample dropped) leaves the finished output as it was
     failed = run(*pack_args(src, out, tok, "--overwrite", "--overlong", "drop"), "--pack-size", "8")
     assert failed.exit_code == 2 and "pack_size 8" in failed.output, failed.output
