@@ -350,6 +350,12 @@ def test_store_errors_json_sources_deleted_packs_and_profiles_sharing_a_bucket(c
 
     one_line(cli("-m", "packtool", *pack_args(case, source, "msc://missing/out")), "NoSuchBucket")
     one_line(cli("-m", "packtool", *pack_args(case, "msc://missing/data", str(tmp_path / "o"))), "NoSuchBucket")
+    import packtool
+    from packtool.errors import StoreError
+
+    with pytest.raises(StoreError, match="NoSuchBucket"):  # the Python entry point: a PacktoolError too
+        packtool.pack(source, "msc://missing/out", tokenizer=settings.encode.tokenizer, pack_size=2048, workers=1,
+                      progress=False)
     one_line(cli("-m", "packtool", *pack_args(case, source, "msc://inner/demo/packed")), "overlaps the source")
     control = cli("-m", "packtool", *pack_args(case, source, "msc://inner/elsewhere/packed"))
     assert control.returncode == 0, control.stderr[-3000:]  # the same profile, outside the source: fine
