@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import packfixture as fx
 from packtool.runtime.hf import (
     HFPackCollator,
+    family_of_batch,
     HFPackDataset,
     check_model,
     concat_hf_batches,
@@ -94,6 +95,9 @@ def test_check_model_refuses_and_turns_cache_off():
         check_model(model)
     from transformers import LlavaConfig, WhisperConfig
 
+    for kind in ("qwen3_vl", "nemotron_omni", "processor"):
+        with pytest.raises(ValueError, match=f"packtool: error: packs made for image processor '{kind}'"):
+            family_of_batch({}, {"image_processor": {"family": kind}})
     for config in (LlavaConfig(), WhisperConfig()):
         with pytest.raises(ValueError, match=f"packtool: error: model type '{config.model_type}'"):
             check_model(type("M", (), {"config": config})())

@@ -226,6 +226,8 @@ class HFPackDataset(torch.utils.data.Dataset):
 
         self.path, self.split, self.family = Path(path), split, family
         self.manifest = load_manifest(path)
+        if family is None:
+            family_of_batch({}, self.manifest)  # packs of a family without a hook are refused here, in one line
         if tokens_per_second is None:
             tokens_per_second = model_tokens_per_second(model_folder or self.path / TOKENIZER_DIR)
         self.tokens_per_second = tokens_per_second
