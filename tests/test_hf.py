@@ -11,10 +11,10 @@ import torch.nn.functional as F
 import packfixture as fx
 from packtool.runtime.hf import (
     HFPackCollator,
-    family_of_batch,
     HFPackDataset,
     check_model,
     concat_hf_batches,
+    family_of_batch,
     hf_batch,
 )
 from packtool.runtime.read import IGNORE_INDEX, read_packs
