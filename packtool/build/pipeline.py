@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from packtool import __version__
 from packtool.build.assemble import SEGMENT_COLUMNS, WriteTask, write_part, write_shard
@@ -274,7 +275,8 @@ def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, r
         split_stamps = {s: stamps[s] for s in src_shards(plan)}
         for k in range(plan.n_shards):
             segments = table.take(rows[bounds[k]:bounds[k + 1]])
-            chunks = {s: files[s] for s in segments.column("shard").unique().to_pylist()} if files else {}
+            with_media = segments.filter(pc.not_equal(segments.column("media"), "[]")) if files else segments
+            chunks = {s: files[s] for s in with_media.column("shard").unique().to_pylist()} if files else {}
             shards.append(WriteTask(str(output / out_shards[split][k]), split, str(source),
                                     [str(d) for d in enc_dirs[split]], split_stamps, segments,
                                     settings.encode.pack_size, settings.encode.align, chunks))
