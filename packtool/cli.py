@@ -4,9 +4,11 @@ one line on stderr starting with ``packtool``."""
 
 from __future__ import annotations
 
+import difflib
 import errno
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -14,6 +16,9 @@ from pathlib import Path
 from typing import TypeVar
 
 import typer
+import typer.main
+from typer._click import core as click_core
+from typer._click import exceptions as click  # the Click that Typer ships
 
 from packtool.errors import LimitError, PacktoolError
 from packtool.settings import (
@@ -330,19 +335,58 @@ def inspect(
     typer.echo(_one_line(lambda: inspect_pack(output, key=key, split=split)))
 
 
+def _usage_line(exc: click.ClickException) -> str:
+    """One line for a command line Click refuses: a mistyped option or command names the nearest one."""
+    if isinstance(exc, click.NoSuchOption):
+        near = exc.possibilities or difflib.get_close_matches(exc.option_name, _options_of(exc.ctx), n=1)
+        return f"no such option {exc.option_name}" + (f"; did you mean {near[0]}?" if near else "")
+    message = exc.format_message()
+    if isinstance(exc, click.UsageError) and (typed := re.match(r"No such command '(.*?)'\.", message)):
+        commands = list(getattr(typer.main.get_command(app), "commands", {}))
+        near = difflib.get_close_matches(typed.group(1), commands, n=1)
+        return f"no such command {typed.group(1)}" + (f"; did you mean {near[0]}?" if near else "")
+    where = exc.ctx.command_path if isinstance(exc, click.UsageError) and exc.ctx is not None else "packtool"
+    return f"{message[:1].lower()}{message[1:].rstrip('.')} (see {where} --help)"
+
+
+def _options_of(ctx: click_core.Context | None) -> list[str]:
+    return [name for param in (ctx.command.params if ctx is not None else []) for name in param.opts]
+
+
+#: The exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it.
+INTERRUPTED = 130
+
+
 def main() -> None:
     """The ``packtool`` command. Once it has returned and its output is flushed, the process ends without the
     interpreter's teardown: everything a command writes is committed (and its workers gone) by then, and tearing
-    down the modules a run loads (numpy, pyarrow, the pool's bookkeeping) adds a tenth of a second to every run."""
+    down the modules a run loads (numpy, pyarrow, the pool's bookkeeping) adds a tenth of a second to every run.
+
+    A command line Click refuses is one ``packtool: error:`` line (naming the nearest option or command for a
+    mistyped one); Ctrl-C says that the same command resumes (a run keeps what it committed) and exits 130."""
+    code: object
     try:
-        app()
+        code = app(standalone_mode=False)  # Typer turns KeyboardInterrupt into exit status 130
+    except click.NoArgsIsHelpError as exc:
+        exc.show()
+        code = exc.exit_code
+    except click.ClickException as exc:
+        print(f"packtool: error: {_usage_line(exc)}", file=sys.stderr)
+        code = exc.exit_code
+    except KeyboardInterrupt:  # outside the command Typer runs
+        code = INTERRUPTED
+    except click.Abort:  # end of input at a prompt
+        print("packtool: aborted", file=sys.stderr)
+        code = 1
     except SystemExit as exc:
         code = exc.code
         if isinstance(code, str):  # what sys.exit would print
             print(code, file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+    if code == INTERRUPTED:
+        print("packtool: interrupted; rerun the same command to resume", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 if __name__ == "__main__":

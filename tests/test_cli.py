@@ -161,3 +161,38 @@ def test_light_imports():
             "print(sorted(m for m in ('torch', 'transformers', 'packtool.build.encoder') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
+
+
+def test_mistyped_option_or_command_is_one_line_naming_the_nearest():
+    option = run("pack", "--pack-sise", 4096, "a", "b", check_fail=True)
+    assert "no such option --pack-sise; did you mean --pack-size?" in option.stderr and option.returncode == 2
+    assert "Usage:" not in option.stderr  # not Click's box
+    command = run("pakc", "a", check_fail=True)
+    assert "no such command pakc; did you mean pack?" in command.stderr and command.returncode == 2
+    far = run("frobnicate", check_fail=True)  # nothing near: no suggestion
+    assert "no such command frobnicate" in far.stderr and "did you mean" not in far.stderr
+    missing = run("stats", check_fail=True)
+    assert "missing argument 'path'" in missing.stderr and "--help" in missing.stderr
+
+
+def test_ctrl_c_says_a_rerun_resumes_and_exits_130(tmp_path):
+    import os
+    import signal
+    import time
+
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)  # reading the config blocks here until the signal comes
+    p = subprocess.Popen([*PACKTOOL, "pack", "--config", str(fifo)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):  # wait until the run is inside the command, blocked opening the FIFO
+            wchan = open(f"/proc/{p.pid}/wchan").read() if os.path.exists(f"/proc/{p.pid}/wchan") else ""
+            if "fifo" in wchan or "pipe" in wchan:
+                break
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    assert "packtool: interrupted; rerun the same command to resume" in err and "Traceback" not in err, err
