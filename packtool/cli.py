@@ -375,7 +375,7 @@ def main() -> None:
         code = exc.exit_code
     except KeyboardInterrupt:  # outside the command Typer runs
         code = INTERRUPTED
-    except click.Abort:  # end of input at a prompt
+    except typer.Abort:  # end of input at a prompt
         print("packtool: aborted", file=sys.stderr)
         code = 1
     except SystemExit as exc:
