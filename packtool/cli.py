@@ -240,7 +240,18 @@ def pack(
         flag = {"error": "--max-error-rate", "dropped": "--max-drop-rate", "truncated": "--max-truncate-rate"}
         _fail("; ".join(f"{status} rate {n / total:.2%} ({n} of {total}) exceeds {flag[status]} {limit:.2%}"
                         for status, n, total, limit in result.over_limits)
-              + f" (see {result.output / 'ledger.parquet'})", code=3)
+              + f" (see {result.output / 'ledger.parquet'})"
+              + (f"; {why}" if (why := _top_reasons(result.output, [s for s, *_ in result.over_limits])) else "")
+              + f"; `packtool failures {result.output}` lists them", code=3)
+
+
+def _top_reasons(output: Path, statuses: list[str]) -> str:
+    from packtool.verify.failures import top_reasons
+
+    try:
+        return top_reasons(output, statuses)
+    except PacktoolError:
+        return ""
 
 
 @app.command()
@@ -283,6 +294,25 @@ def stats(
 
     report = _one_line(run)
     typer.echo(json.dumps(report, indent=1) if as_json else st.format_report(report))
+
+
+@app.command()
+def failures(
+    path: str = typer.Argument(..., help="A packed OUTPUT folder, or a ledger.parquet."),
+    status: list[str] | None = typer.Option(None, help="Only this status (repeatable): error, dropped or "
+                                                      "truncated."),
+    split: list[str] | None = typer.Option(None, help="Only this split (repeatable)."),
+    limit: int = typer.Option(5, help="Samples listed per reason (0: counts only)."),
+    all_samples: bool = typer.Option(False, "--all", help="List every sample (no --limit)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """List the samples that failed, were dropped or truncated: full reasons, split, source shard and key,
+    grouped by reason with counts."""
+    from packtool.verify.failures import failures as find
+    from packtool.verify.failures import format_failures
+
+    report = _one_line(lambda: find(path, status=status, split=split, limit=None if all_samples else limit))
+    typer.echo(json.dumps(report, indent=1) if as_json else format_failures(report), nl=as_json)
 
 
 @app.command()

@@ -85,8 +85,12 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
         a = split_arrays(ledger, split)
         rows = ledger.filter(pc.equal(ledger.column("split"), split))
         statuses = rows.column("status").to_pylist()
-        reasons = Counter(
-            (s, group_reason(r)) for s, r in zip(statuses, rows.column("reason").to_pylist()) if s != "packed")
+        reasons: Counter[tuple[str, str]] = Counter()
+        examples: dict[tuple[str, str], str] = {}  # a group's first full reason: the numbers folded out of it
+        for s, r in zip(statuses, rows.column("reason").to_pylist()):
+            if s != "packed":
+                reasons[(s, group_reason(r))] += 1
+                examples.setdefault((s, group_reason(r)), r)
         lengths, pack = a["lengths"], a["pack"]
         n_packs = int(pack.max()) + 1 if pack.size else 0
         cost = aligned_lengths(lengths, align)
@@ -96,7 +100,8 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
         entry: dict[str, Any] = {
             "samples": len(statuses),
             "status": {s: statuses.count(s) for s in STATUSES},
-            "reasons": [{"status": s, "reason": r, "count": c} for (s, r), c in sorted(reasons.items())],
+            "reasons": [{"status": s, "reason": r, "count": c, "example": examples[(s, r)]}
+                        for (s, r), c in sorted(reasons.items())],
             "packs": n_packs,
             "l1_bound": -(-costs // size) if costs else 0,
             "tokens": tokens,
@@ -201,6 +206,8 @@ def format_report(report: dict) -> str:
                          f"(natural order {e['dp_imbalance_unbalanced_order']:.4f})")
         for r in e["reasons"]:
             lines.append(f"  {r['status']:<10} {r['count']:>7}  {r['reason']}")
+            if r.get("example", r["reason"]) != r["reason"]:
+                lines.append(f"  {'':<10} {'':>7}  e.g. {r['example']}")
     for split, rows in report.get("compare", {}).items():
         lines += ["", f"[{split}] replanned", f"  {'algorithm':<26}{'packs':>8}{'L1':>8}{'fill':>9}{'seconds':>10}"]
         for r in rows:
