@@ -262,7 +262,14 @@ def stats(
     html: Path | None = typer.Option(None, help="Write one self-contained HTML report with the plots."),
     candidates: str | None = typer.Option(None, help="Pack sizes to judge from the source lengths, e.g. "
                                                      "4096,8192 (no encoding again)."),
-    dp: int = typer.Option(1, help="Data-parallel ranks, for the global batch and steps per epoch."),
+    dp: int | None = typer.Option(None, help="Data-parallel ranks, for the global batch and steps per epoch "
+                                             "(default: 1, said as an assumption)."),
+    recommend: bool = typer.Option(False, help="Choose a pack size (among --candidates, default 1024 to 32768) "
+                                               "and global batch for --tokens-per-step or --global-batch-samples, "
+                                               "and say why."),
+    tokens_per_step: int | None = typer.Option(None, help="Target tokens per optimizer step, for --recommend."),
+    global_batch_samples: int | None = typer.Option(None, help="Target samples per optimizer step, for "
+                                                               "--recommend."),
     micro_batches: int = typer.Option(1, help="Micro-batches per step per rank (gradient accumulation)."),
     micro_batch_size: int = typer.Option(1, help="Packs per micro-batch."),
     algorithm: str | None = typer.Option(None, help="Algorithm for --candidates (default: the run's)."),
@@ -278,12 +285,20 @@ def stats(
         if compare:
             report["compare"] = st.compare(path, [a.strip() for a in compare.split(",") if a.strip()],
                                            pack_size=pack_size)
-        if candidates or html is not None:
-            from packtool.verify.candidates import check_sizes
+        if (tokens_per_step is not None or global_batch_samples is not None) and not recommend:
+            raise PacktoolError("--tokens-per-step and --global-batch-samples are targets of --recommend; "
+                                "add --recommend")
+        if recommend and (tokens_per_step is None) == (global_batch_samples is None):
+            raise PacktoolError("--recommend needs one target: --tokens-per-step or --global-batch-samples")
+        if candidates or html is not None or recommend:
+            from packtool.verify.candidates import DEFAULT_SIZES, check_sizes
 
-            sizes = check_sizes(candidates) if candidates else [report["pack_size"]]
+            align = int(report.get("align") or 1)
+            sizes = check_sizes(candidates) if candidates else sorted(
+                {s for s in DEFAULT_SIZES if s >= align} | {report["pack_size"]})
             report["decide"] = st.decide(path, sizes, dp=dp, micro_batches=micro_batches,
-                                         micro_batch_size=micro_batch_size, algorithm=algorithm)
+                                         micro_batch_size=micro_batch_size, algorithm=algorithm,
+                                         tokens_per_step=tokens_per_step, global_batch_samples=global_batch_samples)
         if plot is not None:
             st.plot(path, plot)
         if html is not None:

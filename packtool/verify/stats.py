@@ -169,11 +169,12 @@ def _folder(path: Path) -> Path:
     return path if path.is_dir() else path.parent
 
 
-def decide(path: str | Path, sizes: list[int], *, dp: int = 1, micro_batches: int = 1, micro_batch_size: int = 1,
-           algorithm: str | None = None) -> dict:
+def decide(path: str | Path, sizes: list[int], *, dp: int | None = None, micro_batches: int = 1,
+           micro_batch_size: int = 1, algorithm: str | None = None, tokens_per_step: int | None = None,
+           global_batch_samples: int | None = None) -> dict:
     """Per split: the source-length distribution (before any cut) and one row per candidate pack size
     (:func:`packtool.verify.candidates.evaluate`)."""
-    from packtool.verify.candidates import distribution, evaluate, load_rows
+    from packtool.verify.candidates import distribution, evaluate, load_rows, recommend
 
     path = Path(path)
     ledger = _ledger(path, ["split", "status", "source_tokens"])
@@ -182,9 +183,15 @@ def decide(path: str | Path, sizes: list[int], *, dp: int = 1, micro_batches: in
     for split in sorted(set(ledger.column("split").to_pylist())):
         rows = ledger.filter(pc.equal(ledger.column("split"), split)).to_pydict()
         out[split] = {"source": distribution(load_rows(_folder(path), split, rows)),
-                      "candidates": evaluate(_folder(path), split, rows, sizes, st, dp=dp,
+                      "candidates": evaluate(_folder(path), split, rows, sizes, st, dp=dp or 1,
                                              micro_batches=micro_batches, micro_batch_size=micro_batch_size,
                                              algorithm=algorithm)}
+        for c in out[split]["candidates"]:
+            c["dp_assumed"] = dp is None
+        if tokens_per_step is not None or global_batch_samples is not None:
+            out[split]["recommend"] = recommend(_folder(path), split, rows, sizes, st, dp=dp or 1,
+                                                micro_batches=micro_batches, tokens_per_step=tokens_per_step,
+                                                global_batch_samples=global_batch_samples, algorithm=algorithm)
     return out
 
 
@@ -238,6 +245,8 @@ def _decide_lines(split: str, d: dict) -> list[str]:
         lines.append(f"  {r['pack_size']:>7}{r['packs']:>8}{r['fill']:>8.4f}{r['truncated']:>7}{r['dropped']:>6}"
                      f"{spread:>22}{mp['mean']:>12.2f}")
         lines.append(f"  {'':>7}  {steps_text(r)}")
+    if "recommend" in d:
+        lines.append(f"  recommended: {d['recommend']['why']}")
     estimated = sum(r["estimated"] for r in rows)
     if estimated:
         lines.append(f"  estimates: {estimated} cut sample(s) judged from incomplete facts (text cut before "
