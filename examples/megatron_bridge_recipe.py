@@ -13,9 +13,12 @@ What changes against a stock Megatron-Bridge VLM recipe, and why:
 
 - `cfg.dataset` = `PacktoolDatasetConfig(path=OUTPUT, ...)`: Energon's loader with packtool's
   `MegatronBridgeTaskEncoder`; `dataloader_type="external"` (the Energon loader is the iterator, no sampler).
-- `cfg.dataset.enable_in_batch_packing = True`, a declaration (nothing is packed again): the batches carry THD
-  boundaries, and with pipeline parallel >= 3 the middle stages receive them only when the dataset declares
-  packing; without it their samples attend across each other with no error.
+- `cfg.dataset.enable_offline_packing = True` with `offline_packing_specs = PackedSequenceSpecs(packed_sequence_size=
+  seq_length)`: Megatron-Bridge's own declaration for a dataset packed ahead of time (nothing is packed again). The
+  batches carry THD boundaries, and with pipeline parallel >= 3 the middle stages receive them only when the dataset
+  declares packing; without it their samples attend across each other with no error. `ConfigContainer.validate()`
+  takes it with micro batch 1; it refuses `enable_in_batch_packing` (the declaration for packing at collate time)
+  unless a micro batch holds 2 or more samples.
 - `cfg.dataset.do_validation`: whether OUTPUT has a `val` split (Energon refuses a split the dataset lacks).
 - `cfg.model.seq_length`, `cfg.dataset.seq_length` = the row length: one pack is one row of that many tokens.
 - `cfg.train.micro_batch_size = 1`: one pack (a THD row holding many samples) per micro-batch.
@@ -99,6 +102,7 @@ def dataset_config(output: str, seq_length: int, *, do_validation: bool, num_wor
     with Megatron-Bridge's dataset registry (`megatron.bridge.data.utils`)."""
     from megatron.bridge.data import utils as mb_data
     from megatron.bridge.data.base import DataloaderConfig, DatasetBuildContext
+    from megatron.bridge.data.packing.config import PackedSequenceSpecs
 
     @dataclass(kw_only=True)
     class PacktoolDatasetConfig(DataloaderConfig):
@@ -108,10 +112,10 @@ def dataset_config(output: str, seq_length: int, *, do_validation: bool, num_wor
         dataloader_type: str | None = "external"
         shuffle_buffer_size: int = 100
         do_validation: bool = True
-        #: A declaration read by Megatron-Bridge's steps (middle pipeline stages get the THD boundaries); the
-        #: packs are already packed and nothing packs them again.
-        enable_in_batch_packing: bool = True
-        defer_in_batch_packing_to_step: bool = False
+        #: Megatron-Bridge's declaration of a dataset packed ahead of time, read by its steps (middle pipeline
+        #: stages get the THD boundaries) and its validation (micro batch 1); nothing packs the packs again.
+        enable_offline_packing: bool = True
+        offline_packing_specs: Any = None
 
     def build(num_samples: list[int], config: PacktoolDatasetConfig, tokenizer: Any = None,
               pg_collection: Any = None) -> tuple[Any, Any, None]:
@@ -134,7 +138,8 @@ def dataset_config(output: str, seq_length: int, *, do_validation: bool, num_wor
 
     mb_data._REGISTRY[PacktoolDatasetConfig] = build
     return PacktoolDatasetConfig(path=output, seq_length=seq_length, num_workers=num_workers,
-                                 shuffle_buffer_size=shuffle_buffer_size, do_validation=do_validation)
+                                 shuffle_buffer_size=shuffle_buffer_size, do_validation=do_validation,
+                                 offline_packing_specs=PackedSequenceSpecs(packed_sequence_size=seq_length))
 
 
 def configure(cfg, output: str, *, context_parallel: int = 1, samples_per_step: int | None = None,

@@ -14,6 +14,7 @@ from packtool.build.encoder import Encoder
 from packtool.build.pipeline import pack
 from packtool.families.fixed import FixedCount
 from packtool.families.qwen2_vl import Qwen2VL
+from packtool.families.qwen3_vl import Qwen3VL
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from test_encode import png, raw
 
@@ -150,3 +151,75 @@ def test_verify_the_reader_and_the_loaders_take_the_family_the_manifest_names():
     assert [f for f in readers if branch.search((root / f).read_text())] == []
     # The control: the family's own module names it.
     assert branch.search((root / "families/nemotron_omni.py").read_text())
+
+
+def _qwen3_vl_folders(demo_dir, tmp_path) -> dict[str, Path]:
+    """A Qwen3-VL folder as transformers' ``save_pretrained`` writes it (the processor class and both
+    sub-processors nested in ``processor_config.json``) and as the hub ships it (``preprocessor_config.json`` with
+    Qwen2-VL's image processor, ``video_preprocessor_config.json`` with Qwen3-VL's video processor, ``config.json``),
+    both with the demo's vocabulary."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen3_vl import Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    tok = AutoTokenizer.from_pretrained(str(demo_dir / "tokenizer"))
+    processor = Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2, min_pixels=1024, max_pixels=65536),
+        video_processor=Qwen3VLVideoProcessor(patch_size=16), tokenizer=tok, chat_template=tok.chat_template)
+    saved = tmp_path / "qwen3-vl-saved"
+    processor.save_pretrained(str(saved))
+    hub = tmp_path / "qwen3-vl-hub"
+    shutil.copytree(demo_dir / "tokenizer", hub)
+    nested = json.loads((saved / "processor_config.json").read_text())
+    (hub / "preprocessor_config.json").write_text(json.dumps(
+        {**nested["image_processor"], "image_processor_type": "Qwen2VLImageProcessorFast",
+         "processor_class": "Qwen3VLProcessor"}))
+    (hub / "video_preprocessor_config.json").write_text(json.dumps(
+        {**nested["video_processor"], "processor_class": "Qwen3VLProcessor"}))
+    (hub / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
+    return {"saved": saved, "hub": hub}
+
+
+def test_a_qwen3_vl_folder_is_refused_by_the_qwen2_vl_rule_and_counted_by_its_processor(demo_dir, tmp_path):
+    """Qwen3-VL ships Qwen2-VL's image processor under its own processor and video processor: its video tokens
+    follow other rules, so the Qwen2-VL rule refuses the folder in one line naming the processor mode, in both
+    layouts (the Qwen3-VL family, detected first, takes it); the processor mode counts its tokens as transformers'
+    ``Qwen3VLProcessor`` does. The control: the same folder under Qwen2.5-VL's names is taken by the Qwen2-VL
+    rule."""
+    import io
+
+    import pytest
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from packtool.errors import ConfigError
+    from packtool.families.processor import ProcessorMode
+
+    sample = raw({"json": {"conversations": [{"from": "human", "value": "<image> what is it?"},
+                                             {"from": "gpt", "value": "a box"}]},
+                  "img0.png": png(320, 200)})
+    for layout, folder in _qwen3_vl_folders(demo_dir, tmp_path).items():
+        with pytest.raises(ConfigError, match=r"no Qwen2-VL or Qwen2\.5-VL one.*--media-tokens processor"):
+            Qwen2VL.detect(folder, EncodeSettings(tokenizer=str(folder), pack_size=2048))
+        assert isinstance(Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048)).family, Qwen3VL), layout
+        enc = Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048, media_tokens="processor"))
+        assert isinstance(enc.family, ProcessorMode), layout
+        e = enc.encode_many([sample])[0]
+        assert e.status == "packed", (layout, e.reason)
+        processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True)
+        assert type(processor).__name__ == "Qwen3VLProcessor", layout
+        image = Image.open(io.BytesIO(png(320, 200))).convert("RGB")
+        grid = processor.image_processor(images=[image], return_tensors="np")["image_grid_thw"][0]
+        expected = int(grid.prod()) // processor.image_processor.merge_size ** 2
+        assert [m.tokens for m in e.media] == [expected], layout
+    # The control: Qwen2.5-VL's names on the hub layout are the Qwen2-VL rule's.
+    hub = tmp_path / "qwen3-vl-hub"
+    for name, value in (("preprocessor_config.json", "Qwen2_5_VLProcessor"),
+                        ("video_preprocessor_config.json", "Qwen2_5_VLProcessor")):
+        cfg = json.loads((hub / name).read_text())
+        cfg["processor_class"] = value
+        if "video_processor_type" in cfg:
+            cfg["video_processor_type"] = "Qwen2VLVideoProcessor"
+        (hub / name).write_text(json.dumps(cfg))
+    (hub / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    assert isinstance(Encoder(EncodeSettings(tokenizer=str(hub), pack_size=2048)).family, Qwen2VL)

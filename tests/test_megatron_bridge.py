@@ -356,6 +356,28 @@ def test_sample_limits_drop_the_sample(demo_dir):
     assert (got.status, got.reason) == ("dropped", "over limit: 532 visual tokens > sample_max_visual_tokens 520")
 
 
+@pytest.mark.parametrize("preset", ["megatron-bridge-qwen-vl", "nemo-rl-qwen-vl"])
+def test_qwen_presets_drop_an_over_long_sample_as_their_trainers_do(demo_dir, preset):
+    """Megatron-Bridge's Qwen-VL encoder raises on a sample longer than ``seq_length`` and Energon skips it; NeMo-RL
+    turns it into a stub with loss weight 0. Both train on nothing from it, so their presets drop it (the default
+    truncates it and trains the prefix: the control); an explicit ``--overlong truncate`` is refused in one line."""
+    from typer.testing import CliRunner
+
+    from packtool.cli import app
+
+    turns = [{"role": "user", "content": "tell me " * 40}, {"role": "assistant", "content": "yes " * 200}]
+    sample = raw({"json": {"messages": turns}})
+    folder = str(demo_dir / "tokenizer")
+    got = Encoder(EncodeSettings(tokenizer=folder, pack_size=128, preset=preset)).encode_many([sample])[0]
+    assert got.status == "dropped" and "128" in got.reason, (got.status, got.reason)
+    assert Encoder(EncodeSettings(tokenizer=folder, pack_size=128)).encode_many([sample])[0].status == "truncated"
+    assert EncodeSettings(tokenizer="m", pack_size=64, preset=preset).overlong == "drop"
+    args = ["pack", str(demo_dir / "dataset"), str(demo_dir / "never-written"), "--tokenizer",
+            str(demo_dir / "tokenizer"), "--pack-size", "2048", "--preset", preset, "--overlong", "truncate"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "sets overlong to 'drop', not 'truncate'" in result.output, result.output
+
+
 def test_presets_fill_named_settings_and_are_recorded(demo_dir):
     s = EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048, preset="megatron-bridge-qwen-vl")
     assert (s.target_newline_after_eot, s.media_first, s.min_pixels, s.max_pixels) == (True, True, 200_704,

@@ -48,6 +48,9 @@ class Convention:
     sample_max_visual_tokens: int | None = None
     #: Only the first this many frames of each video are kept.
     video_keep_frames: int | None = None
+    #: What happens to a sample longer than the pack: ``truncate`` (cut at a safe boundary) or ``drop``, as the
+    #: trainer's own path treats it.
+    overlong: str = "truncate"
     #: Why the ledger notes a sample whose media had no tags in the text (packtool places them before the first
     #: user text, which this trainer's path would not); empty: no note.
     untagged_note: str = ""
@@ -80,7 +83,7 @@ class Convention:
                        max_pixels=settings.max_pixels, image_resize=settings.image_resize,
                        sample_max_images=settings.sample_max_images,
                        sample_max_visual_tokens=settings.sample_max_visual_tokens,
-                       video_keep_frames=settings.video_keep_frames)
+                       video_keep_frames=settings.video_keep_frames, overlong=settings.overlong)
 
     # -- what the encoder asks of it ------------------------------------------------------------------------------
     def turn_text(self, text: str, role: str = "user") -> str:
@@ -148,11 +151,12 @@ CONVENTIONS: dict[str, Convention] = {
     # Megatron-Bridge's QwenVLTaskEncoder: its ``build_assistant_loss_mask`` (the newline after each reply's
     # end-of-turn token is a target), media first, its two-step image resize (qwen_vl_utils' ``fetch_image``,
     # then the processor with its pixel bounds) and its per-sample limits (``max_num_images`` 10,
-    # ``max_visual_tokens`` 16,384).
+    # ``max_visual_tokens`` 16,384); an over-long sample makes its encoder raise, and Energon skips it (dropped here).
     "megatron-bridge-qwen-vl": Convention("megatron-bridge-qwen-vl", target_newline_after_eot=True,
                                           media_first=True, min_pixels=200_704, max_pixels=1_003_520,
                                           image_resize="qwen_vl_utils", sample_max_images=10,
                                           sample_max_visual_tokens=16_384, video_keep_frames=60,
+                                          overlong="drop",
                                           untagged_note="Megatron-Bridge's Qwen-VL path would leave them out and "
                                                         "train the text only",
                                           video_file_note="Megatron-Bridge's Qwen-VL Energon path cannot read video "
@@ -160,8 +164,9 @@ CONVENTIONS: dict[str, Convention] = {
                                           no_context_parallel="Megatron-Bridge's Qwen2.5-VL model does not split "
                                                               "sequences across context-parallel ranks (its recipes "
                                                               "use CP 1)"),
-    # NeMo-RL's Qwen2.5-VL path (generic_sft + hf_multimodal): whole assistant messages are targets.
-    "nemo-rl-qwen-vl": NemoRLChat("nemo-rl-qwen-vl", target_newline_after_eot=True),
+    # NeMo-RL's Qwen2.5-VL path (generic_sft + hf_multimodal): whole assistant messages are targets; an over-long
+    # sample becomes a stub with loss weight 0, which trains on nothing (dropped here).
+    "nemo-rl-qwen-vl": NemoRLChat("nemo-rl-qwen-vl", target_newline_after_eot=True, overlong="drop"),
     NEMO_RL_NEMOTRON: NemoRLNemotron(NEMO_RL_NEMOTRON, family=NEMOTRON_FAMILY),
     # Megatron-Bridge's Nemotron Omni Energon path: packtool.families.nemotron_mbridge adds it.
 }

@@ -8,6 +8,7 @@ The image rule is transformers' ``smart_resize``: sides rounded to multiples of 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from packtool.errors import ConfigError
 from packtool.families.base import Family, ItemPlan, MediaTokens, manifest_tokens
 from packtool.families.conventions import TRANSFORMERS, Convention
-from packtool.media.folder import read_folder
+from packtool.media.folder import FolderConfigs, read_folder
 from packtool.media.video import VideoFacts
 
 if TYPE_CHECKING:
@@ -400,6 +401,46 @@ def _image_rule(cfg: dict, min_pixels: int | None, max_pixels: int | None, prefi
     )
 
 
+#: Processor classes whose folders the Qwen2-VL rules are exact for (transformers' ``processor_class``).
+QWEN2_VL_PROCESSORS = frozenset({"Qwen2VLProcessor", "Qwen2_5_VLProcessor"})
+#: Video processor classes the Qwen2-VL video rule is exact for.
+QWEN2_VL_VIDEO_PROCESSORS = frozenset({"Qwen2VLVideoProcessor", "Qwen2VLVideoProcessorFast"})
+#: ``model_type`` values of ``config.json`` the Qwen2-VL rules are exact for.
+QWEN2_VL_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
+
+
+def _foreign_names(folder: Path, configs: FolderConfigs) -> str | None:
+    """What in a model folder names another model than Qwen2-VL / Qwen2.5-VL (``processor_class`` wherever the
+    folder states it, the video processor's class, ``config.json``'s ``model_type``), or ``None``. A folder that
+    names none of them (a bare tokenizer with pixel bounds) is no other model's."""
+    stated: list[tuple[str, str, frozenset[str]]] = []
+    sources = (configs.processor, configs.image, configs.video, _json_file(folder / "tokenizer_config.json"))
+    for entry in sources:
+        name = entry.get("processor_class")
+        if isinstance(name, str):
+            stated.append(("processor class", name, QWEN2_VL_PROCESSORS))
+    video_kind = configs.video.get("video_processor_type")
+    if isinstance(video_kind, str):
+        stated.append(("video processor", video_kind, QWEN2_VL_VIDEO_PROCESSORS))
+    model_type = _json_file(folder / "config.json").get("model_type")
+    if isinstance(model_type, str):
+        stated.append(("model type", model_type, QWEN2_VL_MODEL_TYPES))
+    for what, name, known in stated:
+        if name not in known:
+            return f"{what} {name!r}"
+    return None
+
+
+def _json_file(path: Path) -> dict:
+    """A JSON object file as a dict; ``{}`` when absent or not an object (``read_folder`` reports unreadable
+    processor files; these two are only looked at for the names they state)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The family
 # ---------------------------------------------------------------------------------------------------------------
@@ -422,17 +463,27 @@ class Qwen2VL(Family):
         """A folder whose image processor is Qwen2-VL's (wherever the folder keeps its settings), or any folder
         given pixel bounds. Another family's image processor is a :class:`ConfigError` (its tokens follow other
         rules), except in the processor mode."""
-        image = read_folder(folder).image
-        if not image:
+        configs = read_folder(folder)
+        image = configs.image
+        if not image and not configs.video:
             return settings.min_pixels is not None or settings.max_pixels is not None
         kind = image.get("image_processor_type")
-        if kind is None or kind in QWEN2_VL_IMAGE_PROCESSORS:
+        if kind is not None and kind not in QWEN2_VL_IMAGE_PROCESSORS:
+            if settings.media_tokens == "processor":
+                return False
+            raise ConfigError(f"{folder}: image processor {kind!r} is no Qwen2-VL one, so packtool has no token rule "
+                              f"for its images; use the processor mode (the folder's own processor counts them) or "
+                              f"image_tokens (a fixed count per image)")
+        foreign = _foreign_names(folder, configs)
+        if foreign is None:
             return True
         if settings.media_tokens == "processor":
             return False
-        raise ConfigError(f"{folder}: image processor {kind!r} is no Qwen2-VL one, so packtool has no token rule for "
-                          f"its images; use the processor mode (the folder's own processor counts them) or "
-                          f"image_tokens (a fixed count per image)")
+        # A newer Qwen family ships Qwen2-VL's image processor under its own processor and video processor: its
+        # tokens follow other rules, so the nearest rule is never applied to it.
+        raise ConfigError(f"{folder}: {foreign} is no Qwen2-VL or Qwen2.5-VL one, so packtool has no exact token rule "
+                          f"for this folder; use --media-tokens processor (the folder's own processor counts the "
+                          f"tokens)")
 
     @classmethod
     def load(cls, settings: EncodeSettings, tok: Any, convention: Convention) -> Qwen2VL:

@@ -270,8 +270,9 @@ class MegatronBridgeTaskEncoder(PackTaskEncoder):
     `seq_length` equal to the pack size. Arguments as `PackTaskEncoder`.
 
     Limits Megatron-Bridge does not check: with pipeline parallel >= 3 its steps give the middle stages these THD
-    boundaries only when the dataset config declares packing (`enable_in_batch_packing=True`, as
-    `examples/megatron_bridge_recipe.py` does), else their samples attend across each other; its Qwen2.5-VL model
+    boundaries only when the dataset config declares packing (`enable_offline_packing=True` with
+    `offline_packing_specs`, as `examples/megatron_bridge_recipe.py` does; its validation refuses
+    `enable_in_batch_packing` at micro batch 1), else their samples attend across each other; its Qwen2.5-VL model
     does not split sequences across context-parallel ranks (train with CP 1); Nemotron Omni packs with video need a
     model built with `temporal_patch_dim` equal to the manifest's `video_temporal_patch_dim` (2); FP8 needs a row
     length that is a multiple of 16."""
