@@ -374,6 +374,8 @@ def inspect(
     split: str | None = typer.Option(None, help="Split to look in (default: the first)."),
     config: bool = typer.Option(False, "--config", help="Print the settings OUTPUT was packed with, as a "
                                                        "config file for `pack --config`."),
+    out: Path | None = typer.Option(None, help="With --config: write the config file here, its local paths "
+                                               "relative to its folder (a portable file)."),
 ) -> None:
     """Show one pack: segments, decoded text with targets marked, media."""
     from packtool.verify.inspect import inspect_pack
@@ -381,8 +383,16 @@ def inspect(
     if config:
         from packtool.config import recorded
 
-        typer.echo(_one_line(lambda: recorded(output)), nl=False)
+        if out is None:
+            typer.echo(_one_line(lambda: recorded(output)), nl=False)
+            return
+        target = out
+        text = _one_line(lambda: recorded(output, relative_to=target.resolve().parent))
+        _one_line(lambda: target.write_text(text))
+        typer.echo(f"wrote {target}")
         return
+    if out is not None:
+        _fail("--out writes the config file: give it with --config")
 
     typer.echo(_one_line(lambda: inspect_pack(output, key=key, split=split)))
 

@@ -274,9 +274,10 @@ def recorded_config(settings: PackSettings, source: Path) -> dict:
             **encode, **plan}
 
 
-def recorded(output: str | Path) -> str:
+def recorded(output: str | Path, relative_to: Path | None = None) -> str:
     """The config file of the run that made ``output`` (from its manifest; for a staged JSON/Parquet source, the
-    file or folder given and its media folder, from the staging's record)."""
+    file or folder given and its media folder, from the staging's record). With ``relative_to`` (the folder the
+    file is written to), local paths are written relative to it, as :func:`read` takes them back."""
     from packtool.build.sources.files import staged_input
     from packtool.format import Manifest
 
@@ -286,4 +287,10 @@ def recorded(output: str | Path) -> str:
                           f"{manifest.settings}")
     config = dict(manifest.run_config)
     config.update(staged_input(Path(config["source"])))
+    if relative_to is not None:
+        for key in PATH_KEYS:
+            value = config.get(key)
+            if isinstance(value, str) and not is_remote(value) and Path(value).is_absolute() \
+                    and (key != "tokenizer" or Path(value).is_dir()):
+                config[key] = os.path.relpath(value, Path(relative_to).resolve())
     return dump(config)

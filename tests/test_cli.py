@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 
@@ -196,3 +197,21 @@ def test_ctrl_c_says_a_rerun_resumes_and_exits_130(tmp_path):
         p.kill()
     assert p.returncode == 130, err
     assert "packtool: interrupted; rerun the same command to resume" in err and "Traceback" not in err, err
+
+
+def test_inspect_config_out_writes_a_portable_file(packed, demo_dir, tmp_path):
+    """``inspect --config --out FILE`` writes local paths relative to FILE's folder; ``pack --config`` reads them
+    back to the same folders, wherever the file lies."""
+    import yaml
+
+    target = tmp_path / "configs" / "run.yaml"
+    target.parent.mkdir()
+    p = run("inspect", packed, "--config", "--out", target)
+    assert p.returncode == 0 and f"wrote {target}" in p.stdout, p.stderr
+    config = yaml.safe_load(target.read_text())
+    assert not Path(config["source"]).is_absolute() and not Path(config["tokenizer"]).is_absolute(), config
+    assert (target.parent / config["source"]).resolve() == (demo_dir / "dataset").resolve()
+    assert (target.parent / config["tokenizer"]).is_dir()
+    back = yaml.safe_load(run("pack", "--config", target, "--print-config").stdout)
+    assert Path(back["source"]).resolve() == (demo_dir / "dataset").resolve(), back
+    assert "--out writes the config file" in run("inspect", packed, "--out", target, check_fail=True).stderr
