@@ -212,6 +212,9 @@ def test_inspect_config_out_writes_a_portable_file(packed, demo_dir, tmp_path):
     assert not Path(config["source"]).is_absolute() and not Path(config["tokenizer"]).is_absolute(), config
     assert (target.parent / config["source"]).resolve() == (demo_dir / "dataset").resolve()
     assert (target.parent / config["tokenizer"]).is_dir()
-    back = yaml.safe_load(run("pack", "--config", target, "--print-config").stdout)
+    target.write_text(target.read_text() + "output: out\n")  # the run's output is never recorded
+    printed = run("pack", "--config", target, "--print-config")
+    assert printed.returncode == 0, printed.stderr
+    back = yaml.safe_load(printed.stdout)
     assert Path(back["source"]).resolve() == (demo_dir / "dataset").resolve(), back
     assert "--out writes the config file" in run("inspect", packed, "--out", target, check_fail=True).stderr
