@@ -36,9 +36,13 @@ def model_facts(task: FactsTask) -> dict:
     return facts(fetched(task.settings), task.dataset_yaml)
 
 
-def warm(settings: EncodeSettings, source: str) -> None:
+def warm(settings: EncodeSettings, source: str, decoder_threads: int = 0) -> None:
     """Build this worker's encoder as it starts (the workers' start-ups overlap). A model folder or source that
-    does not open is left to the run to report, as its own error."""
+    does not open is left to the run to report, as its own error. ``decoder_threads`` is what this worker's video
+    decode checks use (:func:`packtool.media.video.set_decoder_threads`)."""
+    from packtool.media.video import set_decoder_threads
+
+    set_decoder_threads(decoder_threads)
     try:
         from packtool.build.encoder import get_encoder
         from packtool.build.sources.energon import read_dataset_yaml
