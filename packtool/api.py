@@ -52,6 +52,19 @@ def pack(source: str | Path, output: str | Path, *, config: str | Path | None = 
     ``pack_size``, ``media_dir``, ``preset``, ``workers``...); ``config`` a YAML file of them, which ``settings``
     override. Raises :class:`~packtool.errors.PacktoolError` with a one-line message for anything a user can
     cause."""
+    from packtool.errors import StoreError
+    from packtool.storage import object_store_error
+
+    try:
+        return _pack(source, output, config, settings)
+    except Exception as exc:
+        message = object_store_error(exc)
+        if message is None:
+            raise
+        raise StoreError(message) from None
+
+
+def _pack(source: str | Path, output: str | Path, config: str | Path | None, settings: dict[str, Any]) -> PackSummary:
     from packtool import config as cfg
     from packtool.build.pipeline import pack as run_pack
     from packtool.build.sources.files import resolve_source

@@ -62,6 +62,13 @@ def _one_line(call: Callable[[], T]) -> T:
             or errno.errorcode.get(exc.errno or 0, "I/O error")
         where = exc.filename or (exc.args[0] if bare else None)
         _fail(f"{reason}" + (f" ({where})" if where else ""))
+    except Exception as exc:
+        from packtool.storage import object_store_error
+
+        store = object_store_error(exc)
+        if store is None:
+            raise
+        _fail(store)
     raise AssertionError("unreachable")
 
 

@@ -16,10 +16,12 @@ output folder or how the run went, so the same settings write the same manifest)
 
 from __future__ import annotations
 
+import os
+import types
 from collections.abc import Collection, Mapping
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from packtool.errors import ConfigError
 from packtool.families.conventions import CONVENTIONS
@@ -29,6 +31,7 @@ from packtool.settings import (
     PackSettings,
     PlanSettings,
     RunOptions,
+    ShardSize,
     resolve_align,
 )
 from packtool.storage import is_remote, location
@@ -47,6 +50,72 @@ _EXTRA_DEFAULTS: dict[str, Any] = {"source": None, "output": None, "media_dir": 
                                    "cp_size": 1, "tp_size": 1, "sequence_parallel": False, "align_for": "megatron",
                                    "align": None,
                                    "tokenizer": None, "pack_size": None, "workers": None}
+
+
+#: The type of every key besides the settings classes' fields (those take their fields' annotations).
+_EXTRA_TYPES: dict[str, Any] = {"source": str, "output": str, "media_dir": str | None, "staging": str | None,
+                                "split": str | list[str] | None, "cp_size": int, "tp_size": int,
+                                "sequence_parallel": bool, "align_for": str, "align": int | None,
+                                "tokenizer": str, "pack_size": int, "workers": int | None}
+
+
+def _key_types() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for cls in (EncodeSettings, PlanSettings, RunOptions):
+        out.update(get_type_hints(cls))
+    out.update(_EXTRA_TYPES)
+    return {k: out[k] for k in KEYS}
+
+
+def _fits(value: Any, kind: Any) -> bool:
+    """Whether ``value`` is of type ``kind`` as a config file writes it: booleans only ``true``/``false`` (never a
+    string, never a number), integers never booleans, floats also integers, a shard size a string or a count, a
+    path a string (or a path object, from Python)."""
+    origin = get_origin(kind)
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, k) for k in get_args(kind))
+    if origin is Literal:
+        return isinstance(value, str)
+    if origin is list:
+        return isinstance(value, (list, tuple)) and all(_fits(v, get_args(kind)[0]) for v in value)
+    if kind is type(None):
+        return value is None
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is ShardSize:
+        return isinstance(value, (str, ShardSize)) or (isinstance(value, int) and not isinstance(value, bool))
+    if kind is str:
+        return isinstance(value, (str, os.PathLike))
+    return isinstance(value, kind)
+
+
+def _describe(kind: Any) -> str:
+    origin = get_origin(kind)
+    if origin in (Union, types.UnionType):
+        names = [_describe(k) for k in get_args(kind) if k is not type(None)]
+        return " or ".join(names) + (" or null" if type(None) in get_args(kind) else "")
+    if origin is Literal:
+        return "one of " + ", ".join(get_args(kind))
+    if origin is list:
+        return f"a list of {_describe(get_args(kind)[0])}"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+            ShardSize: "a pack count or a size like 512MB"}.get(kind, getattr(kind, "__name__", str(kind)))
+
+
+def check_types(values: Mapping[str, Any], where: str = "") -> None:
+    """Every value of ``values`` has its key's type (:data:`KEYS`); else a :class:`ConfigError` naming the key
+    (and ``where`` it was given, e.g. the config file)."""
+    kinds = _key_types()
+    for key, value in values.items():
+        if key in kinds and not _fits(value, kinds[key]):
+            raise ConfigError(f"{where}{key} must be {_describe(kinds[key])}, not {value!r}")
+    workers = values.get("workers")
+    if isinstance(workers, int) and not isinstance(workers, bool) and workers < 1:
+        raise ConfigError(f"{where}workers must be at least 1 (leave it unset for one per core), not {workers}")
 
 
 def defaults() -> dict[str, Any]:
@@ -79,10 +148,17 @@ def read(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} holds a {type(data).__name__}, not a mapping of settings")
+    spelled: dict[str, str] = {}
+    for k in data:
+        name = str(k).replace("-", "_")
+        if name in spelled:
+            raise ConfigError(f"config file {path}: {spelled[name]!r} and {k!r} are the same setting; give it once")
+        spelled[name] = str(k)
     data = {str(k).replace("-", "_"): v for k, v in data.items()}
     unknown = sorted(set(data) - set(KEYS))
     if unknown:
         raise ConfigError(f"config file {path}: unknown setting {unknown[0]!r} (see `packtool pack --help`)")
+    check_types(data, f"config file {path}: ")
     for key in PATH_KEYS:
         value = data.get(key)
         if isinstance(value, str) and is_remote(value):
@@ -113,6 +189,7 @@ def merge(config: Mapping[str, Any] | None, explicit: Mapping[str, Any]) -> tupl
     unknown = sorted(set(explicit) - set(KEYS))
     if unknown:
         raise ConfigError(f"unknown setting {unknown[0]!r}")
+    check_types(explicit)
     values = defaults()
     values.update(config or {})
     values.update(explicit)

@@ -47,6 +47,10 @@ class OutputError(PacktoolError):
     """OUTPUT cannot be written as asked: settings differ, another run holds it, it overlaps SOURCE, I/O failed."""
 
 
+class StoreError(PacktoolError):
+    """An object store refused a request (a missing bucket, access denied, out of reach)."""
+
+
 class FormatError(PacktoolError, ValueError):
     """A packed dataset does not follow the format (missing or malformed member or metadata file)."""
 

@@ -86,6 +86,28 @@ def resolved(loc: str | os.PathLike[str] | ObjectPath) -> Path:
     return p if is_remote(p) else p.resolve()
 
 
+def object_store_error(exc: BaseException) -> str | None:
+    """A one-line message for an error an object store answered (a missing bucket, access denied, a store out
+    of reach: botocore's and multi-storage-client's own exception types), else None."""
+    module = type(exc).__module__ or ""
+    if not module.startswith(("botocore", "boto3", "multistorageclient", "s3transfer")):
+        return None
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"object store: {text}"
+
+
+def physical(loc: ObjectPath) -> tuple[str, str, PurePosixPath] | None:
+    """Where an object-store location lies whatever profile names it: the provider kind, its endpoint, and the
+    bucket-and-key path (the profile's base path joined with the key); None when the profile does not say."""
+    try:
+        provider = loc.client._config.storage_provider
+        base = str(provider._base_path or "")
+        kind, endpoint = str(provider._provider_name), str(getattr(provider, "_endpoint_url", "") or "")
+    except (AttributeError, TypeError):
+        return None
+    return kind, endpoint, PurePosixPath("/", base, loc.key)
+
+
 @cache
 def _client(profile: str) -> Any:
     try:

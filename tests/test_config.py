@@ -116,3 +116,32 @@ def test_model_id_from_the_local_hub_cache(demo_dir, tmp_path):
         assert resolve_model("Acme/Tiny-VL") == (repo / "snapshots" / "abc123").resolve()
     finally:
         del os.environ["HF_HUB_CACHE"]
+
+
+def test_config_values_are_type_checked(tmp_path):
+    import pytest
+
+    from packtool.errors import ConfigError
+
+    conf = tmp_path / "c.yaml"
+    for text, needle in (("overwrite: 'false'\n", "overwrite must be true or false, not 'false'"),
+                         ("dry_run: 'no'\n", "dry_run must be true or false, not 'no'"),
+                         ("strict: 1\n", "strict must be true or false, not 1"),
+                         ("workers: -3\n", "workers must be at least 1"),
+                         ("workers: 0\n", "workers must be at least 1"),
+                         ("pack_size: '4096'\n", "pack_size must be an integer, not '4096'"),
+                         ("max_error_rate: [1]\n", "max_error_rate must be a number"),
+                         ("algorithm: {a: 1}\n", "algorithm must be one of auto"),
+                         ("split: [1]\n", "split must be"),
+                         ("pack_size: 4096\npack-size: 2048\n", "'pack_size' and 'pack-size' are the same setting")):
+        conf.write_text(text)
+        with pytest.raises(ConfigError) as info:
+            cfg.read(conf)
+        assert needle in str(info.value) and str(conf) in str(info.value), (text, info.value)
+    conf.write_text("overwrite: true\ndry_run: false\nworkers: 2\nshard_size: 100\nsplit: val\nmax_error_rate: 0\n")
+    assert cfg.read(conf)["overwrite"] is True  # the control: right types pass
+    with pytest.raises(ConfigError, match="workers must be at least 1"):
+        cfg.merge(None, {"workers": -3})
+    conf.write_text("overwrite: 'false'\n")
+    line = one_error(run("pack", "x", tmp_path / "o", "--config", conf))
+    assert "overwrite must be true or false" in line and str(conf) in line

@@ -14,6 +14,7 @@ from packtool.build.encoder import Encoder
 from packtool.build.pipeline import pack
 from packtool.families.fixed import FixedCount
 from packtool.families.qwen2_vl import Qwen2VL
+from packtool.families.qwen3_vl import Qwen3VL
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from test_encode import png, raw
 
@@ -182,8 +183,9 @@ def _qwen3_vl_folders(demo_dir, tmp_path) -> dict[str, Path]:
 def test_a_qwen3_vl_folder_is_refused_by_the_qwen2_vl_rule_and_counted_by_its_processor(demo_dir, tmp_path):
     """Qwen3-VL ships Qwen2-VL's image processor under its own processor and video processor: its video tokens
     follow other rules, so the Qwen2-VL rule refuses the folder in one line naming the processor mode, in both
-    layouts; the processor mode counts its tokens as transformers' ``Qwen3VLProcessor`` does. The control: the same
-    folder under Qwen2.5-VL's names is taken by the Qwen2-VL rule."""
+    layouts (the Qwen3-VL family, detected first, takes it); the processor mode counts its tokens as transformers'
+    ``Qwen3VLProcessor`` does. The control: the same folder under Qwen2.5-VL's names is taken by the Qwen2-VL
+    rule."""
     import io
 
     import pytest
@@ -198,7 +200,8 @@ def test_a_qwen3_vl_folder_is_refused_by_the_qwen2_vl_rule_and_counted_by_its_pr
                   "img0.png": png(320, 200)})
     for layout, folder in _qwen3_vl_folders(demo_dir, tmp_path).items():
         with pytest.raises(ConfigError, match=r"no Qwen2-VL or Qwen2\.5-VL one.*--media-tokens processor"):
-            Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048))
+            Qwen2VL.detect(folder, EncodeSettings(tokenizer=str(folder), pack_size=2048))
+        assert isinstance(Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048)).family, Qwen3VL), layout
         enc = Encoder(EncodeSettings(tokenizer=str(folder), pack_size=2048, media_tokens="processor"))
         assert isinstance(enc.family, ProcessorMode), layout
         e = enc.encode_many([sample])[0]

@@ -323,3 +323,56 @@ def test_killed_after_encoding_then_a_source_object_changed_packs_the_new_object
     assert cli("-m", "packtool.cli", *pack_args(case, source, out)).returncode == 0
     pack(local, tmp_path / "clean", settings, workers=1, progress=False)
     assert without_manifest(store.digest("out/killed-edited")) == without_manifest(local_digest(tmp_path / "clean"))
+
+
+def test_store_errors_json_sources_deleted_packs_and_profiles_sharing_a_bucket(case, tmp_path, monkeypatch):
+    """A missing bucket is one line; a JSON source packs into the store with a local staging (and without one is
+    one line); a pack object deleted from a finished output is written again by a rerun; an OUTPUT inside the
+    SOURCE through another profile of the same bucket is refused."""
+    import copy
+
+    import yaml
+
+    store, data, source, settings, _ = case
+    config = yaml.safe_load(store.config.read_text())
+    profile = config["profiles"][store.profile]
+    missing = copy.deepcopy(profile)
+    missing["storage_provider"]["options"]["base_path"] = "no-such-bucket"
+    inner = copy.deepcopy(profile)  # the same bucket, its base path the datasets folder
+    inner["storage_provider"]["options"]["base_path"] = f"{objstore.BUCKET}/datasets"
+    config["profiles"].update({"missing": missing, "inner": inner})
+    (tmp_path / "msc.yaml").write_text(yaml.safe_dump(config))
+    monkeypatch.setenv("MSC_CONFIG", str(tmp_path / "msc.yaml"))
+
+    def one_line(p: subprocess.CompletedProcess, needle: str) -> None:
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+        assert p.stderr.strip().count("\n") == 0 and needle in p.stderr, p.stderr
+
+    one_line(cli("-m", "packtool", *pack_args(case, source, "msc://missing/out")), "NoSuchBucket")
+    one_line(cli("-m", "packtool", *pack_args(case, "msc://missing/data", str(tmp_path / "o"))), "NoSuchBucket")
+    import packtool
+    from packtool.errors import StoreError
+
+    with pytest.raises(StoreError, match="NoSuchBucket"):  # the Python entry point: a PacktoolError too
+        packtool.pack(source, "msc://missing/out", tokenizer=settings.encode.tokenizer, pack_size=2048, workers=1,
+                      progress=False)
+    one_line(cli("-m", "packtool", *pack_args(case, source, "msc://inner/demo/packed")), "overlaps the source")
+    control = cli("-m", "packtool", *pack_args(case, source, "msc://inner/elsewhere/packed"))
+    assert control.returncode == 0, control.stderr[-3000:]  # the same profile, outside the source: fine
+
+    conversations = tmp_path / "chat.jsonl"
+    conversations.write_text("\n".join(json.dumps({"conversations": [
+        {"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "an answer"}]}) for i in range(5)))
+    out = store.url("out/from-json")
+    one_line(cli("-m", "packtool", *pack_args(case, str(conversations), out)), "give --staging DIR")
+    staged = cli("-m", "packtool", *pack_args(case, str(conversations), out), "--staging", str(tmp_path / "stg"))
+    assert staged.returncode == 0 and "wrote" in staged.stdout, staged.stderr[-3000:]
+
+    out = store.url("out/deleted")
+    pack(source, out, settings, workers=1, progress=False)
+    before = store.digest("out/deleted")
+    shard = storage.ObjectPath(f"{out}/train/pack-000001.tar")
+    shard.unlink()
+    again = cli("-m", "packtool", *pack_args(case, source, out))
+    assert again.returncode == 0 and "wrote" in again.stdout, again.stderr[-3000:]
+    assert shard.exists() and store.digest("out/deleted") == before

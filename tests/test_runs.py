@@ -47,6 +47,41 @@ def src(tmp_path) -> Path:
     return dataset(tmp_path / "src", {"shards/a.tar": [sample(i) for i in range(6)]})
 
 
+def _snapshot(out: Path) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and ".packtool" not in p.parts}
+
+
+def test_a_damaged_encode_store_is_encoded_again_and_overwrite_keeps_the_output_until_it_can_write(tok, src,
+                                                                                                  tmp_path):
+    from packtool.format import Manifest
+
+    out = tmp_path / "out"
+    assert run(*pack_args(src, out, tok)).exit_code == 0
+    finished = _snapshot(out)
+    store = next((out / ".packtool/encode").glob("*/*/*"))
+    # a deleted part of the encode store: a rerun with --overwrite encodes that range again and writes
+    for seed, part in enumerate(("tokens.npy", "samples.parquet"), 1):
+        (store / part).unlink()
+        again = run(*pack_args(src, out, tok, "--overwrite", "--seed", str(seed)))
+        assert again.exit_code == 0, again.output
+        assert (store / part).exists() and Manifest.read(out).seed == seed
+    # a part cut short: the same
+    (store / "targets.npy").write_bytes((store / "targets.npy").read_bytes()[:-3])
+    again = run(*pack_args(src, out, tok, "--overwrite"))
+    assert again.exit_code == 0, again.output
+    assert _snapshot(out) == finished  # the original settings again: the same bytes
+    # a pack shard deleted from the finished output: the rerun writes it again, the same bytes
+    shard = next(out.glob("train/pack-*.tar"))
+    shard.unlink()
+    assert run(*pack_args(src, out, tok)).exit_code == 0 and _snapshot(out) == finished
+    # a run that fails after encoding (every sample dropped) leaves the finished output as it was
+    failed = run(*pack_args(src, out, tok, "--overwrite", "--overlong", "drop"), "--pack-size", "8")
+    assert failed.exit_code == 2 and "pack_size 8" in failed.output, failed.output
+    assert _snapshot(out) == finished
+    assert run(*pack_args(src, out, tok)).exit_code == 0 and _snapshot(out) == finished  # still finished
+
+
 # -- 1. --overwrite only removes what packtool wrote -------------------------------------------------------------
 def test_overwrite_never_empties_a_folder_packtool_did_not_make(tok, src, tmp_path):
     out = tmp_path / "f"
@@ -190,12 +225,53 @@ def test_failures_in_a_row_stop_the_run(tok, tmp_path):
     long = [(f"l{i:03d}", {"json": b'{"conversations": [{"from": "human", "value": "'
                            + b"word " * (3000 + i) + b'"}, {"from": "gpt", "value": "ok"}]}'}) for i in range(12)]
     src = dataset(tmp_path / "src", {"shards/a.tar": [sample(0), *long, sample(1)]})
-    args = pack_args(src, tmp_path / "o", tok, "--overlong", "drop", "--max-drop-rate", "1")
+    args = pack_args(src, tmp_path / "o", tok, "--overlong", "drop", "--max-drop-rate", "0.5")
     result = run(*args, "--max-failures-in-a-row", "10")
     assert result.exit_code == 3 and "stopped early: 10 samples in a row of shards/a.tar failed" in result.output, \
         result.output
     assert "l000 to l009" in result.output
-    assert run(*args, "--max-failures-in-a-row", "13").exit_code == 0  # control: 12 in a row only
+    assert "10 dropped already exceed max_drop_rate 50.00%" in result.output, result.output
+    late = run(*args, "--max-failures-in-a-row", "13")  # control: 12 in a row only, failed at the end
+    assert late.exit_code == 3 and "stopped early" not in late.output and "dropped rate" in late.output, late.output
+    # 12 in a row, but within a drop limit of 90 %: the run is never stopped early (it passes its limit)
+    assert run(*pack_args(src, tmp_path / "p", tok, "--overlong", "drop", "--max-drop-rate", "0.9"),
+               "--max-failures-in-a-row", "10").exit_code == 0
+
+
+def _watch_stops(statuses: list[tuple[str, str]], total: int | None, **rates: float) -> int | None:
+    """Feed a failure watch these ``(status, reason)`` samples in chunks of 64; the sample it stops at, or None."""
+    from packtool.build.encoder import Encoded
+    from packtool.build.store import FailureLimits, _FailureWatch
+    from packtool.errors import LimitError
+
+    limits = FailureLimits(100, 20, total, tuple({"error": 0.01, "dropped": 0.05, **rates}.items()))
+    watch = _FailureWatch(limits, "shards/a.tar")
+    samples = [Encoded(f"k{i}", "shards/a.tar", i, status, reason) for i, (status, reason) in enumerate(statuses)]
+    for start in range(0, len(samples), 64):
+        try:
+            watch.see(samples[start:start + 64])
+        except LimitError as exc:
+            assert "stopped early" in str(exc)
+            return watch.statuses.total()
+    return None
+
+
+def test_early_stop_only_when_the_run_is_certain_to_exceed_its_limit():
+    ok = ("packed", "")
+    empty = ("dropped", "no training targets: the reply is empty")
+    # 25 empty replies in 5,000 samples (0.5 %, the drop limit is 5 %): 20 with one reason never stop the run
+    assert _watch_stops([empty if i % 200 == 0 else ok for i in range(5000)], 5000) is None
+    # 110 too long in a row in 3,000 (3.7 %): within the limit, no stop
+    long = ("dropped", "longer than the pack")
+    assert _watch_stops([long] * 110 + [ok] * 2890, 3000) is None
+    # the first 200 all failing for one reason: systematic and past the 1 % error limit of 5,000 (50) -> stops
+    broken = ("error", "no rule for video in this model folder")
+    assert _watch_stops([broken] * 200 + [ok] * 4800, 5000) == 51
+    # the same drops past the limit of a smaller run stop as soon as they exceed it (150 of 3,000)
+    assert _watch_stops([long] * 200 + [ok] * 2800, 3000) == 151
+    # a total unknown: never stops; failures that are not systematic (scattered, each reason once) never stop
+    assert _watch_stops([broken] * 200, None) is None
+    assert _watch_stops([("error", f"bad sample {i}") if i % 2 else ok for i in range(400)], 400) is None
 
 
 def test_limit_settings_are_checked():
@@ -217,6 +293,52 @@ def test_stats_of_a_file_that_is_no_ledger_and_of_an_unknown_algorithm_are_one_l
     assert run(*pack_args(src, out, tok)).exit_code == 0
     refused(run("stats", out, "--compare", "bfd,nosuchalgo"), "unknown algorithm 'nosuchalgo'")
     assert run("stats", out, "--compare", "bfd").exit_code == 0  # control
+
+
+def test_stats_on_a_garbage_manifest_and_a_cut_tokenizer_json_are_one_line(tok, src, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    assert run(*pack_args(src, out, tok)).exit_code == 0
+    manifest = out / ".nv-meta/packtool.json"
+    good = manifest.read_text()
+    for text, needle in (("garbage{", "unreadable manifest"), ("[1, 2]", "manifest must be a mapping"),
+                         ('{"settings": 3}', "its settings are a int"),
+                         ('{"settings": {"pack_size": "x"}}', "its pack_size is 'x'")):
+        manifest.write_text(text)
+        refused(run("stats", out), str(manifest), needle)
+    manifest.write_text(good)
+    assert run("stats", out).exit_code == 0  # the control
+    # a hub snapshot whose tokenizer.json was cut short (an interrupted download)
+    snapshot = tmp_path / "hub/models--Acme--Cut/snapshots/abc"
+    shutil.copytree(tok, snapshot)
+    data = (snapshot / "tokenizer.json").read_bytes()
+    (snapshot / "tokenizer.json").write_bytes(data[:len(data) // 2])
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    args = pack_args(src, tmp_path / "o2", tok)
+    args[args.index("--tokenizer") + 1] = "Acme/Cut"
+    refused(run(*args), "tokenizer.json is not valid JSON", "download cut short")
+    (snapshot / "tokenizer.json").write_bytes(data)
+    assert run(*args).exit_code == 0  # the control: the whole file packs
+
+
+def test_pack_with_workers_at_a_scripts_module_level_runs_once(tok, src, tmp_path):
+    """The README's example as a script without ``if __name__ == "__main__":``: the workers do not run the script
+    again (spawn would import it in each), so the run packs once and says so once."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "my_pack.py"
+    script.write_text(f"""import packtool
+print("script started", flush=True)
+summary = packtool.pack({str(src)!r}, {str(tmp_path / 'out')!r}, tokenizer={str(tok)!r}, pack_size=2048,
+                        workers=2, progress=False)
+print("packs", summary.splits["train"].packs, flush=True)
+""")
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("script started") == 1 and p.stdout.count("packs ") == 1, p.stdout
+    assert (tmp_path / "out/.nv-meta/packtool.json").exists()
 
 
 def test_a_shard_listed_twice_or_in_two_splits_is_refused(tok, tmp_path):

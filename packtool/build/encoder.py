@@ -118,11 +118,30 @@ def check_tokenizer_dir(tokenizer_dir: str | Path) -> None:
         raise ConfigError(f"tokenizer folder {d} " + ("is not a folder" if d.exists() else "does not exist"))
     if not (d / "tokenizer.json").exists():
         raise ConfigError(f"tokenizer folder {d} has no tokenizer.json (a fast tokenizer is required)")
-    has_template = (d / "chat_template.jinja").exists() or (d / "chat_template.json").exists()
-    if not has_template and (d / "tokenizer_config.json").exists():
-        has_template = "chat_template" in json.loads((d / "tokenizer_config.json").read_text())
+    read = {name: _json_file(d / name) for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.json",
+                                                     "preprocessor_config.json", "processor_config.json",
+                                                     "video_preprocessor_config.json")
+            if (d / name).exists()}
+    has_template = (d / "chat_template.jinja").exists() or "chat_template.json" in read
+    if not has_template and "tokenizer_config.json" in read:
+        has_template = "chat_template" in read["tokenizer_config.json"]
     if not has_template:
         raise ConfigError(f"tokenizer folder {d} has no chat template (chat_template.jinja)")
+
+
+def _json_file(path: Path) -> dict:
+    """A model folder's JSON file, which must hold an object; a one-line :class:`ConfigError` for a file that is
+    cut short (an interrupted download) or is not JSON."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{path} is not valid JSON ({str(exc).splitlines()[0]}): a download cut short? fetch "
+                          f"the model folder again") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def _processor_template(tokenizer_dir: str | Path) -> str | None:

@@ -60,11 +60,14 @@ class Engine:
 
     ``initializer(*initargs)`` runs once in every process that runs tasks (each pool worker, each Ray worker
     before its first task of this engine, this process when inline): the place to load what every task needs.
+    ``import_main=False``: the pool's workers do not import the caller's ``__main__`` script (spawn runs it again
+    in each, which a script calling packtool at module level cannot survive); then tasks and initializer must be
+    importable by name, never defined in the script.
     """
 
     def __init__(self, kind: EngineKind = "local", workers: int = 1, address: str | None = None,
                  connect_timeout: float = 15.0, *, initializer: Callable[..., None] | None = None,
-                 initargs: tuple = ()) -> None:
+                 initargs: tuple = (), import_main: bool = True) -> None:
         if kind not in ("local", "ray"):
             raise ConfigError(f"unknown engine {kind!r} (local or ray)")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -76,7 +79,7 @@ class Engine:
                 raise ConfigError(f"a cluster address ({address!r}) needs the ray engine")
             split_address(address)
         self.kind, self.workers, self.address, self.connect_timeout = kind, workers, address, connect_timeout
-        self.initializer, self.initargs = initializer, tuple(initargs)
+        self.initializer, self.initargs, self.import_main = initializer, tuple(initargs), import_main
         self._pool: ProcessPoolExecutor | None = None
         self._ray: ModuleType | None = None  # the ray module once connected
         self._owns_ray = False
@@ -89,8 +92,9 @@ class Engine:
         if self.kind == "ray":
             self._connect_ray()
         elif self.workers > 1:
+            context = multiprocessing.get_context("spawn") if self.import_main else _SpawnWithoutMain()
             self._pool = ProcessPoolExecutor(
-                max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"),
+                max_workers=self.workers, mp_context=context,
                 initializer=_worker_init, initargs=(os.getpid(), self.initializer, self.initargs))
             for _ in range(self.workers):  # a spawn pool starts a worker per task submitted while none is idle:
                 self._pool.submit(_started)  # start them all now, so their start-ups (imports, initializer) overlap
@@ -250,6 +254,27 @@ class Engine:
 
 
 # -- worker side -------------------------------------------------------------------------------------------------
+class _SpawnWithoutMainProcess(multiprocessing.context.SpawnProcess):
+    """A spawned worker that does not import the parent's ``__main__``: spawn re-runs the script that started
+    the parent in every worker (as ``__mp_main__``), so a script calling :func:`packtool.pack` at module level,
+    without ``if __name__ == "__main__":``, would start a run in each worker. A pack run's workers run packtool's
+    own functions only, which they import by name."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        main = sys.modules["__main__"]
+        # spawn records the main module's file or name to import in the child; a bare module names neither
+        sys.modules["__main__"] = ModuleType("__main__")
+        try:
+            return multiprocessing.context.SpawnProcess._Popen(process_obj)
+        finally:
+            sys.modules["__main__"] = main
+
+
+class _SpawnWithoutMain(multiprocessing.context.SpawnContext):
+    Process = _SpawnWithoutMainProcess
+
+
 def _worker_init(parent: int, initializer: Callable[..., None] | None, initargs: tuple) -> None:
     """Tie this pool worker's life to its parent's, leave SIGINT to the parent, then run the user's hook."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C hits the whole group: the parent decides

@@ -30,7 +30,7 @@ from packtool.build.store import SourceStamp
 from packtool.commit import commit_bytes, is_temporary, remove_temporaries
 from packtool.errors import OutputError
 from packtool.format import MANIFEST, META, TOKENIZER_DIR, TOKENIZER_FILES
-from packtool.storage import is_remote, location, remove_tree, resolved
+from packtool.storage import ObjectPath, is_remote, location, physical, remove_tree, resolved
 
 #: The work folder inside OUTPUT: lock, stamps, encode store.
 WORK = ".packtool"
@@ -71,6 +71,17 @@ def foreign_files(output: Path) -> list[str]:
     return sorted(found)
 
 
+def _same_store_overlap(source: Path, output: Path) -> bool:
+    """Whether two object-store locations named through different profiles lie in one another (two profiles may
+    share a bucket, one with a base path inside the other's): compared by provider, endpoint, bucket and key."""
+    if not (is_remote(source) and is_remote(output)):
+        return False
+    a, b = physical(cast(ObjectPath, source)), physical(cast(ObjectPath, output))
+    if a is None or b is None or a[:2] != b[:2]:
+        return False
+    return a[2] == b[2] or a[2] in b[2].parents or b[2] in a[2].parents
+
+
 def _named(paths: list[str], limit: int = 3) -> str:
     return ", ".join(paths[:limit]) + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
 
@@ -80,7 +91,8 @@ def check_paths(source: Path, output: Path, model: Path | None = None) -> None:
     that holds the model folder (its copy in the output would be written from files a rerun deletes), or that
     is not a folder."""
     source, output = resolved(source), resolved(output)
-    if output == source or source in output.parents or output in source.parents:
+    if output == source or source in output.parents or output in source.parents or _same_store_overlap(source,
+                                                                                                         output):
         raise OutputError(f"output {output} overlaps the source {source}; choose a folder outside it")
     if model is not None:
         model = resolved(model)
@@ -107,6 +119,8 @@ class OutputDir:
         self.path = location(path)
         self.fingerprints = fingerprints
         self.overwrite = overwrite
+        #: The run replaces a finished (or partly written) output: deleted by :meth:`make_room`.
+        self.replacing = False
         self._lock: IO[str] | None = None
 
     def __enter__(self) -> OutputDir:
@@ -146,19 +160,44 @@ class OutputDir:
         output_changed = previous["output"] not in (None, self.fingerprints["output"])
         encode_committed = any((out / ENCODE).glob("*/*/*/samples.parquet"))
         output_committed = self._output_committed()
-        if ((encode_changed and encode_committed) or (output_changed and output_committed)) and not self.overwrite:
+        # An encode store of other settings beside a finished output of these (a replacing run that failed) is
+        # only stale work.
+        finished = previous["output"] == self.fingerprints["output"] and output_committed
+        if ((encode_changed and encode_committed and not finished) or (output_changed and output_committed)) \
+                and not self.overwrite:
             old = previous["output"] or {"encode": previous["encode"]}
             raise OutputError(f"{out} was packed with other settings "
                               f"({'; '.join(_changes(old, self.fingerprints['output']))})", option="overwrite")
+        if not finished and (encode_changed or output_changed or (self.overwrite and previous["output"] is None)):
+            self._refuse_foreign()  # before any work: a run that cannot replace the output does not start
+            # The finished output stays until the new run has encoded and planned (:meth:`make_room`); until
+            # then ``output.json`` keeps the old stamp, so an interrupted run is still a change of settings.
+            self.replacing = True
         if encode_changed:
-            self._clear(keep_encode=False)
-        elif output_changed or (self.overwrite and previous["output"] is None):
-            self._clear(keep_encode=True)
+            remove_tree(work / "encode")
+            (work / "encode.json").unlink(missing_ok=True)
         remove_temporaries(out)
         for name in ("encode", "output"):
+            if name == "output" and self.replacing:
+                continue
             if previous[name] != self.fingerprints[name] or not (work / f"{name}.json").exists():
                 commit_bytes(work / f"{name}.json", json.dumps(self.fingerprints[name], indent=1,
                                                                sort_keys=True).encode())
+
+    def make_room(self) -> None:
+        """Delete the output this run replaces (when it replaces one): called once the new run has encoded and
+        planned, just before it writes, so a run that fails before then leaves the finished output as it was."""
+        if self.replacing:
+            self._clear(keep_encode=True)
+            commit_bytes(self.path / WORK / "output.json", json.dumps(self.fingerprints["output"], indent=1,
+                                                                       sort_keys=True).encode())
+            self.replacing = False
+
+    def _refuse_foreign(self) -> None:
+        foreign = foreign_files(self.path)
+        if foreign:
+            raise OutputError(f"{self.path} holds files packtool did not write ({_named(foreign)}); move them out "
+                              f"of the output first")
 
     def _output_committed(self) -> bool:
         manifest = _read_json(self.path / MANIFEST)
@@ -169,10 +208,7 @@ class OutputDir:
     def _clear(self, *, keep_encode: bool) -> None:
         """Delete what packtool wrote but the lock we hold (and the encode store when ``keep_encode``); refuse,
         deleting nothing, when OUTPUT holds any other file."""
-        foreign = foreign_files(self.path)
-        if foreign:
-            raise OutputError(f"{self.path} holds files packtool did not write ({_named(foreign)}); move them out "
-                              f"of the output first")
+        self._refuse_foreign()
         for child in self.path.iterdir():
             if child.name == WORK:
                 for inner in child.iterdir():
@@ -184,10 +220,11 @@ class OutputDir:
 
     def clear_output(self) -> None:
         """Drop the written output (shards, ledger, metadata) but keep the encode work: a source shard changed
-        since, so every pack must be planned and written anew."""
+        since, so every pack must be planned and written anew (the old output packs a source that is gone)."""
         self._clear(keep_encode=True)
         commit_bytes(self.path / WORK / "output.json", json.dumps(self.fingerprints["output"], indent=1,
                                                                    sort_keys=True).encode())
+        self.replacing = False
 
     def encode_dir(self, split: str, shard: int, part: int) -> Path:
         """Encode store of range ``part`` of source shard number ``shard`` of ``split``."""

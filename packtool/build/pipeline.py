@@ -41,6 +41,7 @@ from packtool.errors import ConfigError, FormatError
 from packtool.format import (
     FORMAT_VERSION,
     MANIFEST,
+    META,
     TOKENIZER_DIR,
     TOKENIZER_FILES,
     IndexedRecord,
@@ -129,7 +130,7 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
         stamps = {s: SourceStamp.of(source, s, src.metadata) for shards in src.splits.values() for s in shards}
         if out.drop_stale_encodings(stamps):
             out.clear_output()  # a source shard changed since it was encoded: every plan is stale
-        done = _finished(output, run)
+        done = None if out.replacing else _finished(output, run)
         if done is not None:
             return done
         enc_dirs = _encode(engine, out, src, settings, run, stamps)
@@ -138,6 +139,7 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
         for split, plan in plans.items():
             _check_packable(split, plan, settings)
         clock.lap("plan")
+        out.make_room()  # the output this run replaces goes only now, when its replacement is ready to write
         out_shards = {split: [shard_path(split, k) for k in range(plan.n_shards)] for split, plan in plans.items()}
         indexes = {} if run.dry_run else _write(engine, source, output, settings, run, plans, out_shards, enc_dirs,
                                                 stamps)
@@ -171,10 +173,25 @@ def _finished(output: Path, run: RunOptions) -> PackResult | None:
     if not path.exists():
         return None
     manifest = Manifest.read(output)
+    if _missing(output, manifest):  # a file of the output deleted since: the run writes it again
+        return None
     if run.dry_run or not manifest.dry_run:
         return PackResult(output, manifest.counts, manifest.packs, over_limits=over_limits(manifest.counts, run))
     path.unlink()
     return None
+
+
+def _missing(output: Path, manifest: Manifest) -> list[str]:
+    """The files a finished output must hold that are not there (relative to ``output``): the ledger, and unless
+    a dry run made it, every pack shard with its index and Energon's split and dataset files."""
+    need = ["ledger.parquet"]
+    if not manifest.dry_run:
+        need += [f"{META}/split.yaml", f"{META}/dataset.yaml"]
+        need += [name for shards in manifest.splits.values() for s in shards for name in (s, f"{s}.idx")]
+    if is_remote(output):  # one listing instead of a request per file
+        present = {f.relative_to(output).as_posix() for f in output.files()}  # type: ignore[attr-defined]
+        return [n for n in need if n not in present]
+    return [n for n in need if not (output / n).is_file()]
 
 
 def _encode(engine: Engine, out: OutputDir, src: SourceDataset, settings: PackSettings, run: RunOptions,
@@ -186,7 +203,12 @@ def _encode(engine: Engine, out: OutputDir, src: SourceDataset, settings: PackSe
     tasks: list[EncodeTask] = []
     names: list[str] = []
     enc_dirs: dict[str, list[Path]] = {split: [] for split in src.splits}
-    limits = FailureLimits(run.max_failures_in_a_row, run.max_same_failures)
+    # An upper bound of the run's samples (a lost tail adds an error row per shard), so stopping early on it is
+    # certain to fail a rate limit.
+    total = sum(max(len(layout.starts), src.shard_counts.get(shard) or 0) + 1
+                for (_, _, shard), layout in zip(shards, layouts))
+    limits = FailureLimits(run.max_failures_in_a_row, run.max_same_failures, total,
+                           tuple((status, limit) for status, limit in run.limits().items() if status != "truncated"))
     for (split, i, shard), layout in zip(shards, layouts):
         for k, span in enumerate(layout.ranges(SAMPLES_PER_RANGE, BYTES_PER_RANGE)):
             store = out.encode_dir(split, i, k)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from packtool.build.item import dumps_media
@@ -32,7 +33,7 @@ from packtool.commit import commit_path
 from packtool.errors import LimitError, SourceError
 from packtool.format import KEPT, STATUSES, npy_bytes
 from packtool.settings import EncodeSettings
-from packtool.storage import ObjectPath, file_version, location, open_read, read_parquet
+from packtool.storage import ObjectPath, file_version, location, open_read, parquet_file, read_parquet
 
 if TYPE_CHECKING:
     from packtool.build.encoder import Encoded
@@ -79,11 +80,40 @@ def range_stamp(stamp: SourceStamp, span: SampleRange) -> dict:
 
 
 def is_current(folder: Path, stamp: SourceStamp, span: SampleRange) -> bool:
-    """Whether ``folder`` holds a committed encoding of this range of the shard as ``stamp`` describes it now."""
+    """Whether ``folder`` holds a committed encoding of this range of the shard as ``stamp`` describes it now,
+    whole (:func:`is_whole`: a part deleted or damaged since makes the range be encoded again)."""
     try:
-        return json.loads((location(folder) / "source.json").read_text()) == range_stamp(stamp, span)
+        if json.loads((location(folder) / "source.json").read_text()) != range_stamp(stamp, span):
+            return False
     except (OSError, ValueError):
         return False
+    return is_whole(folder)
+
+
+def is_whole(folder: Path) -> bool:
+    """Whether every part of a range's store is there and agrees with its ``samples.parquet``: the facts have as
+    many rows, ``tokens.npy`` and ``targets.npy`` as many elements as the kept rows' tokens and exactly the bytes
+    their headers promise."""
+    folder = location(folder)
+    try:
+        rows = read_parquet(folder / "samples.parquet", columns=["status", "tokens"])
+        if parquet_file(folder / SOURCE_FACTS).metadata.num_rows != rows.num_rows:
+            return False
+        kept = pc.is_in(rows.column("status"), value_set=pa.array(list(KEPT)))
+        tokens = int(pc.sum(pc.if_else(kept, rows.column("tokens"), 0)).as_py() or 0)
+        for name in ("tokens.npy", "targets.npy"):
+            with open_read(folder / name, readahead=4096) as f:
+                version = np.lib.format.read_magic(f)
+                read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                    np.lib.format.read_array_header_2_0
+                shape, _, dtype = read_header(f)
+                start = f.tell()
+                size = f.seek(0, os.SEEK_END)
+            if shape != (tokens,) or size != start + tokens * dtype.itemsize:
+                return False
+    except Exception:  # a part missing, cut short or not what it should be: any reader's error
+        return False
+    return True
 
 
 #: A range's facts of every sample before any cut, row for row with ``samples.parquet`` (first target token,
@@ -99,13 +129,29 @@ BYTES_PER_RANGE = 32 << 20
 
 @dataclass(frozen=True)
 class FailureLimits:
-    """When an encode task stops the run: a failure (error or dropped) that is systematic (a setting, the model
-    folder, the data's layout) would only repeat over the rest of the run. 0 turns a rule off."""
+    """When an encode task stops the run: only when its failures (error or dropped) are systematic (a setting, the
+    model folder, the data's layout: a long streak, or one reason again and again) and already certain to fail
+    the run's rate limit, i.e. this range alone holds more samples of one status than its limit allows of the
+    whole run. A run within its limits never stops early; without a known ``total`` nothing stops early. 0 turns
+    a rule off."""
 
     #: This many failed samples in a row.
     in_a_row: int = 100
     #: This many failed samples with the very same reason (a reason that names no property of one sample).
     same_reason: int = 20
+    #: At least as many samples as the run has (an upper bound); None: unknown, the run never stops early.
+    total: int | None = None
+    #: Ledger status -> the largest fraction of the run's samples it may have (:meth:`RunOptions.limits`).
+    rates: tuple[tuple[str, float], ...] = ()
+
+    def certain(self, counts: Counter[str]) -> tuple[str, int, float] | None:
+        """``(status, count, limit)`` of a status whose ``counts`` already exceed its limit of the whole run."""
+        if self.total is None:
+            return None
+        for status, limit in self.rates:
+            if counts[status] > limit * self.total:
+                return status, counts[status], limit
+        return None
 
 
 class _FailureWatch:
@@ -113,6 +159,9 @@ class _FailureWatch:
         self.limits, self.shard = limits, shard
         self.streak: list[str] = []
         self.reasons: Counter[str] = Counter()
+        self.statuses: Counter[str] = Counter()
+        #: Why the failures are systematic, once they are (the first rule they met).
+        self.systematic: str | None = None
 
     def see(self, encoded: list[Encoded]) -> None:
         for e in encoded:
@@ -120,16 +169,27 @@ class _FailureWatch:
                 self.streak = []
                 continue
             self.streak.append(e.key)
-            self.reasons[stable_reason(e.reason)] += 1
+            reason = stable_reason(e.reason)
+            self.reasons[reason] += 1
+            self.statuses[e.status] += 1
             n, same = self.limits.in_a_row, self.limits.same_reason
-            if n and len(self.streak) >= n:
-                raise LimitError(f"stopped early: {n} samples in a row of {self.shard} failed ({self.streak[0]} to "
-                                 f"{e.key}; the last: {e.status}, {e.reason}); fix the cause or raise "
-                                 f"max_failures_in_a_row (0: never stop)")
-            if same and self.reasons[e.reason] >= same:
-                raise LimitError(f"stopped early: {same} samples of {self.shard} failed for the same reason (the "
-                                 f"last {e.key}: {e.status}, {e.reason}); fix the cause or raise max_same_failures "
-                                 f"(0: never stop)")
+            if self.systematic is None and n and len(self.streak) >= n:
+                self.systematic = (f"{n} samples in a row of {self.shard} failed ({self.streak[0]} to {e.key}; the "
+                                   f"last: {e.status}, {e.reason}); fix the cause or raise max_failures_in_a_row "
+                                   f"(0: never stop)")
+            if self.systematic is None and same and self.reasons[reason] >= same:
+                self.systematic = (f"{same} samples of {self.shard} failed for the same reason (the last {e.key}: "
+                                   f"{e.status}, {e.reason}); fix the cause or raise max_same_failures (0: never "
+                                   f"stop)")
+            over = self.limits.certain(self.statuses) if self.systematic is not None else None
+            if over is not None:
+                status, count, limit = over
+                raise LimitError(f"stopped early: {self.systematic}; {count} {status} already exceed max_"
+                                 f"{_RATE_NAME[status]}_rate {limit:.2%} of the run's {self.limits.total} samples "
+                                 f"at most")
+
+
+_RATE_NAME = {"error": "error", "dropped": "drop", "truncated": "truncate"}
 
 
 @dataclass(frozen=True)

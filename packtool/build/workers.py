@@ -17,7 +17,7 @@ def pack_engine(source: str | Path, settings: EncodeSettings, run: RunOptions) -
     """The engine for packing ``source`` with these settings (not yet entered): every worker builds its encoder
     as it starts (:func:`warm`)."""
     return Engine(run.engine, run.workers, run.ray_address, initializer=warm,
-                  initargs=(settings, str(resolved(source))))
+                  initargs=(settings, str(resolved(source))), import_main=False)
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ from packtool.families.nemotron_nemo_rl import NemoRLNemotronOmni  # noqa: F401 
 from packtool.families.nemotron_omni import NemotronOmni
 from packtool.families.processor import ProcessorMode
 from packtool.families.qwen2_vl import Qwen2VL
+from packtool.families.qwen3_vl import Qwen3VL
 
 if TYPE_CHECKING:
     from packtool.settings import EncodeSettings
@@ -65,6 +66,7 @@ __all__ = ["CONVENTIONS", "FAMILIES", "TRANSFORMERS", "Convention", "Family", "I
 #: The families a model folder is matched against, in order (the first whose ``detect`` says yes).
 FAMILIES: tuple[type[Family], ...] = (
     NemotronOmni,
+    Qwen3VL,
     FixedCount,
     Qwen2VL,
     NoMedia,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections import Counter
 from pathlib import Path
@@ -14,7 +13,7 @@ import pyarrow.compute as pc
 
 from packtool.build.ledger import read_ledger
 from packtool.errors import FormatError
-from packtool.format import MANIFEST, STATUSES, aligned_lengths, pack_numbers
+from packtool.format import MANIFEST, STATUSES, aligned_lengths, pack_numbers, read_mapping
 from packtool.storage import location
 
 #: The ledger columns the report reads (keys and shards are never needed: they are most of its bytes).
@@ -42,18 +41,27 @@ def _ledger(path: Path, columns: list[str]) -> pa.Table:
 
 
 def _manifest(path: Path) -> dict:
+    """The manifest beside the ledger (empty when there is none); a one-line :class:`FormatError` when it is not
+    a manifest (not JSON, not a mapping)."""
     folder = path if path.is_dir() else path.parent
     m = folder / MANIFEST
-    return json.loads(m.read_text()) if m.exists() else {}
+    return read_mapping(m, "manifest") if m.exists() else {}
 
 
 def _settings(path: Path, pack_size: int | None = None) -> dict:
-    s = dict(_manifest(path).get("settings", {}))
+    folder = path if path.is_dir() else path.parent
+    recorded = _manifest(path).get("settings", {})
+    if not isinstance(recorded, dict):
+        raise FormatError(f"{folder / MANIFEST}: its settings are a {type(recorded).__name__}, not a mapping")
+    s = dict(recorded)
     if pack_size is not None:
         s["pack_size"] = pack_size
     if not s.get("pack_size"):
         raise FormatError(f"{path}: no manifest beside the ledger to take the pack size from; give pack_size")
     s.setdefault("align", 1)
+    for key in ("pack_size", "align"):
+        if isinstance(s[key], bool) or not isinstance(s[key], int) or s[key] < 1:
+            raise FormatError(f"{folder / MANIFEST}: its {key} is {s[key]!r}, not a positive integer")
     return s
 
 

@@ -462,6 +462,9 @@ def _stage(src: FileSource, root: Path, record_file: Path, log: Callable[[str], 
 
 def default_staging(output: str | Path) -> Path:
     """Where a file source is staged unless told: beside OUTPUT, as ``<OUTPUT>.source``."""
+    if is_remote(output):
+        raise SourceError(f"a JSON/Parquet source is staged on local disk: with an object-store output ({output}) "
+                          f"give --staging DIR, a local folder")
     output = Path(output).resolve()
     return output.with_name(output.name + ".source")
 
