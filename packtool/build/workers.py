@@ -15,9 +15,14 @@ from packtool.storage import fetched, resolved
 
 def pack_engine(source: str | Path, settings: EncodeSettings, run: RunOptions) -> Engine:
     """The engine for packing ``source`` with these settings (not yet entered): every worker builds its encoder
-    as it starts (:func:`warm`)."""
+    as it starts (:func:`warm`). Local workers divide this machine's cores among their video decoders
+    (each decoder starting a thread per core made two workers barely faster than one); Ray workers, on machines
+    this one cannot see, leave it to FFmpeg."""
+    from packtool.media.video import decoder_threads_for
+
+    threads = decoder_threads_for(run.workers) if run.engine == "local" else 0
     return Engine(run.engine, run.workers, run.ray_address, initializer=warm,
-                  initargs=(settings, str(resolved(source))), import_main=False)
+                  initargs=(settings, str(resolved(source)), threads), import_main=False)
 
 
 @dataclass(frozen=True)
