@@ -30,6 +30,7 @@ from packtool.settings import (
     PlanSettings,
     Preset,
     RunOptions,
+    ThinkingTraceFormat,
     choices,
     default,
 )
@@ -177,6 +178,10 @@ def pack(
                                     help=", ".join(choices(AudioCount)) + ": audio tokens of --preset "
                                          "megatron-bridge-nemotron-omni from the features' valid length "
                                          "(Megatron-Bridge main) or frame count (0.6.2)."),
+    thinking_trace_format: str = typer.Option(default(E, "thinking_trace_format"),
+                                              help=", ".join(choices(ThinkingTraceFormat)) + ": a reply's thinking "
+                                                   "trace under --preset nemo-rl-nemotron-omni, as NeMo-RL's "
+                                                   "thinking_trace_format renders it."),
     workers: int | None = typer.Option(None, help="Worker processes (default: all cores)."),
     engine: str = typer.Option(default(R, "engine"), help="local or ray."),
     ray_address: str | None = typer.Option(None, help="Ray cluster address host:port (with --engine ray)."),

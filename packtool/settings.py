@@ -43,6 +43,8 @@ ImageResize = Literal["processor", "qwen_vl_utils"]
 #: Audio token count of ``--preset megatron-bridge-nemotron-omni``: from the features' valid length (Megatron-Bridge
 #: main) or their frame count (0.6.2).
 AudioCount = Literal["valid", "frames"]
+#: How ``--preset nemo-rl-nemotron-omni`` renders a reply's thinking trace (NeMo-RL's ``thinking_trace_format``).
+ThinkingTraceFormat = Literal["normalized", "ultra"]
 
 #: The encode settings each preset sets: those of its convention (:mod:`packtool.families.conventions`).
 PRESETS: dict[str, dict[str, Any]] = {name: c.settings() for name, c in CONVENTIONS.items()}
@@ -254,6 +256,10 @@ class EncodeSettings:
     #: from the Parakeet features' valid length (``valid``, Megatron-Bridge main) or their frame count, one more
     #: (``frames``, Megatron-Bridge 0.6.2).
     audio_count: AudioCount = "valid"
+    #: With ``--preset nemo-rl-nemotron-omni``: NeMo-RL's ``thinking_trace_format``: ``normalized`` renders a trace
+    #: ``<think>\n…\n</think>\n`` before the answer, ``ultra`` (its Nemotron Omni recipe) ``<think>\n…</think>``
+    #: with the answer right after.
+    thinking_trace_format: ThinkingTraceFormat = "normalized"
     #: A named set of the settings above (:data:`PRESETS`): it fills those still at their default, and any of them
     #: given a different value is an error, so the recorded preset always means what it says.
     preset: Preset | None = None
@@ -271,6 +277,9 @@ class EncodeSettings:
         _check_choice(self.audio_count, AudioCount, "audio_count")
         if self.audio_count != "valid" and self.preset != "megatron-bridge-nemotron-omni":
             raise ConfigError("audio_count applies to --preset megatron-bridge-nemotron-omni only")
+        _check_choice(self.thinking_trace_format, ThinkingTraceFormat, "thinking_trace_format")
+        if self.thinking_trace_format != "normalized" and self.preset != "nemo-rl-nemotron-omni":
+            raise ConfigError("thinking_trace_format applies to --preset nemo-rl-nemotron-omni only")
         for name in ("min_pixels", "max_pixels", "image_tokens", "max_images", "max_image_tokens", "video_frames",
                      "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels",
                      "sample_max_images", "sample_max_visual_tokens", "video_keep_frames"):
@@ -323,7 +332,7 @@ class EncodeSettings:
 #: Encode settings added after the manifest's fields were fixed: recorded (manifest, stamps) only when they differ
 #: from their default, so an output made without them keeps its bytes and its stamps.
 RECORDED_WHEN_SET = ("image_resize", "sample_max_images", "sample_max_visual_tokens", "video_keep_frames",
-                     "audio_count")
+                     "audio_count", "thinking_trace_format")
 
 
 def _recorded(encode: EncodeSettings) -> dict[str, Any]:

@@ -58,6 +58,32 @@ def test_a_convention_is_a_value_the_family_takes(demo_dir):
     assert plain.family.convention == families.TRANSFORMERS
 
 
+def test_each_presets_overlong_rule_is_its_trainers(demo_dir):
+    """A sample longer than a pack: Megatron-Bridge's Qwen-VL encoder raises and Energon skips it, NeMo-RL's Qwen
+    path trains nothing of it (a loss-0 stub): their presets drop it; the Nemotron presets keep truncating (their
+    trainers cut it). A conflicting explicit --overlong is refused in one line; the default truncates (control)."""
+    import pytest
+
+    from packtool import config as cfg
+    from packtool.errors import ConfigError
+    from packtool.settings import PRESETS
+
+    long = raw({"json": {"conversations": [{"from": "human", "value": "Why?"},
+                                           {"from": "gpt", "value": "word " * 3000}]}})
+    tok = str(demo_dir / "tokenizer")
+    for preset in ("megatron-bridge-qwen-vl", "nemo-rl-qwen-vl"):
+        settings = EncodeSettings(tokenizer=tok, pack_size=2048, preset=preset)
+        assert settings.overlong == "drop"
+        assert Encoder(settings).encode_many([long])[0].status == "dropped"
+        values, given = cfg.merge(None, {"source": "s", "output": "o", "tokenizer": tok, "pack_size": 2048,
+                                         "preset": preset, "overlong": "truncate"})
+        with pytest.raises(ConfigError, match="sets overlong to 'drop'"):
+            cfg.build(values, given)
+    for preset in ("megatron-bridge-nemotron-omni", "nemo-rl-nemotron-omni"):
+        assert "overlong" not in PRESETS[preset]
+    assert Encoder(EncodeSettings(tokenizer=tok, pack_size=2048)).encode_many([long])[0].status == "truncated"
+
+
 def test_a_folder_written_by_save_pretrained_packs_like_the_hub_layout(demo_dir, tmp_path):
     """The installed transformers' ``save_pretrained`` nests the image settings in ``processor_config.json`` (no
     ``preprocessor_config.json``): that folder packs the demo's val split byte for byte like the hub layout it

@@ -12,15 +12,20 @@ import importlib.util
 import io
 import json
 import math
+import os
 import subprocess
 import sys
+import types
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_savable_loader, get_val_dataset
+from megatron.energon import Cooker, DefaultTaskEncoder, WorkerConfig, get_savable_loader, get_val_dataset
 
 import packfixture as fx
 from packtool.errors import FormatError
@@ -66,11 +71,13 @@ def nemo_rl_encoder_kwargs(*, max_sequence_length: int, tokenizer=None, packer=N
             **(options or {})}
 
 
-def reference_packed_batch(packs: list[list[tuple[list[int], list[int]]]], multiple: int, pad_id: int) -> dict:
+def reference_packed_batch(packs: list[list[tuple[list[int], list[int]]]], multiple: int, pad_id: int,
+                           capacity: int | None = None) -> dict:
     """``prepare_packed_sft_batch`` (``multimodal/packing.py``) with ``pack_selected_samples``' padded lengths and
     ``batched_message_log_to_flat_message``'s right padding, for samples given as (token ids, token loss mask): each
     sample's first token loses its loss, each sample is padded with the pad id to ``ceil(cost / multiple) *
-    multiple``, rows are padded to the longest; ``cu_seqlens`` sums real lengths, ``cu_seqlens_padded`` padded."""
+    multiple``, rows are padded to the longest; ``cu_seqlens`` sums real lengths, ``cu_seqlens_padded`` padded. With
+    ``capacity`` (NeMo-RL's current ``generic_sft``), each pack's last sample is padded on to the capacity."""
     rows, masks, real, padded = [], [], [], []
     for pack in packs:
         ids, mask, lengths, widths = [], [], [], []
@@ -78,6 +85,8 @@ def reference_packed_batch(packs: list[list[tuple[list[int], list[int]]]], multi
             loss = list(loss)
             loss[0] = 0
             width = math.ceil(len(tokens) / multiple) * multiple
+            if capacity is not None and len(widths) == len(pack) - 1:  # the last sample takes the pack's tail
+                width = capacity - sum(widths)
             ids += list(tokens) + [pad_id] * (width - len(tokens))
             mask += loss + [0] * (width - len(tokens))
             lengths.append(len(tokens))
@@ -103,6 +112,61 @@ def nemotron_image_inputs(image, patch_sizes: tuple[int, int], patch_dim: int = 
     mean = torch.tensor([0.48145466, 0.4578275, 0.40821073])[:, None, None]
     std = torch.tensor([0.26862954, 0.26130258, 0.27577711])[:, None, None]
     return (pixels - mean) / std, (height, width)
+
+
+class StandInSFTTaskEncoder(DefaultTaskEncoder, ABC):
+    """NeMo-RL's ``BaseSFTTaskEncoder`` (``multimodal/task_encoders/base.py``) as CI holds it: Energon's default
+    task encoder with keyword-only cooker functions and the four abstract steps (pre-encode, post-encode, batch,
+    encode_batch). Energon itself asserts that pre-encode and ``encode_sample`` are not both overridden."""
+
+    sample_schema: ClassVar[str]
+
+    def __init__(self, *, cooker_functions) -> None:
+        super().__init__()
+        self.cookers = tuple(c if isinstance(c, Cooker) else Cooker(c) for c in cooker_functions)
+
+    @abstractmethod
+    def preencode_sample(self, sample): ...
+
+    @abstractmethod
+    def postencode_sample(self, sample): ...
+
+    @abstractmethod
+    def batch(self, samples): ...
+
+    @abstractmethod
+    def encode_batch(self, batch): ...
+
+
+def load_encoder_module(label: str, monkeypatch) -> types.ModuleType:
+    """The encoder file executed afresh as its own module (it picks its base class at import)."""
+    spec = importlib.util.spec_from_file_location(f"_packtool_encoder_{label}", nemo_rl.encoder_file())
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def stand_in_module(monkeypatch) -> Iterator[types.ModuleType]:
+    """The encoder file loaded where ``nemo_rl``'s base module is the stand-in (and nothing else of NeMo-RL is)."""
+    names = ["nemo_rl", "nemo_rl.data", "nemo_rl.data.energon", "nemo_rl.data.energon.multimodal",
+             "nemo_rl.data.energon.multimodal.task_encoders"]
+    for name in names:
+        package = types.ModuleType(name)
+        package.__path__ = []  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, name, package)
+    base = types.ModuleType("nemo_rl.data.energon.multimodal.task_encoders.base")
+    base.BaseSFTTaskEncoder = StandInSFTTaskEncoder  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, base.__name__, base)
+    yield load_encoder_module("stand_in", monkeypatch)
+
+
+def loader_batches(path: Path, encoder, batch_size: int = 2, split: str = "val") -> list:
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    return list(get_savable_loader(get_val_dataset(path, split_part=split, worker_config=wc, batch_size=batch_size,
+                                                   task_encoder=encoder)))
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------
@@ -167,12 +231,13 @@ def test_packs_become_nemo_rl_packed_batches(nemo_rl_packed):
     samples = samples_of(nemo_rl_packed)
     pad = load_manifest(nemo_rl_packed)["pad_token_id"]
     seen = set()
-    for multiple, batch_size in ((None, 1), (8, 2)):
-        for batch in nemo_rl_loader(nemo_rl_packed, batch_size, sequence_multiple=multiple):
+    for multiple, batch_size, layout in ((None, 1, "samples"), (8, 2, "samples"), (None, 2, "capacity")):
+        for batch in nemo_rl_loader(nemo_rl_packed, batch_size, sequence_multiple=multiple, pack_layout=layout):
             packs = [[samples[k] for k in keys] for keys in batch["source_ids"]]
-            want = reference_packed_batch(packs, multiple or 16, pad)
+            want = reference_packed_batch(packs, multiple or 16, pad, capacity=2048 if layout == "capacity" else None)
             assert_batch_equal(batch, want)
-            assert all(int(p[-1]) <= 2048 for p in batch["cu_seqlens_padded"])
+            ends = [int(p[-1]) for p in batch["cu_seqlens_padded"]]
+            assert all(e <= 2048 for e in ends) and (layout == "samples" or set(ends) == {2048})
             seen.update(k for keys in batch["source_ids"] for k in keys)
             if multiple is None:
                 assert all((p % 16 == 0).all() for p in batch["cu_seqlens_padded"])
@@ -185,7 +250,7 @@ def test_control_pack_tail_padding_is_not_nemo_rl_layout(nemo_rl_packed):
     samples = samples_of(nemo_rl_packed)
     pad = load_manifest(nemo_rl_packed)["pad_token_id"]
     differs = 0
-    for batch in nemo_rl_loader(nemo_rl_packed, 1):
+    for batch in nemo_rl_loader(nemo_rl_packed, 1, pack_layout="samples"):
         pack = [samples[k] for k in batch["source_ids"][0]]
         tail = reference_packed_batch([[(sum((t for t, _ in pack), []), sum((m for _, m in pack), []))]], 16, pad)
         differs += not torch.equal(tail["input_ids"], batch["input_ids"])
@@ -199,7 +264,7 @@ def test_qwen_media_are_the_processors(nemo_rl_packed):
     from packtool.runtime.read import read_packs
 
     by_key = {b["pack_key"]: b for b in read_packs(nemo_rl_packed, split="val")}
-    with_images = 0
+    with_images = image_only = 0
     for batch in nemo_rl_loader(nemo_rl_packed, 1):
         reader = next(b for b in by_key.values() if b["keys"] == batch["source_ids"][0])
         if batch.get("image_grid_thw") is None or batch["image_grid_thw"][0] is None:
@@ -208,7 +273,10 @@ def test_qwen_media_are_the_processors(nemo_rl_packed):
         with_images += 1
         (grid,), (pixels,) = batch["image_grid_thw"][0], batch["pixel_values"][0]  # one segment per pack
         assert torch.equal(grid, reader["image_grid_thw"]) and torch.equal(pixels, reader["pixel_values"])
-    assert with_images > 0
+        if int(reader["video_grid_thw"].shape[0]) == 0:  # an image-only pack carries no (empty) video keys
+            image_only += 1
+            assert all(batch.get(k) is None for k in ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"))
+    assert with_images > 0 and image_only > 0
 
 
 def test_encoder_refuses_what_cannot_hold(nemo_rl_packed, tmp_path):
@@ -224,6 +292,99 @@ def test_encoder_refuses_what_cannot_hold(nemo_rl_packed, tmp_path):
         wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
         next(iter(get_savable_loader(get_val_dataset(nemo_rl_packed, split_part="val", worker_config=wc,
                                                      batch_size=1, task_encoder=encoder))))
+
+
+def test_encoder_holds_nemo_rls_base_contract(stand_in_module, nemo_rl_packed):
+    """Against the stand-in of NeMo-RL's base: the encoder instantiates with ``_task_encoder``'s keyword arguments
+    (all abstract steps implemented), passes Energon's pre/post-encode assertion, and gives the batches it gives on
+    Energon's default base."""
+    cls = stand_in_module.PacktoolSFTTaskEncoder
+    assert issubclass(cls, StandInSFTTaskEncoder) and not cls.__abstractmethods__
+    kwargs = nemo_rl_encoder_kwargs(max_sequence_length=2048)
+    encoder = cls(**kwargs)
+    assert [c.cook.__name__ for c in encoder.cookers] == ["cook_packtool_pack"]
+    got = loader_batches(nemo_rl_packed, encoder)
+    want = loader_batches(nemo_rl_packed, loaded_encoder_class()(**nemo_rl_encoder_kwargs(max_sequence_length=2048)))
+    assert len(got) == len(want) > 0
+    for a, b in zip(got, want):
+        assert a["source_ids"] == b["source_ids"]
+        assert_batch_equal(a, {k: v for k, v in b.items() if isinstance(v, torch.Tensor)})
+
+
+def test_control_the_stand_in_holds_nemo_rls_contract(stand_in_module, nemo_rl_packed):
+    """Controls: the stand-in refuses what NeMo-RL's base refuses, so the test above can fail: an encoder without
+    post-encode cannot be made; one that also overrides encode_sample (packtool's earlier encoder) fails Energon's
+    assertion when the loader is built."""
+    cls = stand_in_module.PacktoolSFTTaskEncoder
+    kwargs = nemo_rl_encoder_kwargs(max_sequence_length=2048)
+
+    class NoPost(StandInSFTTaskEncoder):
+        def preencode_sample(self, sample):
+            return sample
+
+        def batch(self, samples):
+            return samples
+
+        def encode_batch(self, batch):
+            return batch
+
+    with pytest.raises(TypeError, match="abstract"):
+        NoPost(cooker_functions=[])
+
+    class AlsoEncodeSample(cls):
+        def encode_sample(self, sample):
+            return self.preencode_sample(sample)
+
+    with pytest.raises(AssertionError, match="pre- and post-encode"):
+        loader_batches(nemo_rl_packed, AlsoEncodeSample(**kwargs))
+
+
+def test_encoder_loader_state_resumes(nemo_rl_packed):
+    """The loader's saved state restores the same next batches (the encoder's steps are stateless)."""
+    cls = loaded_encoder_class()
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+
+    def loader():
+        encoder = cls(**nemo_rl_encoder_kwargs(max_sequence_length=2048))
+        return get_savable_loader(get_val_dataset(nemo_rl_packed, split_part="val", worker_config=wc, batch_size=1,
+                                                  task_encoder=encoder))
+
+    first = loader()
+    it = iter(first)
+    next(it)
+    state = first.save_state_rank()
+    rest = [b["source_ids"] for b in it]
+    again = loader()
+    again.restore_state_rank(state)
+    assert rest and [b["source_ids"] for b in again] == rest
+
+
+@pytest.mark.skipif(not os.environ.get("PACKTOOL_NEMO_RL_SRC"),
+                    reason="set PACKTOOL_NEMO_RL_SRC to a folder holding NeMo-RL's nemo_rl package")
+def test_nemo_rls_own_registry_builds_the_encoder(nemo_rl_packed, monkeypatch):
+    """NeMo-RL's own code (its registry, model families and BaseSFTTaskEncoder from PACKTOOL_NEMO_RL_SRC) resolves
+    the file-backed encoder and cooker the overlays configure, as ``_task_encoder`` does, and the encoder it builds
+    gives batches through Energon's loader."""
+    monkeypatch.syspath_prepend(os.environ["PACKTOOL_NEMO_RL_SRC"])
+    for name in [n for n in sys.modules if n == "nemo_rl" or n.startswith(("nemo_rl.", "_nemo_rl_energon_component_"))]:
+        monkeypatch.delitem(sys.modules, name)  # NeMo-RL's own modules, and the encoder file loaded on its base
+    from nemo_rl.data.energon.multimodal import registry
+    from nemo_rl.data.energon.multimodal.task_encoders.base import BaseSFTTaskEncoder
+
+    cooker = registry.COOKER_REGISTRY.resolve_configured_for_model_family(
+        name=None, python_file=nemo_rl.encoder_file(), object_name="cook_packtool_pack", model_family="nemotron")
+    cls = registry.TASK_ENCODER_REGISTRY.resolve_configured_for_model_family(
+        name=None, python_file=nemo_rl.encoder_file(), object_name="PacktoolSFTTaskEncoder", model_family="qwen")
+    assert issubclass(cls, BaseSFTTaskEncoder) and not cls.__abstractmethods__
+    kwargs = nemo_rl_encoder_kwargs(max_sequence_length=2048)
+    kwargs["cooker_functions"] = [Cooker(cooker, has_subflavors={"packtool": 1})]
+    batches = loader_batches(nemo_rl_packed, cls(**kwargs))
+    samples, pad = samples_of(nemo_rl_packed), load_manifest(nemo_rl_packed)["pad_token_id"]
+    assert batches
+    for batch in batches:
+        want = reference_packed_batch([[samples[k] for k in keys] for keys in batch["source_ids"]], 16, pad,
+                                      capacity=2048)
+        assert_batch_equal(batch, want)
 
 
 def test_alignment_must_be_a_multiple_of_the_recipes():
@@ -388,16 +549,18 @@ def test_qwen_preset_with_images_equals_nemo_rls(demo_dir):
 MM_MARKER = "\ue000"
 
 
-def nemo_rl_reply(text: str) -> str:
+def nemo_rl_reply(text: str, ultra: bool = False) -> str:
     """``_normalize_assistant_thinking`` (``nemotron_visual.py``), prompt format nemotron6-moe, trace format
-    normalized."""
+    normalized (``ultra``: ``_clean_thinking_trace`` without the newline before ``</think>``, and the answer right
+    after it)."""
     if "<think>" not in text and "</think>" not in text:
         return "<think></think>" + text.strip()
     inner = text[text.index("<think>") + 7:text.index("</think>")].strip()
-    text = text[:text.index("<think>")] + (f"<think>\n{inner}\n</think>" if inner else "<think></think>") + \
+    close = "</think>" if ultra else "\n</think>"
+    text = text[:text.index("<think>")] + (f"<think>\n{inner}{close}" if inner else "<think></think>") + \
         text[text.index("</think>") + 8:]
     head, tail = text.split("</think>")
-    return head + "</think>\n" + tail.lstrip()
+    return head + ("</think>" if ultra else "</think>\n") + tail.lstrip()
 
 
 def nemo_rl_image_grids(sizes, available: int, *, min_patches=1024, max_patches=13312, patch=16, video_target=1024):
@@ -504,7 +667,7 @@ def nemo_rl_audio_clips(samples: int, rate: int, target: int = 16000, hop: int =
     return per, frames, tokens
 
 
-def nemo_rl_nemotron_sample(tok, messages: list[dict], sizes, max_len: int, audio=(), videos=()):
+def nemo_rl_nemotron_sample(tok, messages: list[dict], sizes, max_len: int, audio=(), videos=(), ultra=False):
     """NeMo-RL's nemotron_multimodal (``NemotronMultiModalProcessorAdapter.preencode`` and ``postencode``): replies
     normalised; each image part rendered ``<img>`` + marker + ``</img>``, each video part as ``_video_prompt`` with
     one marker per pair of frames (``videos``: (width, height, seconds of its frames)); the chat template's text
@@ -519,7 +682,7 @@ def nemo_rl_nemotron_sample(tok, messages: list[dict], sizes, max_len: int, audi
     for m in messages:
         text = m["content"]
         if m["role"] == "assistant":
-            text = nemo_rl_reply(text)
+            text = nemo_rl_reply(text, ultra)
         text = text.replace("<audio>", "<so_start><so_embedding><so_end>")
         out = ""
         for piece in re.split("(<image>|<video>)", text):
@@ -657,6 +820,42 @@ def test_nemotron_preset_equals_nemo_rls_images_audio_and_replies(nemotron_folde
     assert budget_bound >= 3  # the text-dependent, shared budget changed grids, not only the replies
 
 
+def test_nemotron_preset_thinking_trace_format(nemotron_folder, tmp_path):
+    """``--thinking-trace-format ultra`` renders replies as NeMo-RL's ``ultra`` (``...</think>Yes``); normalized is the
+    control that differs; the setting is refused off the preset; the encoder refuses a recipe value other than the
+    packs'."""
+    from packtool.build.encoder import Encoder
+    from packtool.errors import ConfigError
+    from packtool.settings import EncodeSettings
+
+    turns = [{"role": "user", "content": "Is it?"}, {"role": "assistant", "content": "<think>\nhmm\n</think>\nYes"}]
+    raw = raw_sample("t", turns, [])
+    settings = dict(tokenizer=str(nemotron_folder), pack_size=4096, preset="nemo-rl-nemotron-omni")
+    ultra = Encoder(EncodeSettings(**settings, thinking_trace_format="ultra")).encode_many([raw])[0]
+    normal = Encoder(EncodeSettings(**settings)).encode_many([raw])[0]
+    enc = Encoder(EncodeSettings(**settings))
+    want_ultra, _, _ = nemo_rl_nemotron_sample(enc.tok, turns, [], 4096, ultra=True)
+    want_normal, _, _ = nemo_rl_nemotron_sample(enc.tok, turns, [], 4096)
+    assert ultra.tokens.tolist() == want_ultra and normal.tokens.tolist() == want_normal
+    assert want_ultra != want_normal and "</think>Yes" in enc.tok.decode(want_ultra)
+    with pytest.raises(ConfigError, match="thinking_trace_format"):
+        EncodeSettings(tokenizer=str(nemotron_folder), pack_size=4096, thinking_trace_format="ultra")
+    with pytest.raises(ConfigError, match="thinking_trace_format"):
+        EncodeSettings(**settings, thinking_trace_format="compact")  # type: ignore[arg-type]
+    manifest = {"settings": {"preset": "nemo-rl-nemotron-omni", "thinking_trace_format": "ultra"}}
+    nemo_rl.check_thinking_trace_format(manifest, "ultra")
+    nemo_rl.check_thinking_trace_format(manifest, None)
+    with pytest.raises(FormatError, match="--thinking-trace-format normalized"):
+        nemo_rl.check_thinking_trace_format(manifest, "normalized")
+    with pytest.raises(FormatError, match="--thinking-trace-format ultra"):
+        nemo_rl.check_thinking_trace_format({"settings": {"preset": "nemo-rl-nemotron-omni"}}, "ultra")
+    with pytest.raises(FormatError, match="without --preset"):
+        nemo_rl.check_thinking_trace_format({"settings": {}}, "normalized")
+    with pytest.raises(ValueError, match="prompt_format"):
+        loaded_encoder_class()(**nemo_rl_encoder_kwargs(max_sequence_length=2048,
+                                                        options={"prompt_format": "nemotron5"}))
+
+
 def test_nemotron_preset_refuses_what_it_cannot_do_yet(nemotron_folder, demo_dir):
     from packtool.build.encoder import Encoder
     from packtool.errors import ConfigError
@@ -704,15 +903,17 @@ def test_nemotron_preset_pack_verify_and_batch(nemotron_folder, tmp_path):
         waves += [samples[key][f"{i}.wav"] for i in range(len(audio))]
     mf.write_source(tmp_path / "src", samples)
     settings = PackSettings(EncodeSettings(tokenizer=str(nemotron_folder), pack_size=4096, align=16,
-                                           preset="nemo-rl-nemotron-omni"), PlanSettings(shard_size="8"))
+                                           preset="nemo-rl-nemotron-omni", thinking_trace_format="ultra"),
+                            PlanSettings(shard_size="8"))
     pack(tmp_path / "src", tmp_path / "out", settings, workers=1, progress=False)
-    assert verify_output(tmp_path / "out", source=tmp_path / "src") == []
+    assert verify_output(tmp_path / "out", source=tmp_path / "src") == []  # re-derived with the recorded format
 
     from transformers import AutoProcessor
 
     from packtool.runtime.nemotron import nemotron_processors
 
     manifest = load_manifest(tmp_path / "out")
+    assert manifest["settings"]["thinking_trace_format"] == "ultra"
     processors = nemotron_processors(manifest, tmp_path / "out" / ".nv-meta" / "tokenizer")
     extractor = AutoProcessor.from_pretrained(nemotron_folder).feature_extractor  # what NeMo-RL's adapter holds
     checked = heard = 0
@@ -736,7 +937,9 @@ def test_nemotron_preset_pack_verify_and_batch(nemotron_folder, tmp_path):
     rows = {row.pack_key: row for row in (
         nemo_rl.nemo_rl_row({**m, "__key__": k}, manifest, image_processor=processors)
         for shard in sorted((tmp_path / "out" / "train").glob("*.tar")) for k, m in scan_records(shard))}
-    for batch in nemo_rl_loader(tmp_path / "out", 1, split="train"):
+    with pytest.raises(Exception, match="thinking_trace_format 'normalized'"):  # the recipe's value must be the packs'
+        next(iter(nemo_rl_loader(tmp_path / "out", 1, split="train", thinking_trace_format="normalized")))
+    for batch in nemo_rl_loader(tmp_path / "out", 1, split="train", thinking_trace_format="ultra"):
         row = next(r for r in rows.values() if r.keys == batch["source_ids"][0])
         for key, segments in row.media.items():
             assert all(torch.equal(a, b) for a, b in zip(batch[key][0], segments)), key
@@ -886,3 +1089,40 @@ def test_nemotron_preset_video_pack_verify_and_batch(nemotron_folder, tmp_path):
     path.write_text(json.dumps(data))
     problems = verify_output(tmp_path / "out")
     assert sum("video rule gives" in p for p in problems) == 4, problems[:3]
+
+
+def test_transparent_palette_and_cmyk_images_read_as_the_trainers_decoder(demo_dir, tmp_path):
+    """Under a trainer preset the reader feeds its processor each image as the trainer's Energon decoder (pilrgb)
+    gives it, ``convert("RGB")``: alpha dropped without compositing, palette and CMYK converted by PIL. Control: the
+    same images handed over as stored (the processor composites alpha onto white) give other pixel values."""
+    from PIL import Image
+
+    import mediafixture as mf
+    from packtool.build.pipeline import pack
+    from packtool.runtime.read import processor_for_output, read_packs
+    from packtool.settings import EncodeSettings, PackSettings, PlanSettings
+
+    rng = np.random.default_rng(0)
+    rgba = Image.fromarray(rng.integers(0, 256, (64, 96, 4), dtype=np.uint8), "RGBA")
+    palette = Image.fromarray(rng.integers(0, 256, (80, 56, 3), dtype=np.uint8)).convert("P")
+    palette.info["transparency"] = 0
+    cmyk = Image.fromarray(rng.integers(0, 256, (72, 72, 4), dtype=np.uint8), "CMYK")
+
+    def encoded(image, fmt):
+        buf = io.BytesIO()
+        image.save(buf, format=fmt)
+        return buf.getvalue()
+
+    members = {"0.png": encoded(rgba, "PNG"), "1.png": encoded(palette, "PNG"), "2.jpg": encoded(cmyk, "JPEG")}
+    turns = [{"role": "user", "content": "<image><image><image>What?"}, {"role": "assistant", "content": "Noise."}]
+    mf.write_source(tmp_path / "src", {"s0": {"json": json.dumps({"messages": turns}).encode(), **members}})
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=4096,
+                                           preset="nemo-rl-qwen-vl"), PlanSettings())
+    pack(tmp_path / "src", tmp_path / "out", settings, workers=1, progress=False)
+    (batch,) = list(read_packs(tmp_path / "out", split="train"))
+    proc = processor_for_output(tmp_path / "out", load_manifest(tmp_path / "out"))
+    stored = [Image.open(io.BytesIO(members[name])) for name in sorted(members)]
+    want = proc(images=[im.convert("RGB") for im in stored], return_tensors="pt")["pixel_values"]
+    assert torch.allclose(batch["pixel_values"], want.float(), atol=1e-6)
+    control = proc(images=stored, return_tensors="pt")["pixel_values"]
+    assert not torch.allclose(batch["pixel_values"], control.float(), atol=1e-3)

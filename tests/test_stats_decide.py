@@ -108,7 +108,8 @@ def test_reasons_are_grouped_without_mangling_words():
 def _chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found is None:
-        pytest.skip("chromium is not installed (make test installs it with apt-get)")
+        pytest.skip("chromium is not installed (`make browser` installs it system-wide with apt-get; make test "
+                    "does not)")
     return found
 
 

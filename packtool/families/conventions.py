@@ -66,12 +66,17 @@ class Convention:
     unsupported: str | None = None
     #: The family the convention is for (its ``name``; None: any).
     family: str | None = None
+    #: The trainer's Energon decoder (``pilrgb``) hands images over as ``convert("RGB")`` gives them: alpha dropped
+    #: without compositing, palette and CMYK converted by PIL; the reader feeds its processor the same.
+    rgb_decode: bool = False
+    #: How a reply's thinking trace is rendered (NeMo-RL's ``thinking_trace_format``; its Nemotron convention only).
+    thinking_trace_format: str = "normalized"
 
     def settings(self) -> dict[str, Any]:
         """The encode settings this convention sets (those that differ from the default convention)."""
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name not in ("name", "unsupported", "family", "untagged_note", "video_file_note",
-                                  "no_context_parallel", "chatml_audio")
+                                  "no_context_parallel", "chatml_audio", "rgb_decode")
                 and getattr(self, f.name) != getattr(TRANSFORMERS, f.name)}
 
     @classmethod
@@ -83,7 +88,8 @@ class Convention:
                        max_pixels=settings.max_pixels, image_resize=settings.image_resize,
                        sample_max_images=settings.sample_max_images,
                        sample_max_visual_tokens=settings.sample_max_visual_tokens,
-                       video_keep_frames=settings.video_keep_frames, overlong=settings.overlong)
+                       video_keep_frames=settings.video_keep_frames, overlong=settings.overlong,
+                       thinking_trace_format=settings.thinking_trace_format)
 
     # -- what the encoder asks of it ------------------------------------------------------------------------------
     def turn_text(self, text: str, role: str = "user") -> str:
@@ -128,9 +134,16 @@ class NemoRLNemotron(Convention):
         if role != "assistant":
             return text
         try:
-            return assistant_text(text)
+            return assistant_text(text, ultra=self.thinking_trace_format == "ultra")
         except ValueError as exc:
             raise SampleError(str(exc)) from None
+
+
+def trainer_image(image, convention: Convention):
+    """An image as the convention's trainer hands it to its processor: ``image.convert("RGB")`` where its Energon
+    decoder is ``pilrgb`` (:attr:`Convention.rgb_decode`), else unchanged (the processor composites alpha onto
+    white)."""
+    return image.convert("RGB") if convention.rgb_decode else image
 
 
 def media_first(text: str) -> str:
@@ -152,7 +165,7 @@ CONVENTIONS: dict[str, Convention] = {
     # end-of-turn token is a target), media first, its two-step image resize (qwen_vl_utils' ``fetch_image``,
     # then the processor with its pixel bounds) and its per-sample limits (``max_num_images`` 10,
     # ``max_visual_tokens`` 16,384); an over-long sample makes its encoder raise, and Energon skips it (dropped here).
-    "megatron-bridge-qwen-vl": Convention("megatron-bridge-qwen-vl", target_newline_after_eot=True,
+    "megatron-bridge-qwen-vl": Convention("megatron-bridge-qwen-vl", target_newline_after_eot=True, rgb_decode=True,
                                           media_first=True, min_pixels=200_704, max_pixels=1_003_520,
                                           image_resize="qwen_vl_utils", sample_max_images=10,
                                           sample_max_visual_tokens=16_384, video_keep_frames=60,
@@ -166,7 +179,7 @@ CONVENTIONS: dict[str, Convention] = {
                                                               "use CP 1)"),
     # NeMo-RL's Qwen2.5-VL path (generic_sft + hf_multimodal): whole assistant messages are targets; an over-long
     # sample becomes a stub with loss weight 0, which trains on nothing (dropped here).
-    "nemo-rl-qwen-vl": NemoRLChat("nemo-rl-qwen-vl", target_newline_after_eot=True, overlong="drop"),
-    NEMO_RL_NEMOTRON: NemoRLNemotron(NEMO_RL_NEMOTRON, family=NEMOTRON_FAMILY),
+    "nemo-rl-qwen-vl": NemoRLChat("nemo-rl-qwen-vl", target_newline_after_eot=True, overlong="drop", rgb_decode=True),
+    NEMO_RL_NEMOTRON: NemoRLNemotron(NEMO_RL_NEMOTRON, family=NEMOTRON_FAMILY, rgb_decode=True),
     # Megatron-Bridge's Nemotron Omni Energon path: packtool.families.nemotron_mbridge adds it.
 }

@@ -19,7 +19,8 @@ They differ from transformers' processor, which packtool follows by default:
   convolutions (:func:`audio_plan`). The batch carries each clip's mel features and valid frames
   (``sound_clips``, ``sound_length``).
 * Replies: a reply without a thinking trace starts with an empty ``<think></think>``; a trace is normalised to
-  ``<think>\\n…\\n</think>\\n`` (:func:`assistant_text`).
+  ``<think>\\n…\\n</think>\\n``, or under ``thinking_trace_format: ultra`` ``<think>\\n…</think>`` and the answer right
+  after (:func:`assistant_text`).
 """
 
 from __future__ import annotations
@@ -223,18 +224,20 @@ _TRACE = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 _AFTER_TRACE = re.compile(r"</think>\s*")
 
 
-def assistant_text(text: str) -> str:
+def assistant_text(text: str, *, ultra: bool = False) -> str:
     """A reply as NeMo-RL's ``nemotron6-moe`` renders it: ``<think></think>`` before a reply without a trace (the
-    reply stripped), a trace's content stripped inside ``<think>\\n…\\n</think>`` and one newline after it;
-    ``ValueError`` unless the reply has no ``<think>`` tags or exactly one pair in order."""
+    reply stripped), a trace's content stripped inside ``<think>\\n…\\n</think>`` and one newline after it
+    (``thinking_trace_format: normalized``), or with ``ultra`` inside ``<think>\\n…</think>`` and the answer right
+    after it; ``ValueError`` unless the reply has no ``<think>`` tags or exactly one pair in order."""
     opened, closed = text.count("<think>"), text.count("</think>")
     if opened == closed == 0:
         return "<think></think>" + text.strip()
     if opened != 1 or closed != 1 or text.find("<think>") > text.find("</think>"):
         raise ValueError("a reply needs exactly one <think>…</think> pair, in order, or none")
+    before_close = "" if ultra else "\n"
 
     def trace(match: re.Match[str]) -> str:
         content = match.group(1).strip()
-        return f"<think>\n{content}\n</think>" if content else "<think></think>"
+        return f"<think>\n{content}{before_close}</think>" if content else "<think></think>"
 
-    return _AFTER_TRACE.sub("</think>\n", _TRACE.sub(trace, text))
+    return _AFTER_TRACE.sub("</think>" if ultra else "</think>\n", _TRACE.sub(trace, text))

@@ -37,7 +37,7 @@ import inspect
 import io
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,9 @@ from packtool.runtime.read import open_pack, open_stored_image, pack_to_batch
 #: transformers processor's own names).
 QWEN_MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 #: Options of NeMo-RL's own SFT encoders (``nemotron_multimodal``'s keyword arguments) that a recipe overlay
-#: inherits: they decide tokens and media at packing time, which packtool did, so they are accepted and not used.
+#: inherits: they decide tokens and media at packing time, which packtool did. ``prompt_format`` must be
+#: ``nemotron6-moe`` and ``thinking_trace_format`` the packs' (:func:`check_thinking_trace_format`); the others are
+#: accepted and not checked.
 RECIPE_OPTIONS = frozenset({
     "packing_sequence_length", "patch_dim", "temporal_patch_size", "prompt_format", "thinking_trace_format",
     "relax_thinking_trace_check", "video_min_num_frames", "video_max_num_frames", "video_default_fps",
@@ -67,6 +69,25 @@ RECIPE_OPTIONS = frozenset({
     "video_aug_scale_resolution_only", "allow_large_videos", "tiling_augment_prob", "video_decode_thread_count",
     "audio_subsampling_factor", "audio_num_mel_bins", "audio_clip_duration_seconds", "min_audio_duration_seconds",
     "max_audio_duration_seconds", "loss_mask_mode"})
+
+
+#: The prompt format packtool's ``nemo-rl-nemotron-omni`` preset renders (NeMo-RL's ``prompt_format``).
+NEMOTRON_PROMPT_FORMAT = "nemotron6-moe"
+
+
+def check_thinking_trace_format(manifest: Mapping, recipe_value: str | None) -> None:
+    """Refuse a recipe's ``thinking_trace_format`` other than the one the packs' replies were rendered with
+    (``--thinking-trace-format`` under ``--preset nemo-rl-nemotron-omni``; ``normalized`` unless recorded)."""
+    if recipe_value is None:
+        return
+    settings = manifest.get("settings", {})
+    if settings.get("preset") != "nemo-rl-nemotron-omni":
+        raise FormatError(f"the recipe sets thinking_trace_format {recipe_value!r}, but the packs were made without "
+                          f"--preset nemo-rl-nemotron-omni, which renders the traces")
+    packed = settings.get("thinking_trace_format", "normalized")
+    if recipe_value != packed:
+        raise FormatError(f"the recipe sets thinking_trace_format {recipe_value!r}, the packs were made with "
+                          f"{packed!r}: pack again with --thinking-trace-format {recipe_value}")
 
 
 @dataclass(frozen=True)
@@ -127,7 +148,12 @@ def _media(members: Mapping[str, Any], record: PackRecord, manifest: Mapping, fa
         return own
     batch = pack_to_batch(members, manifest, pad_to="segments", images=True, image_processor=image_processor,
                           source=source)
-    return {key: [batch[key]] for key in QWEN_MEDIA_KEYS if key in batch}
+    return {key: [batch[key]] for key in QWEN_MEDIA_KEYS if _present(batch.get(key))}
+
+
+def _present(value: Any) -> bool:
+    """A media field the pack has: not missing, not an empty tensor (no empty video keys in an image-only pack)."""
+    return value is not None and (not isinstance(value, torch.Tensor) or value.numel() > 0)
 
 
 def nemotron_inputs(record: PackRecord, manifest: Mapping, where: str,
@@ -271,10 +297,19 @@ def _boundaries(values: list[torch.Tensor]):
     return PackedTensor(values, dim_to_pack=0)
 
 
-def nemo_rl_batch(rows: Sequence[NemoRLRow], pad_token_id: int) -> dict[str, Any]:
-    """NeMo-RL's packed SFT batch of one pack per row (module docstring)."""
+#: How NeMo-RL's ``prepare_packed_sft_batch`` lays a pack out: ``capacity`` (NeMo-RL's current ``generic_sft``, with
+#: ``loss_mask_mode``): the last sample's padding runs to the pack capacity, so every row is the capacity long and
+#: each ``cu_seqlens_padded`` ends at it; ``samples`` (its earlier version): each sample padded to the multiple only.
+PACK_LAYOUTS = ("capacity", "samples")
+
+
+def nemo_rl_batch(rows: Sequence[NemoRLRow], pad_token_id: int, *, capacity: int | None = None) -> dict[str, Any]:
+    """NeMo-RL's packed SFT batch of one pack per row (module docstring); with ``capacity`` each row's last sample
+    is padded to it (the ``capacity`` layout of :data:`PACK_LAYOUTS`)."""
     if not rows:
         raise ValueError("a NeMo-RL batch needs at least one pack")
+    if capacity is not None:
+        rows = [_to_capacity(r, capacity, pad_token_id) for r in rows]
     length = max(len(r.input_ids) for r in rows)
     input_ids = torch.full((len(rows), length), pad_token_id, dtype=torch.int64)
     token_mask = torch.zeros((len(rows), length), dtype=torch.float32)
@@ -301,6 +336,16 @@ def nemo_rl_batch(rows: Sequence[NemoRLRow], pad_token_id: int) -> dict[str, Any
     except ImportError:
         return batch
     return BatchedDataDict(batch)
+
+
+def _to_capacity(row: NemoRLRow, capacity: int, pad_token_id: int) -> NemoRLRow:
+    extra = capacity - len(row.input_ids)
+    if extra < 0:
+        raise FormatError(f"pack {row.pack_key} lays out {len(row.input_ids)} tokens, more than the capacity "
+                          f"{capacity}")
+    return replace(row, input_ids=torch.cat([row.input_ids, torch.full((extra,), pad_token_id, dtype=torch.int64)]),
+                   token_mask=torch.cat([row.token_mask, torch.zeros(extra, dtype=torch.float32)]),
+                   padded=[*row.padded[:-1], row.padded[-1] + extra])
 
 
 # -- the task encoder NeMo-RL loads ------------------------------------------------------------------------------
@@ -348,42 +393,62 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
 
     Options (``task_encoder.options``): ``sequence_multiple`` pads samples to this multiple instead of the pack's
     alignment (set it to the policy's ``make_sequence_length_divisible_by``; the pack's alignment must be a
-    multiple of it); ``images`` (default true) decodes the media. The options of NeMo-RL's own encoders that a
-    recipe overlay inherits (:data:`RECIPE_OPTIONS`) are accepted and not used; any other option is an error.
+    multiple of it); ``images`` (default true) decodes the media; ``pack_layout`` (:data:`PACK_LAYOUTS`, default
+    ``capacity``: NeMo-RL's current batch, every row padded to the capacity, ``max_total_sequence_length``; ``samples``:
+    its earlier one). The options of NeMo-RL's own encoders that a recipe overlay inherits (:data:`RECIPE_OPTIONS`)
+    are accepted and not used (``prompt_format`` and ``thinking_trace_format`` checked); any other is an error.
     """
 
     cookers = [Cooker(cook_packtool_pack, has_subflavors={"packtool": 1})]
     decoder = None  # raw bytes: the packs hold npy/json/original media
+    #: NeMo-RL's packing hooks check a sample schema against the encoder's; packs are never packed again.
+    sample_schema = "packtool_pack"
 
     def __init__(self, *, adapter: Any = None, cooker_functions: Sequence[Any] = (), include_source_ids: bool = True,
                  packer: Any = None, tokenizer: Any = None, sequence_length_pad_multiple: int = 1,
                  only_unmask_final: bool = False, sequence_multiple: int | None = None, images: bool = True,
-                 **recipe_options: Any) -> None:
+                 pack_layout: str = "capacity", **recipe_options: Any) -> None:
+        if packer is not None or recipe_options.get("packing_hooks") is not None:
+            raise ValueError("packtool packs are made offline: remove data.energon.task_encoder.packing")
+        recipe_options.pop("packing_hooks", None)
         if _BaseEncoder is DefaultTaskEncoder:
             super().__init__()
-        else:
+        else:  # NeMo-RL's base: keyword-only cooker functions (and, in some versions, packing hooks)
             params = inspect.signature(_BaseEncoder.__init__).parameters
-            super().__init__(**({"cooker_functions": list(self.cookers)} if "cooker_functions" in params else {}))
+            base_kwargs: dict[str, Any] = {"cooker_functions": []} if "cooker_functions" in params else {}
+            if "packing_hooks" in params:
+                base_kwargs["packing_hooks"] = None
+            super().__init__(**base_kwargs)
         self.cookers = list(type(self).cookers)  # packs are read by packtool's cooker, whatever else is configured
-        if packer is not None:
-            raise ValueError("packtool packs are made offline: remove data.energon.task_encoder.packing")
         if only_unmask_final:
             raise ValueError("packtool packs carry their targets: only_unmask_final cannot change them")
         unknown = sorted(set(recipe_options) - RECIPE_OPTIONS)
         if unknown:
             raise ValueError(f"unknown PacktoolSFTTaskEncoder options: {unknown}")
+        prompt_format = recipe_options.get("prompt_format")
+        if prompt_format is not None and prompt_format != NEMOTRON_PROMPT_FORMAT:
+            raise ValueError(f"prompt_format {prompt_format!r}: packtool's Nemotron Omni packs are laid out in "
+                             f"{NEMOTRON_PROMPT_FORMAT!r}")
+        self.thinking_trace_format: str | None = recipe_options.get("thinking_trace_format")
         if sequence_multiple is not None and sequence_multiple < 1:
             raise ValueError(f"sequence_multiple must be >= 1, got {sequence_multiple}")
+        if pack_layout not in PACK_LAYOUTS:
+            raise ValueError(f"pack_layout must be one of {list(PACK_LAYOUTS)}, got {pack_layout!r}")
+        self.pack_layout = pack_layout
         self.max_sequence_length = getattr(adapter, "max_sequence_length", None)
         self.include_source_ids, self.tokenizer = include_source_ids, tokenizer
         self.sequence_multiple, self.images = sequence_multiple, images
 
+    # NeMo-RL's base declares the sample steps as pre-encode (before its optional online packing) and post-encode
+    # (after it); Energon refuses an encoder that also overrides encode_sample. A pack is read in pre-encode; there
+    # is nothing left to do after selection, as no online packing runs.
     @stateless
-    def encode_sample(self, sample: PackSample) -> NemoRLPack:
+    def preencode_sample(self, sample: PackSample) -> NemoRLPack:
         info = sample.__sources__[0]
         manifest = _manifest(str(info.dataset_path))
         where = f"{info.dataset_path}/{info.shard_name}"
         try:
+            check_thinking_trace_format(manifest, self.thinking_trace_format)
             processors = _reader_processor(str(info.dataset_path)) if self.images else None
             row = nemo_rl_row({**sample.members, "__key__": sample.__key__}, manifest,
                               multiple=self.sequence_multiple, images=self.images, image_processor=processors,
@@ -398,6 +463,10 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
         return NemoRLPack.derive_from(sample, row=row)
 
     @stateless
+    def postencode_sample(self, sample: NemoRLPack) -> NemoRLPack:
+        return sample
+
+    @stateless
     def batch(self, samples: list[NemoRLPack]) -> Any:
         manifest: Manifest = _manifest(str(samples[0].__sources__[0].dataset_path))
         pad = manifest["pad_token_id"]
@@ -405,7 +474,10 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
         if self.tokenizer is not None and tokenizer_pad != pad:
             raise ValueError(f"the packs pad with token {pad}, NeMo-RL's tokenizer with {tokenizer_pad}: give NeMo-RL "
                              f"the model folder the packs were made with")
-        batch = nemo_rl_batch([s.row for s in samples], pad)
+        capacity = None
+        if self.pack_layout == "capacity":  # NeMo-RL's capacity: its max_total_sequence_length, else the pack size
+            capacity = self.max_sequence_length or int(manifest["settings"]["pack_size"])
+        batch = nemo_rl_batch([s.row for s in samples], pad, capacity=capacity)
         if not self.include_source_ids:
             del batch["source_ids"]
         return batch

@@ -36,6 +36,7 @@ import torch
 from packtool import families
 from packtool.errors import FormatError
 from packtool.families import Family
+from packtool.families.conventions import trainer_image
 from packtool.format import (
     TOKENIZER_DIR,
     PackRecord,
@@ -245,7 +246,8 @@ def vision_media(family: Family, record: PackRecord, image_processor, where: str
             dim = 3 * proc.temporal_patch_size * proc.patch_size ** 2
             out["pixel_values"] = torch.zeros((0, dim), dtype=torch.float32)
         return out
-    pil = [open_stored_image(record.media[m.member], f"{where}, member {m.member}") for m in media]
+    pil = [trainer_image(open_stored_image(record.media[m.member], f"{where}, member {m.member}"), family.convention)
+           for m in media]
     entry = family.manifest_entries()["image_processor"]
     if entry is not None and entry.get("prefit_factor"):
         pil = [prefit_image(image, entry) for image in pil]
