@@ -280,13 +280,21 @@ def recorded_config(settings: PackSettings, source: Path) -> dict:
             **encode, **plan}
 
 
-def recorded(output: str | Path) -> str:
+def recorded(output: str | Path, relative_to: Path | None = None) -> str:
     """The config file of the run that made ``output`` (from its manifest; for a JSON/Parquet source, with its
-    media folder)."""
+    media folder). With ``relative_to`` (the folder the file is written to), local paths are written relative to
+    it, as :func:`read` takes them back."""
     from packtool.format import Manifest
 
     manifest = Manifest.read(output)
     if manifest.run_config is None:
         raise ConfigError(f"{output} records no run config (packed by an older packtool); its settings: "
                           f"{manifest.settings}")
-    return dump(dict(manifest.run_config))
+    config = dict(manifest.run_config)
+    if relative_to is not None:
+        for key in PATH_KEYS:
+            value = config.get(key)
+            if isinstance(value, str) and not is_remote(value) and Path(value).is_absolute() \
+                    and (key != "tokenizer" or Path(value).is_dir()):
+                config[key] = os.path.relpath(value, Path(relative_to).resolve())
+    return dump(config)

@@ -80,7 +80,7 @@ def load(module: str, root: Path | None = None) -> ModuleType:
     by default :data:`MBRIDGE_DIR`; skips the test where `make` has not run). One process imports from one folder."""
     root = root or MBRIDGE_DIR
     if not available(root):
-        pytest.skip(f"Megatron-Bridge's wheel is not installed in {root} (`make` installs it)")
+        pytest.skip(_missing(root))
     loaded = [f for f in sys.meta_path if isinstance(f, _Stubs)]
     if loaded and loaded[0].root != root:
         pytest.skip(f"this process imported Megatron-Bridge from {loaded[0].root}, not {root}")
@@ -88,6 +88,17 @@ def load(module: str, root: Path | None = None) -> ModuleType:
         sys.path.append(str(root))  # qwen_vl_utils
         sys.meta_path.insert(0, _Stubs(root))
     return importlib.import_module(f"megatron.bridge.{module}")
+
+
+def _missing(root: Path) -> str:
+    """Why the wheel is not at ``root``, and how to get it there, as one line."""
+    pins = Path(sys.prefix).parent / ".venv-mbridge"
+    if Path(sys.prefix) != pins and available(pins / "mbridge"):
+        return (f"Megatron-Bridge's wheel is installed for its pins environment only ({pins / 'mbridge'}): these "
+                f"comparisons run there (`make test` runs them with {pins / 'bin/python'}); PACKTOOL_MBRIDGE_DIR "
+                f"names a folder to use here")
+    return (f"Megatron-Bridge's wheel is not in {root} (`make test` installs it into .venv-mbridge/mbridge and runs "
+            f"these comparisons there; PACKTOOL_MBRIDGE_DIR names another folder)")
 
 
 def version(root: Path | None = None) -> str:

@@ -29,8 +29,8 @@ from demo import (  # noqa: E402
     write_shard,
 )
 
-__all__ = ["AUDIO_FORMATS", "VIDEO_FORMATS", "frame_pixels", "make_audio", "make_image", "make_video", "waveform",
-           "write_source"]
+__all__ = ["AUDIO_FORMATS", "VIDEO_FORMATS", "frame_pixels", "make_audio", "make_image", "make_sliced_h264",
+           "make_video", "waveform", "write_source"]
 
 
 def make_image(width: int, height: int, *, seed: int = 0, fmt: str = "PNG") -> bytes:
@@ -50,3 +50,21 @@ def write_source(root: Path, samples: dict[str, dict[str, bytes]], *, dataset_ya
                                                                        "__class__": "CrudeWebdataset"}))
     (meta / ".info.json").write_text(json.dumps({"shard_counts": {"shards/media.tar": len(samples)}}))
     return root
+
+
+def make_sliced_h264(width: int, height: int, *, frames: int, slices: int) -> bytes:
+    """An MP4 of H.264 whose every frame is cut into ``slices`` slices (what encoders that thread by slice write),
+    frames of :func:`frame_pixels` at 24 fps."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=24)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"preset": "ultrafast", "threads": "1", "slices": str(slices)}
+        for i in range(frames):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame_pixels(i, width, height), format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()

@@ -543,7 +543,9 @@ def test_reader_runs_in_megatron_bridge_environment(runs, tmp_path):
     of every batch of the preset's outputs (images, frame lists, encoded videos, audio) equals the main
     environment's."""
     if not PINS_PYTHON.exists():
-        pytest.skip(f"Megatron-Bridge's pins environment is not at {PINS_PYTHON} (`make` builds it)")
+        pytest.skip(f"Megatron-Bridge's pins environment is not at {PINS_PYTHON} "
+                    "(`make test` builds it: Python 3.12 and "
+                    f"constraints-mbridge.txt)")
     compared = []
     for name in ("visual", "audio", "files", "files_audio"):
         try:

@@ -25,7 +25,7 @@ def _validate(output: Path, model: Path, *args: str) -> dict:
     if not (PINS / "bin" / "python").exists() or not (WHEEL / "megatron" / "bridge").is_dir() \
             or not (MCORE / "megatron" / "core").is_dir():
         pytest.skip(f"Megatron-Bridge's pins environment with its wheel and megatron-core is not in {PINS} "
-                    f"(`make {PINS.name}/.installed` builds it)")
+                    f"(`make test` builds it; alone: `make {PINS.name}/mcore/megatron/core/__init__.py`)")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WHEEL), str(MCORE), str(ROOT)]),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     done = subprocess.run([str(PINS / "bin" / "python"), str(ROOT / "tests" / "mbridge_validate.py"), str(output),

@@ -15,9 +15,14 @@ from packtool.storage import fetched, resolved
 
 def pack_engine(source: str | Path, settings: EncodeSettings, run: RunOptions) -> Engine:
     """The engine for packing ``source`` with these settings (not yet entered): every worker builds its encoder
-    as it starts (:func:`warm`)."""
+    as it starts (:func:`warm`). Local workers divide this machine's cores among their video decoders
+    (each decoder starting a thread per core made two workers barely faster than one); Ray workers, on machines
+    this one cannot see, leave it to FFmpeg."""
+    from packtool.media.video import decoder_threads_for
+
+    threads = decoder_threads_for(run.workers) if run.engine == "local" else 0
     return Engine(run.engine, run.workers, run.ray_address, initializer=warm,
-                  initargs=(settings, str(resolved(source))), import_main=False)
+                  initargs=(settings, str(resolved(source)), threads), import_main=False)
 
 
 @dataclass(frozen=True)
@@ -36,9 +41,13 @@ def model_facts(task: FactsTask) -> dict:
     return facts(fetched(task.settings), task.dataset_yaml)
 
 
-def warm(settings: EncodeSettings, source: str) -> None:
+def warm(settings: EncodeSettings, source: str, decoder_threads: int = 0) -> None:
     """Build this worker's encoder as it starts (the workers' start-ups overlap). A model folder or source that
-    does not open is left to the run to report, as its own error."""
+    does not open is left to the run to report, as its own error. ``decoder_threads`` is what this worker's video
+    decode checks use (:func:`packtool.media.video.set_decoder_threads`)."""
+    from packtool.media.video import set_decoder_threads
+
+    set_decoder_threads(decoder_threads)
     try:
         from packtool.build.encoder import get_encoder
         from packtool.build.sources.energon import read_dataset_yaml

@@ -12,6 +12,7 @@ order, ``rgb24`` arrays, the stream's ``average_rate`` as fps), so packtool's fr
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -25,6 +26,23 @@ VIDEO_EXTENSIONS = frozenset({"mp4", "webm", "mkv", "mov", "avi"})
 #: Where a video's frame count came from: the container header, counted packets, decoded frames, or a list of
 #: images.
 FrameCountSource = Literal["header", "demux", "decode", "frames"]
+
+#: Threads one decode check may use (0: FFmpeg's choice, one per core); a pack run's workers divide the cores.
+_decoder_threads = 0
+
+
+def set_decoder_threads(threads: int) -> None:
+    """How many threads this process's decode checks use (0: FFmpeg's choice, one per core)."""
+    global _decoder_threads
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ValueError(f"decoder threads must be a non-negative integer, got {threads!r}")
+    _decoder_threads = threads
+
+
+def decoder_threads_for(workers: int) -> int:
+    """The decoder threads each of ``workers`` processes on this machine gets: its cores divided among them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, workers))
 
 
 @dataclass(frozen=True)
@@ -81,8 +99,9 @@ def probe_video(data: bytes, *, max_pixels: int, decode: bool = False) -> VideoF
     packets. With ``decode`` every frame is decoded once, with FFmpeg's error detection on (``err_detect``: CRCs,
     bitstream and buffer checks, any error fatal), which proves the stream whole as far as a decoder can tell (a
     change that leaves a valid bitstream decodes to other pixels, and no decoder can see it) and makes the decoded
-    count the count; a header that disagrees with it is an error. ``max_pixels`` bounds one frame, checked before
-    decoding.
+    count the count; a header that disagrees with it is an error. The decoder uses frame threads only (slice
+    threads miss damage inside an H.264 slice), :func:`set_decoder_threads` of them. ``max_pixels`` bounds one
+    frame, checked before decoding.
     """
     with open_container(data, "video") as container:
         if not container.streams.video:
@@ -101,6 +120,10 @@ def probe_video(data: bytes, *, max_pixels: int, decode: bool = False) -> VideoF
                 # FFmpeg conceals what it cannot decode (a frame patched from its neighbours, no error); with
                 # error detection on, a damaged slice, CRC or bitstream is an error instead
                 stream.codec_context.options = {"err_detect": "crccheck+bitstream+buffer+explode"}
+                # frame threading (each thread a whole frame) keeps that detection; slice threading, PyAV's
+                # default, lets H.264 damage in the middle of a slice through as a logged, concealed error
+                stream.thread_type = "FRAME"
+                stream.codec_context.thread_count = _decoder_threads
                 frames, source = sum(1 for _ in container.decode(stream)), "decode"
             elif header_frames:
                 frames, source = header_frames, "header"
