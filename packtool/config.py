@@ -33,6 +33,7 @@ from packtool.settings import (
     PlanSettings,
     RunOptions,
     ShardSize,
+    default,
     resolve_align,
 )
 from packtool.storage import is_remote, location
@@ -275,6 +276,8 @@ def recorded_config(settings: PackSettings, source: Path) -> dict:
     from dataclasses import asdict
 
     encode = asdict(settings.encode)
+    if encode["thinking_trace_format"] == default(EncodeSettings, "thinking_trace_format"):
+        del encode["thinking_trace_format"]  # added later: recorded only when set, so older outputs keep their bytes
     plan = {**asdict(settings.plan), "shard_size": str(settings.plan.shard_size)}
     return {"source": str(source), "tokenizer": encode.pop("tokenizer"), "split": list(settings.splits),
             **encode, **plan}
