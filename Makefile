@@ -99,6 +99,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_read.py
 	$(BIN)/python bench/bench_workers.py --samples 4000 --per-shard 1000 --repeat 1
 	$(BIN)/python bench/bench_media.py
+	$(BIN)/python bench/bench_video_workers.py --videos 60
 	$(BIN)/python bench/bench_memory.py --samples 20000
 
 clean:
