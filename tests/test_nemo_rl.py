@@ -294,6 +294,73 @@ def test_encoder_refuses_what_cannot_hold(nemo_rl_packed, tmp_path):
                                                      batch_size=1, task_encoder=encoder))))
 
 
+def test_encoder_recipe_options_honoured_or_refused(nemo_rl_packed):
+    """Every recipe option of NeMo-RL's own encoders is compared with the packs' settings or refused unless at the
+    value the packs fixed: one accepted and one refused value per class."""
+    cls = loaded_encoder_class()
+
+    def build(**options):
+        return cls(**nemo_rl_encoder_kwargs(max_sequence_length=2048, options=options))
+
+    assert nemo_rl.RECIPE_OPTIONS == {*nemo_rl.PACKED_RECIPE_OPTIONS, *nemo_rl.FIXED_RECIPE_OPTIONS,
+                                      *nemo_rl.OFF_RECIPE_OPTIONS, "prompt_format", "thinking_trace_format"}
+    # fixed by packtool's NeMo-RL rules: the default accepted, another value refused
+    for name, fixed in nemo_rl.FIXED_RECIPE_OPTIONS.items():
+        build(**{name: fixed})
+        other = (not fixed) if isinstance(fixed, bool) else fixed * 2
+        with pytest.raises(ValueError, match=f"{name} .*already fixed it at"):
+            build(**{name: other})
+    # augmentations, loader decoding and loss masks: off accepted, on refused
+    for name in nemo_rl.OFF_RECIPE_OPTIONS:
+        build(**{name: None})
+        with pytest.raises(ValueError, match=f"the recipe sets {name} "):
+            build(**{name: "assistant" if name == "loss_mask_mode" else 1})
+    build(video_frame_temporal_jitter=False, tiling_augment_prob=0.0)
+    # compared with the manifest when a pack is read
+    omni = {"settings": {"pack_size": 4096}, "image_processor": {"family": "nemotron_omni", "patch_size": 16,
+                                                                  "video_temporal_patch_dim": 2}}
+    qwen = {"settings": {"pack_size": 4096}, "image_processor": {"family": "qwen2_vl"}}
+
+    class Audio:
+        feature_size = 128
+
+    class Processors:
+        audio = Audio()
+
+    same = {"packing_sequence_length": 4096, "patch_dim": 16, "temporal_patch_size": 2,
+            "audio_subsampling_factor": 8, "audio_num_mel_bins": 128}
+    assert set(same) == set(nemo_rl.PACKED_RECIPE_OPTIONS)
+    nemo_rl.check_packed_recipe_options(omni, same, Processors())
+    nemo_rl.check_packed_recipe_options(qwen, {"packing_sequence_length": 4096})
+    for name, value in same.items():
+        with pytest.raises(FormatError, match=f"the recipe sets {name} {value + 1}, the packs were made with"):
+            nemo_rl.check_packed_recipe_options(omni, {name: value + 1}, Processors())
+    with pytest.raises(FormatError, match="patch_dim 16, a Nemotron Omni option"):
+        nemo_rl.check_packed_recipe_options(qwen, {"patch_dim": 16})
+    encoder = build(**same)
+    assert encoder.recipe_options == same
+    # through Energon's loader: the packs' pack size accepted, another refused with the pack named
+    pack_size = load_manifest(nemo_rl_packed)["settings"]["pack_size"]
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    for size in (pack_size, pack_size * 2):
+        loader = get_savable_loader(get_val_dataset(nemo_rl_packed, split_part="val", worker_config=wc, batch_size=1,
+                                                    task_encoder=build(packing_sequence_length=size)))
+        if size == pack_size:
+            assert next(iter(loader))["input_ids"].shape[0] == 1
+        else:
+            with pytest.raises(Exception, match=f"packing_sequence_length {size}, the packs were made with"):
+                next(iter(loader))
+    # NeMo-RL's own keywords: the pad multiple taken as sequence_multiple, a differing pair refused
+    kwargs = nemo_rl_encoder_kwargs(max_sequence_length=2048)
+    assert cls(**{**kwargs, "sequence_length_pad_multiple": 8}).sequence_multiple == 8
+    with pytest.raises(ValueError, match="differ"):
+        cls(**{**kwargs, "sequence_length_pad_multiple": 8, "sequence_multiple": 16})
+    # cookers: packtool's accepted, another refused
+    cls(**{**kwargs, "cooker_functions": [Cooker(nemo_rl.cook_packtool_pack, has_subflavors={"packtool": 1})]})
+    with pytest.raises(ValueError, match="cook_packtool_pack only"):
+        cls(**{**kwargs, "cooker_functions": [Cooker(lambda sample: sample)]})
+
+
 def test_encoder_holds_nemo_rls_base_contract(stand_in_module, nemo_rl_packed):
     """Against the stand-in of NeMo-RL's base: the encoder instantiates with ``_task_encoder``'s keyword arguments
     (all abstract steps implemented), passes Energon's pre/post-encode assertion, and gives the batches it gives on
