@@ -279,6 +279,45 @@ def test_qwen_media_are_the_processors(nemo_rl_packed):
     assert with_images > 0 and image_only > 0
 
 
+def test_qwen_batch_carries_the_processors_mm_token_type_ids(nemo_rl_packed, demo_dir, torchvision):
+    """Qwen2.5-VL packs: the batch's ``mm_token_type_ids`` (the shape of ``input_ids``) equal, on one sample with
+    images, what transformers' Qwen2.5-VL processor returns for that sample's text and images; 0 on padding."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    folder = demo_dir / "tokenizer"
+    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor.from_pretrained(folder),
+                                    tokenizer=AutoTokenizer.from_pretrained(folder),
+                                    video_processor=Qwen2VLVideoProcessor.from_pretrained(folder))
+    image_id = load_manifest(nemo_rl_packed)["image_token_id"]
+    seg, tokens, media = next((s, t, m) for s, t, _, m in fx.packed_segments(nemo_rl_packed, "val")
+                              if s.media and all(r.kind == "image" for r in s.media))
+    ids = tokens.tolist()
+    one_each = [t for i, t in enumerate(ids) if t != image_id or i == 0 or ids[i - 1] != image_id]
+    images = [Image.open(io.BytesIO(media[r.member])) for r in seg.media]
+    want = processor(text=[processor.tokenizer.decode(one_each)], images=images, return_tensors="pt")
+    assert want["input_ids"][0].tolist() == ids  # the processor's own tokens of this sample
+    want_types = want["mm_token_type_ids"][0]
+    assert int(want_types.sum()) == sum(t == image_id for t in ids) > 0  # control: not all text
+    found = 0
+    for batch in nemo_rl_loader(nemo_rl_packed, 2):
+        types = batch["mm_token_type_ids"]
+        assert types.shape == batch["input_ids"].shape
+        assert torch.equal(types == 1, batch["input_ids"] == image_id)
+        for row, keys in enumerate(batch["source_ids"]):
+            if seg.key in keys:
+                i = keys.index(seg.key)
+                start, end = (int(v) for v in batch["cu_seqlens_padded"][row][i:i + 2])
+                got = types[row, start:start + len(ids)]
+                assert got.dtype == want_types.dtype and torch.equal(got, want_types)
+                assert not types[row, start + len(ids):end].any()  # the sample's padding is text (0)
+                found += 1
+    assert found == 1
+
+
 def test_encoder_refuses_what_cannot_hold(nemo_rl_packed, tmp_path):
     cls = loaded_encoder_class()
     with pytest.raises(ValueError, match="packing"):

@@ -14,6 +14,8 @@ come from packtool, packed offline and globally, and :class:`PacktoolSFTTaskEnco
 * ``cu_seqlens`` / ``cu_seqlens_padded``: per pack, int32 ``[S + 1]`` cumulative sums of the real and of the padded
   sample lengths (NeMo-RL's ``PackedTensor`` of them when NeMo-RL is importable, else a list);
 * ``source_ids``: per pack, the source keys of its samples;
+* ``mm_token_type_ids`` int64 ``[B, L]`` (Qwen2-VL / Qwen2.5-VL packs, whose transformers processor gives it): per
+  token 0 text, 1 image, 2 video; 0 on padding;
 * media, per pack in placeholder order (NeMo-RL's ``PackedTensor``; without NeMo-RL, per row the list of its
   segments, ``None`` for a row without): Qwen2-VL / Qwen2.5-VL packs give the transformers processor's
   ``pixel_values``, ``image_grid_thw`` (and ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``),
@@ -51,10 +53,14 @@ from PIL import Image
 from packtool import families
 from packtool.errors import FormatError
 from packtool.format import Manifest, PackRecord
+from packtool.runtime.hf import mm_token_type_ids
 from packtool.runtime.loader import PackSample, _manifest, _reader_processor, cook_pack
 from packtool.runtime.nemotron import CLIP_MEAN, CLIP_STD
 from packtool.runtime.read import open_pack, open_stored_image, pack_to_batch
 
+#: The family whose transformers processor gives ``mm_token_type_ids`` (0 text, 1 image, 2 video per token), which
+#: its NeMo-RL batch carries (:func:`packtool.runtime.hf.mm_token_type_ids`).
+QWEN_FAMILY = "qwen2_vl"
 #: The media keys of a Qwen2-VL-style reader batch that NeMo-RL's ``hf_multimodal`` adapter carries (the
 #: transformers processor's own names).
 QWEN_MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -164,6 +170,8 @@ class NemoRLRow:
     media: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     #: Nemotron Omni: pixels per patch side, for NeMo-RL's patchify mode; None otherwise.
     patch_dim: int | None = None
+    #: Qwen2-VL / Qwen2.5-VL packs: the processor's ``mm_token_type_ids`` of ``input_ids`` (int64 [L]); else None.
+    token_types: torch.Tensor | None = None
 
 
 def nemo_rl_row(members: Mapping[str, Any], manifest: Mapping, *, multiple: int | None = None, images: bool = True,
@@ -193,8 +201,10 @@ def nemo_rl_row(members: Mapping[str, Any], manifest: Mapping, *, multiple: int 
     mask[row_starts[:-1]] = 0.0  # prepare_packed_sft_batch: a sample's first token is never a target
     family = families.from_manifest(manifest)
     media = _media(members, record, manifest, family, where, images, image_processor, source)
-    return NemoRLRow(torch.from_numpy(ids), torch.from_numpy(mask), lengths.tolist(), padded.tolist(),
-                     [s.key for s in record.segments], record.key, media, family.nemo_rl_patch_dim)
+    input_ids = torch.from_numpy(ids)
+    token_types = mm_token_type_ids(input_ids, manifest).long() if family.name == QWEN_FAMILY else None
+    return NemoRLRow(input_ids, torch.from_numpy(mask), lengths.tolist(), padded.tolist(),
+                     [s.key for s in record.segments], record.key, media, family.nemo_rl_patch_dim, token_types)
 
 
 def _media(members: Mapping[str, Any], record: PackRecord, manifest: Mapping, family: families.Family, where: str,
@@ -376,6 +386,13 @@ def nemo_rl_batch(rows: Sequence[NemoRLRow], pad_token_id: int, *, capacity: int
     for i, r in enumerate(rows):
         input_ids[i, :len(r.input_ids)] = r.input_ids
         token_mask[i, :len(r.token_mask)] = r.token_mask
+    token_types = None
+    if any(r.token_types is not None for r in rows):
+        token_types = torch.zeros((len(rows), length), dtype=torch.int64)
+        for i, r in enumerate(rows):
+            if r.token_types is None:
+                raise ValueError(f"pack {r.pack_key} has no mm_token_type_ids, the batch's other packs have")
+            token_types[i, :len(r.token_types)] = r.token_types
 
     def cumulative(values: list[int]) -> torch.Tensor:
         return torch.tensor([0, *np.cumsum(values).tolist()], dtype=torch.int32)
@@ -389,6 +406,8 @@ def nemo_rl_batch(rows: Sequence[NemoRLRow], pad_token_id: int, *, capacity: int
         "cu_seqlens_padded": _boundaries([cumulative(r.padded) for r in rows]),
         "source_ids": [list(r.keys) for r in rows],
     }
+    if token_types is not None:
+        batch["mm_token_type_ids"] = token_types
     for key in sorted({k for r in rows for k in r.media}):
         batch[key] = _packed_media([r.media.get(key) for r in rows], key, rows[0].patch_dim)
     try:
@@ -403,8 +422,11 @@ def _to_capacity(row: NemoRLRow, capacity: int, pad_token_id: int) -> NemoRLRow:
     if extra < 0:
         raise FormatError(f"pack {row.pack_key} lays out {len(row.input_ids)} tokens, more than the capacity "
                           f"{capacity}")
+    token_types = None if row.token_types is None else torch.cat([row.token_types,
+                                                                  torch.zeros(extra, dtype=torch.int64)])
     return replace(row, input_ids=torch.cat([row.input_ids, torch.full((extra,), pad_token_id, dtype=torch.int64)]),
                    token_mask=torch.cat([row.token_mask, torch.zeros(extra, dtype=torch.float32)]),
+                   token_types=token_types,
                    padded=[*row.padded[:-1], row.padded[-1] + extra])
 
 
