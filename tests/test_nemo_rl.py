@@ -292,7 +292,8 @@ def test_qwen_batch_carries_the_processors_mm_token_type_ids(nemo_rl_packed, dem
     processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor.from_pretrained(folder),
                                     tokenizer=AutoTokenizer.from_pretrained(folder),
                                     video_processor=Qwen2VLVideoProcessor.from_pretrained(folder))
-    image_id = load_manifest(nemo_rl_packed)["image_token_id"]
+    manifest = load_manifest(nemo_rl_packed)
+    image_id, video_id = manifest["image_token_id"], manifest["video_token_id"]
     seg, tokens, media = next((s, t, m) for s, t, _, m in fx.packed_segments(nemo_rl_packed, "val")
                               if s.media and all(r.kind == "image" for r in s.media))
     ids = tokens.tolist()
@@ -307,6 +308,7 @@ def test_qwen_batch_carries_the_processors_mm_token_type_ids(nemo_rl_packed, dem
         types = batch["mm_token_type_ids"]
         assert types.shape == batch["input_ids"].shape
         assert torch.equal(types == 1, batch["input_ids"] == image_id)
+        assert torch.equal(types == 2, batch["input_ids"] == video_id)
         for row, keys in enumerate(batch["source_ids"]):
             if seg.key in keys:
                 i = keys.index(seg.key)
