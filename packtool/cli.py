@@ -4,9 +4,11 @@ one line on stderr starting with ``packtool``."""
 
 from __future__ import annotations
 
+import difflib
 import errno
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -14,6 +16,9 @@ from pathlib import Path
 from typing import TypeVar
 
 import typer
+import typer.main
+from typer._click import core as click_core
+from typer._click import exceptions as click  # the Click that Typer ships
 
 from packtool.errors import LimitError, PacktoolError
 from packtool.settings import (
@@ -247,7 +252,18 @@ def pack(
         flag = {"error": "--max-error-rate", "dropped": "--max-drop-rate", "truncated": "--max-truncate-rate"}
         _fail("; ".join(f"{status} rate {n / total:.2%} ({n} of {total}) exceeds {flag[status]} {limit:.2%}"
                         for status, n, total, limit in result.over_limits)
-              + f" (see {result.output / 'ledger.parquet'})", code=3)
+              + f" (see {result.output / 'ledger.parquet'})"
+              + (f"; {why}" if (why := _top_reasons(result.output, [s for s, *_ in result.over_limits])) else "")
+              + f"; `packtool failures {result.output}` lists them", code=3)
+
+
+def _top_reasons(output: Path, statuses: list[str]) -> str:
+    from packtool.verify.failures import top_reasons
+
+    try:
+        return top_reasons(output, statuses)
+    except PacktoolError:
+        return ""
 
 
 @app.command()
@@ -258,7 +274,14 @@ def stats(
     html: Path | None = typer.Option(None, help="Write one self-contained HTML report with the plots."),
     candidates: str | None = typer.Option(None, help="Pack sizes to judge from the source lengths, e.g. "
                                                      "4096,8192 (no encoding again)."),
-    dp: int = typer.Option(1, help="Data-parallel ranks, for the global batch and steps per epoch."),
+    dp: int | None = typer.Option(None, help="Data-parallel ranks, for the global batch and steps per epoch "
+                                             "(default: 1, said as an assumption)."),
+    recommend: bool = typer.Option(False, help="Choose a pack size (among --candidates, default 1024 to 32768) "
+                                               "and global batch for --tokens-per-step or --global-batch-samples, "
+                                               "and say why."),
+    tokens_per_step: int | None = typer.Option(None, help="Target tokens per optimizer step, for --recommend."),
+    global_batch_samples: int | None = typer.Option(None, help="Target samples per optimizer step, for "
+                                                               "--recommend."),
     micro_batches: int = typer.Option(1, help="Micro-batches per step per rank (gradient accumulation)."),
     micro_batch_size: int = typer.Option(1, help="Packs per micro-batch."),
     algorithm: str | None = typer.Option(None, help="Algorithm for --candidates (default: the run's)."),
@@ -274,12 +297,20 @@ def stats(
         if compare:
             report["compare"] = st.compare(path, [a.strip() for a in compare.split(",") if a.strip()],
                                            pack_size=pack_size)
-        if candidates or html is not None:
-            from packtool.verify.candidates import check_sizes
+        if (tokens_per_step is not None or global_batch_samples is not None) and not recommend:
+            raise PacktoolError("--tokens-per-step and --global-batch-samples are targets of --recommend; "
+                                "add --recommend")
+        if recommend and (tokens_per_step is None) == (global_batch_samples is None):
+            raise PacktoolError("--recommend needs one target: --tokens-per-step or --global-batch-samples")
+        if candidates or html is not None or recommend:
+            from packtool.verify.candidates import DEFAULT_SIZES, check_sizes
 
-            sizes = check_sizes(candidates) if candidates else [report["pack_size"]]
+            align = int(report.get("align") or 1)
+            sizes = check_sizes(candidates) if candidates else sorted(
+                {s for s in DEFAULT_SIZES if s >= align} | {report["pack_size"]})
             report["decide"] = st.decide(path, sizes, dp=dp, micro_batches=micro_batches,
-                                         micro_batch_size=micro_batch_size, algorithm=algorithm)
+                                         micro_batch_size=micro_batch_size, algorithm=algorithm,
+                                         tokens_per_step=tokens_per_step, global_batch_samples=global_batch_samples)
         if plot is not None:
             st.plot(path, plot)
         if html is not None:
@@ -290,6 +321,25 @@ def stats(
 
     report = _one_line(run)
     typer.echo(json.dumps(report, indent=1) if as_json else st.format_report(report))
+
+
+@app.command()
+def failures(
+    path: str = typer.Argument(..., help="A packed OUTPUT folder, or a ledger.parquet."),
+    status: list[str] | None = typer.Option(None, help="Only this status (repeatable): error, dropped or "
+                                                      "truncated."),
+    split: list[str] | None = typer.Option(None, help="Only this split (repeatable)."),
+    limit: int = typer.Option(5, help="Samples listed per reason (0: counts only)."),
+    all_samples: bool = typer.Option(False, "--all", help="List every sample (no --limit)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """List the samples that failed, were dropped or truncated: full reasons, split, source shard and key,
+    grouped by reason with counts."""
+    from packtool.verify.failures import failures as find
+    from packtool.verify.failures import format_failures
+
+    report = _one_line(lambda: find(path, status=status, split=split, limit=None if all_samples else limit))
+    typer.echo(json.dumps(report, indent=1) if as_json else format_failures(report), nl=as_json)
 
 
 @app.command()
@@ -329,6 +379,8 @@ def inspect(
     split: str | None = typer.Option(None, help="Split to look in (default: the first)."),
     config: bool = typer.Option(False, "--config", help="Print the settings OUTPUT was packed with, as a "
                                                        "config file for `pack --config`."),
+    out: Path | None = typer.Option(None, help="With --config: write the config file here, its local paths "
+                                               "relative to its folder (a portable file)."),
 ) -> None:
     """Show one pack: segments, decoded text with targets marked, media."""
     from packtool.verify.inspect import inspect_pack
@@ -336,25 +388,72 @@ def inspect(
     if config:
         from packtool.config import recorded
 
-        typer.echo(_one_line(lambda: recorded(output)), nl=False)
+        if out is None:
+            typer.echo(_one_line(lambda: recorded(output)), nl=False)
+            return
+        target = out
+        text = _one_line(lambda: recorded(output, relative_to=target.resolve().parent))
+        _one_line(lambda: target.write_text(text))
+        typer.echo(f"wrote {target}")
         return
+    if out is not None:
+        _fail("--out writes the config file: give it with --config")
 
     typer.echo(_one_line(lambda: inspect_pack(output, key=key, split=split)))
+
+
+def _usage_line(exc: click.ClickException) -> str:
+    """One line for a command line Click refuses: a mistyped option or command names the nearest one."""
+    if isinstance(exc, click.NoSuchOption):
+        near = exc.possibilities or difflib.get_close_matches(exc.option_name, _options_of(exc.ctx), n=1)
+        return f"no such option {exc.option_name}" + (f"; did you mean {near[0]}?" if near else "")
+    message = exc.format_message()
+    if isinstance(exc, click.UsageError) and (typed := re.match(r"No such command '(.*?)'\.", message)):
+        commands = list(getattr(typer.main.get_command(app), "commands", {}))
+        near = difflib.get_close_matches(typed.group(1), commands, n=1)
+        return f"no such command {typed.group(1)}" + (f"; did you mean {near[0]}?" if near else "")
+    where = exc.ctx.command_path if isinstance(exc, click.UsageError) and exc.ctx is not None else "packtool"
+    return f"{message[:1].lower()}{message[1:].rstrip('.')} (see {where} --help)"
+
+
+def _options_of(ctx: click_core.Context | None) -> list[str]:
+    return [name for param in (ctx.command.params if ctx is not None else []) for name in param.opts]
+
+
+#: The exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it.
+INTERRUPTED = 130
 
 
 def main() -> None:
     """The ``packtool`` command. Once it has returned and its output is flushed, the process ends without the
     interpreter's teardown: everything a command writes is committed (and its workers gone) by then, and tearing
-    down the modules a run loads (numpy, pyarrow, the pool's bookkeeping) adds a tenth of a second to every run."""
+    down the modules a run loads (numpy, pyarrow, the pool's bookkeeping) adds a tenth of a second to every run.
+
+    A command line Click refuses is one ``packtool: error:`` line (naming the nearest option or command for a
+    mistyped one); Ctrl-C says that the same command resumes (a run keeps what it committed) and exits 130."""
+    code: object
     try:
-        app()
+        code = app(standalone_mode=False)  # Typer turns KeyboardInterrupt into exit status 130
+    except click.NoArgsIsHelpError as exc:
+        exc.show()
+        code = exc.exit_code
+    except click.ClickException as exc:
+        print(f"packtool: error: {_usage_line(exc)}", file=sys.stderr)
+        code = exc.exit_code
+    except KeyboardInterrupt:  # outside the command Typer runs
+        code = INTERRUPTED
+    except typer.Abort:  # end of input at a prompt
+        print("packtool: aborted", file=sys.stderr)
+        code = 1
     except SystemExit as exc:
         code = exc.code
         if isinstance(code, str):  # what sys.exit would print
             print(code, file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+    if code == INTERRUPTED:
+        print("packtool: interrupted; rerun the same command to resume", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 if __name__ == "__main__":

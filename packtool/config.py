@@ -32,6 +32,7 @@ from packtool.settings import (
     PlanSettings,
     RunOptions,
     ShardSize,
+    default,
     resolve_align,
 )
 from packtool.storage import is_remote, location
@@ -269,14 +270,17 @@ def recorded_config(settings: PackSettings, source: Path) -> dict:
     from dataclasses import asdict
 
     encode = asdict(settings.encode)
+    if encode["thinking_trace_format"] == default(EncodeSettings, "thinking_trace_format"):
+        del encode["thinking_trace_format"]  # added later: recorded only when set, so older outputs keep their bytes
     plan = {**asdict(settings.plan), "shard_size": str(settings.plan.shard_size)}
     return {"source": str(source), "tokenizer": encode.pop("tokenizer"), "split": list(settings.splits),
             **encode, **plan}
 
 
-def recorded(output: str | Path) -> str:
+def recorded(output: str | Path, relative_to: Path | None = None) -> str:
     """The config file of the run that made ``output`` (from its manifest; for a staged JSON/Parquet source, the
-    file or folder given and its media folder, from the staging's record)."""
+    file or folder given and its media folder, from the staging's record). With ``relative_to`` (the folder the
+    file is written to), local paths are written relative to it, as :func:`read` takes them back."""
     from packtool.build.sources.files import staged_input
     from packtool.format import Manifest
 
@@ -286,4 +290,10 @@ def recorded(output: str | Path) -> str:
                           f"{manifest.settings}")
     config = dict(manifest.run_config)
     config.update(staged_input(Path(config["source"])))
+    if relative_to is not None:
+        for key in PATH_KEYS:
+            value = config.get(key)
+            if isinstance(value, str) and not is_remote(value) and Path(value).is_absolute() \
+                    and (key != "tokenizer" or Path(value).is_dir()):
+                config[key] = os.path.relpath(value, Path(relative_to).resolve())
     return dump(config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 
@@ -161,3 +162,59 @@ def test_light_imports():
             "print(sorted(m for m in ('torch', 'transformers', 'packtool.build.encoder') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
+
+
+def test_mistyped_option_or_command_is_one_line_naming_the_nearest():
+    option = run("pack", "--pack-sise", 4096, "a", "b", check_fail=True)
+    assert "no such option --pack-sise; did you mean --pack-size?" in option.stderr and option.returncode == 2
+    assert "Usage:" not in option.stderr  # not Click's box
+    command = run("pakc", "a", check_fail=True)
+    assert "no such command pakc; did you mean pack?" in command.stderr and command.returncode == 2
+    far = run("frobnicate", check_fail=True)  # nothing near: no suggestion
+    assert "no such command frobnicate" in far.stderr and "did you mean" not in far.stderr
+    missing = run("stats", check_fail=True)
+    assert "missing argument 'path'" in missing.stderr and "--help" in missing.stderr
+
+
+def test_ctrl_c_says_a_rerun_resumes_and_exits_130(tmp_path):
+    import os
+    import signal
+    import time
+
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)  # reading the config blocks here until the signal comes
+    p = subprocess.Popen([*PACKTOOL, "pack", "--config", str(fifo)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):  # wait until the run is inside the command, blocked opening the FIFO
+            wchan = open(f"/proc/{p.pid}/wchan").read() if os.path.exists(f"/proc/{p.pid}/wchan") else ""
+            if "fifo" in wchan or "pipe" in wchan:
+                break
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    assert "packtool: interrupted; rerun the same command to resume" in err and "Traceback" not in err, err
+
+
+def test_inspect_config_out_writes_a_portable_file(packed, demo_dir, tmp_path):
+    """``inspect --config --out FILE`` writes local paths relative to FILE's folder; ``pack --config`` reads them
+    back to the same folders, wherever the file lies."""
+    import yaml
+
+    target = tmp_path / "configs" / "run.yaml"
+    target.parent.mkdir()
+    p = run("inspect", packed, "--config", "--out", target)
+    assert p.returncode == 0 and f"wrote {target}" in p.stdout, p.stderr
+    config = yaml.safe_load(target.read_text())
+    assert not Path(config["source"]).is_absolute() and not Path(config["tokenizer"]).is_absolute(), config
+    assert (target.parent / config["source"]).resolve() == (demo_dir / "dataset").resolve()
+    assert (target.parent / config["tokenizer"]).is_dir()
+    target.write_text(target.read_text() + "output: out\n")  # the run's output is never recorded
+    printed = run("pack", "--config", target, "--print-config")
+    assert printed.returncode == 0, printed.stderr
+    back = yaml.safe_load(printed.stdout)
+    assert Path(back["source"]).resolve() == (demo_dir / "dataset").resolve(), back
+    assert "--out writes the config file" in run("inspect", packed, "--out", target, check_fail=True).stderr

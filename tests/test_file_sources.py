@@ -340,3 +340,40 @@ def test_dataset_dict_and_parquet_folder_splits(media, tmp_path):
     pq.write_table(table.slice(4), tmp_path / "pq" / "validation-00000-of-00001.parquet")
     src = detect(tmp_path / "pq")
     assert src is not None and src.kind == "parquet" and sorted(src.splits) == ["train", "val"]
+
+
+def test_forgotten_media_dir_names_the_reason_and_failures_lists_the_samples(demo_dir, media, tmp_path):
+    """Without --media-dir the media are looked for beside the JSONL: the exit-3 line names the top reason with
+    a full example and hints --media-dir; ``failures`` lists each sample with its full reason, shard and key."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "data.jsonl").write_text("".join(json.dumps(sharegpt(i)) + "\n" for i in (0, 1, 1, 1, 1))
+                                                 + "{not json\n")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "packtool.cli", "pack", str(tmp_path / "src" / "data.jsonl"), str(out),
+           "--tokenizer", str(demo_dir / "tokenizer"), "--pack-size", str(PACK_SIZE), "--workers", "1",
+           "--no-progress"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 3, p.stderr
+    line = [ln for ln in p.stderr.splitlines() if ln.startswith("packtool: error:")]
+    assert len(line) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "top reasons: 4 × media file 'pics/001-0.jpg' not found in" in line[0], line[0]
+    assert "--media-dir" in line[0] and f"packtool failures {out}" in line[0], line[0]
+    table = subprocess.run([sys.executable, "-m", "packtool.cli", "failures", str(out)], capture_output=True,
+                           text=True, timeout=120)
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.startswith("5 samples not packed whole"), table.stdout
+    assert "line 6 of data.jsonl is not valid JSON" in table.stdout  # the full reason, not "line N"
+    report = json.loads(subprocess.run([sys.executable, "-m", "packtool.cli", "failures", str(out), "--json",
+                                        "--status", "error", "--limit", "1"], capture_output=True, text=True,
+                                       timeout=120).stdout)
+    assert report["total"] == 5 and [g["count"] for g in report["groups"]] == [4, 1], report
+    assert [len(g["samples"]) for g in report["groups"]] == [1, 1]
+    first = report["groups"][0]["samples"][0]
+    assert first["key"] and first["shard"] and first["split"] == "train" and "not found in" in first["reason"]
+    refused = subprocess.run([sys.executable, "-m", "packtool.cli", "failures", str(out), "--status", "packd"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "unknown status 'packd'" in refused.stderr
+    # stats keeps grouping but shows the full reason of each group
+    stats = subprocess.run([sys.executable, "-m", "packtool.cli", "stats", str(out)], capture_output=True,
+                           text=True, timeout=120).stdout
+    assert "line N of data.jsonl" in stats and "e.g. line 6 of data.jsonl is not valid JSON" in stats, stats

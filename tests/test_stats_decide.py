@@ -134,3 +134,36 @@ def test_html_report_renders_in_a_real_browser(packed, tmp_path):
 
     pixels = Image.open(shot).convert("L")
     assert pixels.size == (1200, 1600) and len(set(np.asarray(pixels).ravel().tolist())) > 20  # drawn
+
+
+def test_recommend_chooses_a_size_and_global_batch_and_says_why(packed):
+    """``--recommend`` turns a tokens-per-step target into a global batch per size (a multiple of dp × micro-
+    batches), chooses among sizes with few leftover packs, and flags leftovers; without --dp it states the
+    assumption."""
+    d = decide(packed, [1024, 2048, 4096], dp=2, micro_batches=2, tokens_per_step=16384)["train"]
+    rec = d["recommend"]
+    by_size = {r["pack_size"]: r for r in rec["rows"]}
+    assert by_size[1024]["global_batch_packs"] == 16 and by_size[4096]["global_batch_packs"] == 4
+    assert all(r["global_batch_packs"] % 4 == 0 for r in rec["rows"])
+    choice = by_size[rec["choice"]["pack_size"]]
+    assert rec["choice"]["global_batch_packs"] == choice["global_batch_packs"]
+    few = [r for r in rec["rows"] if r["steps_per_epoch"] and r["packs_left_over"] <= 0.05 * r["packs"]]
+    if few:  # the choice is one of the sizes with few leftovers, the least cut among them
+        assert choice in few and choice["truncated"] + choice["dropped"] == min(r["truncated"] + r["dropped"]
+                                                                                for r in few)
+    assert f"pack size {choice['pack_size']}" in rec["why"] and "steps/epoch" in rec["why"]
+    samples = decide(packed, [2048], dp=1, global_batch_samples=40)["train"]["recommend"]["rows"][0]
+    assert abs(samples["global_batch_packs"] * samples["samples_per_pack"]["mean"] - 40) \
+        <= samples["samples_per_pack"]["mean"]
+    p = run("stats", packed, "--recommend", "--tokens-per-step", 16384, "--dp", 2)
+    assert p.returncode == 0, p.stderr
+    assert "recommended: pack size" in p.stdout and "tokens/step" in p.stdout
+    assert "assuming 1 data-parallel rank" not in p.stdout
+    bare = run("stats", packed, "--candidates", "1024")
+    assert "assuming 1 data-parallel rank" in bare.stdout and "global batch 1 packs" in bare.stdout
+    flagged = run("stats", packed, "--candidates", "1024", "--dp", 7)  # 7-pack batches: leftovers likely
+    rows = [d["candidates"][0] for d in decide(packed, [1024], dp=7).values()]
+    over = sum(r["packs_left_over"] > 0.05 * r["packs"] for r in rows)
+    assert over and flagged.stdout.count("WARNING") == over, flagged.stdout
+    assert "needs one target" in one_error(run("stats", packed, "--recommend"))
+    assert "add --recommend" in one_error(run("stats", packed, "--tokens-per-step", 8192))

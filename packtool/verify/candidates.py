@@ -226,13 +226,66 @@ def check_sizes(text: str) -> list[int]:
     return sizes
 
 
+#: Above this share of an epoch's packs left over (no full global batch), the report flags the candidate.
+LEFTOVER_WARN = 0.05
+#: The pack sizes judged when none are given (those below the alignment are skipped).
+DEFAULT_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def leftover_share(entry: dict) -> float:
+    """The share of an epoch's packs that fill no global batch."""
+    return entry["packs_left_over"] / entry["packs"] if entry["packs"] else 0.0
+
+
 def steps_text(entry: dict) -> str:
-    """The global batch and the steps per epoch of one candidate, in words."""
+    """The global batch and the steps per epoch of one candidate, in words (with the ranks it assumes when they
+    were not given, and a warning when more than :data:`LEFTOVER_WARN` of the packs are left over)."""
+    assumed = "assuming 1 data-parallel rank and 1 micro-batch (give --dp): " if entry.get("dp_assumed") else ""
     if not entry["steps_per_epoch"]:
-        return (f"{entry['global_batch_packs']} packs/step: more than the {entry['packs']} packs an epoch holds; "
-                f"take fewer ranks or micro-batches")
-    return (f"global batch {entry['global_batch_packs']} packs ≈ {entry['samples_per_step']['mean']:.1f} samples "
-            f"(min {entry['samples_per_step']['min']:.0f}, max {entry['samples_per_step']['max']:.0f}); "
-            f"{entry['steps_per_epoch']} steps/epoch" + (f" (+{entry['packs_left_over']} packs left over)"
-                                                         if entry["packs_left_over"] else ""))
+        return (f"{assumed}{entry['global_batch_packs']} packs/step: more than the {entry['packs']} packs an epoch "
+                f"holds; take fewer ranks or micro-batches")
+    left = leftover_share(entry)
+    return (f"{assumed}global batch {entry['global_batch_packs']} packs ≈ "
+            f"{entry['samples_per_step']['mean']:.1f} samples (min {entry['samples_per_step']['min']:.0f}, "
+            f"max {entry['samples_per_step']['max']:.0f}), {entry['global_batch_packs'] * entry['pack_size']} "
+            f"tokens/step; {entry['steps_per_epoch']} steps/epoch"
+            + (f" (+{entry['packs_left_over']} packs left over, {left:.0%})" if entry["packs_left_over"] else "")
+            + (f"; WARNING: {left:.0%} of the packs are left over each epoch" if left > LEFTOVER_WARN else ""))
+
+
+def recommend(output: Path, split: str, ledger: Any, sizes: list[int], settings: dict, *, dp: int = 1,
+              micro_batches: int = 1, tokens_per_step: int | None = None,
+              global_batch_samples: int | None = None, algorithm: str | None = None) -> dict:
+    """The pack size and global batch (in packs, a multiple of ``dp × micro_batches``) to choose for a target of
+    ``tokens_per_step`` or ``global_batch_samples``, and why: per size, the global batch nearest the target, its
+    steps per epoch and leftover packs. The choice: among sizes with at most :data:`LEFTOVER_WARN` left over (all
+    if none), the fewest truncated and dropped samples, then the best fill."""
+    if (tokens_per_step is None) == (global_batch_samples is None):
+        raise ConfigError("give one target: tokens per step or a global batch in samples")
+    if (tokens_per_step or global_batch_samples or 0) < 1:
+        raise ConfigError("the target must be at least 1")
+    unit = dp * micro_batches
+    rows = []
+    for one in evaluate(output, split, ledger, sizes, settings, dp=1, algorithm=algorithm):
+        if not one["packs"]:
+            continue
+        want = (tokens_per_step / one["pack_size"] if tokens_per_step is not None
+                else global_batch_samples / max(one["samples_per_pack"]["mean"], 1e-9))
+        batch = max(unit, round(want / unit) * unit)
+        row = evaluate(output, split, ledger, [one["pack_size"]], settings, dp=batch, algorithm=algorithm)[0]
+        rows.append(row)
+    usable = [r for r in rows if r["steps_per_epoch"]]
+    few_left = [r for r in usable if leftover_share(r) <= LEFTOVER_WARN] or usable
+    if not few_left:
+        return {"choice": None, "rows": rows, "why": "no candidate size gives one full global batch per epoch"}
+    best = min(few_left, key=lambda r: (r["truncated"] + r["dropped"], -r["fill"], r["pack_size"]))
+    why = (f"pack size {best['pack_size']}, global batch {best['global_batch_packs']} packs "
+           f"({best['global_batch_packs'] * best['pack_size']} tokens/step, ≈ {best['samples_per_step']['mean']:.1f} "
+           f"samples): fill {best['fill']:.4f}, {best['truncated']} truncated, {best['dropped']} dropped, "
+           f"{best['steps_per_epoch']} steps/epoch, {best['packs_left_over']} packs left over "
+           f"({leftover_share(best):.1%})"
+           + ("" if leftover_share(best) <= LEFTOVER_WARN else f"; WARNING: every size leaves more than "
+                                                                 f"{LEFTOVER_WARN:.0%} of the packs over"))
+    return {"choice": {"pack_size": best["pack_size"], "global_batch_packs": best["global_batch_packs"]},
+            "rows": rows, "why": why}
 

@@ -93,8 +93,12 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
         a = split_arrays(ledger, split)
         rows = ledger.filter(pc.equal(ledger.column("split"), split))
         statuses = rows.column("status").to_pylist()
-        reasons = Counter(
-            (s, group_reason(r)) for s, r in zip(statuses, rows.column("reason").to_pylist()) if s != "packed")
+        reasons: Counter[tuple[str, str]] = Counter()
+        examples: dict[tuple[str, str], str] = {}  # a group's first full reason: the numbers folded out of it
+        for s, r in zip(statuses, rows.column("reason").to_pylist()):
+            if s != "packed":
+                reasons[(s, group_reason(r))] += 1
+                examples.setdefault((s, group_reason(r)), r)
         lengths, pack = a["lengths"], a["pack"]
         n_packs = int(pack.max()) + 1 if pack.size else 0
         cost = aligned_lengths(lengths, align)
@@ -104,7 +108,8 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
         entry: dict[str, Any] = {
             "samples": len(statuses),
             "status": {s: statuses.count(s) for s in STATUSES},
-            "reasons": [{"status": s, "reason": r, "count": c} for (s, r), c in sorted(reasons.items())],
+            "reasons": [{"status": s, "reason": r, "count": c, "example": examples[(s, r)]}
+                        for (s, r), c in sorted(reasons.items())],
             "packs": n_packs,
             "l1_bound": -(-costs // size) if costs else 0,
             "tokens": tokens,
@@ -172,11 +177,12 @@ def _folder(path: Path) -> Path:
     return path if path.is_dir() else path.parent
 
 
-def decide(path: str | Path, sizes: list[int], *, dp: int = 1, micro_batches: int = 1, micro_batch_size: int = 1,
-           algorithm: str | None = None) -> dict:
+def decide(path: str | Path, sizes: list[int], *, dp: int | None = None, micro_batches: int = 1,
+           micro_batch_size: int = 1, algorithm: str | None = None, tokens_per_step: int | None = None,
+           global_batch_samples: int | None = None) -> dict:
     """Per split: the source-length distribution (before any cut) and one row per candidate pack size
     (:func:`packtool.verify.candidates.evaluate`)."""
-    from packtool.verify.candidates import distribution, evaluate, load_rows
+    from packtool.verify.candidates import distribution, evaluate, load_rows, recommend
 
     path = Path(path)
     ledger = _ledger(path, ["split", "status", "source_tokens"])
@@ -185,9 +191,15 @@ def decide(path: str | Path, sizes: list[int], *, dp: int = 1, micro_batches: in
     for split in sorted(set(ledger.column("split").to_pylist())):
         rows = ledger.filter(pc.equal(ledger.column("split"), split)).to_pydict()
         out[split] = {"source": distribution(load_rows(_folder(path), split, rows)),
-                      "candidates": evaluate(_folder(path), split, rows, sizes, st, dp=dp,
+                      "candidates": evaluate(_folder(path), split, rows, sizes, st, dp=dp or 1,
                                              micro_batches=micro_batches, micro_batch_size=micro_batch_size,
                                              algorithm=algorithm)}
+        for c in out[split]["candidates"]:
+            c["dp_assumed"] = dp is None
+        if tokens_per_step is not None or global_batch_samples is not None:
+            out[split]["recommend"] = recommend(_folder(path), split, rows, sizes, st, dp=dp or 1,
+                                                micro_batches=micro_batches, tokens_per_step=tokens_per_step,
+                                                global_batch_samples=global_batch_samples, algorithm=algorithm)
     return out
 
 
@@ -209,6 +221,8 @@ def format_report(report: dict) -> str:
                          f"(natural order {e['dp_imbalance_unbalanced_order']:.4f})")
         for r in e["reasons"]:
             lines.append(f"  {r['status']:<10} {r['count']:>7}  {r['reason']}")
+            if r.get("example", r["reason"]) != r["reason"]:
+                lines.append(f"  {'':<10} {'':>7}  e.g. {r['example']}")
     for split, rows in report.get("compare", {}).items():
         lines += ["", f"[{split}] replanned", f"  {'algorithm':<26}{'packs':>8}{'L1':>8}{'fill':>9}{'seconds':>10}"]
         for r in rows:
@@ -239,6 +253,8 @@ def _decide_lines(split: str, d: dict) -> list[str]:
         lines.append(f"  {r['pack_size']:>7}{r['packs']:>8}{r['fill']:>8.4f}{r['truncated']:>7}{r['dropped']:>6}"
                      f"{spread:>22}{mp['mean']:>12.2f}")
         lines.append(f"  {'':>7}  {steps_text(r)}")
+    if "recommend" in d:
+        lines.append(f"  recommended: {d['recommend']['why']}")
     estimated = sum(r["estimated"] for r in rows)
     if estimated:
         lines.append(f"  estimates: {estimated} cut sample(s) judged from incomplete facts (text cut before "
