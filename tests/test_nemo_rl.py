@@ -279,6 +279,47 @@ def test_qwen_media_are_the_processors(nemo_rl_packed):
     assert with_images > 0 and image_only > 0
 
 
+def test_qwen_batch_carries_the_processors_mm_token_type_ids(nemo_rl_packed, demo_dir, torchvision):
+    """Qwen2.5-VL packs: the batch's ``mm_token_type_ids`` (the shape of ``input_ids``) equal, on one sample with
+    images, what transformers' Qwen2.5-VL processor returns for that sample's text and images; 0 on padding."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    folder = demo_dir / "tokenizer"
+    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor.from_pretrained(folder),
+                                    tokenizer=AutoTokenizer.from_pretrained(folder),
+                                    video_processor=Qwen2VLVideoProcessor.from_pretrained(folder))
+    manifest = load_manifest(nemo_rl_packed)
+    image_id, video_id = manifest["image_token_id"], manifest["video_token_id"]
+    seg, tokens, media = next((s, t, m) for s, t, _, m in fx.packed_segments(nemo_rl_packed, "val")
+                              if s.media and all(r.kind == "image" for r in s.media))
+    ids = tokens.tolist()
+    one_each = [t for i, t in enumerate(ids) if t != image_id or i == 0 or ids[i - 1] != image_id]
+    images = [Image.open(io.BytesIO(media[r.member])) for r in seg.media]
+    want = processor(text=[processor.tokenizer.decode(one_each)], images=images, return_tensors="pt")
+    assert want["input_ids"][0].tolist() == ids  # the processor's own tokens of this sample
+    want_types = want["mm_token_type_ids"][0]
+    assert int(want_types.sum()) == sum(t == image_id for t in ids) > 0  # control: not all text
+    found = 0
+    for batch in nemo_rl_loader(nemo_rl_packed, 2):
+        types = batch["mm_token_type_ids"]
+        assert types.shape == batch["input_ids"].shape
+        assert torch.equal(types == 1, batch["input_ids"] == image_id)
+        assert torch.equal(types == 2, batch["input_ids"] == video_id)
+        for row, keys in enumerate(batch["source_ids"]):
+            if seg.key in keys:
+                i = keys.index(seg.key)
+                start, end = (int(v) for v in batch["cu_seqlens_padded"][row][i:i + 2])
+                got = types[row, start:start + len(ids)]
+                assert got.dtype == want_types.dtype and torch.equal(got, want_types)
+                assert not types[row, start + len(ids):end].any()  # the sample's padding is text (0)
+                found += 1
+    assert found == 1
+
+
 def test_encoder_refuses_what_cannot_hold(nemo_rl_packed, tmp_path):
     cls = loaded_encoder_class()
     with pytest.raises(ValueError, match="packing"):
@@ -292,6 +333,73 @@ def test_encoder_refuses_what_cannot_hold(nemo_rl_packed, tmp_path):
         wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
         next(iter(get_savable_loader(get_val_dataset(nemo_rl_packed, split_part="val", worker_config=wc,
                                                      batch_size=1, task_encoder=encoder))))
+
+
+def test_encoder_recipe_options_honoured_or_refused(nemo_rl_packed):
+    """Every recipe option of NeMo-RL's own encoders is compared with the packs' settings or refused unless at the
+    value the packs fixed: one accepted and one refused value per class."""
+    cls = loaded_encoder_class()
+
+    def build(**options):
+        return cls(**nemo_rl_encoder_kwargs(max_sequence_length=2048, options=options))
+
+    assert nemo_rl.RECIPE_OPTIONS == {*nemo_rl.PACKED_RECIPE_OPTIONS, *nemo_rl.FIXED_RECIPE_OPTIONS,
+                                      *nemo_rl.OFF_RECIPE_OPTIONS, "prompt_format", "thinking_trace_format"}
+    # fixed by packtool's NeMo-RL rules: the default accepted, another value refused
+    for name, fixed in nemo_rl.FIXED_RECIPE_OPTIONS.items():
+        build(**{name: fixed})
+        other = (not fixed) if isinstance(fixed, bool) else fixed * 2
+        with pytest.raises(ValueError, match=f"{name} .*already fixed it at"):
+            build(**{name: other})
+    # augmentations, loader decoding and loss masks: off accepted, on refused
+    for name in nemo_rl.OFF_RECIPE_OPTIONS:
+        build(**{name: None})
+        with pytest.raises(ValueError, match=f"the recipe sets {name} "):
+            build(**{name: "assistant" if name == "loss_mask_mode" else 1})
+    build(video_frame_temporal_jitter=False, tiling_augment_prob=0.0)
+    # compared with the manifest when a pack is read
+    omni = {"settings": {"pack_size": 4096}, "image_processor": {"family": "nemotron_omni", "patch_size": 16,
+                                                                  "video_temporal_patch_dim": 2}}
+    qwen = {"settings": {"pack_size": 4096}, "image_processor": {"family": "qwen2_vl"}}
+
+    class Audio:
+        feature_size = 128
+
+    class Processors:
+        audio = Audio()
+
+    same = {"packing_sequence_length": 4096, "patch_dim": 16, "temporal_patch_size": 2,
+            "audio_subsampling_factor": 8, "audio_num_mel_bins": 128}
+    assert set(same) == set(nemo_rl.PACKED_RECIPE_OPTIONS)
+    nemo_rl.check_packed_recipe_options(omni, same, Processors())
+    nemo_rl.check_packed_recipe_options(qwen, {"packing_sequence_length": 4096})
+    for name, value in same.items():
+        with pytest.raises(FormatError, match=f"the recipe sets {name} {value + 1}, the packs were made with"):
+            nemo_rl.check_packed_recipe_options(omni, {name: value + 1}, Processors())
+    with pytest.raises(FormatError, match="patch_dim 16, a Nemotron Omni option"):
+        nemo_rl.check_packed_recipe_options(qwen, {"patch_dim": 16})
+    encoder = build(**same)
+    assert encoder.recipe_options == same
+    # through Energon's loader: the packs' pack size accepted, another refused with the pack named
+    pack_size = load_manifest(nemo_rl_packed)["settings"]["pack_size"]
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    for size in (pack_size, pack_size * 2):
+        loader = get_savable_loader(get_val_dataset(nemo_rl_packed, split_part="val", worker_config=wc, batch_size=1,
+                                                    task_encoder=build(packing_sequence_length=size)))
+        if size == pack_size:
+            assert next(iter(loader))["input_ids"].shape[0] == 1
+        else:
+            with pytest.raises(Exception, match=f"packing_sequence_length {size}, the packs were made with"):
+                next(iter(loader))
+    # NeMo-RL's own keywords: the pad multiple taken as sequence_multiple, a differing pair refused
+    kwargs = nemo_rl_encoder_kwargs(max_sequence_length=2048)
+    assert cls(**{**kwargs, "sequence_length_pad_multiple": 8}).sequence_multiple == 8
+    with pytest.raises(ValueError, match="differ"):
+        cls(**{**kwargs, "sequence_length_pad_multiple": 8, "sequence_multiple": 16})
+    # cookers: packtool's accepted, another refused
+    cls(**{**kwargs, "cooker_functions": [Cooker(nemo_rl.cook_packtool_pack, has_subflavors={"packtool": 1})]})
+    with pytest.raises(ValueError, match="cook_packtool_pack only"):
+        cls(**{**kwargs, "cooker_functions": [Cooker(lambda sample: sample)]})
 
 
 def test_encoder_holds_nemo_rls_base_contract(stand_in_module, nemo_rl_packed):

@@ -82,6 +82,19 @@ def _manifest_get(manifest, key: str):
     return manifest.get(key) if isinstance(manifest, Mapping) else getattr(manifest, key, None)
 
 
+def mm_token_type_ids(input_ids: torch.Tensor, manifest) -> torch.Tensor:
+    """transformers' Qwen2-VL / Qwen2.5-VL processor's ``mm_token_type_ids`` of ``input_ids`` (any shape): per token
+    0 text, 1 the manifest's image token, 2 its video token; int32, the shape of ``input_ids``."""
+    image_id = _manifest_get(manifest, "image_token_id")
+    video_id = _manifest_get(manifest, "video_token_id")
+    kinds = torch.zeros_like(input_ids, dtype=torch.int32)
+    if image_id is not None:
+        kinds += (input_ids == image_id).int()
+    if video_id is not None:
+        kinds += 2 * (input_ids == video_id).int()
+    return kinds
+
+
 def family_of_model(model) -> HFFamily:
     """The hook of a transformers model (or config): ``qwen2_vl`` for Qwen2-VL/2.5-VL, ``none`` for a model without
     a vision or audio tower; any other family is refused in one line."""
@@ -165,13 +178,7 @@ def hf_batch(batch: Mapping, manifest=None, *, tokens_per_second: int | None = N
            "cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(),
            "max_length_q": int(seqlens.max()), "max_length_k": int(seqlens.max())}
     if hook.name == "qwen2_vl":
-        image_id = _manifest_get(manifest, "image_token_id")
-        video_id = _manifest_get(manifest, "video_token_id")
-        ids = row["input_ids"]
-        kinds = (ids == image_id).int() if image_id is not None else torch.zeros_like(ids, dtype=torch.int32)
-        if video_id is not None:
-            kinds = kinds + 2 * (ids == video_id).int()
-        out["mm_token_type_ids"] = kinds
+        out["mm_token_type_ids"] = mm_token_type_ids(row["input_ids"], manifest)
         if len(row.get("image_grid_thw", ())):
             out["image_grid_thw"] = row["image_grid_thw"]
             if "pixel_values" in row:

@@ -14,6 +14,8 @@ come from packtool, packed offline and globally, and :class:`PacktoolSFTTaskEnco
 * ``cu_seqlens`` / ``cu_seqlens_padded``: per pack, int32 ``[S + 1]`` cumulative sums of the real and of the padded
   sample lengths (NeMo-RL's ``PackedTensor`` of them when NeMo-RL is importable, else a list);
 * ``source_ids``: per pack, the source keys of its samples;
+* ``mm_token_type_ids`` int64 ``[B, L]`` (Qwen2-VL / Qwen2.5-VL packs, whose transformers processor gives it): per
+  token 0 text, 1 image, 2 video; 0 on padding;
 * media, per pack in placeholder order (NeMo-RL's ``PackedTensor``; without NeMo-RL, per row the list of its
   segments, ``None`` for a row without): Qwen2-VL / Qwen2.5-VL packs give the transformers processor's
   ``pixel_values``, ``image_grid_thw`` (and ``pixel_values_videos``, ``video_grid_thw``, ``second_per_grid_ts``),
@@ -51,24 +53,88 @@ from PIL import Image
 from packtool import families
 from packtool.errors import FormatError
 from packtool.format import Manifest, PackRecord
+from packtool.runtime.hf import mm_token_type_ids
 from packtool.runtime.loader import PackSample, _manifest, _reader_processor, cook_pack
 from packtool.runtime.nemotron import CLIP_MEAN, CLIP_STD
 from packtool.runtime.read import open_pack, open_stored_image, pack_to_batch
 
+#: The family whose transformers processor gives ``mm_token_type_ids`` (0 text, 1 image, 2 video per token), which
+#: its NeMo-RL batch carries (:func:`packtool.runtime.hf.mm_token_type_ids`).
+QWEN_FAMILY = "qwen2_vl"
 #: The media keys of a Qwen2-VL-style reader batch that NeMo-RL's ``hf_multimodal`` adapter carries (the
 #: transformers processor's own names).
 QWEN_MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-#: Options of NeMo-RL's own SFT encoders (``nemotron_multimodal``'s keyword arguments) that a recipe overlay
-#: inherits: they decide tokens and media at packing time, which packtool did. ``prompt_format`` must be
-#: ``nemotron6-moe`` and ``thinking_trace_format`` the packs' (:func:`check_thinking_trace_format`); the others are
-#: accepted and not checked.
-RECIPE_OPTIONS = frozenset({
-    "packing_sequence_length", "patch_dim", "temporal_patch_size", "prompt_format", "thinking_trace_format",
-    "relax_thinking_trace_check", "video_min_num_frames", "video_max_num_frames", "video_default_fps",
+#: Options of NeMo-RL's own SFT encoders (``nemotron_multimodal``'s keyword arguments) that a recipe may pass. Each
+#: is honoured or refused in one line, never accepted and ignored:
+#:
+#: * :data:`PACKED_RECIPE_OPTIONS` are compared with what the packs were made with (the manifest) when a pack is
+#:   read, and a mismatch is refused (``prompt_format`` and ``thinking_trace_format`` as well);
+#: * :data:`FIXED_RECIPE_OPTIONS` decide tokens or media at packing time by rules packtool fixed (NeMo-RL's
+#:   defaults): any other value is refused when the encoder is built, as are the augmentations of
+#:   :data:`OFF_RECIPE_OPTIONS` when on (packs are made once, deterministically) and ``loss_mask_mode`` (the packs
+#:   carry their targets). ``None`` means unset and is accepted everywhere.
+#:
+#: recipe option -> manifest field it must equal (``settings.`` or the Nemotron Omni processor settings)
+PACKED_RECIPE_OPTIONS: dict[str, str] = {
+    "packing_sequence_length": "settings.pack_size", "patch_dim": "patch_size",
+    "temporal_patch_size": "video_temporal_patch_dim", "audio_subsampling_factor": "audio_subsampling_factor",
+    "audio_num_mel_bins": "feature_size"}
+#: recipe option -> the only value packtool's NeMo-RL rules (``packtool.families.nemo_rl_rules``) pack with.
+FIXED_RECIPE_OPTIONS: dict[str, Any] = {
+    "video_min_num_frames": 8, "video_max_num_frames": 32, "video_default_fps": 2, "allow_large_videos": False,
+    "audio_clip_duration_seconds": 30.0, "min_audio_duration_seconds": 0.1, "max_audio_duration_seconds": 1800.0,
+    "relax_thinking_trace_check": False}
+#: augmentations and loader-side decoding: refused unless off (false, 0 or unset).
+OFF_RECIPE_OPTIONS = frozenset({
     "video_frame_temporal_jitter", "video_aug_scale_frames_up", "video_aug_scale_resolution_up",
-    "video_aug_scale_resolution_only", "allow_large_videos", "tiling_augment_prob", "video_decode_thread_count",
-    "audio_subsampling_factor", "audio_num_mel_bins", "audio_clip_duration_seconds", "min_audio_duration_seconds",
-    "max_audio_duration_seconds", "loss_mask_mode"})
+    "video_aug_scale_resolution_only", "tiling_augment_prob", "video_decode_thread_count", "loss_mask_mode"})
+RECIPE_OPTIONS = frozenset({*PACKED_RECIPE_OPTIONS, *FIXED_RECIPE_OPTIONS, *OFF_RECIPE_OPTIONS,
+                            "prompt_format", "thinking_trace_format"})
+
+
+def check_fixed_recipe_options(options: Mapping[str, Any]) -> None:
+    """Refuse, in one line, a recipe option that packtool's packs fixed to another value
+    (:data:`FIXED_RECIPE_OPTIONS`, :data:`OFF_RECIPE_OPTIONS`)."""
+    for name, fixed in FIXED_RECIPE_OPTIONS.items():
+        value = options.get(name)
+        if value is not None and value != fixed:
+            raise ValueError(f"the recipe sets {name} {value!r}: the packs already fixed it at {fixed!r} (NeMo-RL's "
+                             f"default, applied by packtool at packing time): remove it or set it to {fixed!r}")
+    for name in sorted(OFF_RECIPE_OPTIONS):
+        value = options.get(name)
+        if value is not None and value not in (False, 0):
+            why = ("the packs carry their targets (set by --preset at packing time)" if name == "loss_mask_mode"
+                   else "the packs' media were chosen once at packing time" if name != "video_decode_thread_count"
+                   else "packtool's reader decodes the packs' videos itself")
+            raise ValueError(f"the recipe sets {name} {value!r}: {why}; remove it")
+
+
+def check_packed_recipe_options(manifest: Mapping, options: Mapping[str, Any], processors: Any = None) -> None:
+    """Refuse a recipe option of :data:`PACKED_RECIPE_OPTIONS` that differs from what the packs were made with
+    (``audio_num_mel_bins``: the model folder's feature extractor, checked when the media are read)."""
+    given = {k: options[k] for k in PACKED_RECIPE_OPTIONS if options.get(k) is not None}
+    if not given:
+        return
+    family = manifest.get("image_processor", {}).get("family")
+    for name, value in given.items():
+        field_name = PACKED_RECIPE_OPTIONS[name]
+        if field_name == "settings.pack_size":
+            packed: Any = manifest.get("settings", {}).get("pack_size")
+        elif family != "nemotron_omni":
+            raise FormatError(f"the recipe sets {name} {value!r}, a Nemotron Omni option, but the packs were made "
+                              f"for a {family or 'text'} model folder: remove it")
+        elif field_name == "feature_size":
+            audio = getattr(processors, "audio", None)
+            if audio is None:
+                continue  # media not read (images: false): no mel features to compare
+            packed = getattr(audio, "feature_size", None)
+        else:
+            from packtool.runtime.nemotron import settings_from_manifest
+
+            packed = getattr(settings_from_manifest(manifest), field_name)
+        if value != packed:
+            raise FormatError(f"the recipe sets {name} {value!r}, the packs were made with {packed!r} "
+                              f"({field_name}): pack again with the recipe's setting, or set {name} to {packed!r}")
 
 
 #: The prompt format packtool's ``nemo-rl-nemotron-omni`` preset renders (NeMo-RL's ``prompt_format``).
@@ -104,6 +170,8 @@ class NemoRLRow:
     media: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     #: Nemotron Omni: pixels per patch side, for NeMo-RL's patchify mode; None otherwise.
     patch_dim: int | None = None
+    #: Qwen2-VL / Qwen2.5-VL packs: the processor's ``mm_token_type_ids`` of ``input_ids`` (int64 [L]); else None.
+    token_types: torch.Tensor | None = None
 
 
 def nemo_rl_row(members: Mapping[str, Any], manifest: Mapping, *, multiple: int | None = None, images: bool = True,
@@ -133,8 +201,10 @@ def nemo_rl_row(members: Mapping[str, Any], manifest: Mapping, *, multiple: int 
     mask[row_starts[:-1]] = 0.0  # prepare_packed_sft_batch: a sample's first token is never a target
     family = families.from_manifest(manifest)
     media = _media(members, record, manifest, family, where, images, image_processor, source)
-    return NemoRLRow(torch.from_numpy(ids), torch.from_numpy(mask), lengths.tolist(), padded.tolist(),
-                     [s.key for s in record.segments], record.key, media, family.nemo_rl_patch_dim)
+    input_ids = torch.from_numpy(ids)
+    token_types = mm_token_type_ids(input_ids, manifest).long() if family.name == QWEN_FAMILY else None
+    return NemoRLRow(input_ids, torch.from_numpy(mask), lengths.tolist(), padded.tolist(),
+                     [s.key for s in record.segments], record.key, media, family.nemo_rl_patch_dim, token_types)
 
 
 def _media(members: Mapping[str, Any], record: PackRecord, manifest: Mapping, family: families.Family, where: str,
@@ -316,6 +386,13 @@ def nemo_rl_batch(rows: Sequence[NemoRLRow], pad_token_id: int, *, capacity: int
     for i, r in enumerate(rows):
         input_ids[i, :len(r.input_ids)] = r.input_ids
         token_mask[i, :len(r.token_mask)] = r.token_mask
+    token_types = None
+    if any(r.token_types is not None for r in rows):
+        token_types = torch.zeros((len(rows), length), dtype=torch.int64)
+        for i, r in enumerate(rows):
+            if r.token_types is None:
+                raise ValueError(f"pack {r.pack_key} has no mm_token_type_ids, the batch's other packs have")
+            token_types[i, :len(r.token_types)] = r.token_types
 
     def cumulative(values: list[int]) -> torch.Tensor:
         return torch.tensor([0, *np.cumsum(values).tolist()], dtype=torch.int32)
@@ -329,6 +406,8 @@ def nemo_rl_batch(rows: Sequence[NemoRLRow], pad_token_id: int, *, capacity: int
         "cu_seqlens_padded": _boundaries([cumulative(r.padded) for r in rows]),
         "source_ids": [list(r.keys) for r in rows],
     }
+    if token_types is not None:
+        batch["mm_token_type_ids"] = token_types
     for key in sorted({k for r in rows for k in r.media}):
         batch[key] = _packed_media([r.media.get(key) for r in rows], key, rows[0].patch_dim)
     try:
@@ -343,8 +422,11 @@ def _to_capacity(row: NemoRLRow, capacity: int, pad_token_id: int) -> NemoRLRow:
     if extra < 0:
         raise FormatError(f"pack {row.pack_key} lays out {len(row.input_ids)} tokens, more than the capacity "
                           f"{capacity}")
+    token_types = None if row.token_types is None else torch.cat([row.token_types,
+                                                                  torch.zeros(extra, dtype=torch.int64)])
     return replace(row, input_ids=torch.cat([row.input_ids, torch.full((extra,), pad_token_id, dtype=torch.int64)]),
                    token_mask=torch.cat([row.token_mask, torch.zeros(extra, dtype=torch.float32)]),
+                   token_types=token_types,
                    padded=[*row.padded[:-1], row.padded[-1] + extra])
 
 
@@ -395,8 +477,12 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
     alignment (set it to the policy's ``make_sequence_length_divisible_by``; the pack's alignment must be a
     multiple of it); ``images`` (default true) decodes the media; ``pack_layout`` (:data:`PACK_LAYOUTS`, default
     ``capacity``: NeMo-RL's current batch, every row padded to the capacity, ``max_total_sequence_length``; ``samples``:
-    its earlier one). The options of NeMo-RL's own encoders that a recipe overlay inherits (:data:`RECIPE_OPTIONS`)
-    are accepted and not used (``prompt_format`` and ``thinking_trace_format`` checked); any other is an error.
+    its earlier one). The options of NeMo-RL's own encoders that a recipe may pass (:data:`RECIPE_OPTIONS`) are
+    compared with the packs' settings or refused unless at the value the packs fixed; any other is an error.
+    NeMo-RL's own keyword arguments: ``adapter`` gives ``max_sequence_length``; ``cooker_functions`` must be
+    packtool's cooker (or none); ``sequence_length_pad_multiple`` (>1) is taken as ``sequence_multiple`` when that
+    is not given, and must equal it when it is; ``tokenizer``'s pad id must be the packs'; ``packer`` and
+    ``only_unmask_final`` are refused.
     """
 
     cookers = [Cooker(cook_packtool_pack, has_subflavors={"packtool": 1})]
@@ -425,6 +511,21 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
         unknown = sorted(set(recipe_options) - RECIPE_OPTIONS)
         if unknown:
             raise ValueError(f"unknown PacktoolSFTTaskEncoder options: {unknown}")
+        check_fixed_recipe_options(recipe_options)
+        self.recipe_options = {k: v for k, v in recipe_options.items() if k in PACKED_RECIPE_OPTIONS}
+        for cooker in cooker_functions:
+            cook = getattr(cooker, "cook", cooker)
+            if getattr(cook, "__name__", None) != cook_packtool_pack.__name__:
+                raise ValueError(f"cooker {getattr(cook, '__name__', cook)!r}: packtool packs are read by "
+                                 f"cook_packtool_pack only (data.energon.cookers)")
+        if sequence_length_pad_multiple < 1:
+            raise ValueError(f"sequence_length_pad_multiple must be >= 1, got {sequence_length_pad_multiple}")
+        if sequence_length_pad_multiple > 1:
+            if sequence_multiple is None:
+                sequence_multiple = sequence_length_pad_multiple
+            elif sequence_multiple != sequence_length_pad_multiple:
+                raise ValueError(f"sequence_length_pad_multiple {sequence_length_pad_multiple} and sequence_multiple "
+                                 f"{sequence_multiple} differ: give one")
         prompt_format = recipe_options.get("prompt_format")
         if prompt_format is not None and prompt_format != NEMOTRON_PROMPT_FORMAT:
             raise ValueError(f"prompt_format {prompt_format!r}: packtool's Nemotron Omni packs are laid out in "
@@ -450,6 +551,7 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
         try:
             check_thinking_trace_format(manifest, self.thinking_trace_format)
             processors = _reader_processor(str(info.dataset_path)) if self.images else None
+            check_packed_recipe_options(manifest, self.recipe_options, processors)
             row = nemo_rl_row({**sample.members, "__key__": sample.__key__}, manifest,
                               multiple=self.sequence_multiple, images=self.images, image_processor=processors,
                               source=where)
