@@ -101,6 +101,12 @@ def member_name(key: str, part: str) -> str:
 PACK_NUMBER_DIGITS = 9
 
 
+def record_position(number: int) -> str:
+    """A record's position in a JSON/JSONL/Parquet/Arrow source as its ledger key and chunk label begin
+    (``000000042``: sorts as the number)."""
+    return f"{number:0{PACK_NUMBER_DIGITS}d}"
+
+
 def pack_key(split: str, number: int) -> str:
     """Key of pack ``number`` (output order) of ``split``: unique across the dataset, no dots."""
     return f"{split}-{number:0{PACK_NUMBER_DIGITS}d}"

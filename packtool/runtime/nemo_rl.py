@@ -115,26 +115,19 @@ def check_packed_recipe_options(manifest: Mapping, options: Mapping[str, Any], p
     given = {k: options[k] for k in PACKED_RECIPE_OPTIONS if options.get(k) is not None}
     if not given:
         return
-    family = manifest.get("image_processor", {}).get("family")
-    for name, value in given.items():
-        field_name = PACKED_RECIPE_OPTIONS[name]
-        if field_name == "settings.pack_size":
-            packed: Any = manifest.get("settings", {}).get("pack_size")
-        elif family != "nemotron_omni":
-            raise FormatError(f"the recipe sets {name} {value!r}, a Nemotron Omni option, but the packs were made "
-                              f"for a {family or 'text'} model folder: remove it")
-        elif field_name == "feature_size":
-            audio = getattr(processors, "audio", None)
-            if audio is None:
-                continue  # media not read (images: false): no mel features to compare
-            packed = getattr(audio, "feature_size", None)
-        else:
-            from packtool.runtime.nemotron import settings_from_manifest
+    from packtool.runtime.nemotron import check_recipe_options
 
-            packed = getattr(settings_from_manifest(manifest), field_name)
+    for name, value in given.items():
+        if PACKED_RECIPE_OPTIONS[name] != "settings.pack_size":
+            continue
+        packed = manifest.get("settings", {}).get("pack_size")
         if value != packed:
             raise FormatError(f"the recipe sets {name} {value!r}, the packs were made with {packed!r} "
-                              f"({field_name}): pack again with the recipe's setting, or set {name} to {packed!r}")
+                              f"(settings.pack_size): pack again with the recipe's setting, or set {name} to "
+                              f"{packed!r}")
+    check_recipe_options(manifest, {name: value for name, value in given.items()
+                                    if PACKED_RECIPE_OPTIONS[name] != "settings.pack_size"},
+                         PACKED_RECIPE_OPTIONS, processors)
 
 
 #: The prompt format packtool's ``nemo-rl-nemotron-omni`` preset renders (NeMo-RL's ``prompt_format``).

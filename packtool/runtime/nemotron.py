@@ -259,3 +259,27 @@ def pad_frames(features: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([features, pad], dim=1)
 
 
+
+
+def check_recipe_options(manifest: Mapping, given: Mapping[str, Any], fields: Mapping[str, str],
+                         processors: Any = None) -> None:
+    """Refuse a trainer recipe's Nemotron Omni option (``given``: option -> value; ``fields``: option -> the
+    processor setting it names) that differs from what the packs were made with, or that is given for packs of
+    another model folder (``audio_num_mel_bins``: the model folder's feature extractor, checked when the media are
+    read, ``processors`` holding it)."""
+    family = (manifest.get("image_processor") or {}).get("family")
+    for name, value in given.items():
+        field_name = fields[name]
+        if family != "nemotron_omni":
+            raise FormatError(f"the recipe sets {name} {value!r}, a Nemotron Omni option, but the packs were made "
+                              f"for a {family or 'text'} model folder: remove it")
+        if field_name == "feature_size":
+            audio = getattr(processors, "audio", None)
+            if audio is None:
+                continue  # media not read (images: false): no mel features to compare
+            packed = getattr(audio, "feature_size", None)
+        else:
+            packed = getattr(settings_from_manifest(manifest), field_name)
+        if value != packed:
+            raise FormatError(f"the recipe sets {name} {value!r}, the packs were made with {packed!r} "
+                              f"({field_name}): pack again with the recipe's setting, or set {name} to {packed!r}")

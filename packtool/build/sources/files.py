@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 from packtool.build.sources.energon import RawSample, SourceDataset
 from packtool.errors import SourceError
-from packtool.format import META
+from packtool.format import META, record_position
 from packtool.storage import is_remote, location
 
 #: Records per chunk of a JSON/JSONL file (a Parquet chunk is a row group; an Arrow chunk this many rows).
@@ -762,7 +762,7 @@ class FileChunk:
     def key(self, i: int, record: Record) -> str:
         """A record's key: its position in the split, and its own ``id`` where it has one (``000000042:r42``)."""
         own = record_id(record.doc)
-        return f"{self.first + i:09d}" + (f":{own}" if own is not None else "")
+        return record_position(self.first + i) + (f":{own}" if own is not None else "")
 
     def media_bytes(self, index: int, member: str) -> bytes:
         """The bytes of member ``member`` of record ``index``, read now from the user's file or cell; the record
@@ -880,8 +880,8 @@ def _chunks_of_file(kind: SourceKind, path: Path, label: str, first: int, media_
     def close(starts: list[int], ends: list[int]) -> None:
         nonlocal first, in_file
         if starts:
-            chunks.append(FileChunk(kind, str(path), f"{label}@{in_file:09d}", first, tuple(starts), tuple(ends),
-                                    media_dir, absolute))
+            chunks.append(FileChunk(kind, str(path), f"{label}@{record_position(in_file)}", first, tuple(starts),
+                                    tuple(ends), media_dir, absolute))
             first += len(starts)
             in_file += len(starts)
 
