@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from packtool.families import Family
 from packtool.families.conventions import trainer_image
 from packtool.format import (
     TOKENIZER_DIR,
+    MediaRef,
     PackRecord,
     aligned_lengths,
     arrays_digest,
@@ -294,7 +295,6 @@ def _video_processor(settings: Mapping):
 def _videos(record: PackRecord, settings: Mapping, where: str, decode: bool) -> dict:
     """video_grid_thw and second_per_grid_ts of the pack's videos (+ pixel_values_videos when ``decode``): only
     the planned frames are decoded, and the processor is told not to sample again."""
-    from packtool.media import decode_frames, decode_video
 
     videos = [m for m in record.media_refs if m.kind == "video"]
     grids = np.array([m.grid_thw for m in videos], dtype=np.int64).reshape(-1, 3)
@@ -308,7 +308,29 @@ def _videos(record: PackRecord, settings: Mapping, where: str, decode: bool) -> 
         out["pixel_values_videos"] = torch.zeros((0, dim), dtype=torch.float32)
         return out
     proc = _video_processor(settings)
+    arrays, metadata = decode_planned_videos(record, videos, where)
+    clips: list[Any] = arrays
+    # Frames are THWC (a video 1 or 3 pixels high would otherwise be read as channels first).
+    extra: dict[str, Any] = {"video_metadata": metadata, "input_data_format": "channels_last"}
+    if settings.get("fetch_video"):  # as Megatron-Bridge hands them over: no metadata
+        clips, extra = [fetch_video_frames(a, settings) for a in arrays], {}
+    try:
+        result = proc(videos=clips, do_sample_frames=False, return_tensors="pt", **extra)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        members = ", ".join(m.member for m in videos)
+        raise FormatError(f"{where}: the video processor refuses its videos ({members}; "
+                          f"{type(exc).__name__}: {exc})") from None
+    check_video_grids(result["video_grid_thw"], grids, videos, where)
+    out["pixel_values_videos"] = result["pixel_values_videos"].to(torch.float32).contiguous()
+    return out
+
+
+def decode_planned_videos(record: PackRecord, videos: Sequence[MediaRef], where: str) -> tuple[list, list]:
+    """The planned frames of each of ``videos`` (``(T, H, W, 3)`` arrays, only those frames decoded) and their
+    transformers ``VideoMetadata``; :class:`FormatError` naming the member for a video that does not decode."""
     from transformers.video_utils import VideoMetadata
+
+    from packtool.media import decode_frames, decode_video
 
     arrays, metadata = [], []
     for m in videos:
@@ -321,24 +343,16 @@ def _videos(record: PackRecord, settings: Mapping, where: str, decode: bool) -> 
             raise FormatError(f"{where}, member {m.member}: video does not decode ({exc})") from None
         metadata.append(VideoMetadata(total_num_frames=m.total_frames, fps=m.fps, width=m.width, height=m.height,
                                       duration=m.duration, frames_indices=list(m.frame_indices)))
-    clips: list[Any] = arrays
-    # Frames are THWC (a video 1 or 3 pixels high would otherwise be read as channels first).
-    extra: dict[str, Any] = {"video_metadata": metadata, "input_data_format": "channels_last"}
-    if settings.get("fetch_video"):  # as Megatron-Bridge hands them over: no metadata
-        clips, extra = [fetch_video_frames(a, settings) for a in arrays], {}
-    try:
-        result = proc(videos=clips, do_sample_frames=False, return_tensors="pt", **extra)
-    except (ValueError, TypeError, RuntimeError) as exc:
-        members = ", ".join(m.member for m in videos)
-        raise FormatError(f"{where}: the video processor refuses its videos ({members}; "
-                          f"{type(exc).__name__}: {exc})") from None
-    grid = result["video_grid_thw"].numpy().astype(np.int64)
-    if not np.array_equal(grid, grids):
-        bad = next(i for i in range(len(videos)) if not np.array_equal(grid[i], grids[i]))
+    return arrays, metadata
+
+
+def check_video_grids(processed: torch.Tensor, stored: np.ndarray, videos: Sequence[MediaRef], where: str) -> None:
+    """:class:`FormatError` naming the first video whose processed grid differs from the stored one."""
+    grid = processed.numpy().astype(np.int64)
+    if not np.array_equal(grid, stored):
+        bad = next(i for i in range(len(videos)) if not np.array_equal(grid[i], stored[i]))
         raise FormatError(f"{where}: {videos[bad].member} processes to grid {grid[bad].tolist()}, "
-                          f"stored {grids[bad].tolist()}")
-    out["pixel_values_videos"] = result["pixel_values_videos"].to(torch.float32).contiguous()
-    return out
+                          f"stored {stored[bad].tolist()}")
 
 
 def fetch_video_frames(frames: np.ndarray, settings: Mapping) -> torch.Tensor:

@@ -50,32 +50,16 @@ def qwen3_vl_media(family: Qwen3VL, record: PackRecord, processor: Any, where: s
         dim = 3 * rule.temporal_patch_size * rule.patch_size ** 2
         out["pixel_values_videos"] = torch.zeros((0, dim), dtype=torch.float32)
         return out
-    from transformers.video_utils import VideoMetadata
+    from packtool.runtime.read import check_video_grids, decode_planned_videos
 
-    from packtool.media import decode_frames, decode_video
-
-    arrays, metadata = [], []
-    for m in videos:
-        try:
-            if m.frames:
-                arrays.append(decode_frames([record.media[f] for f in m.frames], m.frame_indices))
-            else:
-                arrays.append(decode_video(record.media[m.member], m.frame_indices))
-        except (ValueError, OSError) as exc:
-            raise FormatError(f"{where}, member {m.member}: video does not decode ({exc})") from None
-        metadata.append(VideoMetadata(total_num_frames=m.total_frames, fps=m.fps, width=m.width, height=m.height,
-                                      duration=m.duration, frames_indices=list(m.frame_indices)))
+    arrays, metadata = decode_planned_videos(record, videos, where)
     proc = video_processor(rule.manifest(), family.video_config or {})
     try:
         result = proc(videos=arrays, video_metadata=metadata, do_sample_frames=False, return_tensors="pt",
                       input_data_format="channels_last")
     except (ValueError, TypeError, RuntimeError) as exc:
         raise FormatError(f"{where}: the video processor refuses its videos ({type(exc).__name__}: {exc})") from None
-    grid = result["video_grid_thw"].numpy().astype(np.int64)
-    if not np.array_equal(grid, grids):
-        bad = next(i for i in range(len(videos)) if not np.array_equal(grid[i], grids[i]))
-        raise FormatError(f"{where}: {videos[bad].member} processes to grid {grid[bad].tolist()}, "
-                          f"stored {grids[bad].tolist()}")
+    check_video_grids(result["video_grid_thw"], grids, videos, where)
     out["pixel_values_videos"] = result["pixel_values_videos"].to(torch.float32).contiguous()
     return out
 
