@@ -268,27 +268,41 @@ class _Scanner:
                 offset += n
 
 
+class _DataKey:
+    """Follows the keys of the top-level object while the scanner walks it (events at depth 1): says when the
+    value of its ``"data"`` key opens as an array. Keys longer than 16 bytes are never ``data``: not read."""
+
+    def __init__(self) -> None:
+        self.key_start, self.last_key, self.value_key = -1, b"", b""
+
+    def opens_data_array(self, f: Any, in_string: bool, offset: int, c: int) -> bool:
+        if c == 0x22:
+            if in_string:
+                self.key_start = offset
+            else:
+                length = offset - self.key_start - 1
+                f.seek(self.key_start + 1)
+                self.last_key = f.read(length) if length <= 16 else b""
+        elif c == 0x3A:
+            self.value_key = self.last_key
+        elif c == 0x2C:
+            self.value_key = b""
+        elif c == 0x5B and self.value_key == b"data":
+            return True
+        return False
+
+
 def _array_spans(path: Path, data_key: bool) -> Iterator[tuple[int, int]]:
     """Element spans of the top-level array (``data_key``: of the array that is the top-level object's
     ``"data"`` value)."""
     scanner = _Scanner()
     inner = 2 if data_key else 1
     start: int | None = None
-    key_start, last_key, value_key, in_array = -1, b"", b"", False
+    keys, in_array = _DataKey(), False
     with open(path, "rb") as f:
         for offset, c, depth in scanner.events(path):
             if data_key and not in_array and depth == 1:
-                if c == 0x22:
-                    if scanner.in_string:
-                        key_start = offset
-                    else:
-                        f.seek(key_start + 1)
-                        last_key = f.read(min(offset - key_start - 1, 16)) if offset - key_start <= 17 else b""
-                elif c == 0x3A:
-                    value_key = last_key
-                elif c == 0x2C:
-                    value_key = b""
-                elif c == 0x5B and value_key == b"data":
+                if keys.opens_data_array(f, scanner.in_string, offset, c):
                     in_array, start = True, offset + 1
                 continue
             if not data_key and depth == 0 and c == 0x5B:
@@ -327,24 +341,13 @@ def _object_scan(path: Path) -> tuple[Iterator[tuple[int, int]] | None, int | No
     scanner = _Scanner()
     end = None
     has_data = False
-    key_start, last_key, value_key = -1, b"", b""
+    keys = _DataKey()
     with open(path, "rb") as f:
         for offset, c, depth in scanner.events(path):
             if end is not None:
                 return None, None  # a second top-level value
-            if depth == 1:
-                if c == 0x22:
-                    if scanner.in_string:
-                        key_start = offset
-                    else:
-                        f.seek(key_start + 1)
-                        last_key = f.read(min(offset - key_start - 1, 16)) if offset - key_start <= 17 else b""
-                elif c == 0x3A:
-                    value_key = last_key
-                elif c == 0x2C:
-                    value_key = b""
-                elif c == 0x5B and value_key == b"data":
-                    has_data = True
+            if depth == 1 and keys.opens_data_array(f, scanner.in_string, offset, c):
+                has_data = True
             if c == 0x7D and scanner.depth == 0:  # the top-level object closes
                 end = offset + 1
                 tail_size = os.stat(path).st_size - end
