@@ -222,14 +222,14 @@ def concat_hf_batches(rows: Sequence[Mapping]) -> dict:
 
 class HFPackDataset(torch.utils.data.Dataset):
     """A packed split as a map-style torch Dataset of :func:`hf_batch` rows (one per pack, on-disk order) for
-    transformers' ``Trainer`` or TRL's ``SFTTrainer``. Packs are read once at construction only for their count;
-    each item is read again (memory bounded by one pack). ``tokens_per_second`` defaults to the model folder's
+    transformers' ``Trainer`` or TRL's ``SFTTrainer``. The shards' ``.tar.idx`` give the packs' places; each item
+    reads its one pack (memory bounded by one pack). ``tokens_per_second`` defaults to the model folder's
     config (``model_folder``, else the output's copy of the tokenizer folder) where it has one."""
 
     def __init__(self, path: str | Path, split: str = "train", *, model_folder: str | Path | None = None,
                  tokens_per_second: int | None = None, family: str | None = None):
         from packtool.format import TOKENIZER_DIR, load_manifest, split_shard_paths
-        from packtool.shards import iter_records
+        from packtool.shards import record_offsets
 
         self.path, self.split, self.family = Path(path), split, family
         self.manifest = load_manifest(path)
@@ -238,7 +238,8 @@ class HFPackDataset(torch.utils.data.Dataset):
         if tokens_per_second is None:
             tokens_per_second = model_tokens_per_second(model_folder or self.path / TOKENIZER_DIR)
         self.tokens_per_second = tokens_per_second
-        self._index = [(shard, key) for shard in split_shard_paths(path, split) for key, _ in iter_records(shard)]
+        self._index = [(shard, i) for shard in split_shard_paths(path, split)
+                       for i in range(len(record_offsets(shard)) - 1)]
         self._processor = None
 
     def __len__(self) -> int:
@@ -255,10 +256,10 @@ class HFPackDataset(torch.utils.data.Dataset):
         from packtool.runtime.read import pack_to_batch, processor_for_output
         from packtool.shards import iter_records
 
-        shard, key = self._index[i]
+        shard, number = self._index[i]
         if self._processor is None and self.manifest.image_processor is not None:
             self._processor = processor_for_output(self.path, self.manifest)
-        members = next(m for k, m in iter_records(shard) if k == key)
+        key, members = next(iter_records(shard, [number]))
         batch = pack_to_batch({**members, "__key__": key}, self.manifest, pad_to="segments",
                               image_processor=self._processor, source=str(shard))
         return hf_batch(batch, self.manifest, tokens_per_second=self.tokens_per_second, family=self.family)
