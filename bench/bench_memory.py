@@ -159,7 +159,7 @@ def main() -> None:
                 print(f"{name:<12} {samples:>8} {media / MB:>9.0f} {workers:>7} {tree / MB:>8.0f} {anon / MB:>8.0f} "
                       f"{one / MB:>10.0f} {budget / MB:>9.0f} {seconds:>5.0f}", flush=True)
                 shutil.rmtree(out, ignore_errors=True)
-    probe = ("from packtool.build.encoder import get_encoder; from packtool.settings import EncodeSettings; "
+    probe = ("from packtool.packer.encoder import get_encoder; from packtool.settings import EncodeSettings; "
              f"get_encoder(EncodeSettings(tokenizer={str(tok)!r}, pack_size=4096))")
     _, anon, fixed, _ = peak_rss([sys.executable, "-c", probe])
     print(f"fixed cost of one process (python + transformers + tokenizer): "

@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import demo  # noqa: E402
 import objstore  # noqa: E402
 from packtool import storage  # noqa: E402
-from packtool.build.pipeline import pack  # noqa: E402
 from packtool.format import MANIFEST  # noqa: E402
+from packtool.packer.pipeline import pack  # noqa: E402
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings  # noqa: E402
 
 

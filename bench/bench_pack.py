@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import demo  # noqa: E402
-from packtool.build.encoder import get_encoder  # noqa: E402
-from packtool.build.pipeline import pack  # noqa: E402
-from packtool.build.sources import open_source, read_raw_samples  # noqa: E402
+from packtool.packer.encoder import get_encoder  # noqa: E402
+from packtool.packer.pipeline import pack  # noqa: E402
+from packtool.packer.sources import open_source, read_raw_samples  # noqa: E402
 from packtool.settings import EncodeSettings, PackSettings  # noqa: E402
 
 

@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from packtool.build.algorithms import ALGORITHMS, l1_bound, pack_lengths
+from packtool.packer.algorithms import ALGORITHMS, l1_bound, pack_lengths
 
 SETS = ("sft", "vlm", "short")
 

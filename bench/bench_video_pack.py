@@ -40,9 +40,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "tests")]
 import demo  # noqa: E402
 import mediafixture as mf  # noqa: E402
 import nemotron_omni_model  # noqa: E402
-from packtool.build.pipeline import pack  # noqa: E402
 from packtool.format import PackRecord, split_shard_paths  # noqa: E402
 from packtool.media import decode_audio, decode_frames, decode_video, probe_audio, probe_frames, probe_video  # noqa: E402
+from packtool.packer.pipeline import pack  # noqa: E402
 from packtool.runtime.read import read_packs  # noqa: E402
 from packtool.settings import EncodeSettings, PackSettings, RunOptions  # noqa: E402
 from packtool.shards import iter_records  # noqa: E402

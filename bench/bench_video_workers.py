@@ -98,9 +98,9 @@ def build(args: argparse.Namespace) -> dict[str, Path]:
 
 def encode_tasks(root: Path) -> list[int]:
     """Samples of each encode task ``pack`` makes of the layout (its own range rule)."""
-    from packtool.build.sources import open_source
-    from packtool.build.sources.energon import shard_layout
-    from packtool.build.store import BYTES_PER_RANGE, SAMPLES_PER_RANGE
+    from packtool.packer.sources import open_source
+    from packtool.packer.sources.energon import shard_layout
+    from packtool.packer.store import BYTES_PER_RANGE, SAMPLES_PER_RANGE
 
     sizes = []
     for shard in open_source(root).splits["train"]:
@@ -112,7 +112,7 @@ def encode_tasks(root: Path) -> list[int]:
 
 def video_members(root: Path) -> list[tuple[str, int, int]]:
     """(shard path, offset, size) of every video of the layout, in order."""
-    from packtool.build.sources import open_source
+    from packtool.packer.sources import open_source
 
     out = []
     for shard in open_source(root).splits["train"]:

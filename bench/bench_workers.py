@@ -32,9 +32,9 @@ import demo  # noqa: E402
 
 def floor_shards(args: tuple[str, str, list[str], bool]) -> int:
     """Read, render once and tokenize every sample of some shards; returns tokens."""
-    from packtool.build.encoder import get_encoder
-    from packtool.build.sources import open_source
-    from packtool.build.sources.conversation import conversation_adapter
+    from packtool.packer.encoder import get_encoder
+    from packtool.packer.sources import open_source
+    from packtool.packer.sources.conversation import conversation_adapter
     from packtool.settings import EncodeSettings
 
     root, tok, shards, ids_only = args
@@ -43,7 +43,7 @@ def floor_shards(args: tuple[str, str, list[str], bool]) -> int:
     backend, total, texts = encoder.tok.backend_tokenizer, 0, []
     call, batch = (backend.encode_batch_fast, 64) if ids_only else (backend.encode_batch, 256)
     for shard in shards:
-        from packtool.build.sources.energon import ShardScan
+        from packtool.packer.sources.energon import ShardScan
 
         for raw in ShardScan(Path(root), shard, src.excluded_samples):
             conv = conversation_adapter(raw.parts)
@@ -57,7 +57,7 @@ def floor_shards(args: tuple[str, str, list[str], bool]) -> int:
 
 def run_floor(root: Path, tok: Path, processes: int, ids_only: bool = False) -> tuple[float, float]:
     """(wall, CPU) seconds of the floor over the train split with ``processes`` processes."""
-    from packtool.build.sources import open_source
+    from packtool.packer.sources import open_source
 
     shards = open_source(root).splits["train"]
     groups = [(str(root), str(tok), shards[i::processes], ids_only) for i in range(processes)]

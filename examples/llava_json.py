@@ -42,7 +42,7 @@ def llava_record(index: int, members: dict[str, bytes], images: Path) -> dict:
 
 
 def _image_parts(members: dict[str, bytes]) -> list[str]:
-    from packtool.build.sources.conversation import image_parts
+    from packtool.packer.sources.conversation import image_parts
 
     return image_parts(members)
 

@@ -16,8 +16,8 @@ del PackageNotFoundError, version
 _LAZY = {
     "pack": "packtool.api",
     "PackSummary": "packtool.api",
-    "pack_lengths": "packtool.build.algorithms",
-    "ALGORITHMS": "packtool.build.algorithms",
+    "pack_lengths": "packtool.packer.algorithms",
+    "ALGORITHMS": "packtool.packer.algorithms",
     "read_packs": "packtool.runtime.read",
     "to_megatron": "packtool.runtime.megatron_batch",
 }

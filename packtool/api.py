@@ -66,8 +66,8 @@ def pack(source: str | Path, output: str | Path, *, config: str | Path | None = 
 
 def _pack(source: str | Path, output: str | Path, config: str | Path | None, settings: dict[str, Any]) -> PackSummary:
     from packtool import config as cfg
-    from packtool.build.pipeline import pack as run_pack
-    from packtool.build.sources.files import resolve_source
+    from packtool.packer.pipeline import pack as run_pack
+    from packtool.packer.sources.files import resolve_source
 
     values, given = cfg.merge(cfg.read(config) if config is not None else None,
                               {"source": str(source), "output": str(output), **settings})

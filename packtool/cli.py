@@ -208,7 +208,7 @@ def pack(
 ) -> None:
     """Pack SOURCE into OUTPUT."""
     from packtool import config as cfg
-    from packtool.build.workers import pack_engine
+    from packtool.packer.workers import pack_engine
 
     def given(name: str) -> bool:  # typed on the command line (even if equal to the default)
         source = ctx.get_parameter_source(name)
@@ -226,12 +226,12 @@ def pack(
         typer.echo(cfg.dump(run.config), nl=False)
         return
     settings, options, out = run.settings, run.options, run.output
-    from packtool.build.sources.files import resolve_source
+    from packtool.packer.sources.files import resolve_source
 
     src = _one_line(lambda: resolve_source(run.source, media_dir=run.media_dir,
                                            absolute_media_paths=run.absolute_media_paths))
-    from packtool.build.pipeline import check_inputs
-    from packtool.build.pipeline import pack as run_pack
+    from packtool.packer.pipeline import check_inputs
+    from packtool.packer.pipeline import pack as run_pack
 
     opened = _one_line(lambda: check_inputs(src, out, settings))  # what needs no sample fails before any worker
     with ExitStack() as stack:  # the workers start first: their start-ups overlap this process's imports
@@ -355,8 +355,8 @@ def verify(
                                                 "digest already proves its tokens intact."),
 ) -> None:
     """Check OUTPUT: every pack well-formed, every source sample accounted for, metadata consistent."""
-    from packtool.build.engine import default_workers
-    from packtool.build.sources.files import source_for_verify
+    from packtool.packer.engine import default_workers
+    from packtool.packer.sources.files import source_for_verify
     from packtool.verify.packs import verify_output
 
     checked = None

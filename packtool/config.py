@@ -203,8 +203,8 @@ def merge(config: Mapping[str, Any] | None, explicit: Mapping[str, Any]) -> tupl
 
 def build(values: Mapping[str, Any], given: Collection[str]) -> PackRun:
     """The run ``values`` describe (``given``: the keys set by a file, a flag or an argument, for the preset)."""
-    from packtool.build.engine import default_workers
     from packtool.hub import resolve_model
+    from packtool.packer.engine import default_workers
 
     values = dict(values)
     if values.get("staging") is not None:

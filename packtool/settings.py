@@ -26,10 +26,10 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from packtool.build.algorithms.registry import Algorithm  # the one list of algorithm names (re-exported for the CLI)
 from packtool.errors import ConfigError
 from packtool.families.conventions import CONVENTIONS
 from packtool.format import row_length
+from packtool.packer.algorithms.registry import Algorithm  # the one list of algorithm names (re-exported for the CLI)
 
 Overlong = Literal["truncate", "drop"]
 MediaCheck = Literal["decode", "header"]
@@ -430,7 +430,7 @@ class RunOptions:
         _check_int(self.workers, "workers")
         _check_choice(self.engine, EngineKind, "engine")
         if self.ray_address is not None:
-            from packtool.build.engine import split_address
+            from packtool.packer.engine import split_address
 
             split_address(self.ray_address)
         for name in ("max_error_rate", "max_drop_rate", "max_truncate_rate"):

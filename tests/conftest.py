@@ -25,7 +25,7 @@ def demo_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def packed(demo_dir, tmp_path_factory) -> Path:
     """The demo dataset packed at 2048 tokens with the plain (no generation tags) template."""
-    from packtool.build.pipeline import pack
+    from packtool.packer.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
     out = tmp_path_factory.mktemp("packed") / "out"

@@ -8,9 +8,9 @@ import shutil
 import numpy as np
 import pytest
 
-from packtool.build.chatshape import copies_text_verbatim
-from packtool.build.encoder import Encoder
-from packtool.build.sources import open_source, read_raw_samples
+from packtool.packer.chatshape import copies_text_verbatim
+from packtool.packer.encoder import Encoder
+from packtool.packer.sources import open_source, read_raw_samples
 from packtool.settings import EncodeSettings
 
 #: Qwen2.5 style: a default system turn, ``message.content`` printed in a concatenation, tool turns merged into a
@@ -136,7 +136,7 @@ TRANSFORMING = {
 
 
 def _tree(source: str):
-    from packtool.build.encoder import _compile
+    from packtool.packer.encoder import _compile
 
     return _compile(source, "t").environment.parse(source)
 

@@ -73,7 +73,7 @@ def test_stats_table_json_plot(packed, tmp_path):
 
 
 def test_typed_datasets_and_custom_adapter(demo_dir, tmp_path):
-    from packtool.build.pipeline import pack
+    from packtool.packer.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings
 
     vqa = demo.build_vqa_dataset(tmp_path / "vqa", n=12)
@@ -158,8 +158,8 @@ def test_failed_start_does_not_block_a_corrected_rerun(demo_dir, tmp_path):
 def test_light_imports():
     """verify never loads torch (its memory would dominate verify's), and pack's parent never loads the encoder or
     transformers (its workers do): each costs start-up time and hundreds of MB."""
-    code = ("import sys, packtool.cli, packtool.build.pipeline, packtool.verify.packs; "
-            "print(sorted(m for m in ('torch', 'transformers', 'packtool.build.encoder') if m in sys.modules))")
+    code = ("import sys, packtool.cli, packtool.packer.pipeline, packtool.verify.packs; "
+            "print(sorted(m for m in ('torch', 'transformers', 'packtool.packer.encoder') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
 

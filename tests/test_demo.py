@@ -278,7 +278,7 @@ def test_video_demo_packs_for_the_qwen_folder(video_dataset, tok_dirs, tmp_path)
     import pyarrow.parquet as pq
 
     from packfixture import packed_segments
-    from packtool.build.pipeline import pack
+    from packtool.packer.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
     out = tmp_path / "packed"
@@ -311,7 +311,7 @@ def test_omni_demo_packs_for_the_nemotron_folder(tmp_path):
 
     import nemotron_omni_model
     from packfixture import packed_segments
-    from packtool.build.pipeline import pack
+    from packtool.packer.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
     omni = demo.build_omni_dataset(tmp_path / "omni", n=20, seed=1)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from packtool.build.encoder import Encoder
-from packtool.build.sources import RawSample, open_source, read_raw_samples
 from packtool.families.qwen2_vl import Qwen2VL
+from packtool.packer.encoder import Encoder
+from packtool.packer.sources import RawSample, open_source, read_raw_samples
 from packtool.settings import EncodeSettings
 
 
@@ -57,7 +57,7 @@ def test_demo_samples_decode_to_their_conversation(encoders, demo_dir):
     targets decode to exactly the assistant replies each followed by <|im_end|>."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    from packtool.build.sources.conversation import conversation_adapter
+    from packtool.packer.sources.conversation import conversation_adapter
 
     src = open_source(demo_dir / "dataset", ["train"])
     raws = list(read_raw_samples(src.root, src.splits["train"][1], src.excluded_samples))

@@ -24,8 +24,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from packtool.build.engine import Engine
 from packtool.errors import ConfigError, EngineError
+from packtool.packer.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKTOOL = [sys.executable, "-m", "packtool.cli"]
@@ -152,7 +152,7 @@ RUN = r"""
 import os, sys, time
 from pathlib import Path
 import psutil
-from packtool.build.engine import Engine
+from packtool.packer.engine import Engine
 
 def slow(task):
     i, marks = task
@@ -285,7 +285,7 @@ def pack_cli(demo_dir: Path, out: Path, env: dict, *extra: str) -> subprocess.Co
 #: as its own exception. (Functions of ``__main__`` travel by value, so the workers need not import this file.)
 ON_CLUSTER = r"""
 import json, os, sys, time
-from packtool.build.engine import Engine
+from packtool.packer.engine import Engine
 
 def load(log, value):
     os.environ["ENGINE_TEST_LOADED"] = value

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 from packtool import families
-from packtool.build.encoder import Encoder
-from packtool.build.pipeline import pack
 from packtool.families.fixed import FixedCount
 from packtool.families.qwen2_vl import Qwen2VL
 from packtool.families.qwen3_vl import Qwen3VL
+from packtool.packer.encoder import Encoder
+from packtool.packer.pipeline import pack
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from test_encode import png, raw
 
@@ -115,7 +115,7 @@ def test_a_folder_written_by_save_pretrained_packs_like_the_hub_layout(demo_dir,
 
 
 def test_the_runtime_side_imports_nothing_from_the_build_side():
-    """``packtool.runtime`` and its entry points load without one module of ``packtool.build`` (the runtime can
+    """``packtool.runtime`` and its entry points load without one module of ``packtool.packer`` (the runtime can
     be installed into a training container alone); the conventions' text layout runs without it too (the media
     tags are the format's)."""
     code = ("import sys, packtool.runtime.read, packtool.runtime.loader, packtool.runtime.megatron_batch, "
@@ -123,18 +123,18 @@ def test_the_runtime_side_imports_nothing_from_the_build_side():
             "from packtool.runtime import read_packs, megatron_bridge_batch; "
             "from packtool.families.conventions import media_first; "
             "assert media_first('Look at <image>') == '<image>Look at'; "
-            "print([m for m in sys.modules if m.startswith('packtool.build')])")
+            "print([m for m in sys.modules if m.startswith('packtool.packer')])")
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
     assert out.stdout.strip() == "[]", out.stdout
     # The control: the build side's encoder does import it.
     with_encoder = code.replace("packtool.runtime.nemotron_mbridge;",
-                                "packtool.runtime.nemotron_mbridge, packtool.build.encoder;")
+                                "packtool.runtime.nemotron_mbridge, packtool.packer.encoder;")
     control = subprocess.run([sys.executable, "-c", with_encoder],
                              capture_output=True, text=True, check=True, env={"PYTHONPATH": str(root),
                                                                              "PATH": "/usr/bin:/bin"})
-    assert "packtool.build.encoder" in control.stdout
+    assert "packtool.packer.encoder" in control.stdout
 
 
 def test_images_without_a_rule_are_quarantined_with_the_reason(demo_dir, tmp_path):
@@ -173,7 +173,7 @@ def test_verify_the_reader_and_the_loaders_take_the_family_the_manifest_names():
     root = Path(__file__).resolve().parents[1] / "packtool"
     branch = re.compile(r"is_nemotron|processor_family|NEMOTRON_FAMILY|\.get\(\"family\"\)|image_grid_hw\" in")
     readers = ["runtime/read.py", "runtime/loader.py", "runtime/megatron_batch.py", "runtime/nemo_rl.py",
-               "verify/packs.py", "verify/source.py", "build/encoder.py"]
+               "verify/packs.py", "verify/source.py", "packer/encoder.py"]
     assert [f for f in readers if branch.search((root / f).read_text())] == []
     # The control: the family's own module names it.
     assert branch.search((root / "families/nemotron_omni.py").read_text())

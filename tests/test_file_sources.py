@@ -18,9 +18,9 @@ import pytest
 
 import packfixture as fx
 from mediafixture import make_image, write_source
-from packtool.build.pipeline import pack
-from packtool.build.sources.files import resolve_source
 from packtool.errors import SourceError
+from packtool.packer.pipeline import pack
+from packtool.packer.sources.files import resolve_source
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
 PACK_SIZE = 1024
@@ -183,7 +183,7 @@ def _encoded_at(out: Path) -> dict[str, int]:
 def test_resume_and_stale_input(demo_dir, media, tmp_path, monkeypatch):
     """Read in place: a rerun reads and writes nothing again; a replaced image or an edited record re-encodes
     its chunk only, and the packs equal a fresh run's."""
-    from packtool.build.sources import files
+    from packtool.packer.sources import files
 
     monkeypatch.setattr(files, "RECORDS_PER_CHUNK", 4)  # 12 records: 3 chunks
     tok = demo_dir / "tokenizer"
@@ -260,7 +260,7 @@ def test_sources_packtool_does_not_read_and_staging_refused(demo_dir, tmp_path):
 
 def test_python_api_packs_a_llava_file(demo_dir, media, tmp_path):
     light = subprocess.run([sys.executable, "-c", "import sys, packtool; print(sorted(m for m in ('numpy', "
-                            "'pyarrow', 'torch', 'packtool.build.pipeline') if m in sys.modules))"],
+                            "'pyarrow', 'torch', 'packtool.packer.pipeline') if m in sys.modules))"],
                            capture_output=True, text=True, check=True)
     assert light.stdout.strip() == "[]"  # import packtool stays light; pack loads the pipeline when called
     import packtool
@@ -342,7 +342,7 @@ def test_verify_against_a_json_source(demo_dir, media, tmp_path):
 def test_dataset_dict_and_parquet_folder_splits(media, tmp_path):
     """A ``save_to_disk`` DatasetDict gives one split per folder (``validation`` is ``val``); Parquet files named
     by split give their splits; every row is read, in order."""
-    from packtool.build.sources.files import detect, open_files
+    from packtool.packer.sources.files import detect, open_files
 
     table = pa.table({"messages": [sharegpt(i)["messages"] for i in range(5)],
                       "images": [[{"bytes": (media / n).read_bytes(), "path": n} for n in _images(i)]

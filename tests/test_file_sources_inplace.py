@@ -21,8 +21,8 @@ import pytest
 
 import packfixture as fx
 from mediafixture import make_image
-from packtool.build.pipeline import pack
-from packtool.build.sources.files import detect, json_spans, resolve_source
+from packtool.packer.pipeline import pack
+from packtool.packer.sources.files import detect, json_spans, resolve_source
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
 PACK_SIZE = 1024

@@ -1,4 +1,4 @@
-"""The two private transformers functions packtool renders chat templates with (:mod:`packtool.build.hfcompat`):
+"""The two private transformers functions packtool renders chat templates with (:mod:`packtool.packer.hfcompat`):
 ``chat_template_utils._compile_jinja_template`` and ``chat_template_utils._render_with_assistant_indices``. A
 transformers release that renames them, changes their arguments, or renders other text or other spans than
 ``apply_chat_template`` fails here, not in a quietly different encoding."""
@@ -11,8 +11,8 @@ import jinja2
 import pytest
 
 import demo
-from packtool.build import hfcompat
-from packtool.build.encoder import load_tokenizer
+from packtool.packer import hfcompat
+from packtool.packer.encoder import load_tokenizer
 
 CONVERSATION = [
     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it? {{ not jinja }}"}]},

@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 
 import demo
 import packfixture as fx
-from packtool.build.pipeline import pack
 from packtool.cli import app
+from packtool.packer.pipeline import pack
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from packtool.verify.packs import verify_output
 

@@ -1,4 +1,4 @@
-"""The encoded media item (:class:`packtool.build.item.MediaItem`): its encode-store JSON, byte for byte."""
+"""The encoded media item (:class:`packtool.packer.item.MediaItem`): its encode-store JSON, byte for byte."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from packtool.build.assemble import media_ref
-from packtool.build.item import (
+from packtool.families.base import MediaTokens, NoMedia
+from packtool.families.conventions import TRANSFORMERS
+from packtool.packer.assemble import media_ref
+from packtool.packer.item import (
     AUDIO_KEYS,
     DECODED_AUDIO_KEYS,
     IMAGE_KEYS,
@@ -19,8 +21,6 @@ from packtool.build.item import (
     dumps_media,
     loads_media,
 )
-from packtool.families.base import MediaTokens, NoMedia
-from packtool.families.conventions import TRANSFORMERS
 
 # Media columns of encode stores written before the type existed (the demo's, packed with the Qwen2.5-VL-style
 # folder and the Nemotron Omni folder by rule, and by the processor mode): each layout's bytes as they are.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from packtool.build.sources.energon import _plain_members, _tar_members, _Unusual, shard_layout
+from packtool.packer.sources.energon import _plain_members, _tar_members, _Unusual, shard_layout
 
 
 def _tar(path: Path, members: list[tuple[str, bytes]], fmt: int = tarfile.USTAR_FORMAT, dirs: tuple = ()) -> Path:

@@ -20,11 +20,11 @@ import torch
 from PIL import Image
 
 import demo
-from packtool.build.pipeline import pack
-from packtool.build.sources.mbridge import ChatMLFields, chatml_adapter, chatml_fields
-from packtool.build.sources.safepickle import load_bytes_list, load_videos, png_bytes, safe_loads
-from packtool.build.sources.sample import SampleError
 from packtool.errors import SourceError
+from packtool.packer.pipeline import pack
+from packtool.packer.sources.mbridge import ChatMLFields, chatml_adapter, chatml_fields
+from packtool.packer.sources.safepickle import load_bytes_list, load_videos, png_bytes, safe_loads
+from packtool.packer.sources.sample import SampleError
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from packtool.verify.packs import verify_output
 from test_hostile import segments
@@ -364,7 +364,7 @@ def test_png_of_an_image_array_is_fixed_and_lossless():
 def test_converter_samples_without_their_dataset_yaml_read_the_same(tmp_path):
     """Without ``ChatMLWebdataset`` in ``dataset.yaml`` the chat JSON adapter takes the sample: same media, and a
     video of decoded frames still quarantines it rather than leaving its ``<video>`` tag as text."""
-    from packtool.build.sources.conversation import conversation_adapter
+    from packtool.packer.sources.conversation import conversation_adapter
 
     samples = converter_samples(tmp_path / "pwned")
     for key in ("s0", "s1", "s2", "s4", "s5"):

@@ -23,9 +23,9 @@ import torch
 
 import demo
 import mbridge_ref
-from packtool.build.pipeline import pack
-from packtool.build.sources.safepickle import png_bytes
 from packtool.format import load_manifest
+from packtool.packer.pipeline import pack
+from packtool.packer.sources.safepickle import png_bytes
 from packtool.runtime.read import read_packs
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from packtool.verify.packs import verify_output

@@ -140,9 +140,9 @@ def test_videos_one_or_three_pixels_high_read_with_the_counted_grid(torchvision,
     import torch
     from transformers.video_utils import VideoMetadata
 
-    from packtool.build.pipeline import pack
     from packtool.format import load_manifest
     from packtool.media import decode_frames
+    from packtool.packer.pipeline import pack
     from packtool.runtime.read import read_packs, video_processor_from_manifest
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
@@ -219,7 +219,7 @@ def processor_folders(torchvision, tmp_path_factory) -> dict[str, Path]:
 
 
 def pack_processor_mode(folder: Path, samples: dict, out: Path) -> dict[str, dict]:
-    from packtool.build.pipeline import pack
+    from packtool.packer.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
     mf.write_source(out.parent / f"{out.name}-src", samples)
@@ -348,7 +348,7 @@ def test_clips_too_short_for_two_feature_frames_are_quarantined(torchvision, tmp
     assert np.isfinite(extractor([tone[:320]], sampling_rate=16000, return_tensors="np")["input_features"]).all()
     samples = {f"n{n}": {"json": chat_of("<audio>What is said?"), "wav": mf.make_audio("wav", samples=n, rate=16000)}
                for n in (100, 319, 320)}
-    from packtool.build.pipeline import pack
+    from packtool.packer.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
     mf.write_source(tmp_path / "src", samples)
@@ -371,7 +371,7 @@ def test_qwen_reader_pixels_equal_the_auto_processors(torchvision, demo_dir, tmp
     from transformers import AutoImageProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from packtool.build.pipeline import pack
+    from packtool.packer.pipeline import pack
     from packtool.runtime.read import read_packs
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
@@ -406,8 +406,8 @@ def test_nemotron_frame_labels_are_the_sampled_frames_real_times(torchvision, tm
 
     import nemotron_omni_model
     import packfixture as fx
-    from packtool.build.pipeline import pack
     from packtool.media import decode_video
+    from packtool.packer.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
     folder = nemotron_omni_model.write_model_folder(tmp_path / "model")
@@ -432,7 +432,7 @@ def test_nemotron_frame_labels_are_the_sampled_frames_real_times(torchvision, tm
 
 # -- work bounded by what a sample may cost -----------------------------------------------------------------------
 def raw_sample(key: str, members: dict[str, bytes], index: int = 0):
-    from packtool.build.sources import RawSample
+    from packtool.packer.sources import RawSample
 
     return RawSample(key, "s.tar", index, members, {p: (0, len(d)) for p, d in members.items()})
 
@@ -440,7 +440,7 @@ def raw_sample(key: str, members: dict[str, bytes], index: int = 0):
 def test_turns_over_max_turns_are_quarantined_before_rendering(demo_dir, monkeypatch):
     """Locating the replies renders a prefix per reply (work that grows with the square of the turns): a
     conversation over ``max_turns`` is an error row without one render; under it, renders grow with its replies."""
-    from packtool.build.encoder import Encoder
+    from packtool.packer.encoder import Encoder
     from packtool.settings import EncodeSettings
 
     calls: list[int] = []
@@ -468,7 +468,7 @@ def test_media_written_and_decoded_pixels_count_against_the_sample_caps(demo_dir
     against ``max_sample_pixels``."""
     import pickle
 
-    from packtool.build.encoder import Encoder
+    from packtool.packer.encoder import Encoder
     from packtool.settings import EncodeSettings
     from test_mbridge_input import DATASET_YAML, chat
 
@@ -499,7 +499,7 @@ def test_media_written_and_decoded_pixels_count_against_the_sample_caps(demo_dir
 _PACK_VERIFY_READ_IN_A_CHILD = """
 import sys
 from pathlib import Path
-from packtool.build.pipeline import pack
+from packtool.packer.pipeline import pack
 from packtool.runtime.read import read_packs
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from packtool.verify.packs import verify_output
@@ -537,9 +537,9 @@ def test_nemotron_reader_reads_videos_one_or_three_pixels_high(torchvision, tmp_
     import torch
 
     import nemotron_omni_model
-    from packtool.build.pipeline import pack
     from packtool.format import load_manifest
     from packtool.media import decode_frames
+    from packtool.packer.pipeline import pack
     from packtool.runtime.nemotron import nemotron_processors
     from packtool.runtime.read import read_packs
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings

@@ -19,10 +19,10 @@ pytest.importorskip("av")
 import mediafixture as mf
 import packfixture as fx
 from mediafixture import write_source
-from packtool.build.pipeline import pack
-from packtool.build.sources.conversation import member_kind
 from packtool.errors import ConfigError
 from packtool.format import Manifest
+from packtool.packer.pipeline import pack
+from packtool.packer.sources.conversation import member_kind
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
 PACK_SIZE = 4096
@@ -425,8 +425,8 @@ def test_processor_mode_equals_the_qwen_rules(torchvision, demo_dir, tmp_path):
     fast rules (images, videos, frame lists)."""
     import shutil
 
-    from packtool.build.encoder import Encoder
-    from packtool.build.sources import RawSample
+    from packtool.packer.encoder import Encoder
+    from packtool.packer.sources import RawSample
 
     folder = tmp_path / "model"
     shutil.copytree(demo_dir / "tokenizer", folder)

@@ -21,10 +21,10 @@ import torch
 from PIL import Image
 
 import packfixture as fx
-from packtool.build.encoder import Encoder
-from packtool.build.sources import RawSample, open_source, read_raw_samples
-from packtool.build.sources.conversation import conversation_adapter
 from packtool.errors import ConfigError, FormatError
+from packtool.packer.encoder import Encoder
+from packtool.packer.sources import RawSample, open_source, read_raw_samples
+from packtool.packer.sources.conversation import conversation_adapter
 from packtool.runtime.loader import MegatronBridgeTaskEncoder, PackDataset, PackTaskEncoder, collate_packs
 from packtool.runtime.megatron_batch import megatron_bridge_batch
 from packtool.runtime.read import read_packs

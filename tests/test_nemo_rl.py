@@ -558,7 +558,7 @@ def test_recipe_overlays_name_a_loadable_encoder(name, monkeypatch):
 
 def test_runtime_side_imports_nothing_of_the_build_side():
     code = ("import sys, packtool.runtime.nemo_rl; "
-            "print([m for m in sys.modules if m.startswith('packtool.build')])")
+            "print([m for m in sys.modules if m.startswith('packtool.packer')])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "[]", done.stderr
 
@@ -586,8 +586,8 @@ def nemo_rl_qwen_log(tok, messages: list[dict], *, add_eos: bool = True) -> tupl
 
 
 def demo_text_samples(demo_dir):
-    from packtool.build.sources import open_source, read_raw_samples
-    from packtool.build.sources.conversation import conversation_adapter
+    from packtool.packer.sources import open_source, read_raw_samples
+    from packtool.packer.sources.conversation import conversation_adapter
 
     src = open_source(demo_dir / "dataset", ["train"])
     for shard in src.splits["train"]:
@@ -601,7 +601,7 @@ def test_qwen_preset_targets_equal_nemo_rls(demo_dir):
     """Under --preset nemo-rl-qwen-vl, tokens and targets of each demo text sample equal NeMo-RL's hf_multimodal
     message log with its assistant-role mask (the reply's role header and the newline after its end-of-turn token
     are targets); the first token is never a target in NeMo-RL's batch, nor here (it is the template's start)."""
-    from packtool.build.encoder import Encoder
+    from packtool.packer.encoder import Encoder
     from packtool.settings import EncodeSettings
 
     samples = list(demo_text_samples(demo_dir))
@@ -626,8 +626,8 @@ def test_qwen_preset_with_images_equals_nemo_rls(demo_dir):
     give / 4), inside the user chunk; the assistant chunk is the target."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    from packtool.build.encoder import Encoder
-    from packtool.build.sources import RawSample
+    from packtool.packer.encoder import Encoder
+    from packtool.packer.sources import RawSample
     from packtool.settings import EncodeSettings
 
     sizes = [(60, 60), (90, 40)]
@@ -864,7 +864,7 @@ def nemo_rl_sound_inputs(data: bytes, extractor) -> tuple[torch.Tensor, torch.Te
 
 def raw_sample(key: str, turns: list[dict], images: list[bytes], audio: list[bytes] = (),
                videos: list[tuple[str, bytes]] = ()):
-    from packtool.build.sources import RawSample
+    from packtool.packer.sources import RawSample
 
     raw = RawSample(key=key, shard="shards/x.tar", index=0)
     parts = {"json": json.dumps({"messages": turns}).encode(), **{f"{i}.jpg": b for i, b in enumerate(images)},
@@ -886,7 +886,7 @@ def test_nemotron_preset_equals_nemo_rls_images_audio_and_replies(nemotron_folde
     longer than 30 s (and at another rate), replies with and without a thinking trace: tokens, targets, grids and
     audio lengths equal NeMo-RL's for each sample; a control without the preset differs."""
     import mediafixture as mf
-    from packtool.build.encoder import Encoder
+    from packtool.packer.encoder import Encoder
     from packtool.settings import EncodeSettings
 
     words = " ".join(f"word{i % 97}" for i in range(900))
@@ -932,8 +932,8 @@ def test_nemotron_preset_thinking_trace_format(nemotron_folder, tmp_path):
     """``--thinking-trace-format ultra`` renders replies as NeMo-RL's ``ultra`` (``...</think>Yes``); normalized is the
     control that differs; the setting is refused off the preset; the encoder refuses a recipe value other than the
     packs'."""
-    from packtool.build.encoder import Encoder
     from packtool.errors import ConfigError
+    from packtool.packer.encoder import Encoder
     from packtool.settings import EncodeSettings
 
     turns = [{"role": "user", "content": "Is it?"}, {"role": "assistant", "content": "<think>\nhmm\n</think>\nYes"}]
@@ -965,8 +965,8 @@ def test_nemotron_preset_thinking_trace_format(nemotron_folder, tmp_path):
 
 
 def test_nemotron_preset_refuses_what_it_cannot_do_yet(nemotron_folder, demo_dir):
-    from packtool.build.encoder import Encoder
     from packtool.errors import ConfigError
+    from packtool.packer.encoder import Encoder
     from packtool.settings import EncodeSettings
 
     with pytest.raises(ConfigError, match="is for nemotron_omni model folders"):
@@ -992,7 +992,7 @@ def test_nemotron_preset_pack_verify_and_batch(nemotron_folder, tmp_path):
     from PIL import Image
 
     import mediafixture as mf
-    from packtool.build.pipeline import pack
+    from packtool.packer.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
     from packtool.verify.packs import verify_output
 
@@ -1079,7 +1079,7 @@ def test_nemotron_preset_videos_equal_nemo_rls(nemotron_folder):
     and with images: tokens (header line, frame labels, one tile per pair of frames, trailing newline), targets,
     video grids and the image grids their frames share a budget with equal NeMo-RL's for each sample; a control
     without the preset (transformers' frame rule and labels) differs."""
-    from packtool.build.encoder import Encoder
+    from packtool.packer.encoder import Encoder
     from packtool.settings import EncodeSettings
 
     words = " ".join(f"word{i % 97}" for i in range(150))
@@ -1127,7 +1127,7 @@ def test_nemotron_preset_video_pack_verify_and_batch(nemotron_folder, tmp_path):
     from PIL import Image
 
     import mediafixture as mf
-    from packtool.build.pipeline import pack
+    from packtool.packer.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
     from packtool.verify.packs import verify_output
 
@@ -1206,7 +1206,7 @@ def test_transparent_palette_and_cmyk_images_read_as_the_trainers_decoder(demo_d
     from PIL import Image
 
     import mediafixture as mf
-    from packtool.build.pipeline import pack
+    from packtool.packer.pipeline import pack
     from packtool.runtime.read import processor_for_output, read_packs
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 

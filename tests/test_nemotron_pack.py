@@ -20,10 +20,10 @@ pytest.importorskip("av")
 
 import mediafixture as mf
 import packfixture as fx
-from packtool.build.pipeline import pack
 from packtool.errors import ConfigError
 from packtool.format import Manifest
 from packtool.media import decode_audio, decode_frames, decode_video, probe_frames, probe_video
+from packtool.packer.pipeline import pack
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from test_media_pack import write_source
 
@@ -231,7 +231,7 @@ def test_manifest_describes_the_family(nemotron_run, nemotron_folder):
 
 
 def test_settings_of_another_family_do_not_apply(nemotron_folder, demo_dir):
-    from packtool.build.encoder import Encoder
+    from packtool.packer.encoder import Encoder
 
     with pytest.raises(ConfigError, match="video_min_pixels do not apply to a Nemotron Omni"):
         Encoder(EncodeSettings(tokenizer=str(nemotron_folder), pack_size=1024, video_min_pixels=100))
@@ -242,9 +242,9 @@ def test_settings_of_another_family_do_not_apply(nemotron_folder, demo_dir):
 
 
 def encode(folder: Path, turns: list[str], specs: list[tuple], **settings):
-    """One sample through the encoder (no shards): its :class:`packtool.build.encoder.Encoded` row."""
-    from packtool.build.encoder import Encoder
-    from packtool.build.sources import RawSample
+    """One sample through the encoder (no shards): its :class:`packtool.packer.encoder.Encoded` row."""
+    from packtool.packer.encoder import Encoder
+    from packtool.packer.sources import RawSample
 
     members, _ = source_sample(turns, specs)
     raw = RawSample("k", "s.tar", 0, members, {p: (0, len(d)) for p, d in members.items()})

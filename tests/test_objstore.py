@@ -24,9 +24,9 @@ pytest.importorskip("moto.server", reason="the object-store tests need moto[serv
 import demo
 import objstore
 from packtool import storage
-from packtool.build.pipeline import pack
-from packtool.build.store import SourceStamp
 from packtool.format import MANIFEST
+from packtool.packer.pipeline import pack
+from packtool.packer.store import SourceStamp
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
 ROOT = Path(__file__).resolve().parents[1]

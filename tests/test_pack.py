@@ -204,7 +204,7 @@ def test_train_fill_and_stats(packed):
 
 
 def test_rerun_is_byte_identical(packed, demo_dir, tmp_path):
-    from packtool.build.pipeline import pack
+    from packtool.packer.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
     out = tmp_path / "again"
@@ -228,7 +228,7 @@ def _digest(root: Path) -> dict:
 
 def test_encode_ranges_do_not_change_the_output(packed, demo_dir, tmp_path, monkeypatch):
     """Source shards cut into many small encode ranges (by sample count and by bytes) give the same bytes."""
-    from packtool.build import pipeline
+    from packtool.packer import pipeline
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
     monkeypatch.setattr(pipeline, "SAMPLES_PER_RANGE", 7)
@@ -246,7 +246,7 @@ def test_encode_ranges_do_not_change_the_output(packed, demo_dir, tmp_path, monk
 @pytest.mark.parametrize("per_range, max_bytes", [(1, None), (3, None), (1024, None), (1024, 1), (5, 250),
                                                    (2, 10_000)])
 def test_shard_ranges_cover_every_sample_once(per_range, max_bytes):
-    from packtool.build.sources.energon import ShardLayout
+    from packtool.packer.sources.energon import ShardLayout
 
     rng = np.random.default_rng(per_range)
     starts = tuple(int(x) for x in np.cumsum(rng.integers(1, 400, size=40)) - 1)
@@ -269,8 +269,8 @@ def test_an_encode_store_is_only_reused_for_the_same_range(demo_dir, tmp_path):
     encodes again instead of taking another range's samples for its own."""
     import pyarrow.parquet as pq
 
-    from packtool.build.sources.energon import metadata_digest, shard_layout
-    from packtool.build.store import EncodeTask, SourceStamp, encode_range, is_current
+    from packtool.packer.sources.energon import metadata_digest, shard_layout
+    from packtool.packer.store import EncodeTask, SourceStamp, encode_range, is_current
     from packtool.settings import EncodeSettings
 
     root = demo_dir / "dataset"

@@ -256,8 +256,8 @@ def video_pack(tmp_path_factory, torchvision):
     from tokenizers import Tokenizer
 
     import demo
-    from packtool.build.pipeline import pack
     from packtool.format import load_manifest
+    from packtool.packer.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
     from test_media_pack import chat, qwen_sample, write_source
 

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from packtool.build.algorithms import (
+from packtool.errors import ConfigError
+from packtool.packer.algorithms import (
     ALGORITHMS,
     balance_dp,
     compare,
@@ -17,13 +18,12 @@ from packtool.build.algorithms import (
     l1_bound,
     pack_lengths,
 )
-from packtool.build.algorithms._common import decreasing_order
-from packtool.build.algorithms._rows import place_by_rows
-from packtool.build.algorithms._tree import NEG, MaxTree
-from packtool.build.algorithms.bestfit import bfd_by_cost
-from packtool.build.algorithms.fill import _fill_by_cost, _fill_by_item
-from packtool.build.algorithms.firstfit import ffd_by_cost, first_fit
-from packtool.errors import ConfigError
+from packtool.packer.algorithms._common import decreasing_order
+from packtool.packer.algorithms._rows import place_by_rows
+from packtool.packer.algorithms._tree import NEG, MaxTree
+from packtool.packer.algorithms.bestfit import bfd_by_cost
+from packtool.packer.algorithms.fill import _fill_by_cost, _fill_by_item
+from packtool.packer.algorithms.firstfit import ffd_by_cost, first_fit
 
 # -- reference loops: each algorithm's rule written as plainly as possible (O(items * packs)) ---------------
 
@@ -414,7 +414,7 @@ def test_l1_bound_and_compare():
 
 
 def test_auto_under_binding_image_cap_is_no_worse_than_either_candidate():
-    from packtool.build.algorithms.bestfit import best_fit_decreasing
+    from packtool.packer.algorithms.bestfit import best_fit_decreasing
 
     rng = np.random.default_rng(1)
     n = 4000
@@ -434,7 +434,7 @@ def test_auto_under_binding_image_cap_is_no_worse_than_either_candidate():
 @pytest.mark.parametrize("max_segments", [None, 3])
 def test_rows_bitset_equals_tree(monkeypatch, worst, max_segments):
     """Without extra resources, rows are found through a bitset; the tree gives the same placement."""
-    from packtool.build.algorithms import _rows
+    from packtool.packer.algorithms import _rows
 
     rng = np.random.default_rng(7)
     units = rng.integers(1, 200, size=3000)
@@ -453,10 +453,10 @@ def test_one_list_of_algorithm_names_and_every_name_runs_its_own_implementation(
     implementation (or an implementation without a name) is refused when the table is checked."""
     import typing
 
-    import packtool.build.algorithms.pack as pack_module
+    import packtool.packer.algorithms.pack as pack_module
     from packtool import settings
-    from packtool.build.algorithms import PLANNERS
-    from packtool.build.algorithms.registry import Algorithm, check_registry
+    from packtool.packer.algorithms import PLANNERS
+    from packtool.packer.algorithms.registry import Algorithm, check_registry
 
     assert settings.Algorithm is Algorithm and typing.get_args(Algorithm) == ALGORITHMS
     assert list(PLANNERS) == list(ALGORITHMS)

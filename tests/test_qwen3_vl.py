@@ -20,10 +20,10 @@ import pytest
 pytest.importorskip("av")
 
 import packfixture as fx
-from packtool.build.pipeline import pack
 from packtool.errors import ConfigError
 from packtool.format import Manifest
 from packtool.media import decode_frames, decode_video, probe_frames, probe_video
+from packtool.packer.pipeline import pack
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from test_media_pack import write_source
 from test_nemotron_pack import REPLY, source_sample
@@ -246,9 +246,9 @@ def test_the_reader_gives_the_processor_pixels(qwen3_run):
 def test_detection_is_exact(demo_dir, tmp_path):
     """Each Qwen3-VL name alone makes the folder Qwen3-VL's; other names do not; a Qwen2-VL-only setting is
     refused."""
-    from packtool.build.encoder import Encoder
     from packtool.families.qwen2_vl import Qwen2VL
     from packtool.families.qwen3_vl import Qwen3VL
+    from packtool.packer.encoder import Encoder
 
     folder = qwen3_vl_model.write_model_folder(tmp_path / "m", tokenizer=demo_dir / "tokenizer",
                                                model_type="qwen3_vl_moe")

@@ -332,7 +332,7 @@ def test_inspect(image_dataset):
 
 def test_shuffle_keeps_dp_balanced_groups_together(demo_dir, tmp_path):
     """Packs written with --balance-dp N move as whole groups when N ranks shuffle: each step's packs are one group."""
-    from packtool.build.pipeline import pack
+    from packtool.packer.pipeline import pack
     from packtool.runtime.loader import PackDataset
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 

@@ -29,7 +29,7 @@ def qwen(tmp_path_factory) -> Path:
 def test_pack_with_real_qwen2_vocabulary(qwen, demo_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    from packtool.build.pipeline import pack
+    from packtool.packer.pipeline import pack
     from packtool.runtime.read import read_packs
     from packtool.settings import EncodeSettings, PackSettings
     from packtool.verify.packs import verify_output

@@ -132,7 +132,7 @@ def test_a_model_folder_inside_the_output_is_refused_and_kept(tok, src, tmp_path
 @pytest.fixture
 def no_pool(monkeypatch):
     """Starting the worker pool raises: a command that gets past its checks says so."""
-    import packtool.build.workers
+    import packtool.packer.workers
 
     class PoolStarted(Exception):
         pass
@@ -140,7 +140,7 @@ def no_pool(monkeypatch):
     def refuse(*_args, **_kwargs):
         raise PoolStarted
 
-    monkeypatch.setattr(packtool.build.workers, "pack_engine", refuse)
+    monkeypatch.setattr(packtool.packer.workers, "pack_engine", refuse)
     return PoolStarted
 
 
@@ -240,9 +240,9 @@ def test_failures_in_a_row_stop_the_run(tok, tmp_path):
 
 def _watch_stops(statuses: list[tuple[str, str]], total: int | None, **rates: float) -> int | None:
     """Feed a failure watch these ``(status, reason)`` samples in chunks of 64; the sample it stops at, or None."""
-    from packtool.build.encoder import Encoded
-    from packtool.build.store import FailureLimits, _FailureWatch
     from packtool.errors import LimitError
+    from packtool.packer.encoder import Encoded
+    from packtool.packer.store import FailureLimits, _FailureWatch
 
     limits = FailureLimits(100, 20, total, tuple({"error": 0.01, "dropped": 0.05, **rates}.items()))
     watch = _FailureWatch(limits, "shards/a.tar")
@@ -404,8 +404,8 @@ def test_a_corrupt_manifest_stops_the_energon_loader(tmp_path):
 def test_a_dead_worker_is_named_with_its_task():
     import os
 
-    from packtool.build.engine import Engine
     from packtool.errors import EngineError
+    from packtool.packer.engine import Engine
 
     with Engine("local", 2) as engine:
         with pytest.raises(EngineError, match=r"worker process died .* while working on .*shards/x\.tar"):

@@ -20,9 +20,9 @@ import yaml
 from typer.testing import CliRunner
 
 import demo
-from packtool.build.pipeline import pack
 from packtool.cli import app
 from packtool.errors import FatalSampleError
+from packtool.packer.pipeline import pack
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from packtool.verify.packs import verify_output
 

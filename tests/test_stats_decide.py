@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from packtool.build.pipeline import pack
+from packtool.packer.pipeline import pack
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 from packtool.verify.stats import compare, compute, decide, group_reason
 

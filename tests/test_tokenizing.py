@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from packtool.build.tokenizing import ByteTokens, OffsetTokens, Tokenizing, _ByteTable
+from packtool.packer.tokenizing import ByteTokens, OffsetTokens, Tokenizing, _ByteTable
 
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<|image_pad|>"]
 PIECES = ["hello", " world", "\n", "  ", "é", "e\u0301", "Ünïcödé", "数据", "😀", "🧑‍💻", "x", "\t", "'s", "123",
@@ -156,8 +156,8 @@ def test_encoder_gives_the_same_rows_on_either_path(demo_dir):
     byte positions and one using only the tokenizer's offsets give the same rows, tokens, targets and media."""
     import json
 
-    from packtool.build.encoder import Encoder
-    from packtool.build.sources import RawSample, open_source, read_raw_samples
+    from packtool.packer.encoder import Encoder
+    from packtool.packer.sources import RawSample, open_source, read_raw_samples
     from packtool.settings import EncodeSettings
 
     src = open_source(demo_dir / "dataset")
@@ -183,7 +183,7 @@ def test_encoder_gives_the_same_rows_on_either_path(demo_dir):
 
 def test_checked_in_groups(monkeypatch):
     """Texts are compared with their tokens in groups of bounded size; the answers do not depend on it."""
-    from packtool.build import tokenizing
+    from packtool.packer import tokenizing
 
     tok = byte_level()
     whole = Tokenizing(tok).encode(TEXTS)

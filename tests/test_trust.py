@@ -185,9 +185,9 @@ def test_a_packtool_bug_stops_the_run_instead_of_quarantining(tok, tmp_path, mon
     """Any exception packtool's own code raises while one sample is encoded is a bug, not bad data, whatever its
     type (KeyError, TypeError, IndexError, ValueError as much as AttributeError): the run stops with it, its
     traceback names the sample, and no ledger is written."""
-    import packtool.build.encoder
+    import packtool.packer.encoder
 
-    real = packtool.build.encoder.conversation_adapter
+    real = packtool.packer.encoder.conversation_adapter
     for bug in (AttributeError("'NoneType' object has no attribute 'messages'"), NameError("name 'x' is not defined"),
                 KeyError("grid_thw"), TypeError("'NoneType' object is not subscriptable"),
                 IndexError("list index out of range"), ValueError("too many values to unpack")):
@@ -196,7 +196,7 @@ def test_a_packtool_bug_stops_the_run_instead_of_quarantining(tok, tmp_path, mon
                 raise _bug
             return real(parts, *args, **kwargs)
 
-        monkeypatch.setattr(packtool.build.encoder, "conversation_adapter", broken)
+        monkeypatch.setattr(packtool.packer.encoder, "conversation_adapter", broken)
         src = dataset(tmp_path / f"src-{type(bug).__name__}",
                       {"shards/a.tar": [sample(0), ("x0bug", {"json": chat("a BUG here")}), sample(1)]})
         out = tmp_path / f"out-{type(bug).__name__}"
@@ -726,9 +726,9 @@ def test_changing_only_the_plan_with_overwrite_replans_without_re_encoding(tok, 
 def test_odd_shapes_of_a_samples_json_are_its_data_errors():
     """Now that any other exception is a packtool bug, the adapters refuse every odd JSON shape with a
     SampleError of their own: a role that is a list, a typed field read from a list by name."""
-    from packtool.build.sources.conversation import conversation_adapter
-    from packtool.build.sources.typed import typed_adapter
     from packtool.errors import SampleError
+    from packtool.packer.sources.conversation import conversation_adapter
+    from packtool.packer.sources.typed import typed_adapter
 
     with pytest.raises(SampleError, match="unknown role"):
         conversation_adapter({"json": b'[{"role": ["user"], "content": "x"}, {"role": "assistant", "content": "y"}]'})

@@ -309,7 +309,7 @@ def video_pack(demo_dir, tmp_path_factory) -> tuple[Path, Path]:
     import pickle
 
     mf = pytest.importorskip("mediafixture")
-    from packtool.build.pipeline import pack
+    from packtool.packer.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
     def chat(user: str) -> bytes:
@@ -344,8 +344,8 @@ def test_video_bytes_are_checked_against_the_encoded_sha256_when_the_pack_is_wri
     """The encoder records the SHA-256 of each video's bytes it measured; the writer checks the bytes it packs
     against it (here the encode store says other bytes were measured for one video of each form): a one-line
     error naming the sample and member, and no pack."""
-    from packtool.build.pipeline import pack
     from packtool.errors import SourceError
+    from packtool.packer.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
     source, _ = video_pack
@@ -465,7 +465,7 @@ def nemotron_pack(tmp_path_factory) -> tuple[Path, Path]:
     """Nemotron Omni samples with images, videos (members, a frame list) and audio (wav, mp3), alone and mixed,
     several to a pack, packed for the offline model folder: (source, output)."""
     import nemotron_omni_model
-    from packtool.build.pipeline import pack
+    from packtool.packer.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
     from test_media_pack import write_source
     from test_nemotron_pack import SAMPLES, source_sample
@@ -577,7 +577,7 @@ def llava_pack(tmp_path_factory) -> tuple[Path, Path]:
     pytest.importorskip("torchvision")
     mf = pytest.importorskip("mediafixture")
     import nemotron_omni_model
-    from packtool.build.pipeline import pack
+    from packtool.packer.pipeline import pack
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
     from test_media_pack import llava_folder, write_source
 

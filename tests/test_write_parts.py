@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from packtool.build import pipeline
-from packtool.build.pipeline import pack
 from packtool.format import MANIFEST
+from packtool.packer import pipeline
+from packtool.packer.pipeline import pack
 from packtool.settings import EncodeSettings, PackSettings
 from packtool.shards import idx_path, join_tar, write_records, write_tar
 

@@ -19,7 +19,7 @@ Adding a family: one module with a :class:`Family` subclass (``detect``, ``load`
 ``manifest_entries``, and the ``plan_*`` of the kinds it takes; a family that expands in the text subclasses
 :class:`~.base.ExpandsInText` and gives ``placeholders``), one line in :data:`FAMILIES` (detection order: first
 match wins), and its tests (``tests/test_families.py`` shows it for :mod:`.fixed`). Media items are frozen
-(:class:`packtool.build.item.MediaItem`; while a sample is encoded, a :class:`~packtool.build.item.Staged` with what
+(:class:`packtool.packer.item.MediaItem`; while a sample is encoded, a :class:`~packtool.packer.item.Staged` with what
 only encoding needs): ``expand_text`` and ``place`` return new ones (``dataclasses.replace``), never change them.
 
 Adding a convention (the same family under another trainer's data path, :mod:`.conventions`):

@@ -22,9 +22,9 @@ from packtool.families.conventions import Convention
 from packtool.format import AUDIO_TAG, MediaRef
 
 if TYPE_CHECKING:
-    from packtool.build.item import MediaItem, Staged
     from packtool.media.audio import AudioFacts
     from packtool.media.video import VideoFacts
+    from packtool.packer.item import MediaItem, Staged
     from packtool.settings import EncodeSettings
 
 #: Where a family's placeholders become their expansion: the placeholder token repeated in the token ids

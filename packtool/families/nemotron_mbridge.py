@@ -38,8 +38,8 @@ from packtool.families.nemotron_omni import NemotronOmni
 from packtool.format import AUDIO_TAG, IMAGE_TAG, NEMOTRON_FAMILY, VIDEO_TAG
 
 if TYPE_CHECKING:
-    from packtool.build.item import Staged
     from packtool.media import AudioFacts, VideoFacts
+    from packtool.packer.item import Staged
     from packtool.settings import AudioCount, EncodeSettings
 
 #: The preset.

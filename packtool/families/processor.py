@@ -33,9 +33,9 @@ from packtool.families.base import Decoded, Family, ItemPlan, MediaTokens, NoRul
 from packtool.families.conventions import TRANSFORMERS, Convention
 
 if TYPE_CHECKING:
-    from packtool.build.item import MediaItem, Staged
     from packtool.media.audio import AudioFacts
     from packtool.media.video import VideoFacts
+    from packtool.packer.item import MediaItem, Staged
     from packtool.settings import EncodeSettings
 
 #: Matched runs shorter than this (holding no target and no special token) do not end a media region: an

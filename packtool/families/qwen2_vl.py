@@ -22,7 +22,7 @@ from packtool.media.folder import FolderConfigs, read_folder
 from packtool.media.video import VideoFacts
 
 if TYPE_CHECKING:
-    from packtool.build.item import MediaItem
+    from packtool.packer.item import MediaItem
     from packtool.settings import EncodeSettings
 
 

@@ -1,6 +1,6 @@
 """The runtime side: packs to batches (:mod:`.read`, Nemotron Omni media in :mod:`.nemotron`), training loaders
 (:mod:`.loader`) and Megatron / Megatron-Bridge batches (:mod:`.megatron_batch`). It imports nothing from
-:mod:`packtool.build`, so it can be installed into a training container alone.
+:mod:`packtool.packer`, so it can be installed into a training container alone.
 
 Public entry points (loaded lazily, so importing this package stays light): :func:`read_packs`,
 :class:`PackTaskEncoder`, :class:`MegatronBridgeTaskEncoder`, :func:`megatron_bridge_batch`.

@@ -1,7 +1,7 @@
 """Other pack sizes judged from one run, without encoding again: ``packtool stats OUTPUT --candidates 4096,8192``.
 
 Each range of the encode store keeps, beside its rows, the facts of every sample *before* any cut
-(:data:`~packtool.build.store.SOURCE_FACTS`: its length, first target token and the span of each media item). For a
+(:data:`~packtool.packer.store.SOURCE_FACTS`: its length, first target token and the span of each media item). For a
 candidate size the encoder's own rule is replayed on them (cut at the largest aligned length, never inside a media
 span, the per-pack media caps, dropped when no target is left before the cut or with ``overlong: drop``), then the
 run's planner packs the kept lengths with the run's algorithm and constraints. The counts equal a real run's at that
@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from packtool.build.item import loads_media
 from packtool.errors import ConfigError
 from packtool.format import aligned_lengths, row_length
+from packtool.packer.item import loads_media
 
 
 @dataclass(frozen=True)
@@ -143,8 +143,8 @@ def outcome(rows: SourceRows, pack_size: int, settings: dict) -> tuple[Outcome, 
 def evaluate(output: Path, split: str, ledger: Any, sizes: list[int], settings: dict, *, dp: int = 1,
              micro_batches: int = 1, micro_batch_size: int = 1, algorithm: str | None = None) -> list[dict]:
     """One row per candidate size: statuses, packs, fill, samples and media per pack, global batch and steps."""
-    from packtool.build.algorithms import ALGORITHMS, pack_lengths
-    from packtool.build.split_plan import packs_by_first_item
+    from packtool.packer.algorithms import ALGORITHMS, pack_lengths
+    from packtool.packer.split_plan import packs_by_first_item
 
     algo = algorithm or settings.get("algorithm") or "auto"
     if algo not in ALGORITHMS:

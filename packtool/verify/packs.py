@@ -35,8 +35,6 @@ from pathlib import Path
 import numpy as np
 
 from packtool import families
-from packtool.build.engine import Engine
-from packtool.build.sources.files import FileSource
 from packtool.errors import FormatError
 from packtool.families import Family
 from packtool.families.base import NoMedia
@@ -65,6 +63,8 @@ from packtool.format import (
 )
 from packtool.media import image_size, probe_audio, probe_frames, probe_video
 from packtool.media.audio import decode_audio
+from packtool.packer.engine import Engine
+from packtool.packer.sources.files import FileSource
 from packtool.settings import EngineKind
 from packtool.shards import idx_path, index_tar, parse_record, record_offsets, scan_records
 from packtool.storage import local_copy, location, open_read, parquet_file
@@ -91,7 +91,7 @@ class TokenCheck:
     makes of their own decoded text; for a truncated segment, up to the last pre-token piece, which a cut may
     leave tokenized differently. Other tokenizers get the range check only.
 
-    The tokenizer is the one ``pack`` used (:func:`packtool.build.encoder.load_tokenizer`), called through its Rust
+    The tokenizer is the one ``pack`` used (:func:`packtool.packer.encoder.load_tokenizer`), called through its Rust
     backend in batches: whole segments without offsets (``encode_batch_fast``), truncated ones with them.
     """
 
@@ -101,7 +101,7 @@ class TokenCheck:
     def __init__(self, tokenizer_dir: Path, expanded_in_ids: bool):
         from tokenizers import decoders
 
-        from packtool.build.encoder import load_tokenizer
+        from packtool.packer.encoder import load_tokenizer
 
         self.tok = load_tokenizer(tokenizer_dir).backend_tokenizer
         ids = np.fromiter(self.tok.get_vocab(with_added_tokens=True).values(), dtype=np.int64)

@@ -49,7 +49,7 @@ def _plots(path: Path, split: str, size: int, decide: dict | None) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from packtool.build.ledger import read_ledger
+    from packtool.packer.ledger import read_ledger
     from packtool.verify.candidates import load_rows
     from packtool.verify.stats import split_arrays
 

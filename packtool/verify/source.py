@@ -18,16 +18,16 @@ from pathlib import Path
 import numpy as np
 import pyarrow.compute as pc
 
-from packtool.build.encoder import Encoded, get_encoder
-from packtool.build.engine import Engine
-from packtool.build.item import MediaItem
-from packtool.build.sources import open_source
-from packtool.build.sources.energon import ShardScan
-from packtool.build.sources.files import FileChunk, FileDataset, FileSource, open_files
-from packtool.build.sources.safepickle import load_bytes_list, video_frames
-from packtool.build.store import UNREADABLE, ChunkScan
 from packtool.errors import FormatError, SourceError
 from packtool.format import KEPT, LEDGER, META, TOKENIZER_DIR, InfoJson, Manifest, PackRecord
+from packtool.packer.encoder import Encoded, get_encoder
+from packtool.packer.engine import Engine
+from packtool.packer.item import MediaItem
+from packtool.packer.sources import open_source
+from packtool.packer.sources.energon import ShardScan
+from packtool.packer.sources.files import FileChunk, FileDataset, FileSource, open_files
+from packtool.packer.sources.safepickle import load_bytes_list, video_frames
+from packtool.packer.store import UNREADABLE, ChunkScan
 from packtool.settings import EncodeSettings
 from packtool.storage import local_copy, location, open_read, read_parquet
 
@@ -96,7 +96,7 @@ class SourceShardCheck:
     #: The shard's sample count from the dataset's ``.info.json`` (None if unknown).
     expected: int | None
     manifest: Manifest
-    #: The shard is a chunk of a file source (:class:`~packtool.build.sources.files.FileChunk`).
+    #: The shard is a chunk of a file source (:class:`~packtool.packer.sources.files.FileChunk`).
     files: FileChunk | None = None
 
 

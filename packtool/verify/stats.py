@@ -11,9 +11,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from packtool.build.ledger import read_ledger
 from packtool.errors import FormatError
 from packtool.format import MANIFEST, STATUSES, aligned_lengths, pack_numbers, read_mapping
+from packtool.packer.ledger import read_ledger
 from packtool.storage import location
 
 #: The ledger columns the report reads (keys and shards are never needed: they are most of its bytes).
@@ -80,7 +80,7 @@ def split_arrays(ledger, split: str) -> dict:
 def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int | None = None) -> dict:
     """The report as a dict: per split packs, fill, L1 bound, padding by cause, segments/images per pack, statuses
     with reasons grouped (numbers folded to N), and DP-group imbalance when ``balance_dp`` is given."""
-    from packtool.build.algorithms import dp_imbalance
+    from packtool.packer.algorithms import dp_imbalance
 
     path = location(path)
     ledger = _ledger(path, STATS_COLUMNS)
@@ -144,9 +144,9 @@ def _summary(x: np.ndarray) -> dict:
 def compare(path: str | Path, algorithms: list[str], *, pack_size: int | None = None) -> dict:
     """Replan each split with every named algorithm under the run's constraints; at another ``pack_size`` the
     samples are first cut as a run at that size would cut them (:mod:`packtool.verify.candidates`)."""
-    from packtool.build.algorithms import ALGORITHMS
-    from packtool.build.algorithms import compare as plan_compare
     from packtool.errors import ConfigError
+    from packtool.packer.algorithms import ALGORITHMS
+    from packtool.packer.algorithms import compare as plan_compare
     from packtool.verify.candidates import load_rows, outcome
 
     unknown = [a for a in algorithms if a not in ALGORITHMS]

@@ -1,7 +1,7 @@
 """The encode stage's store: one folder per range of a source shard, under
 ``OUTPUT/.packtool/encode/<split>/<shard number>/<range number>``.
 
-A shard is cut into ranges of consecutive samples (:class:`~packtool.build.sources.energon.SampleRange`, from a walk
+A shard is cut into ranges of consecutive samples (:class:`~packtool.packer.sources.energon.SampleRange`, from a walk
 over its headers) so that tasks are even and a task's memory does not grow with its shard. ``encode_range`` (one
 task per range) reads its samples, encodes them and commits the folder atomically: ``samples.parquet`` (one
 :data:`ENCODED_SCHEMA` row per sample, on-disk order), ``tokens.npy`` and ``targets.npy`` (the kept samples'
@@ -28,16 +28,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from packtool.build.item import dumps_media
-from packtool.build.sources.energon import RawSample, SampleRange, ShardLayout, ShardScan
 from packtool.commit import commit_path
 from packtool.errors import LimitError, SourceError
 from packtool.format import KEPT, STATUSES, npy_bytes
+from packtool.packer.item import dumps_media
+from packtool.packer.sources.energon import RawSample, SampleRange, ShardLayout, ShardScan
 from packtool.settings import EncodeSettings
 from packtool.storage import ObjectPath, file_version, location, open_read, parquet_file, read_parquet
 
 if TYPE_CHECKING:
-    from packtool.build.encoder import Encoded
+    from packtool.packer.encoder import Encoded
 
 #: Raw bytes of source samples held at once by an encode task (at most 256 samples, fewer if media are large).
 CHUNK_BYTES = 64 * 2**20
@@ -218,7 +218,7 @@ class EncodeTask:
     out_dir: str
     #: When the samples fail systematically enough to stop the run.
     limits: FailureLimits = FailureLimits()
-    #: The shard is a chunk of a file source (:class:`~packtool.build.sources.files.FileChunk`), read in place.
+    #: The shard is a chunk of a file source (:class:`~packtool.packer.sources.files.FileChunk`), read in place.
     files: Any = None
 
 
@@ -232,7 +232,7 @@ def encode_range(task: EncodeTask) -> dict[str, int]:
     out = location(task.out_dir)
     if is_current(out, stamp, span):
         return status_counts(read_parquet(out / "samples.parquet", columns=["status"]))
-    from packtool.build.encoder import get_encoder  # here, in the worker: the parent never loads the encoder
+    from packtool.packer.encoder import get_encoder  # here, in the worker: the parent never loads the encoder
 
     encoder = get_encoder(settings, dataset_yaml)
     encoded: list[Encoded] = []

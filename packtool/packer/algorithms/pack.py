@@ -6,13 +6,13 @@ import time
 
 import numpy as np
 
-from packtool.build.algorithms._common import aligned_costs, as_int_array, check_fits, positive_int
-from packtool.build.algorithms.balanced import balanced_greedy_knapsack
-from packtool.build.algorithms.bestfit import best_fit_decreasing
-from packtool.build.algorithms.fill import greedy_knapsack, slot_balanced_fill
-from packtool.build.algorithms.firstfit import ffd, first_fit_shuffle
-from packtool.build.algorithms.nextfit import sequential
-from packtool.build.algorithms.registry import ALGORITHMS, Algorithm, Planner, check_registry
+from packtool.packer.algorithms._common import aligned_costs, as_int_array, check_fits, positive_int
+from packtool.packer.algorithms.balanced import balanced_greedy_knapsack
+from packtool.packer.algorithms.bestfit import best_fit_decreasing
+from packtool.packer.algorithms.fill import greedy_knapsack, slot_balanced_fill
+from packtool.packer.algorithms.firstfit import ffd, first_fit_shuffle
+from packtool.packer.algorithms.nextfit import sequential
+from packtool.packer.algorithms.registry import ALGORITHMS, Algorithm, Planner, check_registry
 
 
 def pack_lengths(lengths, pack_size: int, *, algorithm: str = "auto", align: int = 1,
@@ -86,7 +86,7 @@ def auto(units: np.ndarray, cap: int, max_segments: int | None, resources: tuple
     return best
 
 
-#: Each algorithm's implementation, by name (:mod:`packtool.build.algorithms.registry`).
+#: Each algorithm's implementation, by name (:mod:`packtool.packer.algorithms.registry`).
 PLANNERS: dict[Algorithm, Planner] = {
     "auto": lambda u, c, m, r, *, seed, balanced_delta: auto(u, c, m, r, seed),
     "bfd": lambda u, c, m, r, *, seed, balanced_delta: best_fit_decreasing(u, c, m, r),

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from packtool.build.sources.sample import SampleError
 from packtool.media.image import open_image
+from packtool.packer.sources.sample import SampleError
 
 #: Type codes numpy pickles plain numeric dtypes with: bool, ints and uints of 1-8 bytes, floats of 2-8 bytes.
 _NUMERIC = re.compile(r"(b1|[iu][1248]|f[248])")

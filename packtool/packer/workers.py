@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from packtool.build.engine import Engine
+from packtool.packer.engine import Engine
 from packtool.settings import EncodeSettings, RunOptions
 from packtool.storage import fetched, resolved
 
@@ -35,8 +35,8 @@ class FactsTask:
 
 def model_facts(task: FactsTask) -> dict:
     """What the manifest records of the model folder, from a worker's encoder (the parent never imports the
-    encoder: :func:`packtool.build.encoder.model_facts`)."""
-    from packtool.build.encoder import model_facts as facts
+    encoder: :func:`packtool.packer.encoder.model_facts`)."""
+    from packtool.packer.encoder import model_facts as facts
 
     return facts(fetched(task.settings), task.dataset_yaml)
 
@@ -49,8 +49,8 @@ def warm(settings: EncodeSettings, source: str, decoder_threads: int = 0) -> Non
 
     set_decoder_threads(decoder_threads)
     try:
-        from packtool.build.encoder import get_encoder
-        from packtool.build.sources.energon import read_dataset_yaml
+        from packtool.packer.encoder import get_encoder
+        from packtool.packer.sources.energon import read_dataset_yaml
 
         get_encoder(settings, read_dataset_yaml(source))
     except Exception:

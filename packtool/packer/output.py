@@ -26,10 +26,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any, cast
 
-from packtool.build.store import SourceStamp
 from packtool.commit import commit_bytes, is_temporary, remove_temporaries
 from packtool.errors import OutputError
 from packtool.format import MANIFEST, META, TOKENIZER_DIR, TOKENIZER_FILES
+from packtool.packer.store import SourceStamp
 from packtool.storage import ObjectPath, is_remote, location, physical, remove_tree, resolved
 
 #: The work folder inside OUTPUT: lock, stamps, encode store.

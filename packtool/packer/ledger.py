@@ -17,7 +17,7 @@ from packtool.format import LEDGER, LEDGER_SCHEMA, STATUSES, pack_keys
 from packtool.storage import location, read_parquet
 
 if TYPE_CHECKING:
-    from packtool.build.split_plan import SplitPlan
+    from packtool.packer.split_plan import SplitPlan
 
 
 def read_ledger(path: str | Path, columns: list[str] | None = None) -> pa.Table:

@@ -17,8 +17,8 @@ import heapq
 
 import numpy as np
 
-from packtool.build.algorithms._common import Resource, decreasing_order, renumber
-from packtool.build.algorithms._rows import place_by_rows
+from packtool.packer.algorithms._common import Resource, decreasing_order, renumber
+from packtool.packer.algorithms._rows import place_by_rows
 
 _CHUNK = 1 << 16
 

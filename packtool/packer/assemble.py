@@ -18,12 +18,12 @@ import numpy as np
 import pyarrow as pa
 
 from packtool import __version__
-from packtool.build.item import MediaItem, loads_media
-from packtool.build.sources.safepickle import load_bytes_list, video_frames
-from packtool.build.store import NpyReader, SourceStamp
 from packtool.commit import naming
 from packtool.errors import SourceError
 from packtool.format import IndexedRecord, MediaRef, PackRecord, Segment, pack_key, sha256
+from packtool.packer.item import MediaItem, loads_media
+from packtool.packer.sources.safepickle import load_bytes_list, video_frames
+from packtool.packer.store import NpyReader, SourceStamp
 from packtool.shards import idx_path, index_tar, write_records, write_tar
 from packtool.storage import RangedReader as _ObjectReader
 from packtool.storage import is_remote, location, open_read
@@ -164,7 +164,7 @@ class WriteTask:
     segments: pa.Table
     pack_size: int
     align: int
-    #: The file source chunks its segments come from (:class:`~packtool.build.sources.files.FileChunk`), by name.
+    #: The file source chunks its segments come from (:class:`~packtool.packer.sources.files.FileChunk`), by name.
     files: dict | None = None
 
 

@@ -1,10 +1,10 @@
 """Adapter given by the user as ``module:function``.
 
 The function receives the raw sample (``{part: bytes}`` plus ``"__key__"``) and returns a
-:class:`~packtool.build.sources.sample.Conversation`, or a dict ``{"messages": [...], "media": [part names]}`` with
+:class:`~packtool.packer.sources.sample.Conversation`, or a dict ``{"messages": [...], "media": [part names]}`` with
 ``<image>``/``<video>``/``<audio>`` tags in the text (or none: media then go before the first user text; a part's
 kind follows its extension). It raises
-:class:`~packtool.build.sources.sample.SampleError` (or any exception) to reject a sample with a reason: whatever it
+:class:`~packtool.packer.sources.sample.SampleError` (or any exception) to reject a sample with a reason: whatever it
 raises quarantines that sample with the adapter and its error as the reason; ``sys.exit`` in it stops the run with
 an error naming the adapter and the sample.
 """
@@ -14,9 +14,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from packtool.build.sources.conversation import member_kind, parse_turns, place_media
-from packtool.build.sources.sample import Conversation, Media, SampleError
 from packtool.errors import ConfigError, user_code
+from packtool.packer.sources.conversation import member_kind, parse_turns, place_media
+from packtool.packer.sources.sample import Conversation, Media, SampleError
 
 
 def load_function(spec: str) -> Callable:

@@ -20,23 +20,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from packtool import __version__
-from packtool.build.assemble import SEGMENT_COLUMNS, WriteTask, write_part, write_shard
-from packtool.build.engine import Engine
-from packtool.build.ledger import write_ledger
-from packtool.build.output import OutputDir, check_paths
-from packtool.build.sources import SourceDataset, open_source
-from packtool.build.sources.energon import ScanTask, ShardLayout, scan_layout
-from packtool.build.sources.files import FileDataset, FileSource, chunk_digest, open_files, recorded_source, stamp_chunk
-from packtool.build.split_plan import SplitPlan, load_encoded, plan_split
-from packtool.build.store import (
-    BYTES_PER_RANGE,
-    SAMPLES_PER_RANGE,
-    EncodeTask,
-    FailureLimits,
-    SourceStamp,
-    encode_range,
-)
-from packtool.build.workers import FactsTask, model_facts, pack_engine
 from packtool.commit import commit_bytes, temporary_name
 from packtool.config import recorded_config
 from packtool.errors import ConfigError, FormatError
@@ -53,6 +36,30 @@ from packtool.format import (
     tokenizer_fingerprint,
     write_energon_metadata,
 )
+from packtool.packer.assemble import SEGMENT_COLUMNS, WriteTask, write_part, write_shard
+from packtool.packer.engine import Engine
+from packtool.packer.ledger import write_ledger
+from packtool.packer.output import OutputDir, check_paths
+from packtool.packer.sources import SourceDataset, open_source
+from packtool.packer.sources.energon import ScanTask, ShardLayout, scan_layout
+from packtool.packer.sources.files import (
+    FileDataset,
+    FileSource,
+    chunk_digest,
+    open_files,
+    recorded_source,
+    stamp_chunk,
+)
+from packtool.packer.split_plan import SplitPlan, load_encoded, plan_split
+from packtool.packer.store import (
+    BYTES_PER_RANGE,
+    SAMPLES_PER_RANGE,
+    EncodeTask,
+    FailureLimits,
+    SourceStamp,
+    encode_range,
+)
+from packtool.packer.workers import FactsTask, model_facts, pack_engine
 from packtool.settings import PackSettings, RunOptions
 from packtool.shards import idx_path, index_tar, join_tar
 from packtool.storage import is_remote, location, resolved
@@ -87,7 +94,7 @@ def pack(source: str | Path | FileSource, output: str | Path, settings: PackSett
          started_engine: Engine | None = None, **options: object) -> PackResult:
     """Pack every requested split of ``source`` into ``output`` (see the module docstring). ``run`` (or its
     fields as keyword ``options``) says how the run goes. ``started_engine``: an entered engine from
-    :func:`packtool.build.workers.pack_engine` for the same source and settings, started early by the caller (by
+    :func:`packtool.packer.workers.pack_engine` for the same source and settings, started early by the caller (by
     default the run starts its own once the source and settings check out).
 
     >>> pack("dataset", "packed", PackSettings(EncodeSettings(tokenizer="model", pack_size=8192)),
@@ -111,8 +118,8 @@ def check_inputs(source: str | Path | FileSource, output: str | Path, settings: 
     """Every check that needs no sample, in a fraction of a second (the caller runs it before starting workers):
     the source's metadata and shards, OUTPUT's place, the model folder's files. Returns the opened source (a
     file source: OUTPUT and the model folder are checked first, then its records are found, see
-    :func:`~packtool.build.sources.files.open_files`)."""
-    from packtool.build.encoder import check_tokenizer_dir
+    :func:`~packtool.packer.sources.files.open_files`)."""
+    from packtool.packer.encoder import check_tokenizer_dir
 
     if isinstance(source, FileSource):
         assert source.path is not None
@@ -176,7 +183,7 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
 
 def _stamps(engine: Engine, src: SourceDataset, run: RunOptions) -> dict[str, SourceStamp]:
     """Each source shard's stamp. A file source's chunks are stamped by the workers (each record's bytes and
-    each media file's stat, see :mod:`packtool.build.sources.files`); ``src.chunks`` then hold their records'
+    each media file's stat, see :mod:`packtool.packer.sources.files`); ``src.chunks`` then hold their records'
     stamps, which the write stage checks each record against."""
     if not isinstance(src, FileDataset):
         return {s: SourceStamp.of(src.root, s, src.metadata) for shards in src.splits.values() for s in shards}

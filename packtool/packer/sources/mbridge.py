@@ -14,7 +14,7 @@ Each ``field_map`` value is the member that fills that field. ``conversation`` h
 ``from``/``value`` or ``role``/``content`` turns, or an object with ``conversation``, ``conversations`` or
 ``messages``). ``imgs`` is either one encoded image member or a pickled list (a ``jpgs`` member: encoded image
 bytes, or decoded ``HxWx3`` uint8 arrays from ``convert_to_qwenvl_wds.py``, re-encoded as PNG, see
-:mod:`packtool.build.sources.safepickle`). ``videos`` is one video member (``video.mp4``) or a pickled list of videos
+:mod:`packtool.packer.sources.safepickle`). ``videos`` is one video member (``video.mp4``) or a pickled list of videos
 (``videos``/``mp4s``), each a list of encoded frames; a video of decoded frames (``convert_to_qwenvl_wds.py``'s
 arrays) is refused per sample. ``audio`` (one clip) is taken only where the convention says so (``audio=True``:
 Megatron-Bridge's Nemotron Omni path, which tags no audio in the text); else it is refused per sample.
@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from packtool.build.sources.conversation import parse_turns, place_media
-from packtool.build.sources.safepickle import encoded_videos, load_bytes_list
-from packtool.build.sources.sample import Conversation, Media, SampleError, json_member
 from packtool.errors import SourceError
 from packtool.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
+from packtool.packer.sources.conversation import parse_turns, place_media
+from packtool.packer.sources.safepickle import encoded_videos, load_bytes_list
+from packtool.packer.sources.sample import Conversation, Media, SampleError, json_member
 
 #: ``dataset.yaml`` ``__class__`` of Bridge's multi-turn chat samples.
 CHATML_CLASS = "ChatMLWebdataset"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from packtool.build.sources.sample import IMAGE_TAG, Conversation, Media, SampleError, json_member
+from packtool.packer.sources.sample import IMAGE_TAG, Conversation, Media, SampleError, json_member
 
 TYPED = ("VQASample", "CaptioningSample")
 

@@ -7,16 +7,16 @@ resource); open a new pack when none fits.
 
 Under a segment cap plain best fit degrades: it closes packs with the large and middle items and leaves the many
 small ones to the end, where they fill packs only up to the cap (``max_segments`` tiny items per pack, fill ~75 %
-on SFT-like sets). The ``auto`` algorithm (:mod:`packtool.build.algorithms.pack`) therefore also tries other fills.
+on SFT-like sets). The ``auto`` algorithm (:mod:`packtool.packer.algorithms.pack`) therefore also tries other fills.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from packtool.build.algorithms._cells import Cells, cost_classes, few_per_cost
-from packtool.build.algorithms._common import Resource, decreasing_order, scatter
-from packtool.build.algorithms._rows import place_by_rows
+from packtool.packer.algorithms._cells import Cells, cost_classes, few_per_cost
+from packtool.packer.algorithms._common import Resource, decreasing_order, scatter
+from packtool.packer.algorithms._rows import place_by_rows
 
 
 def best_fit_decreasing(units: np.ndarray, cap: int, max_segments: int | None = None,
@@ -31,7 +31,7 @@ def best_fit_decreasing(units: np.ndarray, cap: int, max_segments: int | None = 
 def bfd_by_cost(units: np.ndarray, cap: int, max_segments: int | None = None) -> np.ndarray:
     """Best-fit decreasing over the cost histogram (no extra resources); same result as :func:`bfd_by_item`.
 
-    All items of one cost ``c`` are placed together (:mod:`packtool.build.algorithms._cells`): best fit sends them to
+    All items of one cost ``c`` are placed together (:mod:`packtool.packer.algorithms._cells`): best fit sends them to
     the cells in key order, and a pack that receives one stays the best fit until it has taken ``min(r // c, t)``,
     so each cell takes ``count * min(r // c, t)`` items and moves as a block.
     """

@@ -19,7 +19,7 @@ values, media cells included) and of each media file it names: size, modificatio
 stamp is the digest of its records' stamps, so an edited record or a replaced image re-encodes only its chunk;
 when its pack is written each record read is checked against its stamp again, so nothing is packed stale.
 
-What a record may hold (see :mod:`packtool.build.sources.conversation` for the conversation itself): media named
+What a record may hold (see :mod:`packtool.packer.sources.conversation` for the conversation itself): media named
 by ``image``/``images``, ``video``/``videos`` (an entry may be a list of frames), ``audio``/``audios``, or by
 OpenAI content parts, as paths relative to the media folder; in Arrow/Parquet rows, media columns named so that
 hold bytes (``binary``, ``large_binary``, lists of them), ``{"bytes", "path", …}`` structs (``datasets``'
@@ -41,9 +41,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
-from packtool.build.sources.energon import RawSample, SourceDataset
 from packtool.errors import SourceError
 from packtool.format import META, record_position
+from packtool.packer.sources.energon import RawSample, SourceDataset
 from packtool.storage import is_remote, location
 
 #: Records per chunk of a JSON/JSONL file (a Parquet chunk is a row group; an Arrow chunk this many rows).
@@ -51,7 +51,7 @@ RECORDS_PER_CHUNK = 1000
 #: Record fields (and Arrow/Parquet columns) that name media, with their kind.
 MEDIA_FIELDS = {"image": "image", "images": "image", "video": "video", "videos": "video", "audio": "audio",
                 "audios": "audio"}
-#: Content-part types that name a media item (as :mod:`packtool.build.sources.conversation` reads them).
+#: Content-part types that name a media item (as :mod:`packtool.packer.sources.conversation` reads them).
 _PART_TYPES = {"image": "image", "image_url": "image", "video": "video", "video_url": "video", "audio": "audio",
                "input_audio": "audio", "audio_url": "audio"}
 #: Split names, one mapping for every layout (Energon calls the validation split ``val``).
@@ -924,7 +924,7 @@ def _chunks_of_file(kind: SourceKind, path: Path, label: str, first: int, media_
 
 
 def open_files(src: FileSource, splits: list[str] | None = None) -> Any:
-    """The :class:`~packtool.build.sources.energon.SourceDataset` of a file source: its chunks as shards,
+    """The :class:`~packtool.packer.sources.energon.SourceDataset` of a file source: its chunks as shards,
     records found by streaming (nothing is parsed or read beyond their boundaries)."""
     chosen = list(src.splits) if not splits else splits
     unknown = [s for s in chosen if s not in src.splits]

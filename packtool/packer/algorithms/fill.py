@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from packtool.build.algorithms._common import Resource, decreasing_order, increasing_order, scatter
-from packtool.build.algorithms._tree import NEG, MaxTree
+from packtool.packer.algorithms._common import Resource, decreasing_order, increasing_order, scatter
+from packtool.packer.algorithms._tree import NEG, MaxTree
 
 
 def greedy_knapsack(units: np.ndarray, cap: int, max_segments: int | None = None,

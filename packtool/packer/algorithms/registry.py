@@ -22,7 +22,7 @@ ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
 
 class Planner(Protocol):
     """One algorithm: item costs in units of the alignment, the capacity of a pack in units, the segment cap and
-    the extra additive limits (see :mod:`packtool.build.algorithms._common`) in; the pack index of each item out."""
+    the extra additive limits (see :mod:`packtool.packer.algorithms._common`) in; the pack index of each item out."""
 
     def __call__(self, units: np.ndarray, cap: int, max_segments: int | None, resources: tuple, *, seed: int,
                  balanced_delta: int) -> np.ndarray: ...

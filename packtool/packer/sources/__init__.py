@@ -5,8 +5,8 @@ raw sample into a :class:`Conversation` (`conversation.py` for chat JSON, `typed
 VQA/captioning datasets, `custom.py` for a user's ``module:function``).
 """
 
-from packtool.build.sources.energon import RawSample, SourceDataset, SourceError, open_source, read_raw_samples
-from packtool.build.sources.sample import Conversation, Media, SampleError
+from packtool.packer.sources.energon import RawSample, SourceDataset, SourceError, open_source, read_raw_samples
+from packtool.packer.sources.sample import Conversation, Media, SampleError
 
 __all__ = [
     "Conversation",

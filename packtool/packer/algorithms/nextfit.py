@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from packtool.build.algorithms._common import Resource
+from packtool.packer.algorithms._common import Resource
 
 
 def sequential(units: np.ndarray, cap: int, max_segments: int | None = None,

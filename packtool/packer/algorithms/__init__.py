@@ -11,9 +11,9 @@
 
 from typing import Any
 
-from packtool.build.algorithms.dp import balance_dp, dp_imbalance, pack_compute
-from packtool.build.algorithms.pack import PLANNERS, compare, l1_bound, pack_lengths
-from packtool.build.algorithms.registry import ALGORITHMS, Algorithm
+from packtool.packer.algorithms.dp import balance_dp, dp_imbalance, pack_compute
+from packtool.packer.algorithms.pack import PLANNERS, compare, l1_bound, pack_lengths
+from packtool.packer.algorithms.registry import ALGORITHMS, Algorithm
 
 __all__ = ["ALGORITHMS", "PLANNERS", "Algorithm", "balance_dp", "compare", "derive_align", "dp_imbalance",
            "l1_bound", "pack_compute", "pack_lengths"]
@@ -24,4 +24,4 @@ def __getattr__(name: str) -> Any:
         from packtool.settings import derive_align
 
         return derive_align
-    raise AttributeError(f"module 'packtool.build.algorithms' has no attribute {name!r}")
+    raise AttributeError(f"module 'packtool.packer.algorithms' has no attribute {name!r}")

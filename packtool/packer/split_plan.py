@@ -9,10 +9,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from packtool.build.algorithms import balance_dp, pack_lengths
-from packtool.build.assemble import estimate_pack_bytes, media_bytes_of
-from packtool.build.store import ENCODED_SCHEMA
 from packtool.format import KEPT
+from packtool.packer.algorithms import balance_dp, pack_lengths
+from packtool.packer.assemble import estimate_pack_bytes, media_bytes_of
+from packtool.packer.store import ENCODED_SCHEMA
 from packtool.settings import PackSettings, ShardSize
 from packtool.storage import location, read_parquet
 

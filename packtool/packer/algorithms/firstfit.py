@@ -6,7 +6,7 @@ random order, which keeps a mix of lengths in every pack at some cost in fill.
 :func:`first_fit` places one item at a time: open packs are the leaves of a max segment tree over pack ids
 holding each pack's remaining units (``-1`` once its segment cap is reached), so the first leaf with at least an
 item's cost is found in ``O(log P)``; with extra resources the tree holds them too
-(:class:`~packtool.build.algorithms._tree.MaxTree`) and skips packs they do not fit.
+(:class:`~packtool.packer.algorithms._tree.MaxTree`) and skips packs they do not fit.
 :func:`ffd_by_cost` gives the same result as ``ffd`` by placing all items of one cost together.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from packtool.build.algorithms._cells import Cells, cost_classes, few_per_cost
-from packtool.build.algorithms._common import Resource, decreasing_order, scatter
-from packtool.build.algorithms._tree import NEG, MaxTree
+from packtool.packer.algorithms._cells import Cells, cost_classes, few_per_cost
+from packtool.packer.algorithms._common import Resource, decreasing_order, scatter
+from packtool.packer.algorithms._tree import NEG, MaxTree
 
 _CHUNK = 1 << 16
 

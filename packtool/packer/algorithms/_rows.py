@@ -3,7 +3,7 @@ cap and extra resources.
 
 Open packs sit in *rows* by remaining units ``r``; a row is a sorted list of entries ``(t, id)`` (best fit:
 ``t`` = slots left, so ties go to the fewest slots left, then the lowest id) or ``(0, id)`` (worst fit: lowest id).
-A :class:`~packtool.build.algorithms._tree.MaxTree` over rows holds, per row, whether it is occupied and the most of
+A :class:`~packtool.packer.algorithms._tree.MaxTree` over rows holds, per row, whether it is occupied and the most of
 each resource any of its packs has left, so an item skips rows where no pack has room for its images or image tokens.
 """
 
@@ -13,8 +13,8 @@ from bisect import bisect_left, insort
 
 import numpy as np
 
-from packtool.build.algorithms._common import Resource
-from packtool.build.algorithms._tree import NEG, MaxTree
+from packtool.packer.algorithms._common import Resource
+from packtool.packer.algorithms._tree import NEG, MaxTree
 
 _CHUNK = 1 << 16
 #: Without extra resources, rows up to this many are found through a bitset of the occupied rows (a Python int:

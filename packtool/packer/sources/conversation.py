@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import re
 
-from packtool.build.sources.safepickle import encoded_videos, load_bytes_list
-from packtool.build.sources.sample import (
+from packtool.format import MediaKind
+from packtool.media import AUDIO_EXTENSIONS, IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
+from packtool.packer.sources.safepickle import encoded_videos, load_bytes_list
+from packtool.packer.sources.sample import (
     MEDIA_TAGS,
     TAG_PATTERN,
     Conversation,
@@ -32,8 +34,6 @@ from packtool.build.sources.sample import (
     json_member,
     tag_kinds,
 )
-from packtool.format import MediaKind
-from packtool.media import AUDIO_EXTENSIONS, IMAGE_EXTENSIONS, VIDEO_EXTENSIONS
 
 ROLES = {
     "human": "user",

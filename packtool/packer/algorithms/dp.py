@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from packtool.build.algorithms._common import aligned_costs, as_int_array, positive_int
+from packtool.packer.algorithms._common import aligned_costs, as_int_array, positive_int
 
 
 def pack_compute(pack_ids, lengths, align: int = 1, *, hidden_size: int = 4096) -> np.ndarray:

@@ -4,7 +4,7 @@ The tokenizer's own chat template renders each sample. Targets are each assistan
 token the template emits after it: from ``{% generation %}`` spans when the template has them, otherwise by
 rendering the conversation up to each assistant turn (with the generation prompt) and taking the reply that
 follows that prefix. A template proven to copy message text verbatim renders each conversation *shape* once
-instead, with the same text and reply positions (:mod:`packtool.build.chatshape`). Each image placeholder token is
+instead, with the same text and reply positions (:mod:`packtool.packer.chatshape`). Each image placeholder token is
 expanded to the image's exact token count.
 
 Media of every kind (image, video, audio) are measured before tokenizing: a member that does not read, or a kind
@@ -26,17 +26,6 @@ from typing import Any
 import numpy as np
 
 from packtool import families
-from packtool.build import hfcompat
-from packtool.build.chatshape import ShapeRenderer
-from packtool.build.item import MediaItem, Staged
-from packtool.build.sources import Conversation, RawSample
-from packtool.build.sources.conversation import conversation_adapter
-from packtool.build.sources.custom import custom_adapter, load_function
-from packtool.build.sources.mbridge import chatml_adapter, chatml_fields
-from packtool.build.sources.safepickle import load_bytes_list, video_frames
-from packtool.build.sources.sample import MEDIA_TAGS, TAG_PATTERN, Media, tag_kinds
-from packtool.build.sources.typed import sample_type, typed_adapter
-from packtool.build.tokenizing import Tokenizing, Tokens
 from packtool.errors import (
     ConfigError,
     FatalSampleError,
@@ -50,6 +39,17 @@ from packtool.errors import (
 from packtool.families import Family
 from packtool.format import sha256
 from packtool.media import AudioFacts, VideoFacts, image_size, probe_audio, probe_frames, probe_video
+from packtool.packer import hfcompat
+from packtool.packer.chatshape import ShapeRenderer
+from packtool.packer.item import MediaItem, Staged
+from packtool.packer.sources import Conversation, RawSample
+from packtool.packer.sources.conversation import conversation_adapter
+from packtool.packer.sources.custom import custom_adapter, load_function
+from packtool.packer.sources.mbridge import chatml_adapter, chatml_fields
+from packtool.packer.sources.safepickle import load_bytes_list, video_frames
+from packtool.packer.sources.sample import MEDIA_TAGS, TAG_PATTERN, Media, tag_kinds
+from packtool.packer.sources.typed import sample_type, typed_adapter
+from packtool.packer.tokenizing import Tokenizing, Tokens
 from packtool.settings import EncodeSettings
 
 #: Texts longer than this many characters per kept token are cut before tokenizing (see ``Encoder._bounded``).
@@ -527,7 +527,7 @@ class Encoder:
         return text if len(text) <= limit else text[:limit]
 
     def _tokenize(self, texts: list[str]) -> list[Tokens | SampleError]:
-        """Each text's :class:`~packtool.build.tokenizing.Tokens`, batched; a text the tokenizer refuses gets a
+        """Each text's :class:`~packtool.packer.tokenizing.Tokens`, batched; a text the tokenizer refuses gets a
         :class:`SampleError` instead."""
         return [SampleError(f"the tokenizer cannot encode the text: {type(t).__name__}: {t}")
                 if isinstance(t, Exception) else t for t in self.tokenizing.encode(texts)]
