@@ -188,7 +188,11 @@ def pack(
     ray_address: str | None = typer.Option(None, help="Ray cluster address host:port (with --engine ray)."),
     shard_size: str = typer.Option(str(default(P, "shard_size")),
                                    help="Output shard size: bytes (512MB) or a pack count (1000)."),
-    seed: int = typer.Option(default(P, "seed"), help="Seed for seeded algorithms."),
+    seed: int = typer.Option(default(P, "seed"), help="Seed for seeded algorithms (and of the --val-* draw)."),
+    val_ratio: float | None = typer.Option(None, help="Hold this share of train's kept samples out as the val "
+                                                      "split (rounded half up; chosen by digest, not position)."),
+    val_count: int | None = typer.Option(None, help="Hold this many of train's kept samples out as the val split "
+                                                    "(all, when it has fewer)."),
     balance_dp: int | None = typer.Option(None, help="Order packs so each group of N ranks balances."),
     strict: bool = typer.Option(default(R, "strict"), help="Stop at the first bad sample."),
     max_error_rate: float = typer.Option(default(R, "max_error_rate"), help="Exit 3 above this share of error "

@@ -29,6 +29,7 @@ from packtool.families.conventions import CONVENTIONS
 from packtool.settings import (
     PRESETS,
     EncodeSettings,
+    Holdout,
     PackSettings,
     PlanSettings,
     RunOptions,
@@ -43,7 +44,7 @@ _PLAN = tuple(f.name for f in fields(PlanSettings))
 _RUN = tuple(f.name for f in fields(RunOptions))
 #: Keys besides the settings classes' fields.
 EXTRA_KEYS = ("source", "output", "media_dir", "absolute_media_paths", "staging", "split", "cp_size", "tp_size",
-              "sequence_parallel", "align_for")
+              "sequence_parallel", "align_for", "val_ratio", "val_count")
 #: Every key a pack run takes.
 KEYS = (*EXTRA_KEYS, *_ENCODE, *_PLAN, *_RUN)
 #: Keys that name files: relative paths in a config file are read relative to the file's folder.
@@ -51,6 +52,7 @@ PATH_KEYS = ("source", "output", "media_dir", "staging", "tokenizer")
 _EXTRA_DEFAULTS: dict[str, Any] = {"source": None, "output": None, "media_dir": None, "absolute_media_paths": False,
                                    "staging": None, "split": [],
                                    "cp_size": 1, "tp_size": 1, "sequence_parallel": False, "align_for": "megatron",
+                                   "val_ratio": None, "val_count": None,
                                    "align": None,
                                    "tokenizer": None, "pack_size": None, "workers": None}
 
@@ -60,6 +62,7 @@ _EXTRA_TYPES: dict[str, Any] = {"source": str, "output": str, "media_dir": str |
                                 "staging": str | None,
                                 "split": str | list[str] | None, "cp_size": int, "tp_size": int,
                                 "sequence_parallel": bool, "align_for": str, "align": int | None,
+                                "val_ratio": float | None, "val_count": int | None,
                                 "tokenizer": str, "pack_size": int, "workers": int | None}
 
 
@@ -233,7 +236,10 @@ def build(values: Mapping[str, Any], given: Collection[str]) -> PackRun:
     split = values["split"] or []
     if isinstance(split, str):
         split = [split]
-    settings = PackSettings(encode, plan, tuple(split))
+    holdout = None
+    if values["val_ratio"] is not None or values["val_count"] is not None:
+        holdout = Holdout(values["val_ratio"], values["val_count"])
+    settings = PackSettings(encode, plan, tuple(split), holdout)
     media_dir = values.get("media_dir")
     config = {k: _plain(values[k]) for k in KEYS}
     for key in PATH_KEYS:  # recorded absolute, so the printed config runs from anywhere
@@ -279,8 +285,9 @@ def recorded_config(settings: PackSettings, source: Path) -> dict:
     if encode["thinking_trace_format"] == default(EncodeSettings, "thinking_trace_format"):
         del encode["thinking_trace_format"]  # added later: recorded only when set, so older outputs keep their bytes
     plan = {**asdict(settings.plan), "shard_size": str(settings.plan.shard_size)}
+    held = settings.holdout.describe() if settings.holdout is not None else {}  # recorded only when set
     return {"source": str(source), "tokenizer": encode.pop("tokenizer"), "split": list(settings.splits),
-            **encode, **plan}
+            **encode, **plan, **held}
 
 
 def recorded(output: str | Path, relative_to: Path | None = None) -> str:

@@ -370,6 +370,34 @@ class PlanSettings:
 
 
 @dataclass(frozen=True)
+class Holdout:
+    """A validation split held out of the source's ``train`` split: ``ratio`` of its kept samples (rounded half
+    up), or ``count`` of them (all, when it has fewer). Which samples: those whose digest of (seed, source shard,
+    sample key) is smallest, so the choice depends on no worker count, order or rerun."""
+
+    ratio: float | None = None
+    count: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.ratio is None) == (self.count is None):
+            raise ConfigError("give one of val_ratio and val_count")
+        if self.ratio is not None and (isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float))
+                                       or not 0.0 < self.ratio < 1.0):
+            raise ConfigError(f"val_ratio must be between 0 and 1 (both excluded), not {self.ratio!r}")
+        _check_int(self.count, "val_count", optional=True)
+
+    def size(self, kept: int) -> int:
+        """How many of ``kept`` samples go to the validation split."""
+        if self.count is not None:
+            return min(self.count, kept)
+        assert self.ratio is not None
+        return min(kept, math.floor(self.ratio * kept + 0.5))
+
+    def describe(self) -> dict[str, float | int]:
+        return {"val_ratio": self.ratio} if self.ratio is not None else {"val_count": int(self.count or 0)}
+
+
+@dataclass(frozen=True)
 class PackSettings:
     """Everything that decides the bytes of an OUTPUT."""
 
@@ -377,9 +405,17 @@ class PackSettings:
     plan: PlanSettings = field(default_factory=PlanSettings)
     #: Splits to pack; empty = every split of ``split.yaml``.
     splits: tuple[str, ...] = ()
+    #: A validation split held out of ``train`` (``val``); None: the source's splits as they are.
+    holdout: Holdout | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "splits", tuple(self.splits))
+        if self.holdout is not None and not isinstance(self.holdout, Holdout):
+            raise ConfigError(f"holdout must be a Holdout, not {self.holdout!r}")
+
+    def _holdout(self) -> dict:
+        """The hold-out's settings, recorded only when set (outputs without one keep their bytes)."""
+        return {"holdout": self.holdout.describe()} if self.holdout is not None else {}
 
     def fingerprints(self, source: Path, tokenizer_fingerprint: str) -> dict[str, dict]:
         """``{"encode": ..., "output": ...}`` as JSON values (so a stamp read back compares equal): the encode
@@ -387,13 +423,14 @@ class PackSettings:
         the splits."""
         encode = {**_recorded(self.encode), "tokenizer": tokenizer_fingerprint, "source": str(source)}
         plan = {**asdict(self.plan), "shard_size": str(self.plan.shard_size)}
-        output = {"encode": encode, "plan": plan, "splits": list(self.splits)}
+        output = {"encode": encode, "plan": plan, "splits": list(self.splits), **self._holdout()}
         return json.loads(json.dumps({"encode": encode, "output": output}))
 
     def describe(self) -> dict:
         """Every setting as plain values, for the manifest."""
         return {**_recorded(self.encode), "tokenizer": Path(self.encode.tokenizer).name,
-                **asdict(self.plan), "shard_size": str(self.plan.shard_size), "splits": list(self.splits)}
+                **asdict(self.plan), "shard_size": str(self.plan.shard_size), "splits": list(self.splits),
+                **self._holdout()}
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from packtool.format import (
 )
 from packtool.packer.assemble import SEGMENT_COLUMNS, WriteTask, write_part, write_shard
 from packtool.packer.engine import Engine
+from packtool.packer.holdout import TRAIN, VAL, held_out
 from packtool.packer.ledger import write_ledger
 from packtool.packer.output import OutputDir, check_paths
 from packtool.packer.sources import SourceDataset, open_source
@@ -132,7 +133,7 @@ def check_inputs(source: str | Path | FileSource, output: str | Path, settings: 
                 check_split_name(split)
             except FormatError as exc:
                 raise ConfigError(str(exc)) from None
-        return files
+        return _check_holdout(files, settings)
     source, output = resolved(source), resolved(output)
     src = open_source(source, list(settings.splits) or None)
     check_paths(source, output, location(settings.encode.tokenizer))
@@ -143,6 +144,20 @@ def check_inputs(source: str | Path | FileSource, output: str | Path, settings: 
             raise ConfigError(str(exc)) from None
     if not is_remote(settings.encode.tokenizer):  # a model folder in an object store is fetched by the workers
         check_tokenizer_dir(settings.encode.tokenizer)
+    return _check_holdout(src, settings)
+
+
+def _check_holdout(src: SourceDataset, settings: PackSettings) -> SourceDataset:
+    """A hold-out is taken from the source's ``train`` split, and never merged into a validation split the
+    source already has."""
+    if settings.holdout is None:
+        return src
+    if TRAIN not in src.splits:
+        raise ConfigError(f"val_ratio/val_count hold samples out of the {TRAIN!r} split, and the source packs none "
+                          f"(its splits: {', '.join(src.splits) or 'none'})")
+    if VAL in src.splits:
+        raise ConfigError(f"the source already has a {VAL!r} split; drop val_ratio/val_count, or pack only "
+                          f"{TRAIN!r} (--split {TRAIN}) to hold a new one out of it")
     return src
 
 
@@ -159,7 +174,12 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
             return done
         enc_dirs = _encode(engine, out, src, settings, run, stamps)
         clock.lap("scan+encode")
-        plans = {split: plan_split(split, load_encoded(enc_dirs[split]), settings) for split in src.splits}
+        tables = {split: load_encoded(enc_dirs[split]) for split in src.splits}
+        if settings.holdout is not None:  # the validation split: some of train's encoded samples, its stores shared
+            val = held_out(tables[TRAIN], settings.holdout, settings.plan.seed)
+            tables[VAL], tables[TRAIN] = tables[TRAIN].filter(val), tables[TRAIN].filter(~val)
+            enc_dirs[VAL] = enc_dirs[TRAIN]
+        plans = {split: plan_split(split, table, settings) for split, table in tables.items()}
         for split, plan in plans.items():
             _check_packable(split, plan, settings)
         clock.lap("plan")

@@ -22,6 +22,7 @@ from packtool.errors import FormatError, SourceError
 from packtool.format import KEPT, LEDGER, META, TOKENIZER_DIR, InfoJson, Manifest, PackRecord
 from packtool.packer.encoder import Encoded, get_encoder
 from packtool.packer.engine import Engine
+from packtool.packer.holdout import VAL
 from packtool.packer.item import MediaItem
 from packtool.packer.sources import open_source
 from packtool.packer.sources.energon import ShardScan
@@ -52,9 +53,10 @@ def _settings(out: Path, manifest: Manifest) -> EncodeSettings:
 
 def check_against_source(out: Path, source: Path | FileSource, manifest: Manifest, engine: Engine) -> list[str]:
     """Problems found by re-encoding the source: missing or extra samples, changed tokens, targets or media."""
+    # The source's splits packed: a held-out validation split comes from train, not from the source's own.
+    splits = [s for s in manifest.counts if not (s == VAL and manifest.settings.get("holdout"))]
     try:
-        src = open_files(source, list(manifest.counts)) if isinstance(source, FileSource) else \
-            open_source(source, list(manifest.counts))
+        src = open_files(source, splits) if isinstance(source, FileSource) else open_source(source, splits)
     except SourceError as exc:
         return [f"source: {exc}"]
     shards = [s for ss in src.splits.values() for s in ss]
