@@ -120,3 +120,15 @@ def test_refused_with_one_line(demo_dir, tmp_path, args, needle):
 def test_holdout_is_typed():
     with pytest.raises(ConfigError, match="holdout must be a Holdout"):
         PackSettings(EncodeSettings(tokenizer="x", pack_size=64), holdout=0.1)  # type: ignore[arg-type]
+
+
+def test_candidates_read_each_split_from_trains_stores(held):
+    """The held-out split has no encode ranges of its own: ``stats --candidates`` takes each split's samples out
+    of train's, with their media (the ledger alone knows none)."""
+    from packtool.verify.candidates import load_rows
+
+    for split in ("train", "val"):
+        rows = load_rows(held, split, None)
+        ledger = _rows(held, split)
+        assert rows.error.size == len(ledger)
+        assert sum(len(m) for m in rows.media) > 0

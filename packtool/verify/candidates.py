@@ -21,11 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from packtool.errors import ConfigError
-from packtool.format import aligned_lengths, row_length
+from packtool.errors import ConfigError, FormatError
+from packtool.format import Manifest, aligned_lengths, row_length
+from packtool.packer.holdout import TRAIN, VAL
 from packtool.packer.item import loads_media
+from packtool.packer.ledger import read_ledger
 
 
 @dataclass(frozen=True)
@@ -59,19 +63,37 @@ def store_dirs(output: Path, split: str) -> list[Path]:
     return sorted(p.parent for p in (output / ".packtool" / "encode" / split).glob("*/*/samples.parquet"))
 
 
+def _stores_of(output: Path, split: str) -> tuple[list[Path], set[tuple[str, str]] | None]:
+    """The encode ranges holding ``split``'s samples, and which of their samples are the split's (None: all).
+    A validation split held out of train (``holdout`` in the manifest) and what train kept share train's ranges."""
+    try:
+        held = bool(Manifest.read(output).settings.get("holdout"))
+    except (OSError, FormatError):
+        held = False
+    if not held or split not in (VAL, TRAIN):
+        return store_dirs(output, split), None
+    ledger = read_ledger(output, ["split", "shard", "key"])
+    ledger = ledger.filter(pc.equal(ledger.column("split"), split))
+    return store_dirs(output, TRAIN), set(zip(ledger.column("shard").to_pylist(), ledger.column("key").to_pylist()))
+
+
 def load_rows(output: Path, split: str, ledger: Any) -> SourceRows:
     """The split's samples before any cut, from the encode store (the ledger's lengths where it has no facts)."""
-    dirs = store_dirs(output, split)
+    dirs, only = _stores_of(output, split)
     error, length, first, exact, media = [], [], [], [], []
     if dirs:
         for d in dirs:
-            t = pq.read_table(d / "samples.parquet", columns=["status", "source_tokens", "media"])
+            t = pq.read_table(d / "samples.parquet", columns=["status", "source_tokens", "media", "shard", "key"])
+            mine = None if only is None else pa.array([(s, k) in only for s, k in zip(
+                t.column("shard").to_pylist(), t.column("key").to_pylist())], pa.bool_())
+            t = t if mine is None else t.filter(mine)
             status = t.column("status").to_pylist()
             error += [s == "error" for s in status]
             length += t.column("source_tokens").to_pylist()
             facts = d / "source_facts.parquet"
             if facts.exists():
                 f = pq.read_table(facts)
+                f = f if mine is None else f.filter(mine)
                 first += f.column("first_target").to_pylist()
                 exact += f.column("length_known").to_pylist()
                 media += [json.loads(m) for m in f.column("source_media").to_pylist()]
