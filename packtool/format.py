@@ -107,6 +107,11 @@ def record_position(number: int) -> str:
     return f"{number:0{PACK_NUMBER_DIGITS}d}"
 
 
+def copied_key(key: str, copy: int) -> str:
+    """A sample's identity among the copies a mixture takes of it: its key, ``#k`` added for copy k > 0."""
+    return f"{key}#{copy}" if copy else key
+
+
 def pack_key(split: str, number: int) -> str:
     """Key of pack ``number`` (output order) of ``split``: unique across the dataset, no dots."""
     return f"{split}-{number:0{PACK_NUMBER_DIGITS}d}"
@@ -256,17 +261,29 @@ class Segment:
     #: Whether the sample was cut to fit (its ledger row says why).
     truncated: bool
     media: list[MediaRef] = field(default_factory=list)
+    #: The dataset of a mixture the sample comes from (its name in the manifest's ``mixture``), else None.
+    dataset: str | None = None
+    #: Which copy of the sample this is, when a mixture takes it more than once (0: the first).
+    copy: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        """``asdict(self)``, without its generic walk over every field (a pack holds many segments)."""
-        return {"key": self.key, "split": self.split, "shard": self.shard, "truncated": self.truncated,
-                "media": [asdict(m) for m in self.media]}
+        """``asdict(self)``, without its generic walk over every field (a pack holds many segments); ``dataset``
+        and ``copy`` only when set (outputs of one dataset keep their bytes)."""
+        out = {"key": self.key, "split": self.split, "shard": self.shard, "truncated": self.truncated,
+               "media": [asdict(m) for m in self.media]}
+        if self.dataset is not None:
+            out["dataset"] = self.dataset
+        if self.copy:
+            out["copy"] = self.copy
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Segment:
         try:
             media = [MediaRef(**{f.name: m[f.name] for f in fields(MediaRef) if f.name in m}) for m in d["media"]]
-            return cls(str(d["key"]), str(d["split"]), str(d["shard"]), bool(d["truncated"]), media)
+            dataset = d.get("dataset")
+            return cls(str(d["key"]), str(d["split"]), str(d["shard"]), bool(d["truncated"]), media,
+                       None if dataset is None else str(dataset), int(d.get("copy", 0)))
         except (KeyError, TypeError) as exc:
             raise FormatError(f"malformed segment {str(d)[:80]!r}: {type(exc).__name__}: {exc}") from None
 
@@ -564,6 +581,10 @@ class Manifest(Mapping[str, Any]):
     #: The run's settings as a config file holds them (:func:`packtool.config.recorded_config`: the source, the
     #: tokenizer folder, every setting as it took effect); None in manifests of older packtool versions.
     run_config: dict | None = None
+    #: A metadataset's datasets (``datasets``: the names, a segment's ``dataset`` index order; ``splits``: each
+    #: split's entries as declared; ``repetitions``: split -> dataset -> times its kept samples were taken); None
+    #: for one dataset.
+    mixture: dict | None = None
 
     @classmethod
     def read(cls, root: str | Path) -> Manifest:
@@ -586,8 +607,9 @@ class Manifest(Mapping[str, Any]):
 
     def to_bytes(self) -> bytes:
         data = asdict(self)
-        if data["run_config"] is None:
-            del data["run_config"]
+        for name in ("run_config", "mixture"):  # written only when there is one (older outputs keep their bytes)
+            if data[name] is None:
+                del data[name]
         return json.dumps(data, indent=1).encode()
 
     # A read-only mapping of its fields too, so readers take a Manifest or the plain dict of one alike.
@@ -631,6 +653,9 @@ LEDGER_SCHEMA = pa.schema([
     ("pack", pa.string()),  # pack key (see pack_key), null unless kept
     ("source_tokens", pa.int32()),  # length before truncation (0 if encoding failed)
 ])
+#: A mixture's ledger adds the sample's dataset (its name in the manifest's ``mixture``) and its copy number: one
+#: row per copy its dataset's proportion took (``copy`` 0 for the first; a sample not kept has one row).
+MIXTURE_LEDGER_COLUMNS = ("dataset", "copy")
 
 
 # -- writing Energon's metadata ---------------------------------------------------------------------------------

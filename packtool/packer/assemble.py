@@ -30,6 +30,8 @@ from packtool.storage import is_remote, location, open_read
 
 #: Columns of a write task's segment table (``pack`` first), sorted by pack, then source order.
 SEGMENT_COLUMNS = ("pack", "src", "row", "key", "shard", "truncated", "tok_offset", "tokens", "media")
+#: A mixture's segment columns besides those: the dataset's index and the sample's copy number.
+MIXTURE_COLUMNS = ("dataset", "copy")
 #: Estimated bytes of a record besides its token arrays and media: headers, json, padding.
 _RECORD_OVERHEAD = 4096
 _MEDIA_OVERHEAD = 1024
@@ -166,6 +168,8 @@ class WriteTask:
     align: int
     #: The file source chunks its segments come from (:class:`~packtool.packer.sources.files.FileChunk`), by name.
     files: dict | None = None
+    #: A mixture's dataset names: the segments then also hold :data:`MIXTURE_COLUMNS` (a dataset index, a copy).
+    datasets: tuple[str, ...] = ()
 
 
 def write_shard(task: WriteTask) -> list[IndexedRecord]:
@@ -176,7 +180,8 @@ def write_shard(task: WriteTask) -> list[IndexedRecord]:
         return index_tar(path)
     sources = _Sources(location(task.root), task.enc_dirs, task.stamps, task.files)
     try:
-        return write_tar(path, _records(task.split, task.segments, sources, task.pack_size, task.align))
+        return write_tar(path, _records(task.split, task.segments, sources, task.pack_size, task.align,
+                                        task.datasets))
     finally:
         sources.close()
 
@@ -188,22 +193,25 @@ def write_part(task: WriteTask) -> list[IndexedRecord]:
     sources = _Sources(Path(task.root), task.enc_dirs, task.stamps, task.files)
     try:
         with naming(task.path), open(task.path, "wb") as f:
-            return write_records(f, _records(task.split, task.segments, sources, task.pack_size, task.align))
+            return write_records(f, _records(task.split, task.segments, sources, task.pack_size, task.align,
+                                             task.datasets))
     finally:
         sources.close()
 
 
-def _records(split: str, segments: pa.Table, sources: _Sources, pack_size: int,
-             align: int) -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
+def _records(split: str, segments: pa.Table, sources: _Sources, pack_size: int, align: int,
+             datasets: tuple[str, ...] = ()) -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
     """The tar members of each pack of ``segments``, in order."""
+    columns = SEGMENT_COLUMNS + (MIXTURE_COLUMNS if datasets else ())
+
     def rows() -> Iterator[tuple[Any, ...]]:  # a batch of rows at a time as Python values
         for batch in segments.to_batches(max_chunksize=1024):
             if sources.remote:
                 sources.prefetch(batch)
-            yield from zip(*(batch.column(c).to_pylist() for c in SEGMENT_COLUMNS))
+            yield from zip(*(batch.column(c).to_pylist() for c in columns))
 
     for p, group in itertools.groupby(rows(), key=lambda row: row[0]):
-        record = assemble_record(pack_key(split, p), split, list(group), sources, pack_size, align)
+        record = assemble_record(pack_key(split, p), split, list(group), sources, pack_size, align, datasets)
         yield record.key, record.to_members()
 
 
@@ -218,12 +226,15 @@ def media_ref(m: MediaItem, member: str, frames: list[str], size: int, digest: s
 
 
 def assemble_record(key: str, split: str, group: list[tuple[Any, ...]], sources: _Sources, pack_size: int,
-                    align: int) -> PackRecord:
-    """One pack from its segment rows (in pack order)."""
+                    align: int, datasets: tuple[str, ...] = ()) -> PackRecord:
+    """One pack from its segment rows (in pack order: :data:`SEGMENT_COLUMNS`, then :data:`MIXTURE_COLUMNS` of a
+    mixture's, whose ``datasets`` names them)."""
     toks, tgts, seqlens, segs = [], [], [], []
     media: dict[str, bytes] = {}
     items = 0
-    for _, src, _, sample_key, shard, truncated, tok_offset, length, media_json in group:
+    for row in group:
+        _, src, _, sample_key, shard, truncated, tok_offset, length, media_json = row[:len(SEGMENT_COLUMNS)]
+        dataset, copy = (datasets[row[-2]], int(row[-1])) if datasets else (None, 0)
         tok, tgt = sources.tokens(src)
         toks.append(np.asarray(tok[tok_offset: tok_offset + length]))
         tgts.append(np.asarray(tgt[tok_offset: tok_offset + length]))
@@ -246,6 +257,6 @@ def assemble_record(key: str, split: str, group: list[tuple[Any, ...]], sources:
                                   f"from those encoded (sha256 {digest[:12]}, encoded {m.sha256[:12]}); run "
                                   f"the same command again to encode them anew")
             refs.append(media_ref(m, member, names, len(data), digest))
-        segs.append(Segment(sample_key, split, shard, bool(truncated), refs))
+        segs.append(Segment(sample_key, split, shard, bool(truncated), refs, dataset, copy))
     return PackRecord(key, np.concatenate(toks), np.concatenate(tgts), np.asarray(seqlens, dtype=np.int32),
                       pack_size, align, segs, media, __version__)

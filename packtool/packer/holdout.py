@@ -16,7 +16,7 @@ from packtool.settings import Holdout
 VAL, TRAIN = "val", "train"
 
 
-def _ranks(seed: int, shards: list[str], keys: list[str]) -> np.ndarray:
+def digest_ranks(seed: int, shards: list[str], keys: list[str]) -> np.ndarray:
     """Each sample's place in the draw: the first 8 bytes of the digest of (seed, source shard, key)."""
     out = np.empty(len(keys), np.uint64)
     for i, (shard, key) in enumerate(zip(shards, keys)):
@@ -37,7 +37,7 @@ def held_out(table: pa.Table, holdout: Holdout, seed: int, groups: np.ndarray | 
     group_of = np.zeros(table.num_rows, np.int64) if groups is None else np.asarray(groups)
     for g in np.unique(group_of[kept]) if kept.any() else []:
         rows = np.flatnonzero(kept & (group_of == g))
-        ranks = _ranks(seed, [shards[r] for r in rows], [keys[r] for r in rows])
+        ranks = digest_ranks(seed, [shards[r] for r in rows], [keys[r] for r in rows])
         order = sorted(range(rows.size), key=lambda i: (int(ranks[i]), shards[rows[i]], keys[rows[i]]))
         mask[rows[order[:holdout.size(rows.size)]]] = True
     return mask

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 from packtool.commit import commit_path
 from packtool.errors import FormatError
 from packtool.format import LEDGER, LEDGER_SCHEMA, STATUSES, pack_keys
+from packtool.packer.mixing import NOT_DRAWN
 from packtool.storage import location, read_parquet
 
 if TYPE_CHECKING:
@@ -31,27 +32,35 @@ def read_ledger(path: str | Path, columns: list[str] | None = None) -> pa.Table:
         raise FormatError(f"{file} is not a packtool ledger ({reason})") from None
 
 
-def ledger_table(split: str, plan: SplitPlan) -> pa.Table:
-    """The ledger rows of one planned split (pack keys computed by Arrow: no Python string per row)."""
+def ledger_table(split: str, plan: SplitPlan, datasets: tuple[str, ...] = ()) -> pa.Table:
+    """The ledger rows of one planned split (pack keys computed by Arrow: no Python string per row); a
+    mixture's (``datasets``: its names) add :data:`~packtool.format.MIXTURE_LEDGER_COLUMNS`, a row per copy."""
     t, n = plan.table, plan.table.num_rows
     pack_col = pack_keys(split, plan.pack)
-    return pa.table({
+    table = pa.table({
         "key": t.column("key"), "split": pa.array([split] * n, pa.string()), "shard": t.column("shard"),
         "status": t.column("status"), "reason": t.column("reason"), "tokens": t.column("tokens"),
         "targets": t.column("targets"), "images": t.column("images"), "image_tokens": t.column("image_tokens"),
         "pack": pack_col, "source_tokens": t.column("source_tokens"),
     }, schema=LEDGER_SCHEMA)
+    if not datasets:
+        return table
+    names = pa.array(datasets, pa.string())
+    return table.append_column("dataset", names.take(t.column("dataset"))).append_column("copy", t.column("copy"))
 
 
-def write_ledger(output: Path, plans: Mapping[str, SplitPlan]) -> tuple[dict, dict]:
+def write_ledger(output: Path, plans: Mapping[str, SplitPlan], datasets: tuple[str, ...] = ()) -> tuple[dict, dict]:
     """Write ``ledger.parquet`` and return the counts per split and status, and the packs per split."""
     tables: list[pa.Table] = []
     counts: dict[str, dict[str, int]] = {}
     packs: dict[str, int] = {}
     for split, plan in plans.items():
-        tables.append(ledger_table(split, plan))
+        tables.append(ledger_table(split, plan, datasets))
         statuses = {v["values"]: v["counts"] for v in pc.value_counts(plan.table.column("status")).to_pylist()}
         counts[split] = {"samples": plan.table.num_rows, **{s: statuses.get(s, 0) for s in STATUSES}}
+        if datasets:  # a mixture's samples its repetitions left out (dropped, and no failure)
+            counts[split]["not_drawn"] = int(pc.sum(pc.starts_with(plan.table.column("reason"), NOT_DRAWN)).as_py()
+                                             or 0)
         packs[split] = plan.n_packs
     table = pa.concat_tables(tables) if tables else LEDGER_SCHEMA.empty_table()
     with commit_path(output / LEDGER) as tmp:

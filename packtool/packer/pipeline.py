@@ -36,10 +36,11 @@ from packtool.format import (
     tokenizer_fingerprint,
     write_energon_metadata,
 )
-from packtool.packer.assemble import SEGMENT_COLUMNS, WriteTask, write_part, write_shard
+from packtool.packer.assemble import MIXTURE_COLUMNS, SEGMENT_COLUMNS, WriteTask, write_part, write_shard
 from packtool.packer.engine import Engine
 from packtool.packer.holdout import TRAIN, VAL, held_out
 from packtool.packer.ledger import write_ledger
+from packtool.packer.mixing import repeat, repetitions, with_datasets
 from packtool.packer.output import OutputDir, check_paths
 from packtool.packer.sources import SourceDataset, open_source
 from packtool.packer.sources.energon import ScanTask, ShardLayout, scan_layout
@@ -175,10 +176,20 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
         enc_dirs = _encode(engine, out, src, settings, run, stamps)
         clock.lap("scan+encode")
         tables = {split: load_encoded(enc_dirs[split]) for split in src.splits}
+        names = src.mixture.names() if src.mixture is not None else []
+        if names:  # each row's dataset, for the hold-out per dataset, the proportions and the segments
+            tables = {split: with_datasets(t, src.dataset_of, names) for split, t in tables.items()}
         if settings.holdout is not None:  # the validation split: some of train's encoded samples, its stores shared
-            val = held_out(tables[TRAIN], settings.holdout, settings.plan.seed)
+            groups = tables[TRAIN].column("dataset").to_numpy() if names else None
+            val = held_out(tables[TRAIN], settings.holdout, settings.plan.seed, groups)
             tables[VAL], tables[TRAIN] = tables[TRAIN].filter(val), tables[TRAIN].filter(~val)
             enc_dirs[VAL] = enc_dirs[TRAIN]
+        reps: dict[str, dict[str, float]] = {}
+        if src.mixture is not None:  # each of the mixture's splits in its declared proportions (a hold-out: once)
+            for split in src.splits:
+                times = repetitions(tables[split], src.mixture.splits[split], names)
+                reps[split] = {names[i]: r for i, r in sorted(times.items())}
+                tables[split] = repeat(tables[split], times, settings.plan.seed, names)
         plans = {split: plan_split(split, table, settings) for split, table in tables.items()}
         for split, plan in plans.items():
             _check_packable(split, plan, settings)
@@ -186,14 +197,17 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
         out.make_room()  # the output this run replaces goes only now, when its replacement is ready to write
         out_shards = {split: [shard_path(split, k) for k in range(plan.n_shards)] for split, plan in plans.items()}
         indexes = {} if run.dry_run else _write(engine, source, output, settings, run, plans, out_shards, enc_dirs,
-                                                stamps, src.chunks if isinstance(src, FileDataset) else {})
+                                                stamps, src.chunks if isinstance(src, FileDataset) else {},
+                                                tuple(names))
         clock.lap("write")
-        counts, packs = write_ledger(output, plans)
+        counts, packs = write_ledger(output, plans, tuple(names))
         if not run.dry_run:
             write_energon_metadata(output, {k: v for k, v in out_shards.items() if v}, indexes,
                                    version("megatron-energon"))
             _copy_tokenizer(location(settings.encode.tokenizer), output / TOKENIZER_DIR)
         manifest = _manifest(settings, fingerprints, source, out_shards, counts, packs, run.dry_run, facts)
+        if src.mixture is not None:
+            manifest.mixture = {**src.mixture.describe(), "repetitions": reps}
         if isinstance(src, FileDataset) and src.source is not None and manifest.run_config is not None:
             manifest.run_config.update(recorded_source(src.source))
         commit_bytes(output / MANIFEST, manifest.to_bytes())
@@ -206,7 +220,7 @@ def _stamps(engine: Engine, src: SourceDataset, run: RunOptions) -> dict[str, So
     each media file's stat, see :mod:`packtool.packer.sources.files`); ``src.chunks`` then hold their records'
     stamps, which the write stage checks each record against."""
     if not isinstance(src, FileDataset):
-        return {s: SourceStamp.of(src.root, s, src.metadata) for shards in src.splits.values() for s in shards}
+        return {s: SourceStamp.of(src.root, s, src.metadata_of(s)) for shards in src.splits.values() for s in shards}
     names = list(src.chunks)
     stamped = engine.map(stamp_chunk, [src.chunks[n] for n in names], desc="stamp", unit="chunk",
                          progress=run.progress, names=names)
@@ -219,7 +233,7 @@ def over_limits(counts: dict, run: RunOptions) -> list[tuple[str, int, int, floa
     total = sum(c["samples"] for c in counts.values())
     out = []
     for status, limit in run.limits().items():
-        n = sum(c[status] for c in counts.values())
+        n = sum(c[status] - (c.get("not_drawn", 0) if status == "dropped" else 0) for c in counts.values())
         if total and n / total > limit:
             out.append((status, n, total, limit))
     return out
@@ -278,7 +292,7 @@ def _encode(engine: Engine, out: OutputDir, src: SourceDataset, settings: PackSe
             store = out.encode_dir(split, i, k)
             enc_dirs[split].append(store)
             tasks.append(EncodeTask(str(src.root), layout, span, src.excluded_samples, settings.encode,
-                                    src.dataset_yaml, src.shard_counts.get(shard), stamps[shard], run.strict,
+                                    src.yaml_of(shard), src.shard_counts.get(shard), stamps[shard], run.strict,
                                     str(store), limits, files.get(shard)))
             names.append(f"{shard} (samples from {span.first})")
     engine.map(encode_range, tasks, desc="encode", unit="range", progress=run.progress, names=names)
@@ -288,7 +302,8 @@ def _encode(engine: Engine, out: OutputDir, src: SourceDataset, settings: PackSe
 def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, run: RunOptions,
            plans: dict[str, SplitPlan],
            out_shards: dict[str, list[str]], enc_dirs: dict[str, list[Path]],
-           stamps: dict[str, SourceStamp], files: dict) -> dict[str, list[IndexedRecord]]:
+           stamps: dict[str, SourceStamp], files: dict,
+           datasets: tuple[str, ...] = ()) -> dict[str, list[IndexedRecord]]:
     """One task per output shard, each with a compact table of its own rows (no Python object per row); with
     fewer shards than workers, each shard is written as parts by several tasks and joined (same bytes)."""
     shards = []
@@ -298,7 +313,8 @@ def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, r
         rows = np.flatnonzero(plan.pack >= 0)
         rows = rows[np.lexsort((rows, plan.pack[rows]))]
         bounds = np.searchsorted(plan.shard_of_pack[plan.pack[rows]], np.arange(plan.n_shards + 1))
-        table = plan.table.append_column("pack", pa.array(plan.pack)).select(list(SEGMENT_COLUMNS))
+        table = plan.table.append_column("pack", pa.array(plan.pack)).select(
+            list(SEGMENT_COLUMNS + (MIXTURE_COLUMNS if datasets else ())))
         split_stamps = {s: stamps[s] for s in src_shards(plan)}
         for k in range(plan.n_shards):
             segments = table.take(rows[bounds[k]:bounds[k + 1]])
@@ -306,7 +322,7 @@ def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, r
             chunks = {s: files[s] for s in with_media.column("shard").unique().to_pylist()} if files else {}
             shards.append(WriteTask(str(output / out_shards[split][k]), split, str(source),
                                     [str(d) for d in enc_dirs[split]], split_stamps, segments,
-                                    settings.encode.pack_size, settings.encode.align, chunks))
+                                    settings.encode.pack_size, settings.encode.align, chunks, datasets))
     # Parts are joined where the output is (a local file system): an object store only takes whole objects.
     if not shards or len(shards) >= engine.workers or is_remote(output):
         written = engine.map(write_shard, shards, desc="write", unit="shard", progress=run.progress,

@@ -9,9 +9,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from packtool.format import KEPT
+from packtool.format import KEPT, aligned_lengths, row_length
 from packtool.packer.algorithms import balance_dp, pack_lengths
 from packtool.packer.assemble import estimate_pack_bytes, media_bytes_of
+from packtool.packer.mixing import separate_copies
 from packtool.packer.store import ENCODED_SCHEMA
 from packtool.settings import PackSettings, ShardSize
 from packtool.storage import location, read_parquet
@@ -69,6 +70,13 @@ def plan_split(split: str, table: pa.Table, settings: PackSettings) -> SplitPlan
         images=images, max_images=enc.max_images, image_tokens=image_tokens, max_image_tokens=enc.max_image_tokens,
         seed=plan.seed, balanced_delta=plan.balanced_delta,
     )
+    if "copy" in table.column_names and (table.column("copy").to_numpy() > 0).any():  # a mixture's copies
+        sub = table.take(pa.array(keep))
+        ident = [f"{a}\0{b}" for a, b in zip(sub.column("shard").to_pylist(), sub.column("key").to_pylist())]
+        ids = separate_copies(np.asarray(ids), ident, aligned_lengths(lengths, enc.align),
+                              row_length(enc.pack_size, enc.align),
+                              [(np.ones_like(lengths), plan.max_segments), (images, enc.max_images),
+                               (image_tokens, enc.max_image_tokens)])
     n_packs = int(ids.max()) + 1
     if plan.balance_dp and plan.balance_dp > 1:
         order = np.asarray(balance_dp(ids, lengths, plan.balance_dp, align=enc.align, seed=plan.seed), np.int64)

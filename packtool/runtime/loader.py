@@ -71,6 +71,8 @@ def collate_packs(rows: list[dict], pad_token_id: int) -> dict:
     out["max_seqlen"] = max(r["max_seqlen"] for r in rows)
     out["keys"] = [k for r in rows for k in r["keys"]]
     out["pack_key"] = [r["pack_key"] for r in rows]
+    if any("dataset_index" in r for r in rows):  # a mixture's: one per segment, in `keys` order
+        out["dataset_index"] = torch.cat([r["dataset_index"] for r in rows])
     for key in MEDIA_KEYS:  # rows of a text-only dataset (blending) have none
         if any(key in r for r in rows):
             out[key] = torch.cat([r[key] for r in rows if key in r])

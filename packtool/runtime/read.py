@@ -145,7 +145,8 @@ def pack_to_batch(
     Returns: tokens, labels, loss_mask, position_ids, padding_mask (`[1, L]`), cu_seqlens_unpadded,
     cu_seqlens_padded (int32 `[S + 1]`), max_seqlen (int), image_grid_thw (int64 `[n, 3]`, when the dataset has an
     image processor or the pack has media), pixel_values (when also `images`: float32 `[Σpatches, C·t·p·p]` for
-    Qwen2-VL, else what the given processor returns), keys (segment source keys), pack_key.
+    Qwen2-VL, else what the given processor returns), keys (segment source keys), pack_key, and for a mixture's
+    pack dataset_index (int64 `[S]`, see :func:`dataset_index`).
     """
     if pad_to not in PAD_TO:
         raise ValueError(f"pad_to must be one of {PAD_TO}, got {pad_to!r}")
@@ -194,8 +195,24 @@ def pack_to_batch(
         "keys": [s.key for s in segments],
         "pack_key": record.key,
     }
+    batch.update(dataset_index(record, manifest, where))
     batch.update(_media(record, manifest, cu, where, images, image_processor))
     return batch
+
+
+def dataset_index(record: PackRecord, manifest: Mapping, where: str = "") -> dict:
+    """A mixture's pack: ``{"dataset_index": int64 [S]}``, each segment's dataset as its place in the manifest's
+    ``mixture["datasets"]`` (per-dataset loss: scatter the per-segment loss by it); ``{}`` for one dataset."""
+    if not any(s.dataset is not None for s in record.segments):
+        return {}
+    mixture = manifest.get("mixture") if hasattr(manifest, "get") else None
+    names = (mixture or {}).get("datasets") or []
+    index = {n: i for i, n in enumerate(names)}
+    unknown = [s.dataset for s in record.segments if s.dataset not in index]
+    if unknown:
+        raise FormatError(f"{where or record.key}: segment dataset {unknown[0]!r} is not in the manifest's mixture "
+                          f"({', '.join(names) or 'none'})")
+    return {"dataset_index": torch.tensor([index[s.dataset] for s in record.segments], dtype=torch.int64)}
 
 
 def _check_spans(record: PackRecord, family: Family, cu: np.ndarray, where: str) -> None:

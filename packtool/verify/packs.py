@@ -52,6 +52,7 @@ from packtool.format import (
     SplitYaml,
     aligned_lengths,
     arrays_digest,
+    copied_key,
     energon_dataset_yaml,
     in_split,
     read_mapping,
@@ -366,7 +367,7 @@ def segment_facts(record: PackRecord) -> list[tuple[str, str, str, tuple[int, in
     """``(split, source shard, key, (tokens, targets, images, image tokens))`` of each segment: what the ledger
     records of it."""
     starts = record.segment_starts()
-    return [(s.split, s.shard, s.key, (int(b - a), int(record.targets[a:b].sum()), len(s.media),
+    return [(s.split, s.shard, copied_key(s.key, s.copy), (int(b - a), int(record.targets[a:b].sum()), len(s.media),
                                        sum(m.tokens for m in s.media)))
             for s, a, b in zip(record.segments, starts[:-1], starts[1:])]
 
@@ -596,16 +597,19 @@ def _ledger_batches(out: Path):
     missing = [n for n in LEDGER_SCHEMA.names if n not in pf.schema_arrow.names]
     if missing:
         raise FormatError(f"{LEDGER}: columns {missing} missing")
-    return pf.iter_batches(batch_size=LEDGER_BATCH, columns=LEDGER_SCHEMA.names)
+    copies = ["copy"] if "copy" in pf.schema_arrow.names else []  # a mixture's ledger: a row per copy
+    return pf.iter_batches(batch_size=LEDGER_BATCH, columns=LEDGER_SCHEMA.names + copies)
 
 
 def _scan_ledger(out: Path) -> LedgerScan:
     scan = LedgerScan()
     for batch in _ledger_batches(out):
         cols = {n: batch.column(n).to_pylist() for n in LEDGER_SCHEMA.names}
+        keys = cols["key"] if "copy" not in batch.schema.names else [
+            copied_key(k, c) for k, c in zip(cols["key"], batch.column("copy").to_pylist())]
         ident, facts = [], []
         for split, shard, key, status, reason, tokens, targets, images, image_tokens, pack in zip(
-                cols["split"], cols["shard"], cols["key"], cols["status"], cols["reason"], cols["tokens"],
+                cols["split"], cols["shard"], keys, cols["status"], cols["reason"], cols["tokens"],
                 cols["targets"], cols["images"], cols["image_tokens"], cols["pack"]):
             scan.counts[(split, status)] += 1
             if status in KEPT:
@@ -711,7 +715,7 @@ def _ledger_rows_of(out: Path, wanted: set[int]) -> dict[int, list[dict]]:
     for batch in _ledger_batches(out):
         for r in batch.to_pylist():
             if r["status"] in KEPT:
-                d = _digest(r["split"], r["shard"], r["key"])
+                d = _digest(r["split"], r["shard"], copied_key(r["key"], r.get("copy") or 0))
                 if d in wanted:
                     rows.setdefault(d, []).append(r)
     return rows

@@ -12,8 +12,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from packtool.errors import FormatError
-from packtool.format import MANIFEST, STATUSES, aligned_lengths, pack_numbers, read_mapping
+from packtool.format import KEPT, MANIFEST, STATUSES, aligned_lengths, pack_numbers, read_mapping
 from packtool.packer.ledger import read_ledger
+from packtool.packer.mixing import NOT_DRAWN
 from packtool.storage import location
 
 #: The ledger columns the report reads (keys and shards are never needed: they are most of its bytes).
@@ -125,8 +126,51 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
             entry["dp_imbalance"] = float(dp_imbalance(pack, lengths, groups))
             natural = np.argsort(_first_index(pack, n_packs), kind="stable")
             entry["dp_imbalance_unbalanced_order"] = float(dp_imbalance(pack, lengths, groups, order=natural))
+        mixture = _manifest(path).get("mixture") if path.is_dir() else None
+        if isinstance(mixture, dict) and split in mixture.get("repetitions", {}):
+            entry["datasets"] = per_dataset(path, split, mixture, st)
         splits[split] = entry
     return report
+
+
+def per_dataset(path: Path, split: str, mixture: dict, st: dict) -> list[dict]:
+    """A mixture's split per dataset: samples taken (copies counted), tokens, their shares against the declared
+    share of samples, and the fill each dataset would have packed apart (the same planner, its samples alone),
+    with the mixture's joint fill to compare."""
+    from packtool.packer.algorithms import pack_lengths
+
+    t = read_ledger(path, ["split", "status", "reason", "tokens", "images", "image_tokens", "dataset", "copy"])
+    t = t.filter(pc.equal(t.column("split"), split))
+    size, align = int(st["pack_size"]), int(st["align"])
+    kept = pc.is_in(t.column("status"), value_set=pa.array(list(KEPT))).to_numpy(zero_copy_only=False)
+    names = t.column("dataset").to_pylist()
+    first = t.column("copy").to_numpy() == 0
+    not_drawn = np.asarray([r is not None and r.startswith(NOT_DRAWN) for r in t.column("reason").to_pylist()])
+    lengths = t.column("tokens").to_numpy().astype(np.int64)
+    images, image_tokens = t.column("images").to_numpy(), t.column("image_tokens").to_numpy()
+    declared = {e["name"]: e for e in mixture["splits"].get(split, [])}
+    rows = []
+    for name in declared:
+        mine = np.asarray([n == name for n in names])
+        k = kept & mine
+        pool = int((mine & first & (kept | not_drawn)).sum())  # the dataset's usable samples, once each
+        ids = pack_lengths(lengths[k], size, algorithm=st.get("algorithm", "auto"), align=align,
+                           max_segments=st.get("max_segments"), images=images[k], max_images=st.get("max_images"),
+                           image_tokens=image_tokens[k], max_image_tokens=st.get("max_image_tokens"),
+                           seed=int(st.get("seed", 0))) if k.any() else np.zeros(0, np.int64)
+        rows.append({"dataset": name, "samples": int(k.sum()), "distinct": int((k & first).sum()), "pool": pool,
+                     "tokens": int(lengths[k].sum()), "packs_apart": int(ids.max()) + 1 if ids.size else 0,
+                     "weight": declared[name].get("weight"), "repetitions": declared[name].get("repetitions")})
+    total_samples = sum(r["samples"] for r in rows) or 1
+    total_tokens = sum(r["tokens"] for r in rows) or 1
+    weighted = [r["repetitions"] * r["pool"] for r in rows if r["repetitions"] is not None]
+    for r in rows:
+        r["sample_share"] = r["samples"] / total_samples
+        r["token_share"] = r["tokens"] / total_tokens
+        r["declared_share"] = r["weight"] if r["weight"] is not None else (
+            r["repetitions"] * r["pool"] / (sum(weighted) or 1))
+        r["fill_apart"] = r["tokens"] / (r["packs_apart"] * size) if r["packs_apart"] else 0.0
+    return rows
 
 
 def _first_index(pack: np.ndarray, n: int) -> np.ndarray:
@@ -216,6 +260,18 @@ def format_report(report: dict) -> str:
             "  segments/pack    mean {mean:.2f}  min {min}  max {max}".format(**e["segments_per_pack"]),
             "  images/pack      mean {mean:.2f}  min {min}  max {max}".format(**e["images_per_pack"]),
         ]
+        if e.get("datasets"):
+            apart = sum(d["packs_apart"] for d in e["datasets"])
+            lines.append(f"  {'dataset':<24}{'samples':>9}{'distinct':>9}{'tokens':>11}{'declared':>10}"
+                         f"{'samples%':>10}{'tokens%':>9}{'fill apart':>11}")
+            for d in e["datasets"]:
+                lines.append(f"  {d['dataset'][:24]:<24}{d['samples']:>9}{d['distinct']:>9}{d['tokens']:>11}"
+                             f"{d['declared_share']:>10.2%}{d['sample_share']:>10.2%}{d['token_share']:>9.2%}"
+                             f"{d['fill_apart']:>11.4f}")
+            if apart:
+                lines.append(f"  packed apart: {apart} packs, fill {e['tokens'] / (apart * report['pack_size']):.4f}; "
+                             f"jointly: {e['packs']} packs, fill {e['fill']:.4f} ({apart - e['packs']:+d} packs "
+                             f"apart)")
         if "dp_imbalance" in e:
             lines.append(f"  DP imbalance     {e['dp_imbalance']:.4f} over groups of {e['dp_group']} "
                          f"(natural order {e['dp_imbalance_unbalanced_order']:.4f})")

@@ -16,6 +16,7 @@ import braceexpand
 
 from packtool.errors import FormatError, SourceError
 from packtool.format import META, InfoJson, SplitYaml, read_mapping, safe_relative, split_member
+from packtool.packer.sources.mixture import Mixture, is_mixture, open_mixture
 from packtool.storage import is_remote, location, open_read
 
 
@@ -52,6 +53,19 @@ class SourceDataset:
     shard_counts: dict[str, int]
     #: Digest of the metadata files (part of every shard's source stamp).
     metadata: str = ""
+    #: A metadataset's datasets (:mod:`packtool.packer.sources.mixture`), or None: one dataset.
+    mixture: Mixture | None = None
+    #: With a mixture: each shard's dataset name, and each dataset's ``dataset.yaml`` and metadata digest.
+    dataset_of: dict[str, str] = field(default_factory=dict)
+    parts: dict[str, tuple[dict, str]] = field(default_factory=dict)
+
+    def yaml_of(self, shard: str) -> dict:
+        """The parsed ``dataset.yaml`` that says how ``shard``'s samples are read."""
+        return self.parts[self.dataset_of[shard]][0] if self.dataset_of else self.dataset_yaml
+
+    def metadata_of(self, shard: str) -> str:
+        """The metadata digest in ``shard``'s source stamp (its own dataset's, in a mixture)."""
+        return self.parts[self.dataset_of[shard]][1] if self.dataset_of else self.metadata
 
 
 def read_dataset_yaml(root: str | Path) -> dict:
@@ -63,6 +77,8 @@ def read_dataset_yaml(root: str | Path) -> dict:
 def open_source(root: str | Path, splits: list[str] | None = None) -> SourceDataset:
     """Read the dataset's metadata; ``splits`` restricts to those (each must exist). Every shard path must stay
     inside ``root`` and exist (``root`` may be an object-store location, see :mod:`packtool.storage`)."""
+    if not is_remote(root) and is_mixture(root):
+        return open_mixture(root, splits)
     root = location(root)
     meta = root / META
     if not root.is_dir():

@@ -44,6 +44,7 @@ from typing import Any, Literal
 from packtool.errors import SourceError
 from packtool.format import META, record_position
 from packtool.packer.sources.energon import RawSample, SourceDataset
+from packtool.packer.sources.mixture import is_mixture
 from packtool.storage import is_remote, location
 
 #: Records per chunk of a JSON/JSONL file (a Parquet chunk is a row group; an Arrow chunk this many rows).
@@ -103,7 +104,7 @@ def _detect(source: str | Path, media_dir: str | Path | None) -> FileSource | No
     path = Path(source)
     if not path.exists():
         raise SourceError(f"source {path} does not exist")
-    if path.is_dir() and is_energon(path):
+    if (path.is_dir() and is_energon(path)) or is_mixture(path):  # an Energon dataset, or a metadataset of them
         return None
     base = path if path.is_dir() else path.parent
     media = Path(media_dir) if media_dir is not None else base

@@ -1,0 +1,186 @@
+"""A mixture's plan side (:mod:`packtool.packer.sources.mixture`): each encoded row's dataset, the copies its
+declared proportion asks for, and copies of one sample kept out of one pack."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from packtool.format import KEPT
+from packtool.packer.holdout import digest_ranks
+from packtool.packer.sources.mixture import MixtureEntry
+
+
+def with_datasets(table: pa.Table, dataset_of: dict[str, str], names: list[str]) -> pa.Table:
+    """``table`` with ``dataset`` (the index of each row's dataset in ``names``) and ``copy`` (0) columns."""
+    index = {n: i for i, n in enumerate(names)}
+    ds = np.asarray([index[dataset_of[s]] for s in table.column("shard").to_pylist()], np.int32)
+    return table.append_column("dataset", pa.array(ds)).append_column("copy", pa.array(np.zeros(len(ds), np.int32)))
+
+
+def repetitions(table: pa.Table, entries: list[MixtureEntry], names: list[str]) -> dict[int, float]:
+    """How many times each dataset's kept samples are taken (dataset index -> r). ``blend_epochized``: the
+    declared repetitions. ``blend``: one pass of ``N = max_i(n_i / w_i)`` samples (weights normalized), dataset
+    i's samples ``N w_i / n_i`` times, so the dataset that needs the longest pass is taken once."""
+    kept = pc.is_in(table.column("status"), value_set=pa.array(list(KEPT))).to_numpy(zero_copy_only=False)
+    ds = table.column("dataset").to_numpy()
+    n = {names.index(e.name): int((kept & (ds == names.index(e.name))).sum()) for e in entries}
+    if entries and entries[0].weight is None:
+        return {names.index(e.name): float(e.repetitions or 1.0) for e in entries}
+    w = {names.index(e.name): float(e.weight or 0.0) for e in entries}
+    total = sum(w.values())
+    w = {i: v / total for i, v in w.items()}
+    needed = [n[i] / w[i] for i in n if n[i]]
+    if not needed:
+        return {i: 1.0 for i in n}
+    big = max(needed)
+    return {i: (big * w[i] / n[i] if n[i] else 1.0) for i in n}
+
+
+def copies_of(count: int, r: float) -> int:
+    """The samples a dataset of ``count`` kept samples contributes at ``r`` repetitions (rounded half up)."""
+    return math.floor(r * count + 0.5 + 1e-9)
+
+
+#: How the reason of a sample a fractional repetition below 1 leaves out begins (its status: ``dropped``; not
+#: counted against ``max_drop_rate``: the mixture asked for it).
+NOT_DRAWN = "not drawn"
+
+
+def repeat(table: pa.Table, reps: dict[int, float], seed: int, names: list[str] | None = None) -> pa.Table:
+    """``table`` (with ``dataset``) with each kept row of dataset i taken ``floor(r_i)`` times, plus once more
+    for the ``copies_of(n, r) - floor(r) n`` of them of smallest digest (seed, shard, key); copy k of a row has
+    ``copy`` k. Rows not kept stay once (their ledger rows); so does a row ``r < 1`` leaves out, ``dropped``
+    with a :data:`NOT_DRAWN` reason."""
+    kept = pc.is_in(table.column("status"), value_set=pa.array(list(KEPT))).to_numpy(zero_copy_only=False)
+    ds = table.column("dataset").to_numpy()
+    shards, keys = table.column("shard").to_pylist(), table.column("key").to_pylist()
+    times = np.ones(table.num_rows, np.int64)
+    for i, r in reps.items():
+        rows = np.flatnonzero(kept & (ds == i))
+        if not rows.size:
+            continue
+        whole = math.floor(r + 1e-9)
+        extra = copies_of(rows.size, r) - whole * rows.size
+        times[rows] = whole
+        if extra > 0:
+            ranks = digest_ranks(seed, [shards[j] for j in rows], [keys[j] for j in rows])
+            order = sorted(range(rows.size), key=lambda k: (int(ranks[k]), shards[rows[k]], keys[rows[k]]))
+            times[rows[order[:extra]]] += 1
+    left_out = np.flatnonzero(times == 0)
+    if left_out.size:  # one ledger row each: nothing is lost silently
+        table = _not_drawn(table, left_out, reps, names)
+        times[left_out] = 1
+    if (times == 1).all():
+        return table
+    take = np.repeat(np.arange(table.num_rows), times)
+    copy = np.concatenate([np.arange(t) for t in times]) if take.size else np.zeros(0, np.int64)
+    out = table.take(pa.array(take))
+    return out.set_column(out.schema.get_field_index("copy"), "copy", pa.array(copy.astype(np.int32)))
+
+
+def _not_drawn(table: pa.Table, rows: np.ndarray, reps: dict[int, float], names: list[str] | None) -> pa.Table:
+    """``table`` with ``rows`` marked ``dropped``, their reason saying which repetitions left them out."""
+    ds = table.column("dataset").to_numpy()
+    status = np.asarray(table.column("status").to_pylist(), object)
+    reason = np.asarray(table.column("reason").to_pylist(), object)
+    mask = np.zeros(table.num_rows, bool)
+    mask[rows] = True
+    for i in np.unique(ds[rows]).tolist():
+        name = names[i] if names else str(i)
+        reason[mask & (ds == i)] = f"{NOT_DRAWN}: dataset {name} takes its samples {reps[i]:g} times"
+    status[mask] = "dropped"
+    out = table.set_column(table.schema.get_field_index("status"), "status", pa.array(status.tolist(), pa.string()))
+    out = out.set_column(out.schema.get_field_index("reason"), "reason", pa.array(reason.tolist(), pa.string()))
+    for col in ("tokens", "targets", "images", "image_tokens"):
+        values = out.column(col).to_numpy().copy()
+        values[mask] = 0
+        out = out.set_column(out.schema.get_field_index(col), col, pa.array(values, out.schema.field(col).type))
+    return out
+
+
+def separate_copies(ids: np.ndarray, ident: list[str], lengths: np.ndarray, capacity: int,
+                    caps: list[tuple[np.ndarray, int | None]]) -> np.ndarray:
+    """Pack ids (one per kept row) with copies of one sample moved out of a shared pack. Each second copy moves
+    to the emptiest pack with room for it, else trades places with a segment of another pack (equal length
+    first, then the nearest lengths, at most :data:`SWAP_TRIES` tried). Both packs must still fit ``capacity``
+    (``lengths``: aligned) and every per-pack cap of ``caps`` (``(per-row amount, cap or None)``), and neither
+    may then hold a sample twice. The pack count never changes; copies no move or trade parts stay together."""
+    ids = ids.copy()
+    members: dict[int, Counter[str]] = defaultdict(Counter)
+    clash: list[int] = []
+    for row, p in enumerate(ids.tolist()):
+        if members[p][ident[row]]:
+            clash.append(row)
+        members[p][ident[row]] += 1
+    if not clash:
+        return ids
+    n_packs = int(ids.max()) + 1
+    load = np.bincount(ids, weights=lengths, minlength=n_packs).astype(np.int64)
+    used = [np.bincount(ids, weights=amount, minlength=n_packs).astype(np.int64) for amount, _ in caps]
+    order = np.argsort(lengths, kind="stable")  # rows by length: the nearest lengths are neighbours here
+    where = np.empty_like(order)
+    where[order] = np.arange(order.size)
+
+    def fits(row: int, p: int, other: int, q: int) -> bool:
+        if load[p] - lengths[row] + lengths[other] > capacity or load[q] - lengths[other] + lengths[row] > capacity:
+            return False
+        for (amount, cap), u in zip(caps, used):
+            d = amount[other] - amount[row]
+            if cap is not None and (u[p] + d > cap or u[q] - d > cap):
+                return False
+        return not members[q][ident[row]] and not members[p][ident[other]]
+
+    def move(row: int, p: int) -> bool:
+        """Move ``row`` alone into the emptiest pack that takes it (the copy left behind keeps ``p`` non-empty)."""
+        for q in np.argsort(load, kind="stable")[:SWAP_TRIES].tolist():
+            if q == p or load[q] + lengths[row] > capacity or members[q][ident[row]]:
+                continue
+            if any(cap is not None and u[q] + amount[row] > cap for (amount, cap), u in zip(caps, used)):
+                continue
+            members[p][ident[row]] -= 1
+            members[q][ident[row]] += 1
+            ids[row] = q
+            load[p] -= lengths[row]
+            load[q] += lengths[row]
+            for (amount, _), u in zip(caps, used):
+                u[p] -= amount[row]
+                u[q] += amount[row]
+            return True
+        return False
+
+    for row in clash:
+        p = int(ids[row])
+        if move(row, p):
+            continue
+        at = int(where[row])
+        for step in range(1, SWAP_TRIES):  # outwards from the row's place in length order
+            k = at + (step + 1) // 2 * (1 if step % 2 else -1)
+            if not 0 <= k < order.size:
+                continue
+            other = int(order[k])
+            q = int(ids[other])
+            if q == p or not fits(row, p, other, q):
+                continue
+            members[p][ident[row]] -= 1
+            members[q][ident[other]] -= 1
+            ids[row], ids[other] = q, p
+            members[q][ident[row]] += 1
+            members[p][ident[other]] += 1
+            delta = int(lengths[other] - lengths[row])
+            load[p] += delta
+            load[q] -= delta
+            for (amount, _), u in zip(caps, used):
+                d = int(amount[other] - amount[row])
+                u[p] += d
+                u[q] -= d
+            break
+    return ids
+
+
+#: Segments a copy's trade tries before it stays where the plan put it.
+SWAP_TRIES = 512

@@ -1,0 +1,237 @@
+"""A mixture of Energon datasets, as an Energon metadataset (``MetadatasetV2``) declares it: one SOURCE packed with
+one global plan per split, each dataset's samples in its declared proportion.
+
+Read by packtool's own parser (no Energon object is built, no dataset is opened twice). What a split may hold:
+
+- one dataset reference (``path``, optional ``split_part``, ``subflavors``): each sample once;
+- ``blend_epochized``: a list of references with ``repetitions`` r (default 1): each sample ``floor(r)`` times,
+  and a deterministic subset (by digest of shard and key) of ``r - floor(r)`` of them once more;
+- ``blend``: a list of references with ``weight`` w (default 1): dataset i takes the share ``w_i / sum(w)`` of
+  the split's samples over one pass. The pass is as long as the largest dataset needs, so no dataset repeats a
+  sample more than its share needs: with ``n_i`` samples, the pass holds ``N = max_i(n_i * W / w_i)`` samples and
+  dataset i contributes ``N * w_i / W``, i.e. its samples ``N w_i / (W n_i)`` times (at least once);
+- a reference's ``path`` may name another metadataset YAML: its datasets come in with their repetitions
+  multiplied by the reference's (``blend_epochized``), or their weights scaled to the reference's (``blend``).
+
+A split mixing ``blend`` and ``blend_epochized`` (Energon refuses it too), ``join``, ``subset``, ``aux``,
+``dataset_config`` and ``split_config`` are refused, each with one line. Every dataset is named by its folder
+relative to the metadataset's folder (``:part`` added when its ``split_part`` is not the split's name); the name
+is stable, is written into each pack segment (``dataset``) and each ledger row, and the same dataset and part may
+appear only once per split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from packtool.errors import FormatError, SourceError
+from packtool.format import read_mapping
+
+if TYPE_CHECKING:
+    from packtool.packer.sources.energon import SourceDataset
+
+#: The keys a dataset reference may have (the others are refused by name).
+_REFERENCE_KEYS = {"path", "split_part", "subflavors", "weight", "repetitions", "shuffle_over_epochs_multiplier"}
+_UNSUPPORTED = {"join": "joined datasets", "subset": "subsets", "aux": "auxiliary datasets",
+                "dataset_config": "another dataset.yaml", "split_config": "another split.yaml"}
+
+
+@dataclass(frozen=True)
+class MixtureEntry:
+    """One dataset of a split of the mixture."""
+
+    name: str
+    root: Path
+    split_part: str
+    #: ``blend`` weight (scaled through nested metadatasets), or None under ``blend_epochized``.
+    weight: float | None = None
+    #: ``blend_epochized`` repetitions (multiplied through nested metadatasets), or None under ``blend``.
+    repetitions: float | None = None
+    subflavors: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """A metadataset read: its file, and each split's datasets."""
+
+    path: Path
+    splits: dict[str, list[MixtureEntry]]
+
+    def names(self) -> list[str]:
+        """Every dataset name, in order of first appearance (a segment's dataset index is its place here)."""
+        out: list[str] = []
+        for entries in self.splits.values():
+            out += [e.name for e in entries if e.name not in out]
+        return out
+
+    def describe(self) -> dict:
+        """The mixture as plain values (manifest and output fingerprint)."""
+        return {"path": str(self.path), "datasets": self.names(),
+                "splits": {s: [{k: v for k, v in asdict(e).items() if k != "root" and v not in (None, {})}
+                               for e in entries] for s, entries in self.splits.items()}}
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.describe(), sort_keys=True).encode()).hexdigest()
+
+
+def is_mixture(path: str | Path) -> bool:
+    """Whether ``path`` is a file SOURCE packtool reads as a metadataset (a ``.yaml``/``.yml`` file)."""
+    p = Path(path)
+    return p.suffix.lower() in (".yaml", ".yml") and p.is_file()
+
+
+def read_mixture(path: str | Path) -> Mixture:
+    """The metadataset at ``path`` (see the module docstring); :class:`SourceError` for anything else."""
+    path = Path(path).resolve()
+    top = _read(path)
+    splits: dict[str, list[MixtureEntry]] = {}
+    for split, node in top.items():
+        entries = _split_entries(path, path.parent, split, node, scale=1.0, seen=(path,))
+        if len({e.weight is None for e in entries}) > 1:
+            raise SourceError(f"{path}: split {split!r} mixes blend weights and blend_epochized repetitions "
+                              f"(through a nested metadataset); choose one")
+        names = [(e.name, e.split_part) for e in entries]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise SourceError(f"{path}: split {split!r} names dataset {dup[0]} twice; give it once, with its "
+                              f"weight or repetitions")
+        splits[split] = entries
+    return Mixture(path, splits)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = read_mapping(path, "metadataset")
+    except FormatError as exc:
+        raise SourceError(str(exc)) from None
+    cls = data.get("__class__")
+    if cls != "MetadatasetV2":
+        raise SourceError(f"{path}: not an Energon metadataset (__class__ {cls!r}; packtool reads MetadatasetV2)")
+    splits = data.get("splits")
+    if not isinstance(splits, dict) or not splits:
+        raise SourceError(f"{path}: `splits` must map split names to datasets")
+    return splits
+
+
+def _split_entries(top: Path, base: Path, split: str, node: Any, *, scale: float,
+                   seen: tuple[Path, ...]) -> list[MixtureEntry]:
+    """The datasets of one split node (a reference, ``blend`` or ``blend_epochized``), with weights scaled or
+    repetitions multiplied by ``scale``."""
+    where = f"{seen[-1]}: split {split!r}"
+    if not isinstance(node, dict):
+        raise SourceError(f"{where}: expected a mapping, not {type(node).__name__}")
+    bad = sorted(set(node) & set(_UNSUPPORTED))
+    if bad:
+        raise SourceError(f"{where}: {bad[0]} ({_UNSUPPORTED[bad[0]]}) is not supported by packtool; pack those "
+                          f"datasets without it")
+    if "blend" in node and "blend_epochized" in node:
+        raise SourceError(f"{where}: blend and blend_epochized together; choose one")
+    for mode in ("blend", "blend_epochized"):
+        if mode in node:
+            extra = sorted(set(node) - {mode})
+            if extra:
+                raise SourceError(f"{where}: unknown key {extra[0]!r} beside {mode}")
+            items = node[mode]
+            if not isinstance(items, list) or not items:
+                raise SourceError(f"{where}: {mode} must be a non-empty list of datasets")
+            key = "weight" if mode == "blend" else "repetitions"
+            total = sum(_number(i, key, where) for i in items) if mode == "blend" else 1.0
+            out: list[MixtureEntry] = []
+            for item in items:
+                factor = _number(item, key, where) * scale / total
+                out += _reference(top, base, split, item, mode, factor, seen)
+            return out
+    return _reference(top, base, split, node, None, scale, seen)
+
+
+def _number(item: Any, key: str, where: str) -> float:
+    if not isinstance(item, dict):
+        raise SourceError(f"{where}: a blend entry must be a mapping, not {type(item).__name__}")
+    other = "repetitions" if key == "weight" else "weight"
+    if other in item:
+        raise SourceError(f"{where}: {other} in a {'blend' if key == 'weight' else 'blend_epochized'} entry; "
+                          f"use {key}")
+    value = item.get(key, 1)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise SourceError(f"{where}: {key} must be a positive number, not {value!r}")
+    return float(value)
+
+
+def _reference(top: Path, base: Path, split: str, item: dict, mode: str | None, factor: float,
+               seen: tuple[Path, ...]) -> list[MixtureEntry]:
+    where = f"{seen[-1]}: split {split!r}"
+    unknown = sorted(set(item) - _REFERENCE_KEYS - set(_UNSUPPORTED))
+    if unknown:
+        raise SourceError(f"{where}: unknown key {unknown[0]!r} in a dataset reference")
+    bad = sorted(set(item) & set(_UNSUPPORTED))
+    if bad:
+        raise SourceError(f"{where}: {bad[0]} ({_UNSUPPORTED[bad[0]]}) is not supported by packtool")
+    if not isinstance(item.get("path"), str):
+        raise SourceError(f"{where}: a dataset reference needs a path")
+    target = (base / item["path"]).resolve()
+    part = item.get("split_part", split)
+    if not isinstance(part, str):
+        raise SourceError(f"{where}: split_part must be a split name, not {part!r}")
+    subflavors = item.get("subflavors") or {}
+    if target.is_file() and target.suffix.lower() in (".yaml", ".yml"):  # a nested metadataset
+        if target in seen:
+            raise SourceError(f"{where}: {target} includes itself")
+        inner = _read(target)
+        if part not in inner:
+            raise SourceError(f"{where}: {target} has no split {part!r} (it has {', '.join(inner)})")
+        entries = _split_entries(top, target.parent, part, inner[part], scale=factor, seen=(*seen, target))
+        return [MixtureEntry(e.name, e.root, e.split_part, e.weight, e.repetitions, {**subflavors, **e.subflavors})
+                for e in entries]
+    if not target.is_dir():
+        raise SourceError(f"{where}: dataset {item['path']} does not exist (under {base})")
+    name = Path(os.path.relpath(target, top.parent)).as_posix()
+    if part != split:
+        name = f"{name}:{part}"
+    return [MixtureEntry(name, target, part, factor if mode == "blend" else None,
+                         factor if mode != "blend" else None, dict(subflavors))]
+
+
+def open_mixture(path: str | Path, splits: list[str] | None = None) -> SourceDataset:
+    """The metadataset at ``path`` opened as one source: each dataset opened as Energon's metadata says, its
+    shards named relative to the datasets' common folder (the source's root)."""
+    from packtool.packer.sources.energon import SourceDataset, open_source
+
+    mixture = read_mixture(path)
+    chosen = list(mixture.splits) if not splits else splits
+    unknown = [s for s in chosen if s not in mixture.splits]
+    if unknown:
+        raise SourceError(f"unknown split {unknown[0]!r}; {mixture.path} has {', '.join(mixture.splits)}")
+    opened = {(s, e.name): open_source(e.root, [e.split_part]) for s in chosen for e in mixture.splits[s]}
+    root = Path(os.path.commonpath([str(e.root) for s in chosen for e in mixture.splits[s]]))
+    shards: dict[str, list[str]] = {}
+    dataset_of: dict[str, str] = {}
+    parts: dict[str, tuple[dict, str]] = {}
+    excluded: set[str] = set()
+    counts: dict[str, int] = {}
+    for split in chosen:
+        shards[split] = []
+        for e in mixture.splits[split]:
+            src = opened[(split, e.name)]
+            prefix = Path(os.path.relpath(e.root, root)).as_posix()
+            for shard in src.splits[e.split_part]:
+                name = shard if prefix == "." else f"{prefix}/{shard}"
+                if name in dataset_of:
+                    raise SourceError(f"{mixture.path}: shard {name} is packed twice (datasets "
+                                      f"{dataset_of[name]!r} and {e.name!r}); name each dataset once per split "
+                                      f"and keep the splits' datasets apart")
+                dataset_of[name] = e.name
+                shards[split].append(name)
+                if shard in src.shard_counts:
+                    counts[name] = src.shard_counts[shard]
+            excluded |= {x if prefix == "." else f"{prefix}/{x}" for x in src.excluded_samples}
+            parts[e.name] = (src.dataset_yaml, src.metadata)
+    digest = hashlib.sha256("".join(f"{n}\0{m}\0" for n, (_, m) in sorted(parts.items())).encode()).hexdigest()
+    first_yaml = next(iter(parts.values()))[0] if parts else {}
+    return SourceDataset(root, shards, frozenset(excluded), first_yaml, counts, digest, mixture=mixture,
+                         dataset_of=dataset_of, parts=parts)

@@ -1,0 +1,220 @@
+"""Mixtures: an Energon metadataset as SOURCE, one global plan per split, each dataset's samples in its declared
+proportion (``blend_epochized`` repetitions, integer and fractional; ``blend`` weights), every segment and ledger
+row naming its dataset, the reader's per-segment dataset index, per-dataset stats against packing apart, and
+byte-identical reruns."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+import demo
+from packtool.cli import app
+from packtool.errors import SourceError
+from packtool.format import KEPT, Manifest, Segment
+from packtool.packer.ledger import read_ledger
+from packtool.packer.mixing import NOT_DRAWN, copies_of
+from packtool.packer.pipeline import pack
+from packtool.packer.sources.mixture import read_mixture
+from packtool.settings import EncodeSettings, Holdout, PackSettings, PlanSettings
+from packtool.verify.stats import compute
+
+RUNNER = CliRunner()
+HEADER = {"__module__": "megatron.energon", "__class__": "MetadatasetV2"}
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory) -> Path:
+    """Short text, images, long samples and typed VQA samples: four Energon datasets in one folder."""
+    d = tmp_path_factory.mktemp("mix")
+    demo.build_dataset(d / "text", n_train=60, n_val=6, samples_per_shard=30, image_fraction=0.0,
+                       long_fraction=0.0, text_scale=0.3, seed=1)
+    demo.build_dataset(d / "images", n_train=30, n_val=4, samples_per_shard=15, image_fraction=1.0,
+                       long_fraction=0.0, seed=2)
+    demo.build_dataset(d / "long", n_train=12, n_val=2, samples_per_shard=12, image_fraction=0.0,
+                       long_fraction=0.5, seed=3)
+    demo.build_vqa_dataset(d / "vqa", n=20, seed=4)
+    return d
+
+
+def _write(folder: Path, name: str, splits: dict) -> Path:
+    path = folder / name
+    path.write_text(yaml.safe_dump({**HEADER, "splits": splits}))
+    return path
+
+
+def _settings(demo_dir: Path, holdout: Holdout | None = None, splits: tuple[str, ...] = ()) -> PackSettings:
+    return PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048),
+                        PlanSettings(shard_size="8"), splits, holdout)
+
+
+def _tree(out: Path) -> dict[str, str]:
+    return {p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+def _kept_alone(demo_dir: Path, dataset: Path, tmp: Path) -> int:
+    """The train samples a dataset keeps packed on its own (the pool its proportion applies to)."""
+    out = tmp / f"alone-{dataset.name}"
+    pack(dataset, out, _settings(demo_dir, splits=("train",)), workers=1, progress=False)
+    return sum(Manifest.read(out).counts["train"][s] for s in KEPT)
+
+
+EPOCHIZED = {"train": {"blend_epochized": [{"repetitions": 2, "path": "text"}, {"repetitions": 0.5, "path": "images"},
+                                           {"path": "long"}, {"repetitions": 1.5, "path": "vqa"}]}}
+
+
+@pytest.fixture(scope="module")
+def epochized(datasets, demo_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("epochized") / "out"
+    pack(_write(datasets, "epochized.yaml", EPOCHIZED), out, _settings(demo_dir), workers=1, progress=False)
+    return out
+
+
+def test_repetitions_give_exact_counts_and_lose_nothing(epochized, datasets, demo_dir, tmp_path):
+    ledger = read_ledger(epochized).to_pandas()
+    kept = ledger[ledger.status.isin(KEPT)]
+    for name, r in (("text", 2), ("images", 0.5), ("long", 1), ("vqa", 1.5)):
+        pool = _kept_alone(demo_dir, datasets / name, tmp_path)
+        assert (kept.dataset == name).sum() == copies_of(pool, r), name
+        mine = ledger[ledger.dataset == name]
+        assert mine[mine["copy"] == 0][["shard", "key"]].drop_duplicates().shape[0] == (mine["copy"] == 0).sum()
+    # A fraction below 1 leaves samples out: each keeps its ledger row, dropped with the reason, and the drop
+    # limit does not count them (the run exited 0).
+    left = ledger[ledger.reason.fillna("").str.startswith(NOT_DRAWN)]
+    assert len(left) == _kept_alone(demo_dir, datasets / "images", tmp_path) - copies_of(
+        _kept_alone(demo_dir, datasets / "images", tmp_path), 0.5)
+    assert set(left.status) == {"dropped"} and set(left.dataset) == {"images"}
+    assert Manifest.read(epochized).counts["train"]["not_drawn"] == len(left)
+    # Copies of one sample never share a pack here.
+    per_pack = Counter(zip(kept.pack, kept.shard, kept.key))
+    assert max(per_pack.values()) == 1
+    assert Manifest.read(epochized).mixture["repetitions"]["train"] == {"text": 2.0, "images": 0.5, "long": 1.0,
+                                                                         "vqa": 1.5}
+
+
+def test_segments_name_their_dataset_and_the_reader_indexes_it(epochized):
+    from megatron.energon import WorkerConfig, reraise_exception
+    from megatron.energon.dataset_config import get_dataset_from_config
+
+    from packtool.runtime.read import open_pack, pack_to_batch
+
+    manifest = Manifest.read(epochized)
+    names = manifest.mixture["datasets"]
+    assert names == ["text", "images", "long", "vqa"]
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=reraise_exception)
+    dataset = get_dataset_from_config(epochized, split_part="train", training=False, worker_config=wc,
+                                      decoder=None).build()
+    wc.worker_activate(sample_index=0)
+    try:
+        samples = [dict(s) for s in dataset]
+    finally:
+        wc.worker_deactivate()
+    assert len(samples) == manifest.packs["train"]
+    seen = Counter()
+    for members in samples[:12]:
+        record = open_pack(members)[0]
+        batch = pack_to_batch(members, manifest, images=False)
+        assert batch["dataset_index"].tolist() == [names.index(s.dataset) for s in record.segments]
+    for members in samples:
+        for s in open_pack(members)[0].segments:
+            assert s.shard.split("/")[0] == s.dataset  # the dataset's folder leads its shard paths
+            seen[(s.dataset, s.copy)] += 1
+    ledger = read_ledger(epochized).to_pandas()
+    kept = ledger[ledger.status.isin(KEPT)]
+    assert seen == Counter(zip(kept.dataset, kept["copy"]))
+    # One dataset's segments keep their bytes: no dataset, no copy written.
+    assert "dataset" not in Segment("k", "train", "s.tar", False).to_json()
+
+
+def test_verify_packs_and_source(epochized, datasets):
+    result = RUNNER.invoke(app, ["verify", str(epochized), "--source", str(datasets / "epochized.yaml")])
+    assert result.exit_code == 0, result.output[-2000:]
+
+
+def test_blend_shares_and_joint_fill(datasets, demo_dir, tmp_path):
+    splits = {"train": {"blend": [{"weight": 1, "path": "text"}, {"weight": 1, "path": "images"},
+                                  {"weight": 2, "path": "vqa"}]}}
+    out = tmp_path / "blend"
+    pack(_write(datasets, "blend.yaml", splits), out, _settings(demo_dir), workers=1, progress=False)
+    reps = Manifest.read(out).mixture["repetitions"]["train"]
+    assert min(reps.values()) == pytest.approx(1.0)  # the dataset that needs the longest pass is taken once
+    report = compute(out)["splits"]["train"]
+    rows = {d["dataset"]: d for d in report["datasets"]}
+    total = sum(d["samples"] for d in rows.values())
+    for name, share in (("text", 0.25), ("images", 0.25), ("vqa", 0.5)):
+        assert rows[name]["declared_share"] == pytest.approx(share)
+        assert abs(rows[name]["samples"] / total - share) <= 1.5 / total + 1e-9  # rounding: within a sample
+    # Packed jointly never takes more packs than the same proportions packed apart.
+    assert report["packs"] <= sum(d["packs_apart"] for d in rows.values())
+    text = RUNNER.invoke(app, ["stats", str(out)]).output
+    assert "packed apart:" in text and "declared" in text
+
+
+def test_reruns_are_byte_identical_whatever_the_workers(epochized, datasets, demo_dir, tmp_path):
+    again = tmp_path / "again"
+    pack(datasets / "epochized.yaml", again, _settings(demo_dir), workers=2, progress=False)
+    assert _tree(again) == _tree(epochized)
+
+
+def test_nested_metadatasets_multiply_and_holdout_per_dataset(datasets, demo_dir, tmp_path):
+    inner = _write(datasets, "inner.yaml", {"train": {"blend_epochized": [{"repetitions": 2, "path": "text"},
+                                                                         {"path": "long"}]}})
+    outer = _write(datasets, "outer.yaml", {"train": {"blend_epochized": [{"repetitions": 1.5, "path": inner.name},
+                                                                         {"path": "vqa"}]}})
+    mixture = read_mixture(outer)
+    assert {e.name: e.repetitions for e in mixture.splits["train"]} == {"text": 3.0, "long": 1.5, "vqa": 1.0}
+    out = tmp_path / "held"
+    pack(outer, out, _settings(demo_dir, Holdout(count=2)), workers=1, progress=False)
+    ledger = read_ledger(out).to_pandas()
+    val = ledger[ledger.split == "val"]
+    assert sorted(Counter(val.dataset).items()) == [("long", 2), ("text", 2), ("vqa", 2)]
+    assert set(val["copy"]) == {0}  # held-out samples are taken once
+    train = ledger[(ledger.split == "train") & ledger.status.isin(KEPT)]
+    assert not set(zip(val.shard, val.key)) & set(zip(train.shard, train.key))
+
+
+@pytest.mark.parametrize("splits, needle", [
+    ({"train": {"blend": [{"path": "text"}], "blend_epochized": [{"path": "vqa"}]}}, "choose one"),
+    ({"train": {"blend": [{"weight": 0, "path": "text"}]}}, "weight must be a positive number"),
+    ({"train": {"blend_epochized": [{"repetitions": -1, "path": "text"}]}}, "repetitions must be a positive"),
+    ({"train": {"blend": [{"path": "text"}, {"path": "text"}]}}, "names dataset text twice"),
+    ({"train": {"join": [{"path": "text"}, {"path": "vqa"}]}}, "join (joined datasets) is not supported"),
+    ({"train": {"blend": [{"path": "missing"}]}}, "dataset missing does not exist"),
+    ({"train": {"blend": [{"path": "text", "wieght": 2}]}}, "unknown key 'wieght'"),
+    ({"train": {"blend": [{"repetitions": 2, "path": "text"}]}}, "repetitions in a blend entry"),
+])
+def test_bad_metadatasets_are_refused_with_one_line(datasets, demo_dir, tmp_path, splits, needle):
+    path = _write(datasets, "bad.yaml", splits)
+    with pytest.raises(SourceError, match=None) as exc:
+        read_mixture(path)
+    assert needle in str(exc.value) and "\n" not in str(exc.value)
+    result = RUNNER.invoke(app, ["pack", str(path), str(tmp_path / "out"), "--tokenizer",
+                                 str(demo_dir / "tokenizer"), "--pack-size", "2048", "--no-progress"])
+    text = result.output.strip()
+    assert result.exit_code == 2 and "\n" not in text and needle in text, text[-2000:]
+
+
+def test_not_a_metadataset(datasets):
+    path = datasets / "plain.yaml"
+    path.write_text(json.dumps({"splits": {"train": {"path": "text"}}}))
+    with pytest.raises(SourceError, match="not an Energon metadataset"):
+        read_mixture(path)
+
+
+def test_a_single_reference_per_split(datasets, demo_dir, tmp_path):
+    path = _write(datasets, "single.yaml", {"train": {"path": "text"}, "val": {"path": "text"}})
+    out = tmp_path / "single"
+    pack(path, out, _settings(demo_dir), workers=1, progress=False)
+    ledger = read_ledger(out)
+    assert set(ledger.column("dataset").to_pylist()) == {"text"}
+    assert pc.max(ledger.column("copy")).as_py() == 0
+    assert np.all(np.asarray(ledger.column("split").to_pylist()) != None)  # noqa: E711
