@@ -90,7 +90,8 @@ def main() -> None:
     print(f"total    {all_lengths.size:>9} samples, {tokens} tokens, L1 bound {bound} packs of {args.pack_size}")
     print(f"joint:  {joint} packs, fill {tokens / (joint * args.pack_size):.4f}, plan {plan_seconds:.2f} s "
           f"+ copies apart {separate_seconds:.2f} s; {shared} copies still share a pack")
-    print(f"apart:  {apart_packs} packs, fill {tokens / (apart_packs * args.pack_size):.4f}, plan {apart_seconds:.2f} s")
+    apart_fill = tokens / (apart_packs * args.pack_size)
+    print(f"apart:  {apart_packs} packs, fill {apart_fill:.4f}, plan {apart_seconds:.2f} s")
     print(f"apart / joint: {apart_packs / joint:.4f}x packs ({apart_packs - joint:+d}), "
           f"{(apart_seconds / (plan_seconds + separate_seconds)):.2f}x seconds")
 
