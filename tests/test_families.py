@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from packtool import families
 from packtool.families.fixed import FixedCount
 from packtool.families.qwen2_vl import Qwen2VL
@@ -249,3 +251,28 @@ def test_a_qwen3_vl_folder_is_refused_by_the_qwen2_vl_rule_and_counted_by_its_pr
         (hub / name).write_text(json.dumps(cfg))
     (hub / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
     assert isinstance(Encoder(EncodeSettings(tokenizer=str(hub), pack_size=2048)).family, Qwen2VL)
+
+
+def test_a_variant_serves_only_its_own_family():
+    """Each family holds its own variants: one registered for Qwen2-VL is not Qwen3-VL's, Nemotron Omni's or the
+    base's (a dict shared through the base class once registered a variant for every family), and a convention
+    registered twice for one family is refused."""
+    from packtool.families.nemotron_omni import NemotronOmni
+    from packtool.families.qwen2_vl import Qwen2VL
+    from packtool.families.qwen3_vl import Qwen3VL
+
+    class Custom(Qwen2VL):
+        pass
+
+    Qwen2VL.register_variant("test-only-convention", Custom)
+    try:
+        assert Qwen2VL.variants["test-only-convention"] is Custom
+        for other in (Qwen3VL, NemotronOmni, families.Family):
+            assert "test-only-convention" not in other.variants, other
+        assert set(NemotronOmni.variants) == {"megatron-bridge-nemotron-omni", "nemo-rl-nemotron-omni"}
+        with pytest.raises(ValueError, match="already has a variant"):
+            Qwen2VL.register_variant("test-only-convention", Custom)
+        with pytest.raises(TypeError, match="not a subclass of Qwen3VL"):
+            Qwen3VL.register_variant("another", Custom)
+    finally:
+        del Qwen2VL.variants["test-only-convention"]

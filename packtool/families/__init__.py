@@ -34,7 +34,8 @@ Adding a convention (the same family under another trainer's data path, :mod:`.c
    frame labels and canvas), ``plan_audio`` (audio counts),
    ``placeholder_text`` / ``expand_text`` (headers and joins around media), ``manifest_entries`` /
    ``from_manifest`` (what a reader needs to reproduce its pixels), and register the subclass in the family's
-   ``variants`` under the convention's name: ``NemotronOmni.variants["my-convention"] = MyNemotronOmni``.
+   variants under the convention's name: ``NemotronOmni.register_variant("my-convention", MyNemotronOmni)``
+   (each family holds its own variants; a name registered twice is refused).
    :func:`load` builds the variant when the settings name that convention. A convention for one family can keep
    both in one module that registers them (``CONVENTIONS[name] = ...``, imported here), as
    :mod:`.nemotron_mbridge` does.

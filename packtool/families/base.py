@@ -122,6 +122,21 @@ class Family(ABC):
     #: Media kinds the family has a token rule for.
     kinds: ClassVar[tuple[str, ...]] = ()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.variants = {}  # each family its own: a variant registered for one never serves another
+
+    @classmethod
+    def register_variant(cls, convention: str, variant: type[Family]) -> None:
+        """Register ``variant`` (a subclass of this family) as the family under ``convention``; a convention
+        registered twice for one family is refused."""
+        if not (isinstance(variant, type) and issubclass(variant, cls)):
+            raise TypeError(f"{variant!r} is not a subclass of {cls.__name__}")
+        if convention in cls.variants:
+            raise ValueError(f"{cls.__name__} already has a variant for {convention!r}: "
+                             f"{cls.variants[convention].__name__}")
+        cls.variants[convention] = variant
+
     def __init__(self, tokens: MediaTokens, convention: Convention, folder: str = "") -> None:
         self.tokens = tokens
         self.convention = convention

@@ -272,4 +272,4 @@ def decord_channels(width: int) -> int:
     return row // width if row != 3 * width and row % width == 0 else 3
 
 
-NemotronOmni.variants = {**NemotronOmni.variants, MB_NEMOTRON: MBridgeNemotronOmni}
+NemotronOmni.register_variant(MB_NEMOTRON, MBridgeNemotronOmni)

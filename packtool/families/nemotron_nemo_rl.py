@@ -193,4 +193,4 @@ class NemoRLNemotronOmni(NemotronOmni):
         return []
 
 
-NemotronOmni.variants = {**NemotronOmni.variants, NEMO_RL_NEMOTRON: NemoRLNemotronOmni}
+NemotronOmni.register_variant(NEMO_RL_NEMOTRON, NemoRLNemotronOmni)
