@@ -29,7 +29,6 @@ from typing import Any, Literal, get_args
 from packtool.errors import ConfigError
 from packtool.families.conventions import CONVENTIONS
 from packtool.format import row_length
-from packtool.packer.algorithms.registry import Algorithm  # the one list of algorithm names (re-exported for the CLI)
 
 Overlong = Literal["truncate", "drop"]
 MediaCheck = Literal["decode", "header"]
@@ -65,6 +64,21 @@ DEFAULT_MAX_SAMPLE_PIXELS = 1 << 28
 #: of the turns.
 DEFAULT_MAX_TURNS = 512
 
+
+#: Every packing algorithm's name (the ``algorithm`` setting's type; the planner's registry,
+#: :mod:`packtool.packer.algorithms.registry`, maps each to its implementation); ``auto`` is the default.
+Algorithm = Literal["auto", "bfd", "ffd", "greedy_knapsack", "balanced_greedy_knapsack", "first_fit_shuffle",
+                    "sequential"]
+
+_ADDRESS = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``(host, port)`` of a Ray cluster address ``host:port`` (``[v6]:port`` too); ConfigError otherwise."""
+    m = _ADDRESS.match(address) if isinstance(address, str) else None
+    if m is None or not 1 <= int(m["port"]) <= 65535:
+        raise ConfigError(f"Ray address {address!r} is not host:port")
+    return m["host"].strip("[]"), int(m["port"])
 
 def resolve_align(align: int | None, align_for: AlignFor = "megatron", cp_size: int = 1, tp_size: int = 1,
                   sequence_parallel: bool = False) -> int:
@@ -467,8 +481,6 @@ class RunOptions:
         _check_int(self.workers, "workers")
         _check_choice(self.engine, EngineKind, "engine")
         if self.ray_address is not None:
-            from packtool.packer.engine import split_address
-
             split_address(self.ray_address)
         for name in ("max_error_rate", "max_drop_rate", "max_truncate_rate"):
             value = getattr(self, name)

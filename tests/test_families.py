@@ -117,11 +117,11 @@ def test_a_folder_written_by_save_pretrained_packs_like_the_hub_layout(demo_dir,
 
 
 def test_the_runtime_side_imports_nothing_from_the_build_side():
-    """``packtool.runtime`` and its entry points load without one module of ``packtool.packer`` (the runtime can
-    be installed into a training container alone); the conventions' text layout runs without it too (the media
-    tags are the format's)."""
-    code = ("import sys, packtool.runtime.read, packtool.runtime.loader, packtool.runtime.megatron_batch, "
-            "packtool.runtime.nemotron, packtool.runtime.nemotron_mbridge; "
+    """``packtool.runtime`` and its entry points, and ``packtool.settings``, load without one module of
+    ``packtool.packer`` (the runtime can be installed into a training container alone); the conventions' text
+    layout runs without it too (the media tags are the format's)."""
+    code = ("import sys, packtool.settings, packtool.runtime.read, packtool.runtime.loader, "
+            "packtool.runtime.megatron_batch, packtool.runtime.nemotron, packtool.runtime.nemotron_mbridge; "
             "from packtool.runtime import read_packs, megatron_bridge_batch; "
             "from packtool.families.conventions import media_first; "
             "assert media_first('Look at <image>') == '<image>Look at'; "

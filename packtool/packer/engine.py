@@ -15,7 +15,6 @@ import ctypes
 import logging
 import multiprocessing
 import os
-import re
 import signal
 import socket
 import sys
@@ -30,6 +29,7 @@ from typing import Any, Literal, TypeVar
 from tqdm import tqdm
 
 from packtool.errors import ConfigError, EngineError
+from packtool.settings import split_address
 
 EngineKind = Literal["local", "ray"]
 #: A stage's task record and its result (:meth:`Engine.map`).
@@ -37,7 +37,6 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 #: ``host:port`` of a Ray cluster (a bracketed IPv6 host allowed).
-_ADDRESS = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>\d{1,5})$")
 #: What an HTTP/2 (gRPC) client sends first; a server answers with a SETTINGS frame.
 _HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 _HTTP2_SETTINGS = 4
@@ -336,14 +335,6 @@ def _ray_task(fn: Callable[[T], R], initializer: Callable[..., None] | None, ini
 
 
 # -- connecting to Ray -------------------------------------------------------------------------------------------
-def split_address(address: str) -> tuple[str, int]:
-    """``(host, port)`` of a Ray cluster address ``host:port`` (``[v6]:port`` too); ConfigError otherwise."""
-    m = _ADDRESS.match(address) if isinstance(address, str) else None
-    if m is None or not 1 <= int(m["port"]) <= 65535:
-        raise ConfigError(f"Ray address {address!r} is not host:port")
-    return m["host"].strip("[]"), int(m["port"])
-
-
 def _probe_gcs(address: str, timeout: float) -> None:
     """Fail in seconds, with the reason, unless something at ``address`` speaks HTTP/2 (Ray's GCS is gRPC)."""
     host, port = split_address(address)

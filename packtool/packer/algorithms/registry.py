@@ -1,21 +1,21 @@
 """The packing algorithms by name: the one list of their names and the one table of their implementations.
 
-:data:`Algorithm` is the type of the ``algorithm`` setting (:class:`packtool.settings.PlanSettings` and the CLI's
-choices take it from here); :data:`PLANNERS` maps each of its names to the function that runs it. The table is
-checked against the names when it is built (:func:`check_registry`): a name without an implementation, or an
-implementation without a name, is an error at import, never a silent fall back to another algorithm.
+:data:`Algorithm` is the type of the ``algorithm`` setting (defined with the settings, :mod:`packtool.settings`,
+which import nothing from the packing side); :data:`PLANNERS` maps each of its names to the function that runs
+it. The table is checked against the names when it is built (:func:`check_registry`): a name without an
+implementation, or an implementation without a name, is an error at import, never a silent fall back to another
+algorithm.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Literal, Protocol, get_args
+from typing import Protocol, get_args
 
 import numpy as np
 
-#: Every packing algorithm's name; ``auto`` is the default.
-Algorithm = Literal["auto", "bfd", "ffd", "greedy_knapsack", "balanced_greedy_knapsack", "first_fit_shuffle",
-                    "sequential"]
+from packtool.settings import Algorithm  # the names are a setting's type; their implementations live here
+
 #: The names of :data:`Algorithm`, in order.
 ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
 
