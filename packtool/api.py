@@ -69,11 +69,12 @@ def _pack(source: str | Path, output: str | Path, config: str | Path | None, set
     from packtool.packer.pipeline import pack as run_pack
     from packtool.packer.sources.files import resolve_source
 
-    values, given = cfg.merge(cfg.read(config) if config is not None else None,
-                              {"source": str(source), "output": str(output), **settings})
-    run = cfg.build(values, given)
+    file = cfg.read(config) if config is not None else None
+    explicit = {"source": str(source), "output": str(output), **settings}
+    values, given = cfg.merge(file, explicit)
+    run = cfg.build(values, given, cfg.origins(file, explicit, config))
     src = resolve_source(run.source, media_dir=run.media_dir, absolute_media_paths=run.absolute_media_paths)
-    result = run_pack(src, run.output, run.settings, run.options)
+    result = run_pack(src, run.output, run.settings, run.options, given=run.given_config)
     splits = {name: SplitSummary(c["samples"], c["packed"], c["truncated"], c["dropped"], c["error"],
                                  result.packs.get(name, 0)) for name, c in result.counts.items()}
     return PackSummary(result.output, Path(run.source).resolve(), splits, dict(result.seconds), run.config)

@@ -222,8 +222,9 @@ def pack(
                 if name not in ("config", "print_config") and given(name)}
 
     def build() -> cfg.PackRun:
-        values, given = cfg.merge(cfg.read(config) if config is not None else None, explicit)
-        return cfg.build(values, given)
+        file = cfg.read(config) if config is not None else None
+        values, given = cfg.merge(file, explicit)
+        return cfg.build(values, given, cfg.origins(file, explicit, config))
 
     run = _one_line(build)
     if print_config:
@@ -241,7 +242,8 @@ def pack(
     with ExitStack() as stack:  # the workers start first: their start-ups overlap this process's imports
         pool = _one_line(lambda: stack.enter_context(pack_engine(opened.root, settings.encode, options)))
 
-        result = _one_line(lambda: run_pack(src, out, settings, options, started_engine=pool))
+        result = _one_line(lambda: run_pack(src, out, settings, options, started_engine=pool,
+                                            given=run.given_config))
     from packtool.verify.stats import compute
 
     fills = compute(result.output)["splits"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import types
 from collections.abc import Collection, Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
@@ -190,6 +190,14 @@ class PackRun:
     absolute_media_paths: bool
     #: The merged values, as :func:`dump` writes them (paths as given, the tokenizer as given: a folder or an id).
     config: dict
+    #: Only the values given (a flag, a config-file key, an argument), local paths absolute, the model as given
+    #: (a hub id stays an id): what the manifest records for ``inspect --config``.
+    given_config: dict = field(default_factory=dict)
+
+
+def origins(config: Mapping[str, Any] | None, explicit: Mapping[str, Any], path: str | Path | None) -> dict[str, str]:
+    """Key -> the config file ``path`` for each value the file sets and nothing overrides (for :func:`build`)."""
+    return {k: str(path) for k in (config or {}) if k not in explicit} if path is not None else {}
 
 
 def merge(config: Mapping[str, Any] | None, explicit: Mapping[str, Any]) -> tuple[dict[str, Any], set[str]]:
@@ -204,8 +212,15 @@ def merge(config: Mapping[str, Any] | None, explicit: Mapping[str, Any]) -> tupl
     return values, set(config or {}) | set(explicit)
 
 
-def build(values: Mapping[str, Any], given: Collection[str]) -> PackRun:
-    """The run ``values`` describe (``given``: the keys set by a file, a flag or an argument, for the preset)."""
+def build(values: Mapping[str, Any], given: Collection[str], origin: Mapping[str, str] | None = None) -> PackRun:
+    """The run ``values`` describe (``given``: the keys set by a file, a flag or an argument, for the preset;
+    ``origin``: key -> the config file it came from, named in a conflict's message)."""
+    origin = origin or {}
+
+    def came_from(*keys: str) -> str:
+        files = [f"{k} is set in {origin[k]}" for k in keys if k in origin]
+        return f" ({'; '.join(files)})" if files else ""
+
     from packtool.hub import resolve_model
     from packtool.packer.engine import default_workers
 
@@ -220,16 +235,21 @@ def build(values: Mapping[str, Any], given: Collection[str]) -> PackRun:
     if preset is not None and preset in PRESETS:
         for name, value in PRESETS[preset].items():
             if name in given and values[name] != value:
+                where = f"in {origin[name]}" if name in origin else "explicitly"
                 raise ConfigError(f"preset {preset!r} sets {name} to {value!r}, not {values[name]!r} (given "
-                                  f"explicitly); leave it unset or drop the preset")
+                                  f"{where}); leave it unset or drop the preset")
             values[name] = value
     tokenizer = values["tokenizer"] if is_remote(values["tokenizer"]) else resolve_model(values["tokenizer"])
     why = CONVENTIONS[preset].no_context_parallel if preset in CONVENTIONS else None
     if why and values["cp_size"] > 1:
         raise ConfigError(f"preset {preset} with cp_size > 1: {why}; pack with cp_size 1 and train with context "
                           f"parallel 1")
-    align = resolve_align(values["align"], values["align_for"], cp_size=values["cp_size"],
-                          tp_size=values["tp_size"], sequence_parallel=bool(values["sequence_parallel"]))
+    try:
+        align = resolve_align(values["align"], values["align_for"], cp_size=values["cp_size"],
+                              tp_size=values["tp_size"], sequence_parallel=bool(values["sequence_parallel"]))
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}{came_from('align', 'align_for', 'cp_size', 'tp_size', 'sequence_parallel')}") \
+            from None
     encode = EncodeSettings(**{**{k: values[k] for k in _ENCODE}, "tokenizer": str(tokenizer), "align": align})
     plan = PlanSettings(**{k: values[k] for k in _PLAN})
     options = RunOptions(**{**{k: values[k] for k in _RUN}, "workers": values["workers"] or default_workers()})
@@ -246,8 +266,10 @@ def build(values: Mapping[str, Any], given: Collection[str]) -> PackRun:
         value = config[key]
         if value is not None and not is_remote(value) and (key != "tokenizer" or Path(value).expanduser().is_dir()):
             config[key] = str(Path(value).expanduser().resolve())
+    chosen = {k: config[k] for k in KEYS if k in given and k not in _MACHINE_KEYS and k != "output"}
     return PackRun(location(values["source"]), location(values["output"]), settings, options,
-                   Path(media_dir) if media_dir is not None else None, bool(values["absolute_media_paths"]), config)
+                   Path(media_dir) if media_dir is not None else None, bool(values["absolute_media_paths"]), config,
+                   chosen)
 
 
 def _plain(value: Any) -> Any:
@@ -291,20 +313,41 @@ def recorded_config(settings: PackSettings, source: Path) -> dict:
 
 
 def recorded(output: str | Path, relative_to: Path | None = None) -> str:
-    """The config file of the run that made ``output`` (from its manifest; for a JSON/Parquet source, with its
-    media folder). With ``relative_to`` (the folder the file is written to), local paths are written relative to
-    it, as :func:`read` takes them back."""
+    """The config file of the run that made ``output``, from its manifest: the values the user gave (the model as
+    given: a hub id stays an id), then, as comments, every value the run derived or defaulted that differs from
+    packtool's defaults (e.g. ``align`` from a preset or the parallel sizes), so reusing the file with other
+    flags sets nothing the user did not. With ``relative_to`` (the folder the file is written to), local paths
+    are written relative to it, as :func:`read` takes them back. An output of an older packtool, which records
+    only the settings as they took effect, gives those (with its media folder for a JSON/Parquet source)."""
     from packtool.format import Manifest
 
     manifest = Manifest.read(output)
     if manifest.run_config is None:
         raise ConfigError(f"{output} records no run config (packed by an older packtool); its settings: "
                           f"{manifest.settings}")
-    config = dict(manifest.run_config)
+    effective = _relative(dict(manifest.run_config), relative_to)
+    if manifest.given_config is None:
+        return dump(effective)
+    given = _relative(dict(manifest.given_config), relative_to)
+    base = defaults()
+    derived = {k: v for k, v in effective.items()
+               if k in KEYS and k not in given and k not in _MACHINE_KEYS and v != base.get(k)}
+    text = dump(given, all_keys=True)
+    if derived:
+        import yaml
+
+        lines = yaml.safe_dump(derived, sort_keys=False, allow_unicode=True).splitlines()
+        text += "# derived or defaulted by the run, not set (uncomment one to pin it):\n"
+        text += "".join(f"# {line}\n" for line in lines)
+    return text
+
+
+def _relative(config: dict, relative_to: Path | None) -> dict:
+    """``config`` with its local absolute paths relative to ``relative_to`` (unchanged without one)."""
     if relative_to is not None:
         for key in PATH_KEYS:
             value = config.get(key)
             if isinstance(value, str) and not is_remote(value) and Path(value).is_absolute() \
                     and (key != "tokenizer" or Path(value).is_dir()):
                 config[key] = os.path.relpath(value, Path(relative_to).resolve())
-    return dump(config)
+    return config

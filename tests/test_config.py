@@ -145,3 +145,48 @@ def test_config_values_are_type_checked(tmp_path):
     conf.write_text("overwrite: 'false'\n")
     line = one_error(run("pack", "x", tmp_path / "o", "--config", conf))
     assert "overwrite must be true or false" in line and str(conf) in line
+
+
+def test_inspect_config_is_portable(demo_dir, tmp_path):
+    """``inspect --config --out`` writes only what the user set (the model id as given, paths relative to the
+    file), what the run derived as comments; the file packs the same bytes from another folder, takes other
+    parallel sizes, and a conflict it causes names it."""
+    cache = tmp_path / "hub"
+    repo = cache / "models--Acme--Tiny-VL"
+    shutil.copytree(demo_dir / "tokenizer", repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    env = {"HF_HUB_CACHE": str(cache)}
+    first, again = tmp_path / "first", tmp_path / "again"
+    p = run("pack", demo_dir / "dataset", first, "--tokenizer", "Acme/Tiny-VL", "--pack-size", 2048, "--split",
+            "val", "--preset", "nemo-rl-qwen-vl", "--tp-size", 2, "--align-for", "nemo-rl", "--workers", 1,
+            "--no-progress", env=env)
+    assert p.returncode in (0, 3), p.stderr
+    conf = tmp_path / "configs" / "run.yaml"
+    conf.parent.mkdir()
+    assert run("inspect", first, "--config", "--out", conf).returncode == 0
+    text = conf.read_text()
+    written = yaml.safe_load(text)
+    assert written == {"source": os.path.relpath(demo_dir / "dataset", conf.parent), "split": ["val"],
+                       "tp_size": 2, "align_for": "nemo-rl", "tokenizer": "Acme/Tiny-VL", "pack_size": 2048,
+                       "preset": "nemo-rl-qwen-vl"}
+    assert "# align: 4" in text and "# overlong: drop" in text  # derived: comments, never set
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    p = subprocess.run([*PACKTOOL, "pack", str(demo_dir / "dataset"), str(again), "--config", str(conf),
+                        "--workers", "2", "--no-progress"], capture_output=True, text=True, timeout=300,
+                       cwd=elsewhere, env={**os.environ, **env, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert p.returncode in (0, 3), p.stderr
+
+    def tree(root):
+        return {q.relative_to(root): q.read_bytes() for q in sorted(root.rglob("*")) if q.is_file()}
+
+    assert tree(again) == tree(first)
+    assert run("pack", demo_dir / "dataset", tmp_path / "cp", "--config", conf, "--tp-size", 4, "--cp-size", 2,
+               "--no-progress", env=env).returncode in (0, 3)
+    conf.write_text(text + "align: 3\n")
+    message = one_error(run("pack", demo_dir / "dataset", tmp_path / "bad", "--config", conf, env=env))
+    assert "align 3 conflicts" in message and f"align is set in {conf}" in message
+    conf.write_text(text + "overlong: truncate\n")
+    message = one_error(run("pack", demo_dir / "dataset", tmp_path / "bad", "--config", conf, env=env))
+    assert f"(given in {conf})" in message
