@@ -22,13 +22,13 @@ from typer._click import exceptions as click  # the Click that Typer ships
 
 from packtool.errors import LimitError, PacktoolError
 from packtool.settings import (
+    PRESET_NAMES,
     Algorithm,
     AlignFor,
     AudioCount,
     EncodeSettings,
     ImageResize,
     PlanSettings,
-    Preset,
     RunOptions,
     ThinkingTraceFormat,
     choices,
@@ -164,7 +164,7 @@ def pack(
     template_date: str = typer.Option(default(E, "template_date"), help="Date the chat template sees "
                                                                         "(strftime_now), fixed for reproducible "
                                                                         "output."),
-    preset: str | None = typer.Option(None, help="Named conventions: " + ", ".join(choices(Preset)) + "."),
+    preset: str | None = typer.Option(None, help="Named conventions: " + ", ".join(PRESET_NAMES) + "."),
     target_newline_after_eot: bool = typer.Option(default(E, "target_newline_after_eot"),
                                                   help="Also train on the newline after each end-of-turn token."),
     media_first: bool = typer.Option(default(E, "media_first"), help="Move each turn's images before its text."),

@@ -34,8 +34,9 @@ Overlong = Literal["truncate", "drop"]
 MediaCheck = Literal["decode", "header"]
 MediaTokens = Literal["rule", "processor"]
 EngineKind = Literal["local", "ray"]
-Preset = Literal["megatron-bridge-qwen-vl", "megatron-bridge-nemotron-omni", "nemo-rl-qwen-vl",
-                 "nemo-rl-nemotron-omni"]
+#: A ``--preset`` name: a key of the conventions' registry (:data:`packtool.families.conventions.CONVENTIONS`),
+#: the one list of them (:data:`PRESET_NAMES`); checked when the settings are built.
+Preset = str
 #: Whose rule derives the per-segment alignment from the parallel sizes (``--align-for``).
 AlignFor = Literal["megatron", "nemo-rl"]
 ImageResize = Literal["processor", "qwen_vl_utils"]
@@ -49,7 +50,8 @@ ThinkingTraceFormat = Literal["normalized", "ultra"]
 PRESETS: dict[str, dict[str, Any]] = {name: c.settings() for name, c in CONVENTIONS.items()}
 #: Presets named but not available yet, with the reason.
 UNSUPPORTED_PRESETS = {name: c.unsupported for name, c in CONVENTIONS.items() if c.unsupported}
-assert set(get_args(Preset)) == set(CONVENTIONS), "every convention is a preset"
+#: Every preset's name, in the registry's order.
+PRESET_NAMES: tuple[str, ...] = tuple(CONVENTIONS)
 
 #: Largest pack: boundaries (``cu_seqlens``) are int32.
 MAX_PACK_SIZE = 2**31 - 1
@@ -326,7 +328,8 @@ class EncodeSettings:
     def _apply_preset(self) -> None:
         if self.preset is None:
             return
-        _check_choice(self.preset, Preset, "preset")
+        if self.preset not in CONVENTIONS:
+            raise ConfigError(f"unknown preset {self.preset!r}; choose one of {', '.join(CONVENTIONS)}")
         if self.preset in UNSUPPORTED_PRESETS:
             raise ConfigError(f"preset {self.preset!r} is not supported yet: {UNSUPPORTED_PRESETS[self.preset]}")
         for name, value in PRESETS[self.preset].items():

@@ -25,7 +25,7 @@ only encoding needs): ``expand_text`` and ``place`` return new ones (``dataclass
 Adding a convention (the same family under another trainer's data path, :mod:`.conventions`):
 
 1. Add a :class:`~.conventions.Convention` value to :data:`~.conventions.CONVENTIONS` under its ``--preset`` name
-   (and the name to ``packtool.settings.Preset``). Its fields are the choices every family shares: which tokens
+   (``--preset`` takes its names from there). Its fields are the choices every family shares: which tokens
    are targets (``target_newline_after_eot``; override :meth:`Convention.mark_targets` for other rules), the
    layout of a turn around its media (``media_first``; :meth:`Convention.turn_text`), the image resize rule's
    pixel bounds (``min_pixels``, ``max_pixels``). The preset fills the matching encode settings.
