@@ -190,8 +190,9 @@ class PackRun:
     absolute_media_paths: bool
     #: The merged values, as :func:`dump` writes them (paths as given, the tokenizer as given: a folder or an id).
     config: dict
-    #: Only the values given (a flag, a config-file key, an argument), local paths absolute, the model as given
-    #: (a hub id stays an id): what the manifest records for ``inspect --config``.
+    #: Only the values given (a flag, a config-file key, an argument) that decide the output (no run option),
+    #: local paths absolute, the model as given (a hub id stays an id): what the manifest records for ``inspect
+    #: --config``.
     given_config: dict = field(default_factory=dict)
 
 
@@ -266,7 +267,8 @@ def build(values: Mapping[str, Any], given: Collection[str], origin: Mapping[str
         value = config[key]
         if value is not None and not is_remote(value) and (key != "tokenizer" or Path(value).expanduser().is_dir()):
             config[key] = str(Path(value).expanduser().resolve())
-    chosen = {k: config[k] for k in KEYS if k in given and k not in _MACHINE_KEYS and k != "output"}
+    # What decides the output (never how the run went: the output folder, workers, limits, dry run, overwrite).
+    chosen = {k: config[k] for k in KEYS if k in given and k not in _RUN and k != "output"}
     return PackRun(location(values["source"]), location(values["output"]), settings, options,
                    Path(media_dir) if media_dir is not None else None, bool(values["absolute_media_paths"]), config,
                    chosen)
