@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -28,7 +28,29 @@ from packtool.shards import idx_path, index_tar, write_records, write_tar
 from packtool.storage import RangedReader as _ObjectReader
 from packtool.storage import is_remote, location, open_read
 
+
 #: Columns of a write task's segment table (``pack`` first), sorted by pack, then source order.
+class SegmentRow(NamedTuple):
+    """One segment of a pack as the write stage reads it from the plan (one row of the segments table)."""
+
+    pack: int
+    #: The encode store (its position among the split's) and the row in it.
+    src: int
+    row: int
+    key: str
+    shard: str
+    truncated: bool
+    #: Where the segment's tokens start in its store's token array, and how many.
+    tok_offset: int
+    tokens: int
+    #: The encoded media items (:func:`~packtool.packer.item.loads_media`).
+    media: str
+    #: A mixture's: the dataset's index among its names, and the sample's copy number (0 for one dataset).
+    dataset: int = 0
+    copy: int = 0
+
+
+#: The segments table's columns, in :class:`SegmentRow` order.
 SEGMENT_COLUMNS = ("pack", "src", "row", "key", "shard", "truncated", "tok_offset", "tokens", "media")
 #: A mixture's segment columns besides those: the dataset's index and the sample's copy number.
 MIXTURE_COLUMNS = ("dataset", "copy")
@@ -204,13 +226,13 @@ def _records(split: str, segments: pa.Table, sources: _Sources, pack_size: int, 
     """The tar members of each pack of ``segments``, in order."""
     columns = SEGMENT_COLUMNS + (MIXTURE_COLUMNS if datasets else ())
 
-    def rows() -> Iterator[tuple[Any, ...]]:  # a batch of rows at a time as Python values
+    def rows() -> Iterator[SegmentRow]:  # a batch of rows at a time as Python values
         for batch in segments.to_batches(max_chunksize=1024):
             if sources.remote:
                 sources.prefetch(batch)
-            yield from zip(*(batch.column(c).to_pylist() for c in columns))
+            yield from itertools.starmap(SegmentRow, zip(*(batch.column(c).to_pylist() for c in columns)))
 
-    for p, group in itertools.groupby(rows(), key=lambda row: row[0]):
+    for p, group in itertools.groupby(rows(), key=lambda row: row.pack):
         record = assemble_record(pack_key(split, p), split, list(group), sources, pack_size, align, datasets)
         yield record.key, record.to_members()
 
@@ -225,16 +247,16 @@ def media_ref(m: MediaItem, member: str, frames: list[str], size: int, digest: s
                     span=list(m.span or ()), samples=m.samples or 0)
 
 
-def assemble_record(key: str, split: str, group: list[tuple[Any, ...]], sources: _Sources, pack_size: int,
+def assemble_record(key: str, split: str, group: list[SegmentRow], sources: _Sources, pack_size: int,
                     align: int, datasets: tuple[str, ...] = ()) -> PackRecord:
-    """One pack from its segment rows (in pack order: :data:`SEGMENT_COLUMNS`, then :data:`MIXTURE_COLUMNS` of a
-    mixture's, whose ``datasets`` names them)."""
+    """One pack from its segment rows (in pack order; a mixture's ``datasets`` name their dataset indices)."""
     toks, tgts, seqlens, segs = [], [], [], []
     media: dict[str, bytes] = {}
     items = 0
     for row in group:
-        _, src, _, sample_key, shard, truncated, tok_offset, length, media_json = row[:len(SEGMENT_COLUMNS)]
-        dataset, copy = (datasets[row[-2]], int(row[-1])) if datasets else (None, 0)
+        src, sample_key, shard, truncated, tok_offset, length, media_json = (
+            row.src, row.key, row.shard, row.truncated, row.tok_offset, row.tokens, row.media)
+        dataset, copy = (datasets[row.dataset], int(row.copy)) if datasets else (None, 0)
         tok, tgt = sources.tokens(src)
         toks.append(np.asarray(tok[tok_offset: tok_offset + length]))
         tgts.append(np.asarray(tgt[tok_offset: tok_offset + length]))
