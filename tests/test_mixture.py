@@ -218,3 +218,43 @@ def test_a_single_reference_per_split(datasets, demo_dir, tmp_path):
     assert set(ledger.column("dataset").to_pylist()) == {"text"}
     assert pc.max(ledger.column("copy")).as_py() == 0
     assert np.all(np.asarray(ledger.column("split").to_pylist()) != None)  # noqa: E711
+
+
+def test_other_proportions_are_another_output(datasets, demo_dir, tmp_path):
+    """The declared proportions decide the output: a rerun with other repetitions is refused without --overwrite
+    (never the old output returned as finished), and with it re-plans on the same encodings."""
+    from packtool.errors import OutputError
+
+    path = _write(datasets, "change.yaml", {"train": {"blend_epochized": [{"path": "long"}, {"path": "vqa"}]}})
+    out = tmp_path / "out"
+    pack(path, out, _settings(demo_dir), workers=1, progress=False)
+    before = Manifest.read(out).counts["train"]["samples"]
+    assert Manifest.read(out).source == str(path)  # the metadataset, not the datasets' common folder
+    _write(datasets, "change.yaml", {"train": {"blend_epochized": [{"path": "long"},
+                                                                   {"repetitions": 2, "path": "vqa"}]}})
+    with pytest.raises(OutputError, match="mixture"):
+        pack(path, out, _settings(demo_dir), workers=1, progress=False)
+    pack(path, out, _settings(demo_dir), workers=1, progress=False, overwrite=True)
+    assert Manifest.read(out).counts["train"]["samples"] > before
+    assert Manifest.read(out).mixture["repetitions"]["train"]["vqa"] == 2.0
+
+
+def test_the_trainers_take_the_mixed_output_as_one_dataset(epochized):
+    """The reader's batches of a mixture feed Megatron-Bridge's step batch, the Hugging Face batch and the
+    collation of several packs as any output's do, with ``dataset_index`` beside them."""
+    from itertools import islice
+
+    from packtool.runtime import megatron_bridge_batch, read_packs
+    from packtool.runtime.hf import hf_batch
+    from packtool.runtime.loader import collate_packs
+
+    manifest = Manifest.read(epochized)
+    rows = list(islice(read_packs(epochized, "train"), 3))
+    for batch in rows:
+        assert batch["dataset_index"].shape[0] == len(batch["keys"])
+        step = megatron_bridge_batch(batch)
+        assert step["tokens"].shape == batch["tokens"].shape
+        assert hf_batch(batch, manifest)["input_ids"].shape[1] == int(batch["cu_seqlens_unpadded"][-1])
+    joined = collate_packs(rows, manifest.pad_token_id)
+    assert joined["dataset_index"].tolist() == [i for r in rows for i in r["dataset_index"].tolist()]
+    assert len(joined["keys"]) == joined["dataset_index"].shape[0]

@@ -10,6 +10,7 @@ objects, the manifest still last.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field, replace
 from importlib.metadata import version
@@ -110,6 +111,8 @@ def pack(source: str | Path | FileSource, output: str | Path, settings: PackSett
     src = check_inputs(source, output, settings)
     source = src.root
     fingerprints = settings.fingerprints(source, tokenizer_fingerprint(settings.encode.tokenizer))
+    if src.mixture is not None:  # the declared proportions decide the output: other weights are another output
+        fingerprints["output"]["mixture"] = json.loads(json.dumps(src.mixture.describe()))
     # The engine is up (Ray reached) and the model folder proven by a worker before OUTPUT is touched; the OUTPUT
     # lock outlives every worker.
     if started_engine is not None:
@@ -207,7 +210,8 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
             write_energon_metadata(output, {k: v for k, v in out_shards.items() if v}, indexes,
                                    version("megatron-energon"))
             _copy_tokenizer(location(settings.encode.tokenizer), output / TOKENIZER_DIR)
-        manifest = _manifest(settings, fingerprints, source, out_shards, counts, packs, run.dry_run, facts)
+        manifest = _manifest(settings, fingerprints, src.mixture.path if src.mixture is not None else source,
+                             out_shards, counts, packs, run.dry_run, facts)
         if src.mixture is not None:
             manifest.mixture = {**src.mixture.describe(), "repetitions": reps}
         manifest.given_config = dict(given) if given is not None else None
