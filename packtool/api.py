@@ -74,7 +74,7 @@ def _pack(source: str | Path, output: str | Path, config: str | Path | None, set
     values, given = cfg.merge(file, explicit)
     run = cfg.build(values, given, cfg.origins(file, explicit, config))
     src = resolve_source(run.source, media_dir=run.media_dir, absolute_media_paths=run.absolute_media_paths)
-    result = run_pack(src, run.output, run.settings, run.options, given=run.given_config)
+    result = run_pack(src, run.output, run.settings, run.options)
     splits = {name: SplitSummary(c["samples"], c["packed"], c["truncated"], c["dropped"], c["error"],
                                  result.packs.get(name, 0)) for name, c in result.counts.items()}
     return PackSummary(result.output, Path(run.source).resolve(), splits, dict(result.seconds), run.config)

@@ -242,8 +242,7 @@ def pack(
     with ExitStack() as stack:  # the workers start first: their start-ups overlap this process's imports
         pool = _one_line(lambda: stack.enter_context(pack_engine(opened.root, settings.encode, options)))
 
-        result = _one_line(lambda: run_pack(src, out, settings, options, started_engine=pool,
-                                            given=run.given_config))
+        result = _one_line(lambda: run_pack(src, out, settings, options, started_engine=pool))
     from packtool.verify.stats import compute
 
     fills = compute(result.output)["splits"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import types
 from collections.abc import Collection, Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
@@ -190,10 +190,6 @@ class PackRun:
     absolute_media_paths: bool
     #: The merged values, as :func:`dump` writes them (paths as given, the tokenizer as given: a folder or an id).
     config: dict
-    #: Only the values given (a flag, a config-file key, an argument) that decide the output (no run option),
-    #: local paths absolute, the model as given (a hub id stays an id): what the manifest records for ``inspect
-    #: --config``.
-    given_config: dict = field(default_factory=dict)
 
 
 def origins(config: Mapping[str, Any] | None, explicit: Mapping[str, Any], path: str | Path | None) -> dict[str, str]:
@@ -267,11 +263,8 @@ def build(values: Mapping[str, Any], given: Collection[str], origin: Mapping[str
         value = config[key]
         if value is not None and not is_remote(value) and (key != "tokenizer" or Path(value).expanduser().is_dir()):
             config[key] = str(Path(value).expanduser().resolve())
-    # What decides the output (never how the run went: the output folder, workers, limits, dry run, overwrite).
-    chosen = {k: config[k] for k in KEYS if k in given and k not in _RUN and k != "output"}
     return PackRun(location(values["source"]), location(values["output"]), settings, options,
-                   Path(media_dir) if media_dir is not None else None, bool(values["absolute_media_paths"]), config,
-                   chosen)
+                   Path(media_dir) if media_dir is not None else None, bool(values["absolute_media_paths"]), config)
 
 
 def _plain(value: Any) -> Any:
@@ -315,32 +308,37 @@ def recorded_config(settings: PackSettings, source: Path) -> dict:
 
 
 def recorded(output: str | Path, relative_to: Path | None = None) -> str:
-    """The config file of the run that made ``output``, from its manifest: the values the user gave (the model as
-    given: a hub id stays an id), then, as comments, every value the run derived or defaulted that differs from
-    packtool's defaults (e.g. ``align`` from a preset or the parallel sizes), so reusing the file with other
-    flags sets nothing the user did not. With ``relative_to`` (the folder the file is written to), local paths
-    are written relative to it, as :func:`read` takes them back. An output of an older packtool, which records
-    only the settings as they took effect, gives those (with its media folder for a JSON/Parquet source)."""
+    """The config file of the run that made ``output``, from the settings its manifest records as they took effect
+    (``run_config``, with its media folder for a JSON/Parquet source), written to be reused: a model folder in the
+    local hub cache as its model id, values that equal packtool's defaults left out, and the values the run
+    derived as comments, never set (each a preset's, and ``align`` where the default parallel sizes give it), so
+    the file reused with other flags (``--tp-size 4 --cp-size 2``) sets nothing a preset or those sizes decide.
+    With ``relative_to`` (the folder the file is written to), local paths are written relative to it, as
+    :func:`read` takes them back."""
     from packtool.format import Manifest
+    from packtool.hub import model_id_of
 
     manifest = Manifest.read(output)
     if manifest.run_config is None:
         raise ConfigError(f"{output} records no run config (packed by an older packtool); its settings: "
                           f"{manifest.settings}")
-    effective = _relative(dict(manifest.run_config), relative_to)
-    if manifest.given_config is None:
-        return dump(effective)
-    given = _relative(dict(manifest.given_config), relative_to)
+    config = dict(manifest.run_config)
+    model = model_id_of(config.get("tokenizer"))
+    config = _relative(config, relative_to)
+    if model is not None:
+        config["tokenizer"] = model
+    preset = config.get("preset")
+    derived = {k: v for k, v in PRESETS.get(str(preset), {}).items() if k in config and config[k] == v}
+    if config.get("align") == 1:
+        derived["align"] = 1
     base = defaults()
-    derived = {k: v for k, v in effective.items()
-               if k in KEYS and k not in given and k not in _MACHINE_KEYS and v != base.get(k)}
-    text = dump(given, all_keys=True)
-    if derived:
+    text = dump({k: v for k, v in config.items() if k not in derived})
+    shown = {k: v for k, v in derived.items() if v != base.get(k)}
+    if shown:
         import yaml
 
-        lines = yaml.safe_dump(derived, sort_keys=False, allow_unicode=True).splitlines()
-        text += "# derived or defaulted by the run, not set (uncomment one to pin it):\n"
-        text += "".join(f"# {line}\n" for line in lines)
+        text += f"# derived by the run ({'the preset, ' if preset else ''}the parallel sizes), not set:\n"
+        text += "".join(f"# {line}\n" for line in yaml.safe_dump(shown, sort_keys=False).splitlines())
     return text
 
 

@@ -585,10 +585,6 @@ class Manifest(Mapping[str, Any]):
     #: split's entries as declared; ``repetitions``: split -> dataset -> times its kept samples were taken); None
     #: for one dataset.
     mixture: dict | None = None
-    #: The values the user gave (flags, config-file keys, API arguments; not the defaults, not what a preset or the
-    #: parallel sizes derived): the model as given (a hub id stays an id), local paths absolute. ``inspect
-    #: --config`` writes these; None in manifests of older packtool versions.
-    given_config: dict | None = None
 
     @classmethod
     def read(cls, root: str | Path) -> Manifest:
@@ -611,7 +607,7 @@ class Manifest(Mapping[str, Any]):
 
     def to_bytes(self) -> bytes:
         data = asdict(self)
-        for name in ("run_config", "mixture", "given_config"):  # only when there is one
+        for name in ("run_config", "mixture"):  # written only when there is one (older outputs keep their bytes)
             if data[name] is None:
                 del data[name]
         return json.dumps(data, indent=1).encode()

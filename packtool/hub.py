@@ -57,3 +57,32 @@ def _snapshot(repo: Path, revision: str) -> Path | None:
         return snapshots / revision
     found = [p for p in snapshots.iterdir() if p.is_dir()] if snapshots.is_dir() else []
     return found[0] if len(found) == 1 and revision == "main" else None
+
+
+def model_id_of(folder: str | Path | None) -> str | None:
+    """The model id whose local hub-cache snapshot ``folder`` is (``org/name``, with ``@commit`` when the cache's
+    ``main`` does not point at it), so a config written from a run names the model as a user gives it; None for
+    any other folder (or a hub cache elsewhere)."""
+    if not folder:
+        return None
+    path = Path(folder).expanduser()
+    cache = hub_cache().expanduser()
+    try:
+        rel = path.resolve().relative_to(cache.resolve())
+    except (OSError, ValueError):
+        return None
+    parts = rel.parts
+    if len(parts) != 3 or not parts[0].startswith("models--") or parts[1] != "snapshots":
+        return None
+    model = parts[0][len("models--"):].replace("--", "/")
+    if not _MODEL_ID.fullmatch(model) or resolve_model_quiet(model) != path.resolve():
+        return f"{model}@{parts[2]}"
+    return model
+
+
+def resolve_model_quiet(model: str) -> Path | None:
+    """:func:`resolve_model` of ``model``, or None where it finds none."""
+    try:
+        return resolve_model(model)
+    except ConfigError:
+        return None

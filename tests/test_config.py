@@ -148,9 +148,9 @@ def test_config_values_are_type_checked(tmp_path):
 
 
 def test_inspect_config_is_portable(demo_dir, tmp_path):
-    """``inspect --config --out`` writes only what the user set (the model id as given, paths relative to the
-    file), what the run derived as comments; the file packs the same bytes from another folder, takes other
-    parallel sizes, and a conflict it causes names it."""
+    """``inspect --config --out`` writes a config to reuse: the model as its hub id, paths relative to the file,
+    what the preset derived as comments; the file packs the same bytes from another folder, takes other parallel
+    sizes, and a conflict it causes names it."""
     cache = tmp_path / "hub"
     repo = cache / "models--Acme--Tiny-VL"
     shutil.copytree(demo_dir / "tokenizer", repo / "snapshots" / "abc123")
@@ -164,13 +164,12 @@ def test_inspect_config_is_portable(demo_dir, tmp_path):
     assert p.returncode in (0, 3), p.stderr
     conf = tmp_path / "configs" / "run.yaml"
     conf.parent.mkdir()
-    assert run("inspect", first, "--config", "--out", conf).returncode == 0
+    assert run("inspect", first, "--config", "--out", conf, env=env).returncode == 0
     text = conf.read_text()
     written = yaml.safe_load(text)
     assert written == {"source": os.path.relpath(demo_dir / "dataset", conf.parent), "split": ["val"],
-                       "tp_size": 2, "align_for": "nemo-rl", "tokenizer": "Acme/Tiny-VL", "pack_size": 2048,
-                       "preset": "nemo-rl-qwen-vl"}
-    assert "# align: 4" in text and "# overlong: drop" in text  # derived: comments, never set
+                       "tokenizer": "Acme/Tiny-VL", "pack_size": 2048, "align": 4, "preset": "nemo-rl-qwen-vl"}
+    assert "# overlong: drop" in text and "# target_newline_after_eot: true" in text  # the preset's: comments
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     p = subprocess.run([*PACKTOOL, "pack", str(demo_dir / "dataset"), str(again), "--config", str(conf),
@@ -184,9 +183,9 @@ def test_inspect_config_is_portable(demo_dir, tmp_path):
     assert tree(again) == tree(first)
     assert run("pack", demo_dir / "dataset", tmp_path / "cp", "--config", conf, "--tp-size", 4, "--cp-size", 2,
                "--no-progress", env=env).returncode in (0, 3)
-    conf.write_text(text + "align: 3\n")
-    message = one_error(run("pack", demo_dir / "dataset", tmp_path / "bad", "--config", conf, env=env))
-    assert "align 3 conflicts" in message and f"align is set in {conf}" in message
+    message = one_error(run("pack", demo_dir / "dataset", tmp_path / "bad", "--config", conf, "--cp-size", 3,
+                            env=env))
+    assert "align 4 conflicts" in message and f"align is set in {conf}" in message
     conf.write_text(text + "overlong: truncate\n")
     message = one_error(run("pack", demo_dir / "dataset", tmp_path / "bad", "--config", conf, env=env))
     assert f"(given in {conf})" in message

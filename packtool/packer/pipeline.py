@@ -94,13 +94,11 @@ class _Clock:
 
 
 def pack(source: str | Path | FileSource, output: str | Path, settings: PackSettings, run: RunOptions | None = None, *,
-         started_engine: Engine | None = None, given: dict | None = None, **options: object) -> PackResult:
+         started_engine: Engine | None = None, **options: object) -> PackResult:
     """Pack every requested split of ``source`` into ``output`` (see the module docstring). ``run`` (or its
-    fields as keyword ``options``) says how the run goes; ``given``: the values the user set, as
-    :attr:`packtool.config.PackRun.given_config` holds them (recorded for ``inspect --config``).
-    ``started_engine``: an entered engine from :func:`packtool.packer.workers.pack_engine` for the same source
-    and settings, started early by the caller (by default the run starts its own once the source and settings
-    check out).
+    fields as keyword ``options``) says how the run goes. ``started_engine``: an entered engine from
+    :func:`packtool.packer.workers.pack_engine` for the same source and settings, started early by the caller (by
+    default the run starts its own once the source and settings check out).
 
     >>> pack("dataset", "packed", PackSettings(EncodeSettings(tokenizer="model", pack_size=8192)),
     ...      workers=2, progress=False)  # doctest: +SKIP
@@ -116,9 +114,9 @@ def pack(source: str | Path | FileSource, output: str | Path, settings: PackSett
     # The engine is up (Ray reached) and the model folder proven by a worker before OUTPUT is touched; the OUTPUT
     # lock outlives every worker.
     if started_engine is not None:
-        return _pack(started_engine, src, output, settings, run, fingerprints, clock, given)
+        return _pack(started_engine, src, output, settings, run, fingerprints, clock)
     with pack_engine(source, settings.encode, run) as own:
-        return _pack(own, src, output, settings, run, fingerprints, clock, given)
+        return _pack(own, src, output, settings, run, fingerprints, clock)
 
 
 def check_inputs(source: str | Path | FileSource, output: str | Path, settings: PackSettings) -> SourceDataset:
@@ -168,7 +166,7 @@ def _check_holdout(src: SourceDataset, settings: PackSettings) -> SourceDataset:
 
 
 def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettings, run: RunOptions,
-          fingerprints: dict, clock: _Clock, given: dict | None = None) -> PackResult:
+          fingerprints: dict, clock: _Clock) -> PackResult:
     source = src.root
     facts = engine.map(model_facts, [FactsTask(settings.encode, src.dataset_yaml)], progress=False)[0]
     with OutputDir(output, fingerprints, overwrite=run.overwrite) as out:
@@ -214,7 +212,6 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
                              out_shards, counts, packs, run.dry_run, facts)
         if src.mixture is not None:
             manifest.mixture = {**src.mixture.describe(), "repetitions": reps}
-        manifest.given_config = dict(given) if given is not None else None
         if isinstance(src, FileDataset) and src.source is not None and manifest.run_config is not None:
             manifest.run_config.update(recorded_source(src.source))
         commit_bytes(output / MANIFEST, manifest.to_bytes())
