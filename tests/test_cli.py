@@ -188,7 +188,7 @@ def test_ctrl_c_says_a_rerun_resumes_and_exits_130(tmp_path):
     try:
         for _ in range(600):  # wait until the run is inside the command, blocked opening the FIFO
             wchan = open(f"/proc/{p.pid}/wchan").read() if os.path.exists(f"/proc/{p.pid}/wchan") else ""
-            if "fifo" in wchan or "pipe" in wchan:
+            if "fifo" in wchan or "pipe" in wchan or "wait_for_partner" in wchan:  # (the last: Linux FIFO open)
                 break
             time.sleep(0.05)
         p.send_signal(signal.SIGINT)
