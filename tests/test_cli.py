@@ -183,8 +183,11 @@ def test_ctrl_c_says_a_rerun_resumes_and_exits_130(tmp_path):
 
     fifo = tmp_path / "config.yaml"
     os.mkfifo(fifo)  # reading the config blocks here until the signal comes
+    # Ctrl-C's default disposition for the run (a test runner's worker may ignore SIGINT, and Python installs its
+    # KeyboardInterrupt handler only where SIGINT is not ignored).
     p = subprocess.Popen([*PACKTOOL, "pack", "--config", str(fifo)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for _ in range(600):  # wait until the run is inside the command, blocked opening the FIFO
             wchan = open(f"/proc/{p.pid}/wchan").read() if os.path.exists(f"/proc/{p.pid}/wchan") else ""
