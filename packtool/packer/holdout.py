@@ -37,7 +37,13 @@ def held_out(table: pa.Table, holdout: Holdout, seed: int, groups: np.ndarray | 
     group_of = np.zeros(table.num_rows, np.int64) if groups is None else np.asarray(groups)
     for g in np.unique(group_of[kept]) if kept.any() else []:
         rows = np.flatnonzero(kept & (group_of == g))
-        ranks = digest_ranks(seed, [shards[r] for r in rows], [keys[r] for r in rows])
-        order = sorted(range(rows.size), key=lambda i: (int(ranks[i]), shards[rows[i]], keys[rows[i]]))
-        mask[rows[order[:holdout.size(rows.size)]]] = True
+        mask[first_by_digest(seed, rows, shards, keys, holdout.size(rows.size))] = True
     return mask
+
+
+def first_by_digest(seed: int, rows: np.ndarray, shards: list[str], keys: list[str], count: int) -> np.ndarray:
+    """The ``count`` of ``rows`` (indices into ``shards``/``keys``) of smallest :func:`digest_ranks` (ties,
+    impossible in practice, by shard and key): a draw no order of arrival, worker count or rerun changes."""
+    ranks = digest_ranks(seed, [shards[r] for r in rows], [keys[r] for r in rows])
+    order = sorted(range(rows.size), key=lambda i: (int(ranks[i]), shards[rows[i]], keys[rows[i]]))
+    return rows[order[:count]]

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from packtool.format import KEPT
-from packtool.packer.holdout import digest_ranks
+from packtool.packer.holdout import first_by_digest
 from packtool.packer.sources.mixture import MixtureEntry
 
 
@@ -68,9 +68,7 @@ def repeat(table: pa.Table, reps: dict[int, float], seed: int, names: list[str] 
         extra = copies_of(rows.size, r) - whole * rows.size
         times[rows] = whole
         if extra > 0:
-            ranks = digest_ranks(seed, [shards[j] for j in rows], [keys[j] for j in rows])
-            order = sorted(range(rows.size), key=lambda k: (int(ranks[k]), shards[rows[k]], keys[rows[k]]))
-            times[rows[order[:extra]]] += 1
+            times[first_by_digest(seed, rows, shards, keys, extra)] += 1
     left_out = np.flatnonzero(times == 0)
     if left_out.size:  # one ledger row each: nothing is lost silently
         table = _not_drawn(table, left_out, reps, names)
