@@ -191,6 +191,7 @@ def test_nested_metadatasets_multiply_and_holdout_per_dataset(datasets, demo_dir
     ({"train": {"blend": [{"path": "missing"}]}}, "dataset missing does not exist"),
     ({"train": {"blend": [{"path": "text", "wieght": 2}]}}, "unknown key 'wieght'"),
     ({"train": {"blend": [{"repetitions": 2, "path": "text"}]}}, "repetitions in a blend entry"),
+    ({"train": {"blend": [{"path": "text", "shuffle_over_epochs_multiplier": 2}]}}, "does not apply to packing"),
 ])
 def test_bad_metadatasets_are_refused_with_one_line(datasets, demo_dir, tmp_path, splits, needle):
     path = _write(datasets, "bad.yaml", splits)

@@ -174,6 +174,9 @@ def _reference(top: Path, base: Path, split: str, item: dict, mode: str | None, 
         raise SourceError(f"{where}: {bad[0]} ({_UNSUPPORTED[bad[0]]}) is not supported by packtool")
     if not isinstance(item.get("path"), str):
         raise SourceError(f"{where}: a dataset reference needs a path")
+    if item.get("shuffle_over_epochs_multiplier", 1) != 1:  # Energon's train-time shuffle: nothing a pack holds
+        raise SourceError(f"{where}: shuffle_over_epochs_multiplier (Energon's shuffling while training) does not "
+                          f"apply to packing; remove it, or set it on the metadataset that reads the packs")
     target = (base / item["path"]).resolve()
     part = item.get("split_part", split)
     if not isinstance(part, str):
