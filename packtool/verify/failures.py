@@ -6,18 +6,24 @@ keep the full reason, the record key and the source shard. Serves ``packtool fai
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from packtool.errors import FormatError
-from packtool.format import STATUSES
-from packtool.storage import location
-from packtool.verify.stats import _ledger, group_reason
+from packtool.format import LEDGER, STATUSES
+from packtool.storage import location, parquet_file
+from packtool.verify.stats import group_reason
 
 #: The statuses of samples not packed whole.
 FAILED = tuple(s for s in STATUSES if s != "packed")
 #: The ledger columns this report reads.
 COLUMNS = ["key", "split", "shard", "status", "reason", "source_tokens", "tokens"]
+#: Ledger rows read at a time (the report never holds the whole ledger).
+BATCH_ROWS = 65_536
 #: Words of a reason that say a sample's media file was not where the run looked.
 _MEDIA_NOT_FOUND = ("media file", "not found in")
 
@@ -31,27 +37,47 @@ def failures(path: str | Path, *, status: list[str] | None = None, split: list[s
         raise FormatError(f"unknown status {unknown[0]!r} (choose from {', '.join(FAILED)})")
     if limit is not None and limit < 0:
         raise FormatError(f"limit must be at least 0, not {limit}")
-    ledger = _ledger(location(path), COLUMNS)
-    splits = set(ledger.column("split").to_pylist())
+    wanted_status = set(status or FAILED)
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    splits: set[str] = set()
+    for batch in _batches(location(path)):
+        splits.update(batch.column("split").unique().to_pylist())
+        # only the rows not packed whole become Python objects: memory holds a batch and the groups' examples
+        keep = pc.is_in(batch.column("status"), pa.array(sorted(wanted_status), pa.string()))
+        if split:
+            keep = pc.and_(keep, pc.is_in(batch.column("split"), pa.array(sorted(set(split)), pa.string())))
+        for row in batch.filter(keep).to_pylist():
+            group = (row["status"], group_reason(row["reason"] or ""))
+            counts[group] += 1
+            if limit is None or len(groups[group]) < limit:
+                groups[group].append({"split": row["split"], "shard": row["shard"], "key": row["key"],
+                                      "reason": row["reason"], "source_tokens": row["source_tokens"],
+                                      "tokens": row["tokens"]})
     missing = sorted(set(split or []) - splits)
     if missing:
         raise FormatError(f"unknown split {missing[0]!r} (the ledger has {', '.join(sorted(splits)) or 'none'})")
-    wanted_status, wanted_split = set(status or FAILED), set(split or splits)
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
-    counts: dict[tuple[str, str], int] = defaultdict(int)
-    for row in ledger.to_pylist():
-        if row["status"] not in wanted_status or row["split"] not in wanted_split:
-            continue
-        group = (row["status"], group_reason(row["reason"] or ""))
-        counts[group] += 1
-        if limit is None or len(groups[group]) < limit:
-            groups[group].append({"split": row["split"], "shard": row["shard"], "key": row["key"],
-                                  "reason": row["reason"], "source_tokens": row["source_tokens"],
-                                  "tokens": row["tokens"]})
     order = sorted(counts, key=lambda g: (-counts[g], g))
     return {"total": sum(counts.values()),
             "groups": [{"status": s, "reason": r, "count": counts[(s, r)], "samples": groups[(s, r)]}
                        for s, r in order]}
+
+
+def _batches(path: Any) -> Iterator[pa.RecordBatch]:
+    """The ledger of ``path`` (an output folder or its ledger file), :data:`COLUMNS` only, a row group's batches at
+    a time; a one-line error when it is neither."""
+    file = path / LEDGER if path.is_dir() else path
+    if path.is_dir() and not file.is_file():
+        raise FormatError(f"{path} is not a packed output: it holds no {LEDGER}")
+    try:
+        reader = parquet_file(file)
+        missing = [c for c in COLUMNS if c not in reader.schema_arrow.names]
+        if missing:
+            raise FormatError(f"{file} is not a packtool ledger (no column {missing[0]!r})")
+        yield from reader.iter_batches(batch_size=BATCH_ROWS, columns=COLUMNS)
+    except (pa.ArrowException, OSError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise FormatError(f"{file} is not a packtool ledger ({reason})") from None
 
 
 def format_failures(report: dict[str, Any]) -> str:
