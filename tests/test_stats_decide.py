@@ -161,6 +161,7 @@ def test_recommend_chooses_a_size_and_global_batch_and_says_why(packed):
     assert "assuming 1 data-parallel rank" not in p.stdout
     bare = run("stats", packed, "--candidates", "1024")
     assert "assuming 1 data-parallel rank" in bare.stdout and "global batch 1 packs" in bare.stdout
+    assert "--micro-batches" in bare.stdout  # the other flag the global batch depends on
     flagged = run("stats", packed, "--candidates", "1024", "--dp", 7)  # 7-pack batches: leftovers likely
     rows = [d["candidates"][0] for d in decide(packed, [1024], dp=7).values()]
     over = sum(r["packs_left_over"] > 0.05 * r["packs"] for r in rows)

@@ -262,7 +262,8 @@ def leftover_share(entry: dict) -> float:
 def steps_text(entry: dict) -> str:
     """The global batch and the steps per epoch of one candidate, in words (with the ranks it assumes when they
     were not given, and a warning when more than :data:`LEFTOVER_WARN` of the packs are left over)."""
-    assumed = "assuming 1 data-parallel rank and 1 micro-batch (give --dp): " if entry.get("dp_assumed") else ""
+    assumed = ("assuming 1 data-parallel rank (give --dp, and --micro-batches for gradient accumulation): "
+               if entry.get("dp_assumed") else "")
     if not entry["steps_per_epoch"]:
         return (f"{assumed}{entry['global_batch_packs']} packs/step: more than the {entry['packs']} packs an epoch "
                 f"holds; take fewer ranks or micro-batches")
