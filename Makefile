@@ -1,6 +1,11 @@
 # `make run`: pack the bundled demo dataset offline; `make test`: lint, type check and the test suite. Both start
 # from nothing: the virtual environment is built with the exact versions of constraints.txt.
-PY ?= python3
+# Python 3.12 (Megatron-Bridge's own minimum) for both environments, so that the second one can stand on the first
+# and share its torch: pyenv's own 3.12 first (its python3.12 shim refuses while 3.12 is not a selected version),
+# else python3.12, else python3 (then the second environment is built whole, with a torch of its own).
+PY312 ?= $(shell p=$$(ls -d "$$(pyenv root 2>/dev/null || echo "$${PYENV_ROOT:-$$HOME/.pyenv}")"/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1); \
+	if [ -x "$$p" ]; then echo "$$p"; else command -v python3.12; fi)
+PY ?= $(or $(PY312),python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -20,14 +25,21 @@ $(STAMP): pyproject.toml constraints.txt
 # Python) and qwen-vl-utils, --no-deps (its CUDA-only dependencies are left out), in a folder of their own. librosa:
 # Megatron-Bridge's own `audio` extra, which transformers <=5.12's Parakeet audio features need (the reader's too).
 # pyenv's own 3.12 first (its python3.12 shim refuses while 3.12 is not a selected version), else python3.12.
-PY312 ?= $(shell p=$$(ls -d "$$(pyenv root 2>/dev/null || echo "$${PYENV_ROOT:-$$HOME/.pyenv}")"/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1); \
-	if [ -x "$$p" ]; then echo "$$p"; else command -v python3.12; fi)
 MB_VENV := .venv-mbridge
 MB_STAMP := $(MB_VENV)/.installed
 MB_TESTS := tests/test_read.py tests/test_megatron_bridge.py tests/test_mbridge_input.py tests/test_mbridge_parity.py
 
-$(MB_STAMP): pyproject.toml constraints-mbridge.txt
+# It stands on .venv when both run the same Python: .venv's packages are found after its own (a .pth file), and pip
+# installs here only the versions that differ (transformers, tokenizers, numpy, ...), never touching .venv: one torch
+# for both (about 5 GB less).
+MB_SITE = $(MB_VENV)/lib/python$(shell $(PY312) -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages
+$(MB_STAMP): pyproject.toml constraints-mbridge.txt $(STAMP)
 	$(PY312) -m venv $(MB_VENV)
+	@if [ "$$($(BIN)/python -c 'import sys; print(sys.version_info[:2])')" = \
+	      "$$($(MB_VENV)/bin/python -c 'import sys; print(sys.version_info[:2])')" ]; then \
+		$(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))' > $(MB_SITE)/packtool-base.pth; \
+		echo "$(MB_VENV) stands on $(VENV) (one torch)"; \
+	else echo "$(MB_VENV) is built whole: $(VENV) runs another Python"; fi
 	$(MB_VENV)/bin/pip install -q --upgrade pip
 	$(MB_VENV)/bin/pip install -q -c constraints-mbridge.txt -e '.[test,media]' librosa
 	$(MB_VENV)/bin/pip install -q --no-deps --target $(MB_VENV)/mbridge megatron-bridge==0.6.2 qwen-vl-utils==0.0.14
