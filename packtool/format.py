@@ -1,7 +1,7 @@
 """The packed format: every file packtool writes or reads (a typed class, or the function that writes it), and the
 rules of keys and rows.
 
-This module is the contract (with the README): the writer, the reader, ``verify``, ``inspect`` and the tests all
+This module is the contract (with docs/format.md): the writer, the reader, ``verify``, ``inspect`` and the tests all
 go through it, so a field is defined once.
 
 OUTPUT layout::

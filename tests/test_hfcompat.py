@@ -62,18 +62,32 @@ def test_the_compiled_template_has_transformers_extensions():
         hfcompat.compile_template("{% nosuchtag %}")
 
 
-def test_the_docs_cite_only_what_exists():
-    """Every test file packtool's modules and README cite exists, and every name the format's layout (format.py's
-    module docstring) gives for a file is defined in format.py."""
+def cited_tests(texts: dict) -> set[tuple[str, str]]:
+    """(citing file, test file) for every ``tests/NAME.py`` the texts name."""
+    import re
+
+    return {(p.name, t) for p, text in texts.items() for t in re.findall(r"tests/[A-Za-z0-9_]+\.py", text)}
+
+
+def test_the_docs_cite_only_what_exists(tmp_path):
+    """Every test file packtool's modules, README and docs pages cite exists, and every name the format's layout
+    (format.py's module docstring) gives for a file is defined in format.py."""
     import re
     from pathlib import Path
 
     import packtool.format as fmt
 
     root = Path(__file__).resolve().parents[1]
-    texts = {p: p.read_text() for p in [root / "README.md", *sorted((root / "packtool").rglob("*.py"))]}
-    cited = {(p.name, t) for p, text in texts.items() for t in re.findall(r"tests/[A-Za-z0-9_]+\.py", text)}
+    docs = sorted((root / "docs").glob("*.md"))
+    texts = {p: p.read_text() for p in [root / "README.md", *docs, *sorted((root / "packtool").rglob("*.py"))]}
+    cited = cited_tests(texts)
     assert cited and [c for c in cited if not (root / c[1]).exists()] == []
+    assert docs and any(name.endswith(".md") for name, _ in cited)  # the docs pages are read and cite tests
+    # the control: a page citing a test file that does not exist is caught
+    page = tmp_path / "page.md"
+    page.write_text("tested in `tests/test_hf.py` and `tests/test_no_such_file.py`")
+    assert [c for c in cited_tests({page: page.read_text()}) if not (root / c[1]).exists()] == \
+        [("page.md", "tests/test_no_such_file.py")]
     layout = fmt.__doc__.split("OUTPUT layout::", 1)[1].split("\n\n", 2)[1]
     names = set(re.findall(r"\b(?:[A-Z][a-z]+[A-Z]\w*|[A-Z]+_[A-Z_]+|[a-z]+_[a-z_]+)\b", layout))
     assert {"PackRecord", "SplitYaml", "LEDGER_SCHEMA", "write_energon_metadata"} <= names

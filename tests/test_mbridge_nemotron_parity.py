@@ -313,9 +313,9 @@ def ledger(out: Path) -> dict[str, dict]:
 
 #: Audio count each Megatron-Bridge version takes (:data:`packtool.settings.AudioCount`).
 AUDIO_COUNT = {"0.6.2": "frames", "main": "valid"}
-#: Samples whose difference packtool chooses (README, "Megatron-Bridge's Nemotron Omni path"): an untagged image
-#: (trained, placed before the text; Megatron-Bridge leaves it out) and a ``<audio>`` tag (refused; Megatron-Bridge
-#: trains the tag as text).
+#: Samples whose difference packtool chooses (docs/trainers.md, "Megatron-Bridge's Nemotron Omni path"): an
+#: untagged image (trained, placed before the text; Megatron-Bridge leaves it out) and a ``<audio>`` tag (refused;
+#: Megatron-Bridge trains the tag as text).
 NAMED = {"untagged", "a_tag"}
 FIELD_NAMES = ("tokens", "labels", "loss_mask", "pixel_values", "imgs_sizes", "num_frames", "num_image_tiles",
                "sound_clips", "sound_length")

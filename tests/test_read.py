@@ -20,7 +20,7 @@ MANIFEST = {"pad_token_id": fx.PAD_ID, "image_token_id": fx.IMAGE_PAD_ID, "image
 
 
 def reference(tokens, targets, seqlens, *, align, pack_size, pad_to, pad_id=fx.PAD_ID):
-    """The reader contract (README "Reader") written out token by token."""
+    """The reader contract (docs/reader.md) written out token by token."""
     tok, lab, pos, pad, cu, cu_padded, start = [], [], [], [], [0], [0], 0
     for n in seqlens:
         seg, tgt = tokens[start:start + n], targets[start:start + n]

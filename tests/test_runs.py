@@ -321,7 +321,7 @@ def test_stats_on_a_garbage_manifest_and_a_cut_tokenizer_json_are_one_line(tok, 
 
 
 def test_pack_with_workers_at_a_scripts_module_level_runs_once(tok, src, tmp_path):
-    """The README's example as a script without ``if __name__ == "__main__":``: the workers do not run the script
+    """docs/usage.md's example as a script without ``if __name__ == "__main__":``: the workers do not run the script
     again (spawn would import it in each), so the run packs once and says so once."""
     import subprocess
     import sys
