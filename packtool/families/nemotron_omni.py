@@ -32,7 +32,7 @@ from packtool.families.base import ExpandsInText, ItemPlan, MediaTokens, manifes
 from packtool.families.conventions import TRANSFORMERS, Convention
 from packtool.format import NEMOTRON_FAMILY
 from packtool.media.audio import AudioFacts, resampled_length
-from packtool.media.folder import read_folder
+from packtool.media.folder import read_folder, stated_names, unknown_name
 from packtool.media.video import VideoFacts
 
 if TYPE_CHECKING:
@@ -324,13 +324,21 @@ class NemotronOmniSettings:
         return {"family": NEMOTRON_FAMILY, **asdict(self)}
 
 
+#: The names a Nemotron Omni folder states (transformers' ``nemotron_h_omni``), each checked exactly: a folder that
+#: names Nemotron Omni but states another name (another version's processor) is refused, never read by this rule.
+NEMOTRON_OMNI_NAMES: dict[str, frozenset[str]] = {
+    "processor class": frozenset({"NemotronH_Omni_Reasoning_V3Processor"}),
+    "image processor": frozenset({"NemotronH_Omni_Reasoning_V3ImageProcessor"}),
+    "video processor": frozenset({"NemotronH_Omni_Reasoning_V3VideoProcessor"}),
+    "model type": frozenset({"nemotron_h_omni"}),
+}
+
+
 def is_nemotron_omni(folder: str | Path) -> bool:
-    """Whether a model folder is transformers' ``nemotron_h_omni`` processor folder: its processor, image
-    processor or video processor class says so."""
-    c = read_folder(folder)
-    names = (c.processor.get("processor_class"), c.image.get("image_processor_type"),
-             c.video.get("video_processor_type"))
-    return any(isinstance(n, str) and n.startswith("NemotronH_Omni") for n in names)
+    """Whether a model folder names a Nemotron Omni model: any processor class or model type it states does (see
+    :data:`NEMOTRON_OMNI_NAMES`; :meth:`NemotronOmni.detect` then requires every name to be the one it knows)."""
+    return any(name.startswith(("NemotronH_Omni", "NemotronH_Nano_Omni")) or name in NEMOTRON_OMNI_NAMES["model type"]
+               for _, name in stated_names(folder))
 
 
 def expand_placeholders(text: str, expansions: dict[str, Sequence[str]]) -> str:
@@ -396,7 +404,20 @@ class NemotronOmni(ExpandsInText):
 
     @classmethod
     def detect(cls, folder: Path, settings: EncodeSettings) -> bool:
-        return is_nemotron_omni(folder)
+        """A folder that names Nemotron Omni with every name this rule knows; one that names it with another
+        (another version's processor) is a :class:`ConfigError` naming the processor mode (nothing in
+        that mode: its own processor counts the tokens)."""
+        if not is_nemotron_omni(folder):
+            return False
+        unknown = unknown_name(stated_names(folder), NEMOTRON_OMNI_NAMES)
+        if unknown is None:
+            return True
+        if settings.media_tokens == "processor":
+            return False
+        raise ConfigError(f"{folder}: {unknown} is no Nemotron Omni one packtool knows "
+                          f"({', '.join(sorted(NEMOTRON_OMNI_NAMES['processor class']))}), so packtool has no exact "
+                          f"token rule for this folder; use --media-tokens processor (the folder's own processor "
+                          f"counts the tokens)")
 
     @classmethod
     def load(cls, settings: EncodeSettings, tok: Any, convention: Convention) -> NemotronOmni:

@@ -82,3 +82,42 @@ def _json(path: Path) -> dict:
     if not isinstance(value, dict):
         raise ConfigError(f"{path} does not hold a JSON object")
     return value
+
+
+def _json_quiet(path: Path) -> dict:
+    """A JSON object file as a dict; ``{}`` when absent, unreadable or not an object (looked at only for the names it
+    states: :func:`read_folder` reports unreadable processor files)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def stated_names(folder: str | Path) -> list[tuple[str, str]]:
+    """What a model folder names itself, as ``(what, name)`` pairs: its processor class wherever the folder states
+    it, its image and video processors' classes, and ``config.json``'s model type. A family that recognises a
+    folder checks every one of them against the names it knows (:func:`unknown_name`), so one family's rule is
+    never applied to another model's folder that shares a name with it."""
+    folder = Path(folder)
+    configs = read_folder(folder)
+    stated: list[tuple[str, str]] = []
+    for entry in (configs.processor, configs.image, configs.video, _json_quiet(folder / "tokenizer_config.json")):
+        if isinstance(entry.get("processor_class"), str):
+            stated.append(("processor class", entry["processor_class"]))
+    if isinstance(configs.image.get("image_processor_type"), str):
+        stated.append(("image processor", configs.image["image_processor_type"]))
+    if isinstance(configs.video.get("video_processor_type"), str):
+        stated.append(("video processor", configs.video["video_processor_type"]))
+    if isinstance(_json_quiet(folder / "config.json").get("model_type"), str):
+        stated.append(("model type", _json_quiet(folder / "config.json")["model_type"]))
+    return stated
+
+
+def unknown_name(stated: list[tuple[str, str]], known: dict[str, frozenset[str]]) -> str | None:
+    """The first stated name (``"what 'name'"``) that ``known`` (names per kind of name) does not list; ``None``
+    when every stated name is known."""
+    for what, name in stated:
+        if what in known and name not in known[what]:
+            return f"{what} {name!r}"
+    return None

@@ -11,7 +11,7 @@ from packtool.families.base import ExpandsInText, ItemPlan, MediaTokens, manifes
 from packtool.families.conventions import TRANSFORMERS, Convention
 from packtool.families.qwen2_vl import QWEN2_VL_IMAGE_PROCESSORS, ImageRule, _image_rule, _json_file
 from packtool.families.qwen3_vl.rule import Qwen3VLVideoRule
-from packtool.media.folder import read_folder
+from packtool.media.folder import read_folder, stated_names, unknown_name
 from packtool.media.video import VideoFacts
 
 if TYPE_CHECKING:
@@ -23,6 +23,11 @@ QWEN3_VL_PROCESSORS = frozenset({"Qwen3VLProcessor"})
 QWEN3_VL_VIDEO_PROCESSORS = frozenset({"Qwen3VLVideoProcessor"})
 #: ``model_type`` of a Qwen3-VL folder's ``config.json``.
 QWEN3_VL_MODEL_TYPES = frozenset({"qwen3_vl", "qwen3_vl_moe"})
+#: Every name a Qwen3-VL folder states, checked exactly (its image processor is Qwen2-VL's).
+QWEN3_VL_NAMES: dict[str, frozenset[str]] = {
+    "processor class": QWEN3_VL_PROCESSORS, "video processor": QWEN3_VL_VIDEO_PROCESSORS,
+    "model type": QWEN3_VL_MODEL_TYPES, "image processor": QWEN2_VL_IMAGE_PROCESSORS,
+}
 
 
 def is_qwen3_vl(folder: Path) -> bool:
@@ -55,7 +60,18 @@ class Qwen3VL(ExpandsInText):
 
     @classmethod
     def detect(cls, folder: Path, settings: EncodeSettings) -> bool:
-        return is_qwen3_vl(folder)
+        """A folder that names Qwen3-VL with every name this rule knows (:data:`QWEN3_VL_NAMES`); one that names it
+        with another is a :class:`ConfigError` naming the processor mode (nothing in that mode)."""
+        if not is_qwen3_vl(folder):
+            return False
+        unknown = unknown_name(stated_names(folder), QWEN3_VL_NAMES)
+        if unknown is None:
+            return True
+        if settings.media_tokens == "processor":
+            return False
+        raise ConfigError(f"{folder}: names Qwen3-VL, but its {unknown} is no Qwen3-VL one, so packtool has no "
+                          f"exact token rule for this folder; use --media-tokens processor (the folder's own "
+                          f"processor counts the tokens)")
 
     @classmethod
     def load(cls, settings: EncodeSettings, tok: Any, convention: Convention) -> Qwen3VL:
