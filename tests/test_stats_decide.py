@@ -125,7 +125,8 @@ def test_html_report_renders_in_a_real_browser(packed, tmp_path):
     dom = subprocess.run([browser, *flags, f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom",
                           html.as_uri()], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
-    assert 'data-images="2/2"' in dom.stdout  # both splits' plots decoded by the browser
+    images = text.count("<img")
+    assert images == 4 and f'data-images="{images}/{images}"' in dom.stdout  # both splits' plots, decoded
     assert "candidate pack sizes" in dom.stdout and "<td>4096</td>" in dom.stdout
     shot = tmp_path / "shot.png"
     subprocess.run([browser, *flags, f"--user-data-dir={tmp_path / 'profile2'}", f"--screenshot={shot}",
@@ -134,6 +135,30 @@ def test_html_report_renders_in_a_real_browser(packed, tmp_path):
 
     pixels = Image.open(shot).convert("L")
     assert pixels.size == (1200, 1600) and len(set(np.asarray(pixels).ravel().tolist())) > 20  # drawn
+
+
+def test_html_report_plots_every_candidate(packed, tmp_path):
+    """The HTML report holds, per split, a figure of every candidate size (fill, packs, cuts, samples per pack,
+    leftovers) and the recommendation."""
+    import base64
+    import io
+    import re
+
+    from PIL import Image
+
+    html = tmp_path / "report.html"
+    p = run("stats", packed, "--candidates", "1024,2048,4096", "--recommend", "--tokens-per-step", 16384, "--dp", 2,
+            "--html", html)
+    assert p.returncode == 0, p.stderr
+    text = html.read_text()
+    figures = dict(re.findall(r'<img alt="candidate pack sizes of (\w+)" src="data:image/png;base64,([^"]+)"', text))
+    assert sorted(figures) == ["train", "val"], sorted(figures)
+    for data in figures.values():
+        assert Image.open(io.BytesIO(base64.b64decode(data))).size[0] > 1000  # five panels side by side
+    assert text.count("<b>recommended:</b> pack size") == 2
+    from packtool.verify.report import _candidate_plots
+
+    assert _candidate_plots("train", {"candidates": []}) == ""  # control: no candidate, no figure
 
 
 def test_recommend_chooses_a_size_and_global_batch_and_says_why(packed):

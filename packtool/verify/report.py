@@ -76,6 +76,53 @@ def _plots(path: Path, split: str, size: int, decide: dict | None) -> str:
     return f'<img alt="plots of {html.escape(split)}" src="data:image/png;base64,{data}">'
 
 
+def _candidate_plots(split: str, decide: dict) -> str:
+    """Every candidate pack size side by side: fill (and the L1 bound's), packs, samples cut, samples per pack, and
+    the share of packs each epoch leaves over (the warning line dashed); the recommended size, if any, marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from packtool.verify.candidates import LEFTOVER_WARN, leftover_share
+
+    cands = [c for c in decide["candidates"] if c["packs"]]
+    if not cands:
+        return ""
+    x = [c["pack_size"] for c in cands]
+    fig, axes = plt.subplots(1, 5, figsize=(16, 3.2))
+    axes[0].plot(x, [c["fill"] for c in cands], "o-", label="packs")
+    axes[0].plot(x, [c["tokens"] / (c["l1_bound"] * c["pack_size"]) if c["l1_bound"] else 0 for c in cands], "x--",
+                 label="L1 bound")
+    axes[0].set_title("fill")
+    axes[0].legend(fontsize=7)
+    axes[1].plot(x, [c["packs"] for c in cands], "o-", label="packs")
+    axes[1].plot(x, [c["l1_bound"] for c in cands], "x--", label="L1 bound")
+    axes[1].set_title("packs")
+    axes[1].legend(fontsize=7)
+    axes[2].plot(x, [c["truncated"] for c in cands], "o-", label="truncated")
+    axes[2].plot(x, [c["dropped"] for c in cands], "x-", label="dropped")
+    axes[2].set_title("samples cut")
+    axes[2].legend(fontsize=7)
+    axes[3].errorbar(x, [c["samples_per_pack"]["mean"] for c in cands],
+                     yerr=[c["samples_per_pack"]["std"] for c in cands], fmt="o-", capsize=3)
+    axes[3].set_title("samples/pack (mean ± std)")
+    axes[4].plot(x, [100 * leftover_share(c) for c in cands], "o-")
+    axes[4].axhline(100 * LEFTOVER_WARN, color="red", linestyle="--")
+    axes[4].set_title(f"% packs left over (batch {cands[0]['global_batch_packs']})")
+    chosen = (decide.get("recommend") or {}).get("choice")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, [str(v) for v in x], fontsize=7)
+        ax.set_xlabel("pack size", fontsize=8)
+        if chosen:
+            ax.axvline(chosen["pack_size"], color="green", alpha=0.5)
+    fig.tight_layout()
+    data = _png(fig)
+    plt.close(fig)
+    return f'<img alt="candidate pack sizes of {html.escape(split)}" src="data:image/png;base64,{data}">'
+
+
 def render(path: str | Path, report: dict) -> str:
     """The HTML text of ``report`` (from :func:`packtool.verify.stats.compute` plus ``decide``) for OUTPUT ``path``."""
     from packtool.verify.candidates import steps_text
@@ -106,6 +153,10 @@ def render(path: str | Path, report: dict) -> str:
                 [[c["pack_size"], c["packs"], f"{c['fill']:.4f}", c["truncated"], c["dropped"],
                   f"{c['samples_per_pack']['mean']:.2f} ± {c['samples_per_pack']['std']:.2f}",
                   f"{c['media_per_pack']['mean']:.2f}", steps_text(c)] for c in d["candidates"]]))
+            parts.append(_candidate_plots(split, d))
+            rec = d.get("recommend")
+            if rec is not None:
+                parts.append(f"<p><b>recommended:</b> {html.escape(rec['why'])}</p>")
         parts.append(_plots(path, split, int(report["pack_size"]), d))
     parts.append('<p class="note">Written by packtool stats; every figure is inside this file.</p>')
     parts.append(_CHECK)
