@@ -38,7 +38,7 @@ Adding a convention (the same family under another trainer's data path, :mod:`.c
    (each family holds its own variants; a name registered twice is refused).
    :func:`load` builds the variant when the settings name that convention. A convention for one family can keep
    both in one module that registers them (``CONVENTIONS[name] = ...``, imported here), as
-   :mod:`.nemotron_mbridge` does.
+   :mod:`.nemotron_omni.mbridge` does.
 """
 
 from __future__ import annotations
@@ -51,9 +51,7 @@ from packtool.errors import ConfigError
 from packtool.families.base import Family, ItemPlan, MediaTokens, NoMedia, NoRule
 from packtool.families.conventions import CONVENTIONS, TRANSFORMERS, Convention
 from packtool.families.fixed import FixedCount
-from packtool.families.nemotron_mbridge import MBridgeNemotronOmni  # noqa: F401  (registers the preset)
-from packtool.families.nemotron_nemo_rl import NemoRLNemotronOmni  # noqa: F401  (registers the variant)
-from packtool.families.nemotron_omni import NemotronOmni
+from packtool.families.nemotron_omni import NemotronOmni  # with its conventions' variants (registers them)
 from packtool.families.processor import ProcessorMode
 from packtool.families.qwen2_vl import Qwen2VL
 from packtool.families.qwen3_vl import Qwen3VL
