@@ -6,19 +6,21 @@ folder plus the overrides (:meth:`Family.load`), the token plan of each media it
 text, or by the processor; ``placeholder_text``, ``expand_text``, ``place``), its manifest entries
 (``manifest_entries``) and how to read them back (``owns``, ``from_manifest``), the placeholder ids verify and the
 reader check spans with (``placeholder_ids``), what verify re-derives (``check_image``, ``check_video``,
-``check_audio``, ``image_counts``, ``expanded_in_text``), the reader's processors and media tensors
-(``reader_processor``, ``read_media``, ``batch_keys``) and the Megatron-Bridge batch layout (``bridge_media``,
-found for a batch by :func:`of_batch`). The encoder, verify, the reader and the loaders ask the family; they
-hold no family branches of their own.
+``check_audio``, ``image_counts``, ``expanded_in_text``), the reader's processors, media tensors and rope
+(``reader_processor``, ``read_media``, ``read_videos``, ``reader_images``, ``batch_keys``, ``position_ids``) and the
+Megatron-Bridge batch layout (``bridge_media``, found for a batch by :func:`of_batch`). The encoder, verify, the
+reader and the loaders ask the family; they hold no family branches of their own.
 
-Families: :class:`~.qwen2_vl.Qwen2VL`, :class:`~.nemotron_omni.NemotronOmni`, :class:`~.fixed.FixedCount`
-(``image_tokens``), :class:`~.base.NoMedia` (no media rule), and :class:`~.processor.ProcessorMode` (the folder's
-own processor expands the placeholders), which wraps the folder's family when packtool has one.
+Families: :class:`~.qwen2_vl.Qwen2VL`, :class:`~.qwen3_vl.Qwen3VL`, :class:`~.nemotron_omni.NemotronOmni`,
+:class:`~.fixed.FixedCount` (``image_tokens``), :class:`~.base.NoMedia` (no media rule), and
+:class:`~.processor.ProcessorMode` (the folder's own processor expands the placeholders), which wraps the folder's
+family when packtool has one.
 
-Adding a family: one module with a :class:`Family` subclass (``detect``, ``load``, ``owns``, ``from_manifest``,
-``manifest_entries``, and the ``plan_*`` of the kinds it takes; a family that expands in the text subclasses
-:class:`~.base.ExpandsInText` and gives ``placeholders``), one line in :data:`FAMILIES` (detection order: first
-match wins), and its tests (``tests/test_families.py`` shows it for :mod:`.fixed`). Media items are frozen
+Adding a family: one module (or a home package holding its rule, family and reader code, as :mod:`.qwen2_vl`,
+:mod:`.qwen3_vl` and :mod:`.nemotron_omni` do) with a :class:`Family` subclass (``detect``, ``load``, ``owns``,
+``from_manifest``, ``manifest_entries``, and the ``plan_*`` of the kinds it takes; a family that expands in the text
+subclasses :class:`~.base.ExpandsInText` and gives ``placeholders``), one line in :data:`FAMILIES` (detection order:
+first match wins), and its tests (``tests/test_families.py`` shows it for :mod:`.fixed`). Media items are frozen
 (:class:`packtool.packer.item.MediaItem`; while a sample is encoded, a :class:`~packtool.packer.item.Staged` with what
 only encoding needs): ``expand_text`` and ``place`` return new ones (``dataclasses.replace``), never change them.
 

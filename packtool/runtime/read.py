@@ -1,7 +1,10 @@
 """Read packed shards at training time: one pack record -> one Megatron-ready micro-batch row.
 
 The core is `pack_to_batch`, a pure function from a record's raw members to tensors; `read_packs` walks a split
-in on-disk order; loaders (`packtool.runtime.loader`) reuse the same function.
+in on-disk order; loaders (`packtool.runtime.loader`) reuse the same function. What differs by model family (its
+processors, media tensors, rope) lives in the family's package (`packtool.families.qwen2_vl.reader`,
+`packtool.families.nemotron_omni.reader`, ...); this module asks the family object for it (`Family.read_media`,
+`reader_processor`, `read_videos`, `reader_images`) and finds the family through `packtool.runtime.registry`.
 
 Boundary conventions (all offsets are token indices into the row):
 
@@ -56,10 +59,10 @@ ROW_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
 
 def image_processor_from_manifest(manifest: Mapping):
     """The image processor the manifest's family gives the reader without the model folder (Qwen2-VL's,
-    `qwen_image_processor`, on the backend ``AutoProcessor`` picks: torchvision when it is installed, else PIL;
-    the two resize differently, so the pixels are always the model processor's); None for a text-only dataset,
-    a fixed-count one, whose model's own processor the caller must pass, a Nemotron Omni one (see
-    `processor_for_output`) or a processor-mode one."""
+    `packtool.families.qwen2_vl.reader.qwen_image_processor`, on the backend ``AutoProcessor`` picks: torchvision
+    when it is installed, else PIL; the two resize differently, so the pixels are always the model
+    processor's); None for a text-only dataset, a fixed-count one, whose model's own processor the caller must
+    pass, a Nemotron Omni one (see `processor_for_output`) or a processor-mode one."""
     return family_of(manifest).reader_processor(None)
 
 
