@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from packtool.settings import EncodeSettings
 
 __all__ = ["CONVENTIONS", "FAMILIES", "TRANSFORMERS", "Convention", "Family", "ItemPlan", "MediaTokens", "NoRule",
-           "from_manifest", "load", "of_batch"]
+           "from_manifest", "load", "of_batch", "owner"]
 
 #: The families a model folder is matched against, in order (the first whose ``detect`` says yes).
 FAMILIES: tuple[type[Family], ...] = (
@@ -94,19 +94,26 @@ def load(settings: EncodeSettings, tok: Any) -> Family:
     return family
 
 
+def owner(manifest: Mapping) -> type[Family] | None:
+    """The family class (its variant for the convention the settings name, where it has one) that owns a
+    manifest, without reading its settings; None when no family owns it."""
+    owners: tuple[type[Family], ...] = (ProcessorMode, *FAMILIES)
+    preset = str((manifest.get("settings") or {}).get("preset"))
+    return next((cls.variants.get(preset, cls) for cls in owners if cls.owns(manifest)), None)
+
+
 def from_manifest(manifest: Mapping) -> Family:
     """The family a manifest was written by, under the convention its settings name (the family's variant for
     it, where it has one); ``ValueError`` for one no family owns or malformed settings."""
-    owners: tuple[type[Family], ...] = (ProcessorMode, *FAMILIES)
+    cls = owner(manifest)
+    if cls is None:
+        entry = manifest.get("image_processor")
+        raise ValueError(f"unsupported image processor {entry!r}")
     preset = str((manifest.get("settings") or {}).get("preset"))
-    for cls in owners:
-        if cls.owns(manifest):
-            family = cls.variants.get(preset, cls).from_manifest(manifest)
-            if preset in CONVENTIONS:
-                family.convention = CONVENTIONS[preset]
-            return family
-    entry = manifest.get("image_processor")
-    raise ValueError(f"unsupported image processor {entry!r}")
+    family = cls.from_manifest(manifest)
+    if preset in CONVENTIONS:
+        family.convention = CONVENTIONS[preset]
+    return family
 
 
 def of_batch(batch: Mapping[str, Any]) -> type[Family]:

@@ -401,7 +401,8 @@ class Family(ABC):
     #: Pixels per patch side of the images in NeMo-RL's batch (its patchify mode); None: not patchified.
     nemo_rl_patch_dim: int | None = None
 
-    def check_recipe_options(self, manifest: Mapping, given: Mapping[str, Any], fields: Mapping[str, str],
+    @classmethod
+    def check_recipe_options(cls, manifest: Mapping, given: Mapping[str, Any], fields: Mapping[str, str],
                              processors: Any = None) -> None:
         """Refuse a NeMo-RL recipe's Nemotron Omni options (``given``: option -> value; ``fields``: option -> the
         processor setting it names) for the packs of ``manifest``; here every one of them: the packs were made for

@@ -52,7 +52,7 @@ from packtool.format import Manifest, PackRecord
 from packtool.runtime.hf import mm_token_type_ids
 from packtool.runtime.loader import PackSample, _manifest, _reader_processor, cook_pack
 from packtool.runtime.read import open_pack, pack_to_batch
-from packtool.runtime.registry import Family, family_of
+from packtool.runtime.registry import Family, family_class_of, family_of
 
 #: The family whose transformers processor gives ``mm_token_type_ids`` (0 text, 1 image, 2 video per token), which
 #: its NeMo-RL batch carries (:func:`packtool.runtime.hf.mm_token_type_ids`).
@@ -121,7 +121,7 @@ def check_packed_recipe_options(manifest: Mapping, options: Mapping[str, Any], p
                               f"{packed!r}")
     options = {name: value for name, value in given.items() if PACKED_RECIPE_OPTIONS[name] != "settings.pack_size"}
     if options:  # Nemotron Omni's processor settings, which the packs' family compares
-        family_of(manifest).check_recipe_options(manifest, options, PACKED_RECIPE_OPTIONS, processors)
+        family_class_of(manifest).check_recipe_options(manifest, options, PACKED_RECIPE_OPTIONS, processors)
 
 
 #: The prompt format packtool's ``nemo-rl-nemotron-omni`` preset renders (NeMo-RL's ``prompt_format``).

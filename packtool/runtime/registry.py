@@ -16,14 +16,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from packtool.families import FAMILIES, Family, from_manifest, of_batch
+from packtool.families import FAMILIES, Family, from_manifest, of_batch, owner
 
-__all__ = ["Family", "family_named", "family_of", "family_of_batch"]
+__all__ = ["Family", "family_class_of", "family_named", "family_of", "family_of_batch"]
 
 
 def family_of(manifest: Mapping) -> Family:
     """The family a manifest was written by (:func:`packtool.families.from_manifest`)."""
     return from_manifest(manifest)
+
+
+def family_class_of(manifest: Mapping) -> type[Family]:
+    """The family class that owns a manifest, its settings not read (:func:`packtool.families.owner`); the base
+    class where no family owns it."""
+    return owner(manifest) or Family
 
 
 def family_of_batch(batch: Mapping[str, Any]) -> type[Family]:

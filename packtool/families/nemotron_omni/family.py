@@ -505,7 +505,8 @@ class NemotronOmni(ExpandsInText):
     def nemo_rl_patch_dim(self) -> int | None:  # type: ignore[override]
         return self.rule.patch_size
 
-    def check_recipe_options(self, manifest: Mapping, given: Mapping[str, Any], fields: Mapping[str, str],
+    @classmethod
+    def check_recipe_options(cls, manifest: Mapping, given: Mapping[str, Any], fields: Mapping[str, str],
                              processors: Any = None) -> None:
         """Compared with the settings the packs were made with (:func:`.reader.check_recipe_options`)."""
         from packtool.families.nemotron_omni.reader import check_recipe_options
