@@ -121,7 +121,9 @@ def test_the_runtime_side_imports_nothing_from_the_build_side():
     ``packtool.packer`` (the runtime can be installed into a training container alone); the conventions' text
     layout runs without it too (the media tags are the format's)."""
     code = ("import sys, packtool.settings, packtool.runtime.read, packtool.runtime.loader, "
-            "packtool.runtime.megatron_batch, packtool.runtime.nemotron, packtool.runtime.nemotron_mbridge; "
+            "packtool.runtime.megatron_batch, packtool.runtime.nemo_rl, packtool.runtime.hf, "
+            "packtool.families.nemotron_omni.reader, packtool.families.nemotron_omni.mbridge_reader, "
+            "packtool.families.qwen2_vl.reader, packtool.families.qwen3_vl.reader; "
             "from packtool.runtime import read_packs, megatron_bridge_batch; "
             "from packtool.families.conventions import media_first; "
             "assert media_first('Look at <image>') == '<image>Look at'; "
@@ -131,8 +133,8 @@ def test_the_runtime_side_imports_nothing_from_the_build_side():
                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
     assert out.stdout.strip() == "[]", out.stdout
     # The control: the build side's encoder does import it.
-    with_encoder = code.replace("packtool.runtime.nemotron_mbridge;",
-                                "packtool.runtime.nemotron_mbridge, packtool.packer.encoder;")
+    with_encoder = code.replace("packtool.families.qwen3_vl.reader;",
+                                "packtool.families.qwen3_vl.reader, packtool.packer.encoder;")
     control = subprocess.run([sys.executable, "-c", with_encoder],
                              capture_output=True, text=True, check=True, env={"PYTHONPATH": str(root),
                                                                              "PATH": "/usr/bin:/bin"})
@@ -161,8 +163,7 @@ def test_verify_the_reader_and_the_loaders_take_the_family_the_manifest_names():
     import re
 
     from packtool.families.base import manifest_tokens
-    from packtool.families.nemotron_nemo_rl import NemoRLNemotronOmni
-    from packtool.families.nemotron_omni import NemotronOmni, NemotronOmniSettings
+    from packtool.families.nemotron_omni import NemoRLNemotronOmni, NemotronOmni, NemotronOmniSettings
 
     entries = NemotronOmni(manifest_tokens({}), families.TRANSFORMERS, "", NemotronOmniSettings()).manifest_entries()
     plain = families.from_manifest({**entries, "settings": {"pack_size": 4096}})
@@ -178,7 +179,7 @@ def test_verify_the_reader_and_the_loaders_take_the_family_the_manifest_names():
                "verify/packs.py", "verify/source.py", "packer/encoder.py"]
     assert [f for f in readers if branch.search((root / f).read_text())] == []
     # The control: the family's own module names it.
-    assert branch.search((root / "families/nemotron_omni.py").read_text())
+    assert branch.search((root / "families/nemotron_omni/family.py").read_text())
 
 
 def _qwen3_vl_folders(demo_dir, tmp_path) -> dict[str, Path]:

@@ -500,7 +500,7 @@ DECORD_WIDTHS = (16, 24, 44, 48, 50, 64, 72, 80, 96, 120)
 def test_decord_channel_rule(tmp_path):
     """:func:`decord_channels` (why the preset refuses some widths) against decord itself, run in a process of its
     own (its FFmpeg and PyAV's do not share one), on an mp4 of each width."""
-    from packtool.families.nemotron_mbridge import decord_channels
+    from packtool.families.nemotron_omni.mbridge import decord_channels
 
     found = decord_dir()
     if found is None:

@@ -140,10 +140,11 @@ def test_videos_one_or_three_pixels_high_read_with_the_counted_grid(torchvision,
     import torch
     from transformers.video_utils import VideoMetadata
 
+    from packtool.families.qwen2_vl.reader import video_processor_from_manifest
     from packtool.format import load_manifest
     from packtool.media import decode_frames
     from packtool.packer.pipeline import pack
-    from packtool.runtime.read import read_packs, video_processor_from_manifest
+    from packtool.runtime.read import read_packs
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
     samples = {f"h{h}": {"json": chat_of("<video>What moves?"),
@@ -537,10 +538,10 @@ def test_nemotron_reader_reads_videos_one_or_three_pixels_high(torchvision, tmp_
     import torch
 
     import nemotron_omni_model
+    from packtool.families.nemotron_omni.reader import nemotron_processors
     from packtool.format import load_manifest
     from packtool.media import decode_frames
     from packtool.packer.pipeline import pack
-    from packtool.runtime.nemotron import nemotron_processors
     from packtool.runtime.read import read_packs
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 

@@ -17,7 +17,7 @@ from PIL import Image
 
 import mediafixture as mf
 from packtool.errors import ConfigError
-from packtool.families.nemotron_omni import NemotronOmniSettings, expand_placeholders
+from packtool.families.nemotron_omni.family import NemotronOmniSettings, expand_placeholders
 from packtool.families.qwen2_vl import Qwen2VLSettings
 from packtool.media import decode_audio, decode_frames, decode_video, probe_audio, probe_frames, probe_video
 

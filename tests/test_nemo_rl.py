@@ -1018,7 +1018,7 @@ def test_nemotron_preset_pack_verify_and_batch(nemotron_folder, tmp_path):
 
     from transformers import AutoProcessor
 
-    from packtool.runtime.nemotron import nemotron_processors
+    from packtool.families.nemotron_omni.reader import nemotron_processors
 
     manifest = load_manifest(tmp_path / "out")
     assert manifest["settings"]["thinking_trace_format"] == "ultra"

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import packfixture as fx
-from packtool.runtime.read import IGNORE_INDEX, mrope_position_ids, read_packs
+from packtool.families.qwen2_vl.reader import mrope_position_ids
+from packtool.runtime.read import IGNORE_INDEX, read_packs
 
 TOL = 1e-5
 
@@ -202,7 +203,7 @@ def test_qwen25vl_without_packed_positions_leaks(tmp_path, qwen):
 def test_mrope_positions_of_videos_equal_get_rope_index(qwen):
     """Two segments with videos (and an image) in one row: the positions restart per segment and equal the model's
     own get_rope_index on each segment alone."""
-    from packtool.runtime.read import mrope_position_ids
+    from packtool.families.qwen2_vl.reader import mrope_position_ids
 
     video = qwen.config.video_token_id
 

@@ -10,10 +10,11 @@ from hypothesis import strategies as st
 
 import packfixture as fx
 from packtool.errors import FormatError
+from packtool.families.qwen2_vl.reader import mrope_position_ids
 from packtool.format import load_manifest
 from packtool.runtime.loader import PackDataset, PackTaskEncoder, collate_packs
 from packtool.runtime.megatron_batch import to_megatron
-from packtool.runtime.read import mrope_position_ids, pack_to_batch, read_packs
+from packtool.runtime.read import pack_to_batch, read_packs
 from packtool.verify.inspect import inspect_pack
 
 MANIFEST = {"pad_token_id": fx.PAD_ID, "image_token_id": fx.IMAGE_PAD_ID, "image_processor": None}

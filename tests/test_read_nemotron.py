@@ -24,6 +24,7 @@ from PIL import Image
 import mediafixture as mf
 from packtool.errors import FormatError
 from packtool.families.nemotron_omni import NemotronOmniSettings
+from packtool.families.nemotron_omni.reader import nemotron_processors
 from packtool.format import (
     FORMAT_VERSION,
     MANIFEST,
@@ -39,7 +40,6 @@ from packtool.format import (
 )
 from packtool.media import decode_audio, decode_frames, decode_video, probe_audio, probe_frames, probe_video
 from packtool.runtime.megatron_batch import megatron_bridge_batch
-from packtool.runtime.nemotron import nemotron_processors
 from packtool.runtime.read import pack_to_batch
 from packtool.shards import write_tar
 

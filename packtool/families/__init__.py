@@ -6,19 +6,21 @@ folder plus the overrides (:meth:`Family.load`), the token plan of each media it
 text, or by the processor; ``placeholder_text``, ``expand_text``, ``place``), its manifest entries
 (``manifest_entries``) and how to read them back (``owns``, ``from_manifest``), the placeholder ids verify and the
 reader check spans with (``placeholder_ids``), what verify re-derives (``check_image``, ``check_video``,
-``check_audio``, ``image_counts``, ``expanded_in_text``), the reader's processors and media tensors
-(``reader_processor``, ``read_media``, ``batch_keys``) and the Megatron-Bridge batch layout (``bridge_media``,
-found for a batch by :func:`of_batch`). The encoder, verify, the reader and the loaders ask the family; they
-hold no family branches of their own.
+``check_audio``, ``image_counts``, ``expanded_in_text``), the reader's processors, media tensors and rope
+(``reader_processor``, ``read_media``, ``read_videos``, ``reader_images``, ``batch_keys``, ``position_ids``) and the
+Megatron-Bridge batch layout (``bridge_media``, found for a batch by :func:`of_batch`). The encoder, verify, the
+reader and the loaders ask the family; they hold no family branches of their own.
 
-Families: :class:`~.qwen2_vl.Qwen2VL`, :class:`~.nemotron_omni.NemotronOmni`, :class:`~.fixed.FixedCount`
-(``image_tokens``), :class:`~.base.NoMedia` (no media rule), and :class:`~.processor.ProcessorMode` (the folder's
-own processor expands the placeholders), which wraps the folder's family when packtool has one.
+Families: :class:`~.qwen2_vl.Qwen2VL`, :class:`~.qwen3_vl.Qwen3VL`, :class:`~.nemotron_omni.NemotronOmni`,
+:class:`~.fixed.FixedCount` (``image_tokens``), :class:`~.base.NoMedia` (no media rule), and
+:class:`~.processor.ProcessorMode` (the folder's own processor expands the placeholders), which wraps the folder's
+family when packtool has one.
 
-Adding a family: one module with a :class:`Family` subclass (``detect``, ``load``, ``owns``, ``from_manifest``,
-``manifest_entries``, and the ``plan_*`` of the kinds it takes; a family that expands in the text subclasses
-:class:`~.base.ExpandsInText` and gives ``placeholders``), one line in :data:`FAMILIES` (detection order: first
-match wins), and its tests (``tests/test_families.py`` shows it for :mod:`.fixed`). Media items are frozen
+Adding a family: one module (or a home package holding its rule, family and reader code, as :mod:`.qwen2_vl`,
+:mod:`.qwen3_vl` and :mod:`.nemotron_omni` do) with a :class:`Family` subclass (``detect``, ``load``, ``owns``,
+``from_manifest``, ``manifest_entries``, and the ``plan_*`` of the kinds it takes; a family that expands in the text
+subclasses :class:`~.base.ExpandsInText` and gives ``placeholders``), one line in :data:`FAMILIES` (detection order:
+first match wins), and its tests (``tests/test_families.py`` shows it for :mod:`.fixed`). Media items are frozen
 (:class:`packtool.packer.item.MediaItem`; while a sample is encoded, a :class:`~packtool.packer.item.Staged` with what
 only encoding needs): ``expand_text`` and ``place`` return new ones (``dataclasses.replace``), never change them.
 
@@ -38,7 +40,7 @@ Adding a convention (the same family under another trainer's data path, :mod:`.c
    (each family holds its own variants; a name registered twice is refused).
    :func:`load` builds the variant when the settings name that convention. A convention for one family can keep
    both in one module that registers them (``CONVENTIONS[name] = ...``, imported here), as
-   :mod:`.nemotron_mbridge` does.
+   :mod:`.nemotron_omni.mbridge` does.
 """
 
 from __future__ import annotations
@@ -51,9 +53,7 @@ from packtool.errors import ConfigError
 from packtool.families.base import Family, ItemPlan, MediaTokens, NoMedia, NoRule
 from packtool.families.conventions import CONVENTIONS, TRANSFORMERS, Convention
 from packtool.families.fixed import FixedCount
-from packtool.families.nemotron_mbridge import MBridgeNemotronOmni  # noqa: F401  (registers the preset)
-from packtool.families.nemotron_nemo_rl import NemoRLNemotronOmni  # noqa: F401  (registers the variant)
-from packtool.families.nemotron_omni import NemotronOmni
+from packtool.families.nemotron_omni import NemotronOmni  # with its conventions' variants (registers them)
 from packtool.families.processor import ProcessorMode
 from packtool.families.qwen2_vl import Qwen2VL
 from packtool.families.qwen3_vl import Qwen3VL
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from packtool.settings import EncodeSettings
 
 __all__ = ["CONVENTIONS", "FAMILIES", "TRANSFORMERS", "Convention", "Family", "ItemPlan", "MediaTokens", "NoRule",
-           "from_manifest", "load", "of_batch"]
+           "from_manifest", "load", "of_batch", "owner"]
 
 #: The families a model folder is matched against, in order (the first whose ``detect`` says yes).
 FAMILIES: tuple[type[Family], ...] = (
@@ -94,19 +94,26 @@ def load(settings: EncodeSettings, tok: Any) -> Family:
     return family
 
 
+def owner(manifest: Mapping) -> type[Family] | None:
+    """The family class (its variant for the convention the settings name, where it has one) that owns a
+    manifest, without reading its settings; None when no family owns it."""
+    owners: tuple[type[Family], ...] = (ProcessorMode, *FAMILIES)
+    preset = str((manifest.get("settings") or {}).get("preset"))
+    return next((cls.variants.get(preset, cls) for cls in owners if cls.owns(manifest)), None)
+
+
 def from_manifest(manifest: Mapping) -> Family:
     """The family a manifest was written by, under the convention its settings name (the family's variant for
     it, where it has one); ``ValueError`` for one no family owns or malformed settings."""
-    owners: tuple[type[Family], ...] = (ProcessorMode, *FAMILIES)
+    cls = owner(manifest)
+    if cls is None:
+        entry = manifest.get("image_processor")
+        raise ValueError(f"unsupported image processor {entry!r}")
     preset = str((manifest.get("settings") or {}).get("preset"))
-    for cls in owners:
-        if cls.owns(manifest):
-            family = cls.variants.get(preset, cls).from_manifest(manifest)
-            if preset in CONVENTIONS:
-                family.convention = CONVENTIONS[preset]
-            return family
-    entry = manifest.get("image_processor")
-    raise ValueError(f"unsupported image processor {entry!r}")
+    family = cls.from_manifest(manifest)
+    if preset in CONVENTIONS:
+        family.convention = CONVENTIONS[preset]
+    return family
 
 
 def of_batch(batch: Mapping[str, Any]) -> type[Family]:

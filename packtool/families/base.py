@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
-from packtool.errors import SampleError
-from packtool.families.conventions import Convention
+from packtool.errors import FormatError, SampleError
+from packtool.families.conventions import Convention, trainer_image
 from packtool.format import AUDIO_TAG, MediaRef
 
 if TYPE_CHECKING:
@@ -357,6 +357,23 @@ class Family(ABC):
         None: the family's packs hold no videos the reader can process."""
         return None
 
+    def read_videos(self, record: Any, where: str, decode: bool) -> dict[str, Any]:
+        """The base layout's video fields of a pack record (video_grid_thw, second_per_grid_ts, + with ``decode``
+        pixel_values_videos) through the family's video processor; none: the family has no video processor."""
+        return {}
+
+    def reader_images(self, images: list[Any]) -> list[Any]:
+        """A pack's decoded images as the family's trainer hands them to the base layout's image processor: as the
+        convention decodes them (:func:`~packtool.families.conventions.trainer_image`), then resized first where
+        the manifest's image settings say so (``prefit_*``: Megatron-Bridge's Qwen-VL path)."""
+        pil = [trainer_image(image, self.convention) for image in images]
+        entry = self.manifest_entries()["image_processor"]
+        if entry is not None and entry.get("prefit_factor"):
+            from packtool.families.qwen2_vl.reader import prefit_image  # the image rule the settings are
+
+            pil = [prefit_image(image, entry) for image in pil]
+        return pil
+
     def read_media(self, record: Any, processor: Any, where: str, decode: bool) -> dict[str, Any]:
         """The reader batch's media fields of a pack record (:class:`packtool.format.PackRecord`, its spans already
         checked): the stored grids, and with ``decode`` the processor's tensors (``processor``: the caller's or
@@ -370,6 +387,12 @@ class Family(ABC):
         """Frames per video tubelet (temporal patch) of the model."""
         return 2
 
+    @staticmethod
+    def position_ids(*args: Any, **kwargs: Any) -> Any:
+        """The family's per-segment rope positions of a packed row (Qwen2-VL's 3-D rope for Hugging Face's packed
+        forward, :mod:`packtool.runtime.hf`); the base has none."""
+        raise NotImplementedError("the family has no rope positions of its own")
+
     def nemo_rl_media(self, record: Any, processor: Any, where: str) -> dict[str, list[Any]] | None:
         """The media inputs of NeMo-RL's packed batch for a pack record (:mod:`packtool.runtime.nemo_rl`: media key
         -> one tensor per item); None: the reader's media fields serve, one tensor per pack (the base layout)."""
@@ -377,6 +400,18 @@ class Family(ABC):
 
     #: Pixels per patch side of the images in NeMo-RL's batch (its patchify mode); None: not patchified.
     nemo_rl_patch_dim: int | None = None
+
+    @classmethod
+    def check_recipe_options(cls, manifest: Mapping, given: Mapping[str, Any], fields: Mapping[str, str],
+                             processors: Any = None) -> None:
+        """Refuse a NeMo-RL recipe's Nemotron Omni options (``given``: option -> value; ``fields``: option -> the
+        processor setting it names) for the packs of ``manifest``; here every one of them: the packs were made for
+        another model folder (Nemotron Omni compares them with its settings)."""
+        family = (manifest.get("image_processor") or {}).get("family")
+        for name, value in given.items():
+            raise FormatError(
+                f"the recipe sets {name} {value!r}, a Nemotron Omni option, but the packs were made for a "
+                f"{family or 'text'} model folder: remove it")
 
     @classmethod
     def owns_batch(cls, batch: Mapping[str, Any]) -> bool:

@@ -127,7 +127,8 @@ class NemoRLChat(Convention):
 class NemoRLNemotron(Convention):
     """NeMo-RL's ``nemotron_multimodal`` encoder (prompt format ``nemotron6-moe``): replies laid out as it renders
     them (:func:`packtool.families.nemo_rl_rules.assistant_text`); its media: the Nemotron Omni variant
-    (:mod:`packtool.families.nemotron_nemo_rl`). Targets: each reply through its end-of-turn token, as by default."""
+    (:mod:`packtool.families.nemotron_omni.nemo_rl`). Targets: each reply through its end-of-turn token, as by
+    default."""
 
     def turn_text(self, text: str, role: str = "user") -> str:
         text = super().turn_text(text, role)
@@ -181,5 +182,5 @@ CONVENTIONS: dict[str, Convention] = {
     # sample becomes a stub with loss weight 0, which trains on nothing (dropped here).
     "nemo-rl-qwen-vl": NemoRLChat("nemo-rl-qwen-vl", target_newline_after_eot=True, overlong="drop", rgb_decode=True),
     NEMO_RL_NEMOTRON: NemoRLNemotron(NEMO_RL_NEMOTRON, family=NEMOTRON_FAMILY, rgb_decode=True),
-    # Megatron-Bridge's Nemotron Omni Energon path: packtool.families.nemotron_mbridge adds it.
+    # Megatron-Bridge's Nemotron Omni Energon path: packtool.families.nemotron_omni.mbridge adds it.
 }

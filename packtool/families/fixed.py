@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from packtool.families.base import Family, ItemPlan, MediaTokens, manifest_tokens
 from packtool.families.conventions import TRANSFORMERS, Convention
-from packtool.families.qwen2_vl import ImageRule
+from packtool.families.qwen2_vl.family import ImageRule
 
 if TYPE_CHECKING:
     from packtool.settings import EncodeSettings

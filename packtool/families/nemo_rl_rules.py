@@ -1,5 +1,5 @@
 """NeMo-RL's Nemotron Omni rules (its ``nemotron_multimodal`` task encoder, prompt format ``nemotron6-moe``), used by
-the ``nemo-rl-nemotron-omni`` convention (:mod:`packtool.families.nemotron_nemo_rl`) and by verify.
+the ``nemo-rl-nemotron-omni`` convention (:mod:`packtool.families.nemotron_omni.nemo_rl`) and by verify.
 
 They differ from transformers' processor, which packtool follows by default:
 

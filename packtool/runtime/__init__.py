@@ -1,5 +1,8 @@
-"""The runtime side: packs to batches (:mod:`.read`, Nemotron Omni media in :mod:`.nemotron`), training loaders
-(:mod:`.loader`) and Megatron / Megatron-Bridge batches (:mod:`.megatron_batch`). It imports nothing from
+"""The runtime side every family shares: packs to batches (:mod:`.read`), training loaders (:mod:`.loader`),
+Megatron / Megatron-Bridge batches (:mod:`.megatron_batch`), NeMo-RL's packed batch (:mod:`.nemo_rl`) and Hugging
+Face packed rows (:mod:`.hf`). A family's own reader code (its processors, media tensors, batch fields, rope) lives
+in its package under :mod:`packtool.families`, and the runtime reaches it through the family object; the runtime
+imports no family module, the registry lookup (:mod:`.registry`) being the one exception. It imports nothing from
 :mod:`packtool.packer`, so it can be installed into a training container alone.
 
 Public entry points (loaded lazily, so importing this package stays light): :func:`read_packs`,

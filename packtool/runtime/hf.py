@@ -10,7 +10,7 @@ the padding-free packed row a transformers model's ``forward`` takes, as ``DataC
   token is -100, so the model's own shift never predicts across a boundary);
 * ``position_ids`` restarting at 0 per segment: ``[1, T]`` for text models; ``[4, 1, T]`` for Qwen2-VL/2.5-VL (row 0
   the per-segment text positions, from which transformers builds the packed mask, then the three mRoPE rows
-  computed per segment by :func:`packtool.runtime.read.mrope_position_ids`);
+  computed per segment by :func:`packtool.families.qwen2_vl.reader.mrope_position_ids`, which the family hands over);
 * ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32) and ``max_length_q``/``max_length_k``: the varlen keywords flash
   attention takes;
 * media keys of the processor (``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``,
@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from packtool.errors import FormatError
-from packtool.runtime.read import IGNORE_INDEX, mrope_position_ids
+from packtool.runtime.read import IGNORE_INDEX
+from packtool.runtime.registry import family_named
 
 #: Attention implementations that keep packed segments apart (see the module docstring).
 SEGMENT_SAFE_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
@@ -63,9 +64,10 @@ def _qwen2_vl_positions(row: dict, manifest, tokens_per_second) -> torch.Tensor:
     if videos is not None and len(videos) and tokens_per_second is None:
         raise ValueError("packtool: error: the batch has videos but no tokens_per_second (the model config's "
                          "vision_config.tokens_per_second); pass tokens_per_second=")
-    rope = mrope_position_ids(row["input_ids"], row["cu"], row.get("image_grid_thw"), image_token_id=image_id,
-                              video_grid_thw=videos, second_per_grid_ts=row.get("second_per_grid_ts"),
-                              video_token_id=video_id, tokens_per_second=tokens_per_second or 0)
+    rope = family_named("qwen2_vl").position_ids(
+        row["input_ids"], row["cu"], row.get("image_grid_thw"), image_token_id=image_id, video_grid_thw=videos,
+        second_per_grid_ts=row.get("second_per_grid_ts"), video_token_id=video_id,
+        tokens_per_second=tokens_per_second or 0)
     return torch.cat([row["position_ids"][None], rope])
 
 

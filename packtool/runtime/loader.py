@@ -26,11 +26,10 @@ from megatron.energon.edataclass import edataclass
 from megatron.energon.epathlib import EPath
 from megatron.energon.errors import FatalSampleError
 
-from packtool import families
 from packtool.format import MANIFEST, TOKENIZER_DIR, TOKENIZER_FILES, Manifest, load_manifest, split_shard_paths
 from packtool.runtime.megatron_batch import megatron_bridge_batch
-from packtool.runtime.nemotron import pad_frames
-from packtool.runtime.read import IGNORE_INDEX, PAD_TO, ROW_KEYS, pack_to_batch, processor_for_output
+from packtool.runtime.read import IGNORE_INDEX, PAD_TO, ROW_KEYS, pack_to_batch, pad_frames, processor_for_output
+from packtool.runtime.registry import family_of
 from packtool.shards import iter_records, record_offsets
 
 log = logging.getLogger(__name__)
@@ -169,7 +168,7 @@ def _reader_processor(dataset_path: str):
     """The processor of a dataset Energon opened (its family's, :meth:`Family.reader_processor`); for a family
     that reads the model folder, from the dataset's copy of it, a remote one's settings files copied to a local
     temporary folder first (transformers' processors read local files)."""
-    family = families.from_manifest(_manifest(dataset_path))
+    family = family_of(_manifest(dataset_path))
     if not family.reads_folder:
         return family.reader_processor(None)
     folder = EPath(dataset_path) / TOKENIZER_DIR
@@ -280,4 +279,4 @@ class MegatronBridgeTaskEncoder(PackTaskEncoder):
     length that is a multiple of 16."""
 
     def finish(self, batch: dict, manifest: Manifest) -> dict:
-        return megatron_bridge_batch(batch, temporal_patch_dim=families.from_manifest(manifest).temporal_patch_dim)
+        return megatron_bridge_batch(batch, temporal_patch_dim=family_of(manifest).temporal_patch_dim)

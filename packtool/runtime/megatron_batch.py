@@ -20,8 +20,9 @@ THD `PackedSeqParams` for a Megatron-Core model called directly.
 
 A kind of media the batch lacks leaves its `VisualInputs` fields None (Qwen2.5-VL's forward skips them).
 
-Nemotron Omni batches (reader batches with `image_grid_hw`, see `packtool.runtime.nemotron`) are laid out for
-Megatron-Bridge's `nemotron_omni_step` and its processor-expanded `NemotronOmniModel` instead:
+Nemotron Omni batches (reader batches with `image_grid_hw`, see `packtool.families.nemotron_omni.reader`) are laid
+out (`packtool.families.nemotron_omni.bridge_batch`) for Megatron-Bridge's `nemotron_omni_step` and its
+processor-expanded `NemotronOmniModel` instead:
 
 | key | dtype, shape | content |
 |---|---|---|
@@ -39,7 +40,7 @@ the audio encoder's subsampling rule (`get_audio_features`), so the encoder yiel
 `<so_embedding>` count (Megatron-Bridge's own collate counts tokens from `mask.sum(-1)` and would differ by one
 for some lengths).
 
-Packs of `--preset megatron-bridge-nemotron-omni` (`packtool.runtime.nemotron_mbridge`) carry their own
+Packs of `--preset megatron-bridge-nemotron-omni` (`packtool.families.nemotron_omni.mbridge_reader`) carry their own
 `sound_length` and `num_image_tiles`, as Megatron-Bridge's collate gives them.
 
 The steps treat a batch as packed only when it has `cu_seqlens_q`; they build `PackedSeqParams(qkv_format="thd")`
@@ -58,8 +59,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from packtool import families
 from packtool.runtime.read import ROW_KEYS
+from packtool.runtime.registry import family_of_batch
 
 #: Keys Megatron-Bridge's steps keep on the host (`.cpu()`); every other tensor goes to the GPU.
 HOST_KEYS = ("max_seqlen_q", "max_seqlen_kv")
@@ -97,7 +98,7 @@ def megatron_bridge_batch(batch: dict, *, temporal_patch_dim: int = 2) -> dict:
     if int(cu_padded[-1]) != length:
         raise ValueError(f"cu_seqlens_padded ends at {int(cu_padded[-1])}, the row has {length} tokens")
     max_seqlen = int(batch["max_seqlen"])
-    out.update(families.of_batch(batch).bridge_media(batch, temporal_patch_dim))
+    out.update(family_of_batch(batch).bridge_media(batch, temporal_patch_dim))
     out.update(
         cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
         max_seqlen_q=torch.tensor(max_seqlen, dtype=torch.int32),
@@ -117,49 +118,6 @@ def vision_inputs(batch: Mapping) -> VisualInputs | None:
         fields_.update(pixel_values_videos=batch["pixel_values_videos"], video_grid_thw=batch["video_grid_thw"],
                        second_per_grid_ts=batch["second_per_grid_ts"])
     return VisualInputs(**fields_) if fields_ else None
-
-
-def nemotron_inputs(batch: Mapping, temporal_patch_dim: int) -> dict:
-    """`visual_inputs`, `imgs_sizes`, `num_frames`, `sound_clips`, `sound_length` of a Nemotron Omni batch."""
-    out: dict = {"visual_inputs": None, "imgs_sizes": None, "num_frames": None, "sound_clips": None,
-                 "sound_length": None}
-    kinds = [k for k in batch["media_kinds"] if k != "audio"]
-    if kinds and batch.get("pixel_values") is not None:
-        patch = {key: round((batch[key].shape[-1] // 3) ** 0.5) for key in ("pixel_values", "pixel_values_videos")}
-        images = _split(batch["pixel_values"], batch["image_grid_hw"].prod(-1))
-        videos = _split(batch["pixel_values_videos"], batch["video_grid_thw"].prod(-1))
-        image_grids, video_grids = iter(batch["image_grid_hw"].tolist()), iter(batch["video_grid_thw"].tolist())
-        patches, sizes, frames = [], [], []
-        for kind in kinds:
-            if kind == "image":
-                h, w = next(image_grids)
-                patches.append(next(images))
-                sizes.append([h * patch["pixel_values"], w * patch["pixel_values"]])
-                frames.append(1)
-            else:
-                n, h, w = next(video_grids)
-                video = next(videos)
-                if n == 1 and temporal_patch_dim > 1:  # one frame: repeated, or the model takes it for an image
-                    video, n = video.repeat(temporal_patch_dim, 1), temporal_patch_dim
-                patches.append(video)
-                sizes += [[h * patch["pixel_values_videos"], w * patch["pixel_values_videos"]]] * n
-                frames.append(n)
-        out.update(visual_inputs=VisualInputs(pixel_values=torch.cat(patches)[None]),
-                   imgs_sizes=torch.tensor(sizes, dtype=torch.int64),
-                   num_frames=torch.tensor(frames, dtype=torch.int64))
-    if batch.get("input_features") is not None and len(batch["input_features"]):
-        length = batch.get("sound_length")  # the reader's own count (Megatron-Bridge's preset), else transformers'
-        out.update(sound_clips=batch["input_features"],
-                   sound_length=length if length is not None else batch["input_features_mask"].sum(-1).to(
-                       torch.int64) + 1)
-    if kinds and batch.get("num_image_tiles") is not None:  # Megatron-Bridge's preset: one per image, per tubelet
-        out["num_image_tiles"] = batch["num_image_tiles"]
-    return out
-
-
-def _split(values: torch.Tensor, rows: torch.Tensor):
-    """Iterator over consecutive blocks of `values` holding `rows[i]` rows each."""
-    return iter(torch.split(values, rows.tolist()))
 
 
 def packed_seq_params(mb: dict):

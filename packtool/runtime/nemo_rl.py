@@ -36,8 +36,6 @@ with packtool's reader installed. NeMo-RL names it in its loader configuration a
 from __future__ import annotations
 
 import inspect
-import io
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -48,15 +46,13 @@ import torch
 from megatron.energon import Cooker, DefaultTaskEncoder, Sample, stateless
 from megatron.energon.edataclass import edataclass
 from megatron.energon.errors import FatalSampleError
-from PIL import Image
 
-from packtool import families
 from packtool.errors import FormatError
 from packtool.format import Manifest, PackRecord
 from packtool.runtime.hf import mm_token_type_ids
 from packtool.runtime.loader import PackSample, _manifest, _reader_processor, cook_pack
-from packtool.runtime.nemotron import CLIP_MEAN, CLIP_STD
-from packtool.runtime.read import open_pack, open_stored_image, pack_to_batch
+from packtool.runtime.read import open_pack, pack_to_batch
+from packtool.runtime.registry import Family, family_class_of, family_of
 
 #: The family whose transformers processor gives ``mm_token_type_ids`` (0 text, 1 image, 2 video per token), which
 #: its NeMo-RL batch carries (:func:`packtool.runtime.hf.mm_token_type_ids`).
@@ -115,8 +111,6 @@ def check_packed_recipe_options(manifest: Mapping, options: Mapping[str, Any], p
     given = {k: options[k] for k in PACKED_RECIPE_OPTIONS if options.get(k) is not None}
     if not given:
         return
-    from packtool.runtime.nemotron import check_recipe_options
-
     for name, value in given.items():
         if PACKED_RECIPE_OPTIONS[name] != "settings.pack_size":
             continue
@@ -125,9 +119,9 @@ def check_packed_recipe_options(manifest: Mapping, options: Mapping[str, Any], p
             raise FormatError(f"the recipe sets {name} {value!r}, the packs were made with {packed!r} "
                               f"(settings.pack_size): pack again with the recipe's setting, or set {name} to "
                               f"{packed!r}")
-    check_recipe_options(manifest, {name: value for name, value in given.items()
-                                    if PACKED_RECIPE_OPTIONS[name] != "settings.pack_size"},
-                         PACKED_RECIPE_OPTIONS, processors)
+    options = {name: value for name, value in given.items() if PACKED_RECIPE_OPTIONS[name] != "settings.pack_size"}
+    if options:  # Nemotron Omni's processor settings, which the packs' family compares
+        family_class_of(manifest).check_recipe_options(manifest, options, PACKED_RECIPE_OPTIONS, processors)
 
 
 #: The prompt format packtool's ``nemo-rl-nemotron-omni`` preset renders (NeMo-RL's ``prompt_format``).
@@ -192,7 +186,7 @@ def nemo_rl_row(members: Mapping[str, Any], manifest: Mapping, *, multiple: int 
     mask = np.zeros(len(ids), dtype=np.float32)
     mask[dest] = record.targets
     mask[row_starts[:-1]] = 0.0  # prepare_packed_sft_batch: a sample's first token is never a target
-    family = families.from_manifest(manifest)
+    family = family_of(manifest)
     media = _media(members, record, manifest, family, where, images, image_processor, source)
     input_ids = torch.from_numpy(ids)
     token_types = mm_token_type_ids(input_ids, manifest).long() if family.name == QWEN_FAMILY else None
@@ -200,7 +194,7 @@ def nemo_rl_row(members: Mapping[str, Any], manifest: Mapping, *, multiple: int 
                      [s.key for s in record.segments], record.key, media, family.nemo_rl_patch_dim, token_types)
 
 
-def _media(members: Mapping[str, Any], record: PackRecord, manifest: Mapping, family: families.Family, where: str,
+def _media(members: Mapping[str, Any], record: PackRecord, manifest: Mapping, family: Family, where: str,
            images: bool, image_processor, source: str) -> dict[str, list[torch.Tensor]]:
     """The family's NeMo-RL media inputs (:meth:`Family.nemo_rl_media`), else the reader's media fields, one
     tensor per pack."""
@@ -217,113 +211,6 @@ def _media(members: Mapping[str, Any], record: PackRecord, manifest: Mapping, fa
 def _present(value: Any) -> bool:
     """A media field the pack has: not missing, not an empty tensor (no empty video keys in an image-only pack)."""
     return value is not None and (not isinstance(value, torch.Tensor) or value.numel() > 0)
-
-
-def nemotron_inputs(record: PackRecord, manifest: Mapping, where: str,
-                    feature_extractor=None) -> dict[str, list[torch.Tensor]]:
-    """NeMo-RL's Nemotron Omni inputs of a pack's images, videos and audio (its ``_process_media`` and
-    ``_process_audio``): each image, and each video's frames (:func:`_nemotron_video_frames`), resized with PIL
-    to its stored patch grid, scaled to [0, 1] and normalised with CLIP's mean and std; each audio item cut into
-    NeMo-RL's 30 s clips (its stored sample count), each clip's mel features through the model folder's feature
-    extractor (``feature_extractor``), zero-padded to the item's longest clip, with its valid frames. The waveform
-    is packtool's decode (mono, resampled with soxr where the source has another rate; NeMo-RL resamples with
-    librosa)."""
-    refs = record.media_refs
-    other = [m for m in refs if m.kind not in ("image", "video", "audio")]
-    if other:
-        raise FormatError(f"{where}: {other[0].kind} member {other[0].member}: the NeMo-RL batch of Nemotron Omni "
-                          f"packs carries images, videos and audio")
-    out = _nemotron_images(record, [m for m in refs if m.kind in ("image", "video")], manifest, where)
-    audio = [m for m in refs if m.kind == "audio"]
-    if audio:
-        if feature_extractor is None:
-            raise ValueError(f"{where} has audio but no feature extractor: pass the model folder's processors")
-        out.update(_nemotron_sound(record, audio, manifest, where, feature_extractor))
-    return out
-
-
-def _nemotron_sound(record: PackRecord, refs: list, manifest: Mapping, where: str,
-                    feature_extractor) -> dict[str, list[torch.Tensor]]:
-    from packtool.families.nemo_rl_rules import settings_audio_plan
-    from packtool.media import decode_audio
-    from packtool.runtime.nemotron import settings_from_manifest
-
-    s = settings_from_manifest(manifest)
-    rate = s.audio_sampling_rate
-    clips_out, lengths_out = [], []
-    for m in refs:
-        try:
-            wave = decode_audio(record.media[m.member], rate=rate)
-        except (ValueError, OSError, IndexError) as exc:
-            raise FormatError(f"{where}, member {m.member}: audio does not decode ({exc})") from None
-        plan = settings_audio_plan(m.samples, rate, s)
-        wave = np.pad(wave, (0, max(0, plan.samples - len(wave))))[:plan.samples]
-        mels, valid = [], []
-        start = 0
-        for n in plan.clip_samples:
-            result = feature_extractor(wave[start:start + n], sampling_rate=rate, return_tensors="pt",
-                                       return_attention_mask=True)
-            mels.append(result["input_features"][0].to(torch.float32))
-            valid.append(int(result["attention_mask"].sum()))
-            start += n
-        if tuple(valid) != plan.frames:
-            raise FormatError(f"{where}: {m.member} gives {valid} mel frames, NeMo-RL's clips {list(plan.frames)}")
-        clips = torch.zeros((len(mels), max(x.shape[0] for x in mels), mels[0].shape[1]), dtype=torch.float32)
-        for i, mel in enumerate(mels):
-            clips[i, :mel.shape[0]] = mel
-        clips_out.append(clips)
-        lengths_out.append(torch.tensor(valid, dtype=torch.long))
-    return {"sound_clips": clips_out, "sound_length": lengths_out}
-
-
-def _nemotron_images(record: PackRecord, refs: list, manifest: Mapping, where: str) -> dict[str, list[torch.Tensor]]:
-    """NeMo-RL's ``_process_media`` of a pack's images and videos, one segment per item in placeholder order."""
-    if not refs:
-        return {}
-    patch = int(manifest["image_processor"].get("patch_size", 16))
-    mean = torch.tensor(CLIP_MEAN, dtype=torch.float32)[:, None, None]
-    std = torch.tensor(CLIP_STD, dtype=torch.float32)[:, None, None]
-    out: dict[str, list[torch.Tensor]] = {"pixel_values": [], "imgs_sizes": [], "num_frames": []}
-    for m in refs:
-        _, grid_h, grid_w = m.grid_thw
-        if m.kind == "video":
-            pictures = _nemotron_video_frames(record, m, manifest, where)
-        else:
-            pictures = [open_stored_image(record.media[m.member], f"{where}, member {m.member}")]
-        pixels = []
-        for picture in pictures:
-            resized = picture.convert("RGB").resize((grid_w * patch, grid_h * patch), Image.Resampling.BICUBIC)
-            tensor = torch.from_numpy(np.array(resized, copy=True)).permute(2, 0, 1).to(torch.float32).div_(255)
-            pixels.append((tensor - mean) / std)
-        out["pixel_values"].append(torch.stack(pixels))
-        out["imgs_sizes"].append(torch.tensor([[grid_h * patch, grid_w * patch]] * len(pixels), dtype=torch.int32))
-        out["num_frames"].append(torch.tensor([len(pixels)], dtype=torch.long))
-    return out
-
-
-def _nemotron_video_frames(record: PackRecord, ref: Any, manifest: Mapping, where: str) -> list[Image.Image]:
-    """The frames NeMo-RL's encoder takes from a video: the Megatron rule's seconds (from the recorded Energon
-    duration and frame count), each decoded by Energon's ``AVDecoder.get_clips`` (its first frame at that time; a
-    short decode repeats its last frame), as RGB pictures."""
-    from megatron.energon.av import AVDecoder
-
-    from packtool.families.nemo_rl_rules import video_timestamps
-
-    temporal = int(manifest["image_processor"].get("video_temporal_patch_dim", 2))
-    try:
-        seconds = video_timestamps(float(ref.duration or 0), ref.total_frames, temporal_patch=temporal)
-        if len(seconds) != ref.grid_thw[0]:
-            raise ValueError(f"the frame rule takes {len(seconds)} frames, recorded {ref.grid_thw[0]}")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # Energon's note on seeking by frames
-            clips = list(AVDecoder(io.BytesIO(bytes(record.media[ref.member]))).get_clips(
-                video_clip_ranges=[(t, t) for t in seconds], video_unit="seconds").video_clips)
-    except Exception as exc:  # PyAV's own error types
-        raise FormatError(f"{where}, member {ref.member}: video does not decode ({exc})") from None
-    if not clips:
-        raise FormatError(f"{where}, member {ref.member}: no frame decodes at NeMo-RL's times")
-    clips += [clips[-1]] * (len(seconds) - len(clips))
-    return [Image.fromarray(clip[0].permute(1, 2, 0).numpy()) for clip in clips[:len(seconds)]]
 
 
 def _packed_media(rows: Sequence[list[torch.Tensor] | None], key: str, patch_dim: int | None):

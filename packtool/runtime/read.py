@@ -1,7 +1,10 @@
 """Read packed shards at training time: one pack record -> one Megatron-ready micro-batch row.
 
 The core is `pack_to_batch`, a pure function from a record's raw members to tensors; `read_packs` walks a split
-in on-disk order; loaders (`packtool.runtime.loader`) reuse the same function.
+in on-disk order; loaders (`packtool.runtime.loader`) reuse the same function. What differs by model family (its
+processors, media tensors, rope) lives in the family's package (`packtool.families.qwen2_vl.reader`,
+`packtool.families.nemotron_omni.reader`, ...); this module asks the family object for it (`Family.read_media`,
+`reader_processor`, `read_videos`, `reader_images`) and finds the family through `packtool.runtime.registry`.
 
 Boundary conventions (all offsets are token indices into the row):
 
@@ -24,8 +27,6 @@ Boundary conventions (all offsets are token indices into the row):
 
 from __future__ import annotations
 
-import functools
-import json
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,10 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from packtool import families
 from packtool.errors import FormatError
-from packtool.families import Family
-from packtool.families.conventions import trainer_image
 from packtool.format import (
     TOKENIZER_DIR,
     MediaRef,
@@ -49,6 +47,7 @@ from packtool.format import (
     span_problems,
     split_shard_paths,
 )
+from packtool.runtime.registry import Family, family_of
 from packtool.shards import iter_records
 from packtool.storage import local_copy, location
 
@@ -58,39 +57,13 @@ PAD_TO = ("pack", "segments")
 ROW_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
 
 
-def qwen_image_processor(settings: Mapping):
-    """transformers' Qwen2-VL image processor (PIL backend: the same numbers with or without torchvision) with the
-    image settings ``settings`` (a manifest's ``image_processor`` entry). Cached: one per process and settings."""
-    return _cached_processor(json.dumps(dict(settings), sort_keys=True))
-
-
-@functools.lru_cache(maxsize=8)
-def _cached_processor(settings_json: str):
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.utils import is_torchvision_available
-
-    s = json.loads(settings_json)
-    cls: Any = Qwen2VLImageProcessorPil
-    # The backend the manifest names (a convention's), else the one AutoProcessor picks: torchvision when it is
-    # installed (the two resize differently, so the pixels are always the model processor's).
-    if s.get("backend", "torchvision" if is_torchvision_available() else "pil") == "torchvision":
-        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
-
-        cls = Qwen2VLImageProcessor
-    return cls(
-        min_pixels=s["min_pixels"], max_pixels=s["max_pixels"], patch_size=s["patch_size"],
-        merge_size=s["merge_size"], temporal_patch_size=s["temporal_patch_size"],
-        image_mean=s["image_mean"], image_std=s["image_std"],
-    )
-
-
 def image_processor_from_manifest(manifest: Mapping):
     """The image processor the manifest's family gives the reader without the model folder (Qwen2-VL's,
-    `qwen_image_processor`, on the backend ``AutoProcessor`` picks: torchvision when it is installed, else PIL;
-    the two resize differently, so the pixels are always the model processor's); None for a text-only dataset,
-    a fixed-count one, whose model's own processor the caller must pass, a Nemotron Omni one (see
-    `processor_for_output`) or a processor-mode one."""
-    return families.from_manifest(manifest).reader_processor(None)
+    `packtool.families.qwen2_vl.reader.qwen_image_processor`, on the backend ``AutoProcessor`` picks: torchvision
+    when it is installed, else PIL; the two resize differently, so the pixels are always the model
+    processor's); None for a text-only dataset, a fixed-count one, whose model's own processor the caller must
+    pass, a Nemotron Omni one (see `processor_for_output`) or a processor-mode one."""
+    return family_of(manifest).reader_processor(None)
 
 
 def check_digests(where: str, record: PackRecord, members: Mapping[str, Any]) -> None:
@@ -228,7 +201,7 @@ def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, im
            image_processor) -> dict:
     """The media fields of the manifest's family (:meth:`Family.read_media`), after checking each media span in
     the tokens; none for a pack without media of a family whose batches carry none."""
-    family = families.from_manifest(manifest)
+    family = family_of(manifest)
     if not record.media_refs and not family.batch_keys:
         return {}
     _check_spans(record, family, cu, where)
@@ -244,8 +217,7 @@ def vision_media(family: Family, record: PackRecord, image_processor, where: str
         if m.kind not in ("image", "video"):
             raise FormatError(f"{where}: media kind {m.kind!r} (member {m.member}) is not supported by the reader "
                               f"yet")
-    video = family.video_entry()
-    out = _videos(record, video, where, images) if video else {}
+    out = family.read_videos(record, where, images)
     if any(m.kind == "video" for m in everything) and not out:
         raise FormatError(f"{where}: the pack holds videos but the manifest describes no video processor")
     media = [m for m in everything if m.kind == "image"]
@@ -264,11 +236,8 @@ def vision_media(family: Family, record: PackRecord, image_processor, where: str
             dim = 3 * proc.temporal_patch_size * proc.patch_size ** 2
             out["pixel_values"] = torch.zeros((0, dim), dtype=torch.float32)
         return out
-    pil = [trainer_image(open_stored_image(record.media[m.member], f"{where}, member {m.member}"), family.convention)
-           for m in media]
-    entry = family.manifest_entries()["image_processor"]
-    if entry is not None and entry.get("prefit_factor"):
-        pil = [prefit_image(image, entry) for image in pil]
+    pil = family.reader_images([open_stored_image(record.media[m.member], f"{where}, member {m.member}")
+                                for m in media])
     try:
         result = proc(images=pil, return_tensors="np")
     except (ValueError, TypeError, OSError) as exc:
@@ -280,65 +249,6 @@ def vision_media(family: Family, record: PackRecord, image_processor, where: str
             raise FormatError(f"{where}: {media[bad].member} processes to grid {grid[bad].tolist()}, "
                               f"stored {stored[bad].tolist()}")
     out["pixel_values"] = torch.from_numpy(np.ascontiguousarray(result["pixel_values"], dtype=np.float32))
-    return out
-
-
-@functools.lru_cache(maxsize=8)
-def _cached_video_processor(settings_json: str):
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
-
-    s = json.loads(settings_json)
-    config = {k: v for k, v in s["config"].items() if not k.endswith(("_type", "_class", "_auto_map"))}
-    config.update(size={"shortest_edge": s["video_min_pixels"], "longest_edge": s["video_max_pixels"]},
-                  patch_size=s["video_patch_size"], temporal_patch_size=s["video_temporal_patch_size"],
-                  merge_size=s["video_merge_size"], do_sample_frames=False,
-                  cap_pixels_per_frame=s["cap_pixels_per_frame"], max_video_tokens=s["max_video_tokens"])
-    config.pop("min_pixels", None), config.pop("max_pixels", None)
-    return Qwen2VLVideoProcessor(**config)
-
-
-def video_processor_from_manifest(manifest: Mapping):
-    """transformers' Qwen2-VL video processor with the settings the tokens were counted with, told not to sample
-    (the reader hands it the planned frames); None when the dataset has no video settings. Needs torchvision."""
-    settings = families.from_manifest(manifest).video_entry()
-    return None if settings is None else _video_processor(settings)
-
-
-def _video_processor(settings: Mapping):
-    """The video processor of a ``video_processor`` entry (cached per settings)."""
-    return _cached_video_processor(json.dumps(dict(settings), sort_keys=True))
-
-
-def _videos(record: PackRecord, settings: Mapping, where: str, decode: bool) -> dict:
-    """video_grid_thw and second_per_grid_ts of the pack's videos (+ pixel_values_videos when ``decode``): only
-    the planned frames are decoded, and the processor is told not to sample again."""
-
-    videos = [m for m in record.media_refs if m.kind == "video"]
-    grids = np.array([m.grid_thw for m in videos], dtype=np.int64).reshape(-1, 3)
-    out = {"video_grid_thw": torch.from_numpy(grids),
-           "second_per_grid_ts": torch.tensor([float(m.second_per_grid_ts or 0.0) for m in videos],
-                                              dtype=torch.float32)}
-    if not decode:
-        return out
-    if not videos:  # the same keys in every batch, without building a processor
-        dim = 3 * settings["video_temporal_patch_size"] * settings["video_patch_size"] ** 2
-        out["pixel_values_videos"] = torch.zeros((0, dim), dtype=torch.float32)
-        return out
-    proc = _video_processor(settings)
-    arrays, metadata = decode_planned_videos(record, videos, where)
-    clips: list[Any] = arrays
-    # Frames are THWC (a video 1 or 3 pixels high would otherwise be read as channels first).
-    extra: dict[str, Any] = {"video_metadata": metadata, "input_data_format": "channels_last"}
-    if settings.get("fetch_video"):  # as Megatron-Bridge hands them over: no metadata
-        clips, extra = [fetch_video_frames(a, settings) for a in arrays], {}
-    try:
-        result = proc(videos=clips, do_sample_frames=False, return_tensors="pt", **extra)
-    except (ValueError, TypeError, RuntimeError) as exc:
-        members = ", ".join(m.member for m in videos)
-        raise FormatError(f"{where}: the video processor refuses its videos ({members}; "
-                          f"{type(exc).__name__}: {exc})") from None
-    check_video_grids(result["video_grid_thw"], grids, videos, where)
-    out["pixel_values_videos"] = result["pixel_values_videos"].to(torch.float32).contiguous()
     return out
 
 
@@ -372,27 +282,6 @@ def check_video_grids(processed: torch.Tensor, stored: np.ndarray, videos: Seque
                           f"stored {stored[bad].tolist()}")
 
 
-def fetch_video_frames(frames: np.ndarray, settings: Mapping) -> torch.Tensor:
-    """Frames ``(T, H, W, 3)`` as qwen_vl_utils' ``fetch_video`` hands them to the processor in Megatron-Bridge's
-    Qwen-VL path: each resized as an image (bicubic), the last repeated to an even count, then the clip resized
-    (torchvision, bicubic, antialiased) and made float: ``(T', 3, h, w)``."""
-    from PIL import Image
-    from torchvision.transforms import InterpolationMode
-    from torchvision.transforms import functional as F
-
-    from packtool.families.qwen2_vl import Qwen2VLSettings, fetch_image_resize
-
-    rule = Qwen2VLSettings.from_manifest(settings)
-    factor = 2 * rule.video_patch_size * rule.video_merge_size
-    t, height, width = frames.shape[:3]
-    h, w = fetch_image_resize(height, width, factor, 4 * factor**2, 16384 * factor**2)
-    resized = [np.asarray(Image.fromarray(f).convert("RGB").resize((w, h), Image.Resampling.BICUBIC)) for f in frames]
-    resized += resized[-1:] * (t % 2)
-    clip = torch.from_numpy(np.stack(resized)).permute(0, 3, 1, 2)
-    size = list(rule.fetched_size(height, width, len(resized)))
-    return F.resize(clip, size, interpolation=InterpolationMode.BICUBIC, antialias=True).float()
-
-
 def open_stored_image(data: bytes, where: str):
     """The decoded image (as stored: no EXIF rotation, the same pixels the grid was computed from)."""
     from PIL import Image
@@ -407,23 +296,19 @@ def open_stored_image(data: bytes, where: str):
     return image
 
 
-def prefit_image(image, settings: Mapping):
-    """The image resized first as the manifest's image settings say (``prefit_*``: qwen_vl_utils' ``fetch_image``
-    in Megatron-Bridge's Qwen-VL path, which receives RGB images from Energon's decoder), before the processor."""
-    from PIL import Image
-
-    from packtool.families.qwen2_vl import ImageRule
-
-    width, height = ImageRule.from_manifest(settings).prefit(image.width, image.height)
-    return image.convert("RGB").resize((width, height), Image.Resampling.BICUBIC)
-
-
 def processor_for_output(path: str | Path, manifest: Mapping):
     """The processor a reader of the packed dataset at `path` uses for its media: its family's
     (:meth:`Family.reader_processor`: Qwen2-VL's image processor, Nemotron Omni's processors or the processor
     mode's model processor, built from the model folder copied into the output), or None."""
-    family = families.from_manifest(manifest)
+    family = family_of(manifest)
     return family.reader_processor(local_copy(location(path) / TOKENIZER_DIR) if family.reads_folder else None)
+
+
+def pad_frames(features: torch.Tensor, width: int) -> torch.Tensor:
+    """Audio features or their mask ``[clips, frames, ...]`` padded with zeros (False) to ``width`` frames, as the
+    feature extractor pads the shorter clips of one call."""
+    pad = features.new_zeros((features.shape[0], width - features.shape[1], *features.shape[2:]))
+    return torch.cat([features, pad], dim=1)
 
 
 def batch_to(batch: dict, device) -> dict:
@@ -452,72 +337,3 @@ def read_packs(
             yield batch if device is None else batch_to(batch, device)
 
 
-def mrope_position_ids(
-    tokens: torch.Tensor,
-    cu_seqlens_padded: torch.Tensor,
-    image_grid_thw: torch.Tensor | None,
-    *,
-    image_token_id: int,
-    spatial_merge_size: int = 2,
-    video_grid_thw: torch.Tensor | None = None,
-    second_per_grid_ts: torch.Tensor | None = None,
-    video_token_id: int | None = None,
-    tokens_per_second: int = 2,
-) -> torch.Tensor:
-    """Qwen2/2.5-VL 3-D RoPE positions `[3, 1, L]` for a packed row, computed per segment.
-
-    Each segment starts again at 0: text tokens advance all three rows by one; an image's or a video's
-    `t·(h/m)·(w/m)` tokens get (temporal, row, column) offsets from the current position, after which the position
-    advances by `max(h, w) / m`. A video's temporal offsets are `int(k · tokens_per_second · second_per_grid_ts)`
-    for temporal patch `k` (transformers' `get_rope_index`; `tokens_per_second` is the model's
-    `vision_config.tokens_per_second`), an image's are 0. Padding continues counting like text. Images and videos
-    are taken from their grids in order. For transformers' Qwen2.5-VL packed forward use
-    `torch.cat([batch["position_ids"][None], mrope_position_ids(...)])` (`[4, 1, L]`, row 0 the per-segment text
-    positions) with `attention_mask=None, use_cache=False`.
-    """
-    row = tokens.reshape(-1).cpu().numpy()
-    bounds = cu_seqlens_padded.cpu().numpy().astype(np.int64)
-
-    def grids(thw: torch.Tensor | None):
-        return iter([] if thw is None else thw.cpu().numpy().astype(np.int64).tolist())
-
-    queues = {image_token_id: grids(image_grid_thw), video_token_id: grids(video_grid_thw)}
-    seconds: Iterator[torch.Tensor] = iter(
-        [] if second_per_grid_ts is None else second_per_grid_ts.cpu().to(torch.float32).reshape(-1))
-    media_ids = [t for t in (image_token_id, video_token_id) if t is not None]
-    out = np.empty((3, len(row)), dtype=np.int64)
-    m = spatial_merge_size
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        media_at = np.flatnonzero(np.isin(row[a:b], media_ids)) + a
-        pos, i = 0, a
-        while i < b:
-            nxt = media_at[np.searchsorted(media_at, i)] if len(media_at) and media_at[-1] >= i else b
-            out[:, i:nxt] = pos + np.arange(nxt - i)
-            pos += nxt - i
-            if nxt == b:
-                break
-            token = int(row[nxt])
-            kind = "video" if token == video_token_id else "image"
-            grid = next(queues[token], None)
-            if grid is None:
-                raise ValueError(f"{kind} tokens at {nxt} but no {kind} grid left")
-            t, h, w = grid
-            h, w = h // m, w // m
-            n = t * h * w
-            if (row[nxt:nxt + n] != token).any():
-                raise ValueError(f"{kind} at {nxt} has fewer than its {n} tokens")
-            temporal = np.zeros(t, dtype=np.int64)
-            if kind == "video":
-                spgt = next(seconds, None)
-                if spgt is None:
-                    raise ValueError(f"video at {nxt} has no second_per_grid_ts")
-                temporal = (torch.arange(t) * (tokens_per_second * spgt)).long().numpy()
-            tt, hh, ww = np.meshgrid(temporal, np.arange(h), np.arange(w), indexing="ij")
-            out[:, nxt:nxt + n] = pos + np.stack([tt.ravel(), hh.ravel(), ww.ravel()])
-            pos += max(h, w)
-            i = nxt + n
-    for queued, queue in queues.items():
-        if queued is not None and next(queue, None) is not None:
-            kind = "video" if queued == video_token_id else "image"
-            raise ValueError(f"more {kind} grids than {kind}s in the tokens")
-    return torch.from_numpy(out)[:, None, :].to(tokens.device)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from packtool.errors import ConfigError
 from packtool.families.base import ExpandsInText, ItemPlan, MediaTokens, manifest_tokens
 from packtool.families.conventions import TRANSFORMERS, Convention
-from packtool.families.qwen2_vl import QWEN2_VL_IMAGE_PROCESSORS, ImageRule, _image_rule, _json_file
+from packtool.families.qwen2_vl.family import QWEN2_VL_IMAGE_PROCESSORS, ImageRule, _image_rule, _json_file
 from packtool.families.qwen3_vl.rule import Qwen3VLVideoRule
 from packtool.media.folder import read_folder, stated_names, unknown_name
 from packtool.media.video import VideoFacts
@@ -152,7 +152,7 @@ class Qwen3VL(ExpandsInText):
 
     def reader_processor(self, folder: Path | None = None) -> Any:
         """transformers' Qwen2-VL image processor (PIL backend) with the manifest's image settings (Qwen3-VL's)."""
-        from packtool.runtime.read import qwen_image_processor
+        from packtool.families.qwen2_vl.reader import qwen_image_processor
 
         return qwen_image_processor(self.image.manifest())
 

@@ -90,7 +90,7 @@ def position_ids(tokens: torch.Tensor, cu_seqlens_padded: torch.Tensor, image_gr
     """Qwen3-VL's 3-D rope positions ``[3, 1, L]`` of a packed row, per segment (each starts again at 0): what a
     training hook (Hugging Face's packed forward, with ``position_ids`` given) needs. Each segment's equal the
     model's ``get_rope_index`` on that segment alone; padding counts on like text."""
-    from packtool.runtime.read import mrope_position_ids
+    from packtool.families.qwen2_vl.reader import mrope_position_ids
 
     frames = None
     if video_grid_thw is not None and len(video_grid_thw):

@@ -38,9 +38,10 @@ from typing import Any
 import torch
 
 from packtool.errors import FormatError
-from packtool.families.nemotron_omni import NemotronOmniSettings
+from packtool.families.nemotron_omni.family import NemotronOmniSettings
 from packtool.format import MediaRef, PackRecord
 from packtool.media import AudioFacts, read_folder
+from packtool.runtime.read import pad_frames
 
 #: CLIP's mean and standard deviation: Megatron-Bridge's temporal path and NeMo-RL's Nemotron visual path normalize
 #: with these constants, not the model folder's.
@@ -126,8 +127,8 @@ def nemotron_media(record: PackRecord, processors: NemotronOmniProcessors | None
     if processors is None:
         if refs:
             raise ValueError(f"{where} has Nemotron Omni media but no processors: pass image_processor="
-                             f"packtool.runtime.nemotron.nemotron_processors(manifest, OUTPUT/.nv-meta/tokenizer) "
-                             f"or images=False")
+                             f"packtool.families.nemotron_omni.reader.nemotron_processors(manifest, "
+                             f"OUTPUT/.nv-meta/tokenizer) or images=False")
         return out
     out.update(_images(record, processors, where))
     out.update(_videos(record, videos, processors, where))
@@ -250,15 +251,6 @@ def _audio(record: PackRecord, p: NemotronOmniProcessors, where: str) -> dict:
     width = max(f.shape[1] for f in features)
     return {"input_features": torch.cat([pad_frames(f, width) for f in features]),
             "input_features_mask": torch.cat([pad_frames(m, width) for m in masks])}
-
-
-def pad_frames(features: torch.Tensor, width: int) -> torch.Tensor:
-    """Audio features or their mask ``[clips, frames, ...]`` padded with zeros (False) to ``width`` frames, as the
-    feature extractor pads the shorter clips of one call."""
-    pad = features.new_zeros((features.shape[0], width - features.shape[1], *features.shape[2:]))
-    return torch.cat([features, pad], dim=1)
-
-
 
 
 def check_recipe_options(manifest: Mapping, given: Mapping[str, Any], fields: Mapping[str, str],

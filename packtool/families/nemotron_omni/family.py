@@ -8,7 +8,7 @@
   seconds: ``. The processor writes times only when it is given the video's metadata; packtool always gives it
   (frame rate and frame numbers) when the frame rate is known, and the labels are then ``Frame 1 and frame 2: ``
   only for frame lists without a rate. This follows the transformers processor; Megatron-Bridge's own collate path
-  writes different labels and canvases (``--preset megatron-bridge-nemotron-omni``: :mod:`.nemotron_mbridge`).
+  writes different labels and canvases (``--preset megatron-bridge-nemotron-omni``: :mod:`.mbridge`).
 * Audio: ``<so_start>`` + ``<so_embedding>``×n + ``<so_end>``, n from the waveform length at the processor's
   rate (mel frames ``1 + L // hop``, then the encoder's stride-2 convolutions).
 
@@ -494,7 +494,7 @@ class NemotronOmni(ExpandsInText):
     def audio_input(self) -> tuple[int, int | None] | None:
         return self.rule.audio_sampling_rate, self.rule.max_audio_samples
 
-    # -- the runtime side (:mod:`packtool.runtime.nemotron`) ------------------------------------------------------
+    # -- the runtime side (:mod:`.reader`, :mod:`.nemo_rl_batch`, :mod:`.bridge_batch`) -------------------------
     batch_keys = ("media_kinds", "image_grid_hw", "video_grid_thw", "pixel_values", "pixel_values_videos",
                   "input_features", "input_features_mask")
     reads_folder = True
@@ -502,12 +502,12 @@ class NemotronOmni(ExpandsInText):
     def reader_processor(self, folder: Path | None = None) -> Any:
         """transformers' image and video processors and feature extractor, configured as the model folder copy says
         with the manifest's settings on top (None without a folder)."""
-        from packtool.runtime.nemotron import nemotron_processors
+        from packtool.families.nemotron_omni.reader import nemotron_processors
 
         return None if folder is None else nemotron_processors({"image_processor": self.rule.manifest()}, folder)
 
     def read_media(self, record: Any, processor: Any, where: str, decode: bool) -> dict[str, Any]:
-        from packtool.runtime.nemotron import nemotron_media
+        from packtool.families.nemotron_omni.reader import nemotron_media
 
         return nemotron_media(record, processor, where, decode)
 
@@ -517,7 +517,7 @@ class NemotronOmni(ExpandsInText):
 
     def nemo_rl_media(self, record: Any, processor: Any, where: str) -> dict[str, list[Any]] | None:
         """NeMo-RL's Nemotron Omni inputs (images and audio; the feature extractor: ``processor.audio``)."""
-        from packtool.runtime.nemo_rl import nemotron_inputs
+        from packtool.families.nemotron_omni.nemo_rl_batch import nemotron_inputs
 
         return nemotron_inputs(record, {"image_processor": self.rule.manifest()}, where,
                                getattr(processor, "audio", None))
@@ -525,6 +525,14 @@ class NemotronOmni(ExpandsInText):
     @property
     def nemo_rl_patch_dim(self) -> int | None:  # type: ignore[override]
         return self.rule.patch_size
+
+    @classmethod
+    def check_recipe_options(cls, manifest: Mapping, given: Mapping[str, Any], fields: Mapping[str, str],
+                             processors: Any = None) -> None:
+        """Compared with the settings the packs were made with (:func:`.reader.check_recipe_options`)."""
+        from packtool.families.nemotron_omni.reader import check_recipe_options
+
+        check_recipe_options(manifest, given, fields, processors)
 
     @classmethod
     def owns_batch(cls, batch: Mapping[str, Any]) -> bool:
@@ -535,7 +543,7 @@ class NemotronOmni(ExpandsInText):
     def bridge_media(cls, batch: Mapping[str, Any], temporal_patch_dim: int) -> dict[str, Any]:
         """Laid out for Megatron-Bridge's ``nemotron_omni_step``: ``visual_inputs``, ``imgs_sizes``, ``num_frames``,
         ``sound_clips``, ``sound_length``."""
-        from packtool.runtime.megatron_batch import nemotron_inputs
+        from packtool.families.nemotron_omni.bridge_batch import nemotron_inputs
 
         return nemotron_inputs(batch, temporal_patch_dim)
 

@@ -545,15 +545,32 @@ class Qwen2VL(Family):
         plan = self.video.video(facts)
         return ItemPlan(plan.tokens, plan.grid_thw, plan.indices, plan.second_per_grid_ts)
 
-    # -- the runtime side (:mod:`packtool.runtime.read`) ---------------------------------------------------------
+    # -- the runtime side (:mod:`.reader`) ------------------------------------------------------------------------
     def reader_processor(self, folder: Path | None = None) -> Any:
         """transformers' Qwen2-VL image processor (PIL backend) with the manifest's image settings."""
-        from packtool.runtime.read import qwen_image_processor
+        from packtool.families.qwen2_vl.reader import qwen_image_processor
 
         return qwen_image_processor(self.image.manifest())
 
     def video_entry(self) -> Mapping[str, Any] | None:
         return self.manifest_entries()["video_processor"]
+
+    def read_videos(self, record: Any, where: str, decode: bool) -> dict[str, Any]:
+        """video_grid_thw and second_per_grid_ts (+ pixel_values_videos) through transformers' Qwen2-VL video
+        processor (:func:`.reader.video_media`); none without video settings."""
+        video = self.video_entry()
+        if not video:
+            return {}
+        from packtool.families.qwen2_vl.reader import video_media
+
+        return video_media(record, video, where, decode)
+
+    @staticmethod
+    def position_ids(*args: Any, **kwargs: Any) -> Any:
+        """The per-segment 3-D rope of a packed row (:func:`.reader.mrope_position_ids`)."""
+        from packtool.families.qwen2_vl.reader import mrope_position_ids
+
+        return mrope_position_ids(*args, **kwargs)
 
     @property
     def temporal_patch_dim(self) -> int:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from packtool.errors import ConfigError, SampleError
 from packtool.families.base import ItemPlan
 from packtool.families.conventions import CONVENTIONS, Convention
-from packtool.families.nemotron_omni import NemotronOmni
+from packtool.families.nemotron_omni.family import NemotronOmni
 from packtool.format import AUDIO_TAG, IMAGE_TAG, NEMOTRON_FAMILY, VIDEO_TAG
 
 if TYPE_CHECKING:
@@ -221,11 +221,11 @@ class MBridgeNemotronOmni(NemotronOmni):
     reads_folder = False
 
     def reader_processor(self, folder: Any = None) -> Any:
-        """None: the reader's tensors follow from the manifest alone (:mod:`packtool.runtime.nemotron_mbridge`)."""
+        """None: the reader's tensors follow from the manifest alone (:mod:`.mbridge_reader`)."""
         return None
 
     def read_media(self, record: Any, processor: Any, where: str, decode: bool) -> dict[str, Any]:
-        from packtool.runtime.nemotron_mbridge import mbridge_media
+        from packtool.families.nemotron_omni.mbridge_reader import mbridge_media
 
         return mbridge_media(record, self.mbridge_entry(), where, decode)
 

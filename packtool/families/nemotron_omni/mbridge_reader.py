@@ -1,5 +1,5 @@
 """The media inputs of a pack made with ``--preset megatron-bridge-nemotron-omni``, as Megatron-Bridge's Nemotron Omni
-collate makes them (:mod:`packtool.families.nemotron_mbridge`).
+collate makes them (:mod:`.mbridge`).
 
 Everything follows from the manifest's ``image_processor.megatron_bridge`` entry (no model folder is read). Per
 pack, in media order:
@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from packtool.errors import FormatError
+from packtool.families.nemotron_omni.reader import CLIP_MEAN, CLIP_STD, _grids, _patches
 from packtool.format import PackRecord
-from packtool.runtime.nemotron import CLIP_MEAN, CLIP_STD, _grids, _patches, pad_frames
+from packtool.runtime.read import pad_frames
 
 
 def canvas_patches(image: Any, canvas: int, patch: int) -> torch.Tensor:
@@ -121,7 +122,7 @@ def mbridge_media(record: PackRecord, entry: Mapping[str, Any], where: str, deco
 
 def _audio(record: PackRecord, entry: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Each clip's features alone (Megatron-Bridge extracts them clip by clip), padded to the pack's longest."""
-    from packtool.families.nemotron_mbridge import AUDIO_RATE, audio_tokens
+    from packtool.families.nemotron_omni.mbridge import AUDIO_RATE, audio_tokens
     from packtool.media import decode_audio
 
     mel_bins = int(entry["num_mel_bins"])

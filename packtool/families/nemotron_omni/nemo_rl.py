@@ -28,7 +28,7 @@ from packtool.families.nemo_rl_rules import (
     video_prompt,
     video_timestamps,
 )
-from packtool.families.nemotron_omni import NemotronOmni
+from packtool.families.nemotron_omni.family import NemotronOmni
 from packtool.format import MediaRef
 
 if TYPE_CHECKING:

@@ -1,0 +1,25 @@
+"""Qwen2-VL / Qwen2.5-VL: images by transformers' ``smart_resize`` and videos by ``Qwen2VLVideoProcessor``'s
+sampling, each expanded in the ids (:mod:`.family`, its rules and the family); the reader's processors, video
+tensors and per-segment 3-D rope (:mod:`.reader`)."""
+
+from __future__ import annotations
+
+from packtool.families.qwen2_vl.family import (
+    FETCH_IMAGE_TOKENS,
+    FETCH_VIDEO_TOKENS,
+    FETCH_VIDEO_TOTAL_TOKENS,
+    QWEN2_VL_IMAGE_PROCESSORS,
+    QWEN2_VL_MODEL_TYPES,
+    QWEN2_VL_PROCESSORS,
+    QWEN2_VL_VIDEO_PROCESSORS,
+    ImageRule,
+    Qwen2VL,
+    Qwen2VLSettings,
+    QwenVideoPlan,
+    fetch_image_resize,
+    qwen_resize,
+)
+
+__all__ = ["FETCH_IMAGE_TOKENS", "FETCH_VIDEO_TOKENS", "FETCH_VIDEO_TOTAL_TOKENS", "QWEN2_VL_IMAGE_PROCESSORS",
+           "QWEN2_VL_MODEL_TYPES", "QWEN2_VL_PROCESSORS", "QWEN2_VL_VIDEO_PROCESSORS", "ImageRule", "Qwen2VL",
+           "Qwen2VLSettings", "QwenVideoPlan", "fetch_image_resize", "qwen_resize"]

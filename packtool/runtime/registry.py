@@ -1,0 +1,42 @@
+"""The runtime's one door to the family registry: the family a manifest, a reader batch or a name stands for.
+
+The runtime's modules import no family module, not even inside a function: a family reaches the runtime through
+its family object (the reader asks it for its processors, media tensors, batch layout and rope; see
+:class:`packtool.families.base.Family`), and the family's own reader code imports the runtime's shared pieces
+(:mod:`.read`), never the other way round. This module is the single exception, and it imports only the registry
+(:mod:`packtool.families`, its ``__init__``), never a family's own module: the runtime's public entry points
+(:func:`.read.pack_to_batch`, :func:`.read.read_packs`, the loaders, :func:`.megatron_batch.megatron_bridge_batch`,
+:mod:`.nemo_rl`, :mod:`.hf`) take a manifest or a reader batch, as a training container holds them, and only the
+registry knows which family wrote a manifest. The families load their reader code (which imports the runtime)
+only when they are asked to read, so importing the registry here loads no runtime module back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from packtool.families import FAMILIES, Family, from_manifest, of_batch, owner
+
+__all__ = ["Family", "family_class_of", "family_named", "family_of", "family_of_batch"]
+
+
+def family_of(manifest: Mapping) -> Family:
+    """The family a manifest was written by (:func:`packtool.families.from_manifest`)."""
+    return from_manifest(manifest)
+
+
+def family_class_of(manifest: Mapping) -> type[Family]:
+    """The family class that owns a manifest, its settings not read (:func:`packtool.families.owner`); the base
+    class where no family owns it."""
+    return owner(manifest) or Family
+
+
+def family_of_batch(batch: Mapping[str, Any]) -> type[Family]:
+    """The family whose layout a reader batch has (:func:`packtool.families.of_batch`)."""
+    return of_batch(batch)
+
+
+def family_named(name: str) -> type[Family]:
+    """The registered family called ``name`` (:attr:`Family.name`)."""
+    return next(cls for cls in FAMILIES if cls.name == name)
