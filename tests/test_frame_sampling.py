@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from packtool.families.qwen2_vl import frame_steps
+from packtool.families.qwen2_vl.family import frame_steps
 
 
 def test_frame_steps_equal_torchs_arange():
