@@ -656,6 +656,9 @@ LEDGER_SCHEMA = pa.schema([
 #: A mixture's ledger adds the sample's dataset (its name in the manifest's ``mixture``) and its copy number: one
 #: row per copy its dataset's proportion took (``copy`` 0 for the first; a sample not kept has one row).
 MIXTURE_LEDGER_COLUMNS = ("dataset", "copy")
+#: The entry of every reader batch (``packtool.runtime.read.pack_to_batch``) that names the registered family whose
+#: trainer layouts the batch follows (``Family.batch_family``): layouts read it, never guess from the batch's keys.
+BATCH_FAMILY = "family"
 
 
 # -- writing Energon's metadata ---------------------------------------------------------------------------------

@@ -171,8 +171,12 @@ def test_verify_the_reader_and_the_loaders_take_the_family_the_manifest_names():
     nemo_rl = families.from_manifest({**entries, "settings": {"preset": "nemo-rl-nemotron-omni", "pack_size": 4096}})
     assert isinstance(nemo_rl, NemoRLNemotronOmni) and nemo_rl.pack_size == 4096 and nemo_rl.plans_sample_images
     assert nemo_rl.convention.name == "nemo-rl-nemotron-omni"
-    assert families.of_batch({"image_grid_hw": None, "media_kinds": []}) is NemotronOmni
-    assert families.of_batch({"image_grid_thw": None}) is not NemotronOmni
+    assert families.of_batch({"family": "nemotron_omni", "image_grid_hw": None}) is NemotronOmni
+    assert families.of_batch({"family": "qwen2_vl", "image_grid_hw": None}) is Qwen2VL  # the name, not the keys
+    with pytest.raises(ValueError, match="names no family"):  # nothing guessed from the keys
+        families.of_batch({"image_grid_hw": None, "media_kinds": []})
+    with pytest.raises(ValueError, match="no family is called 'qwen9'"):
+        families.of_batch({"family": "qwen9"})
     root = Path(__file__).resolve().parents[1] / "packtool"
     branch = re.compile(r"is_nemotron|processor_family|NEMOTRON_FAMILY|\.get\(\"family\"\)|image_grid_hw\" in")
     readers = ["runtime/read.py", "runtime/loader.py", "runtime/megatron_batch.py", "runtime/nemo_rl.py",

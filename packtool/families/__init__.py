@@ -57,12 +57,13 @@ from packtool.families.nemotron_omni import NemotronOmni  # with its conventions
 from packtool.families.processor import ProcessorMode
 from packtool.families.qwen2_vl import Qwen2VL
 from packtool.families.qwen3_vl import Qwen3VL
+from packtool.format import BATCH_FAMILY
 
 if TYPE_CHECKING:
     from packtool.settings import EncodeSettings
 
 __all__ = ["CONVENTIONS", "FAMILIES", "TRANSFORMERS", "Convention", "Family", "ItemPlan", "MediaTokens", "NoRule",
-           "from_manifest", "load", "of_batch", "owner"]
+           "from_manifest", "load", "named", "of_batch", "owner"]
 
 #: The families a model folder is matched against, in order (the first whose ``detect`` says yes).
 FAMILIES: tuple[type[Family], ...] = (
@@ -116,7 +117,19 @@ def from_manifest(manifest: Mapping) -> Family:
     return family
 
 
+def named(name: str) -> type[Family]:
+    """The registered family called ``name``; ``ValueError`` for a name no family has."""
+    found = next((cls for cls in FAMILIES if cls.name == name), None)
+    if found is None:
+        raise ValueError(f"no family is called {name!r} (families: {', '.join(c.name for c in FAMILIES)})")
+    return found
+
+
 def of_batch(batch: Mapping[str, Any]) -> type[Family]:
-    """The family whose layout a reader batch has (the first in :data:`FAMILIES` that owns it; the base layout's
-    families own every batch)."""
-    return next(cls for cls in FAMILIES if cls.owns_batch(batch))
+    """The family whose layouts a reader batch follows: the one its ``family`` entry names (the reader writes it,
+    :meth:`Family.batch_family`); ``ValueError`` for a batch without one (not a packtool reader batch)."""
+    name = batch.get(BATCH_FAMILY)
+    if not isinstance(name, str):
+        raise ValueError("the batch names no family (its 'family' entry): only batches of packtool's reader "
+                         "(pack_to_batch, read_packs, collate_packs, the loaders) have a trainer layout")
+    return named(name)

@@ -413,10 +413,11 @@ class Family(ABC):
                 f"the recipe sets {name} {value!r}, a Nemotron Omni option, but the packs were made for a "
                 f"{family or 'text'} model folder: remove it")
 
-    @classmethod
-    def owns_batch(cls, batch: Mapping[str, Any]) -> bool:
-        """Whether a reader batch has this family's layout (the base layout: any batch)."""
-        return True
+    def batch_family(self) -> str:
+        """The registered family whose trainer layouts (Megatron-Bridge, NeMo-RL, Hugging Face) this family's
+        reader batches follow: its own :attr:`name`. The reader writes it into every batch (``family``), so a
+        layout takes a batch's family from the batch itself, never from which keys it happens to hold."""
+        return self.name
 
     @classmethod
     def bridge_media(cls, batch: Mapping[str, Any], temporal_patch_dim: int) -> dict[str, Any]:

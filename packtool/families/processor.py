@@ -186,6 +186,10 @@ class ProcessorMode(Family):
     def detect(cls, folder: Path, settings: EncodeSettings) -> bool:
         return settings.media_tokens == "processor"
 
+    def batch_family(self) -> str:
+        """The folder's family's layouts (its model is that family's); the base layout (``none``) without one."""
+        return self.inner.batch_family() if self.inner is not None else "none"
+
     @classmethod
     def load(cls, settings: EncodeSettings, tok: Any, convention: Convention) -> ProcessorMode:
         raise NotImplementedError("the processor mode wraps the folder's family: see packtool.families.load")

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from packtool.errors import FormatError
+from packtool.format import BATCH_FAMILY
 from packtool.runtime.read import IGNORE_INDEX
 from packtool.runtime.registry import family_named
 
@@ -113,15 +114,22 @@ def family_of_model(model) -> HFFamily:
 
 
 def family_of_batch(batch: Mapping, manifest=None) -> HFFamily:
-    """``qwen2_vl`` when the batch or manifest has Qwen2-VL media, else ``none``."""
-    processor = _manifest_get(manifest, "image_processor") or {}
-    kind = processor.get("family", processor.get("type")) if isinstance(processor, Mapping) else None
-    if kind not in (None, "qwen2_vl"):
-        raise ValueError(f"packtool: error: packs made for image processor {kind!r} have no Hugging Face hook "
+    """The hook of the family the manifest names, else the one the reader wrote into the batch (``family``); a
+    family without a hook is refused in one line. Nothing is guessed from the batch's keys: a batch that names no
+    family, without a manifest, is refused too."""
+    processor = _manifest_get(manifest, "image_processor") if manifest is not None else None
+    if manifest is not None:
+        kind = processor.get("family", processor.get("type")) if isinstance(processor, Mapping) else None
+        name = "none" if kind is None else str(kind)
+    elif isinstance(batch.get(BATCH_FAMILY), str):
+        name = batch[BATCH_FAMILY]
+    else:
+        raise ValueError("packtool: error: the batch names no family (its 'family' entry, written by packtool's "
+                         "reader); pass the manifest or family=")
+    if name not in FAMILIES:
+        raise ValueError(f"packtool: error: packs made for image processor {name!r} have no Hugging Face hook "
                          "(supported: text-only, qwen2_vl)")
-    if kind == "qwen2_vl" or "image_grid_thw" in batch or "video_grid_thw" in batch:
-        return FAMILIES["qwen2_vl"]
-    return FAMILIES["none"]
+    return FAMILIES[name]
 
 
 def check_model(model):
@@ -155,8 +163,8 @@ def model_tokens_per_second(folder: str | Path) -> int | None:
 def hf_batch(batch: Mapping, manifest=None, *, tokens_per_second: int | None = None,
              family: str | None = None) -> dict:
     """One reader batch (:func:`packtool.runtime.read.pack_to_batch`) as a padding-free packed row for a Hugging
-    Face model's ``forward`` (see the module docstring). ``family``: a :data:`FAMILIES` name; by default
-    ``qwen2_vl`` when the batch or manifest has Qwen2-VL media, else ``none``."""
+    Face model's ``forward`` (see the module docstring). ``family``: a :data:`FAMILIES` name; by default the family
+    the manifest names, else the one the batch names (:func:`family_of_batch`)."""
     if family is not None and family not in FAMILIES:
         raise ValueError(f"packtool: error: unknown family {family!r} (known: {', '.join(FAMILIES)})")
     hook = FAMILIES[family] if family is not None else family_of_batch(batch, manifest)

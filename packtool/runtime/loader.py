@@ -26,7 +26,15 @@ from megatron.energon.edataclass import edataclass
 from megatron.energon.epathlib import EPath
 from megatron.energon.errors import FatalSampleError
 
-from packtool.format import MANIFEST, TOKENIZER_DIR, TOKENIZER_FILES, Manifest, load_manifest, split_shard_paths
+from packtool.format import (
+    BATCH_FAMILY,
+    MANIFEST,
+    TOKENIZER_DIR,
+    TOKENIZER_FILES,
+    Manifest,
+    load_manifest,
+    split_shard_paths,
+)
 from packtool.runtime.megatron_batch import megatron_bridge_batch
 from packtool.runtime.read import IGNORE_INDEX, PAD_TO, ROW_KEYS, pack_to_batch, pad_frames, processor_for_output
 from packtool.runtime.registry import family_of
@@ -58,7 +66,7 @@ def collate_packs(rows: list[dict], pad_token_id: int) -> dict:
     """Batch one-pack rows. One row is returned as is; several are stacked `[B, L]` (labels padded with -100,
     never 0) with `cu_seqlens_unpadded`, `cu_seqlens_padded`, `max_seqlen`, `keys` describing
     `tokens.reshape(1, -1)`;
-    `pack_key` becomes a list, media tensors are concatenated in row order."""
+    `pack_key` becomes a list, media tensors are concatenated in row order; `family` is the rows' one family."""
     if len(rows) == 1:
         return rows[0]
     length = max(r["tokens"].shape[1] for r in rows)
@@ -70,6 +78,10 @@ def collate_packs(rows: list[dict], pad_token_id: int) -> dict:
     out["max_seqlen"] = max(r["max_seqlen"] for r in rows)
     out["keys"] = [k for r in rows for k in r["keys"]]
     out["pack_key"] = [r["pack_key"] for r in rows]
+    kinds = {r.get(BATCH_FAMILY) for r in rows}
+    if len(kinds) > 1:
+        raise ValueError(f"rows of different families ({', '.join(sorted(map(str, kinds)))}) cannot share a batch")
+    out[BATCH_FAMILY] = kinds.pop()
     if any("dataset_index" in r for r in rows):  # a mixture's: one per segment, in `keys` order
         out["dataset_index"] = torch.cat([r["dataset_index"] for r in rows])
     for key in MEDIA_KEYS:  # rows of a text-only dataset (blending) have none

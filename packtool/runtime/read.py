@@ -36,6 +36,7 @@ import torch
 
 from packtool.errors import FormatError
 from packtool.format import (
+    BATCH_FAMILY,
     TOKENIZER_DIR,
     MediaRef,
     PackRecord,
@@ -119,7 +120,8 @@ def pack_to_batch(
     cu_seqlens_padded (int32 `[S + 1]`), max_seqlen (int), image_grid_thw (int64 `[n, 3]`, when the dataset has an
     image processor or the pack has media), pixel_values (when also `images`: float32 `[Σpatches, C·t·p·p]` for
     Qwen2-VL, else what the given processor returns), keys (segment source keys), pack_key, and for a mixture's
-    pack dataset_index (int64 `[S]`, see :func:`dataset_index`).
+    pack dataset_index (int64 `[S]`, see :func:`dataset_index`), and family (the registered family whose
+    trainer layouts the batch follows, :meth:`Family.batch_family`: what the layouts read, never the keys).
     """
     if pad_to not in PAD_TO:
         raise ValueError(f"pad_to must be one of {PAD_TO}, got {pad_to!r}")
@@ -169,7 +171,9 @@ def pack_to_batch(
         "pack_key": record.key,
     }
     batch.update(dataset_index(record, manifest, where))
-    batch.update(_media(record, manifest, cu, where, images, image_processor))
+    family = family_of(manifest)
+    batch.update(_media(record, family, cu, where, images, image_processor))
+    batch[BATCH_FAMILY] = family.batch_family()
     return batch
 
 
@@ -197,11 +201,10 @@ def _check_spans(record: PackRecord, family: Family, cu: np.ndarray, where: str)
             raise FormatError(f"{where}: {problems[0]}")
 
 
-def _media(record: PackRecord, manifest: Mapping, cu: np.ndarray, where: str, images: bool,
+def _media(record: PackRecord, family: Family, cu: np.ndarray, where: str, images: bool,
            image_processor) -> dict:
     """The media fields of the manifest's family (:meth:`Family.read_media`), after checking each media span in
     the tokens; none for a pack without media of a family whose batches carry none."""
-    family = family_of(manifest)
     if not record.media_refs and not family.batch_keys:
         return {}
     _check_spans(record, family, cu, where)

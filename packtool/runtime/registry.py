@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from packtool.families import FAMILIES, Family, from_manifest, of_batch, owner
+from packtool.families import Family, from_manifest, named, of_batch, owner
 
 __all__ = ["Family", "family_class_of", "family_named", "family_of", "family_of_batch"]
 
@@ -38,5 +38,5 @@ def family_of_batch(batch: Mapping[str, Any]) -> type[Family]:
 
 
 def family_named(name: str) -> type[Family]:
-    """The registered family called ``name`` (:attr:`Family.name`)."""
-    return next(cls for cls in FAMILIES if cls.name == name)
+    """The registered family called ``name`` (:attr:`Family.name`; :func:`packtool.families.named`)."""
+    return named(name)

@@ -535,11 +535,6 @@ class NemotronOmni(ExpandsInText):
         check_recipe_options(manifest, given, fields, processors)
 
     @classmethod
-    def owns_batch(cls, batch: Mapping[str, Any]) -> bool:
-        """A reader batch with ``image_grid_hw`` (images as ``[h, w]`` grids) is laid out by this family."""
-        return "image_grid_hw" in batch
-
-    @classmethod
     def bridge_media(cls, batch: Mapping[str, Any], temporal_patch_dim: int) -> dict[str, Any]:
         """Laid out for Megatron-Bridge's ``nemotron_omni_step``: ``visual_inputs``, ``imgs_sizes``, ``num_frames``,
         ``sound_clips``, ``sound_length``."""

@@ -166,17 +166,11 @@ class Qwen3VL(ExpandsInText):
         return self.video.temporal_patch_size if self.video is not None else self.image.temporal_patch_size
 
     @classmethod
-    def owns_batch(cls, batch: Mapping[str, Any]) -> bool:
-        """A reader batch with ``video_grid_thw`` and no ``second_per_grid_ts`` (Qwen3-VL writes timestamps in the
-        text instead) is laid out by this family."""
-        return "video_grid_thw" in batch and "second_per_grid_ts" not in batch and "image_grid_hw" not in batch
-
-    @classmethod
     def bridge_media(cls, batch: Mapping[str, Any], temporal_patch_dim: int) -> dict[str, Any]:
         """Refused: Megatron-Bridge's ``qwen3_vl_step`` takes each batch row as one sequence (its own in-batch
         packing builds the boundaries; the model computes the rope over the whole row), so a pack's segments would
         attend across each other."""
-        raise ValueError("a batch with video_grid_thw and no second_per_grid_ts (Qwen3-VL's layout) has no "
+        raise ValueError("a Qwen3-VL reader batch has no "
                          "Megatron-Bridge batch: Megatron-Bridge's qwen3_vl_step treats each batch row as one "
                          "sequence (it ignores a "
                          "batch's cu_seqlens and computes the rope over the whole row), so packtool gives Qwen3-VL "
