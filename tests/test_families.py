@@ -281,3 +281,49 @@ def test_a_variant_serves_only_its_own_family():
             Qwen3VL.register_variant("another", Custom)
     finally:
         del Qwen2VL.variants["test-only-convention"]
+
+
+def test_a_family_is_registered_once_with_its_trainer_layouts():
+    """One spec per family (name, rule class, trainer layouts) in one registry, which refuses a name twice and a
+    spec whose class has another name; the trainers' layouts are the spec's, not methods of the shared base."""
+    from packtool.families import REGISTRY, FamilySpec, TrainerLayouts, register
+    from packtool.families.base import Family
+    from packtool.families.spec import spec_named
+
+    assert list(REGISTRY) == [cls.name for cls in families.FAMILIES]
+    assert list(REGISTRY) == ["nemotron_omni", "qwen3_vl", "fixed", "qwen2_vl", "none"]
+    with pytest.raises(ValueError, match="'qwen2_vl' is already registered"):
+        register(FamilySpec("qwen2_vl", Qwen2VL))
+    with pytest.raises(ValueError, match="which is called 'qwen2_vl'"):
+        FamilySpec("qwen4_vl", Qwen2VL)
+    assert list(REGISTRY) == ["nemotron_omni", "qwen3_vl", "fixed", "qwen2_vl", "none"]  # nothing half-added
+    for trainer_method in ("bridge_media", "nemo_rl_media", "nemo_rl_patch_dim", "check_recipe_options",
+                           "owns_batch"):
+        assert not hasattr(Family, trainer_method), trainer_method
+    fields = ("megatron_bridge", "nemo_rl_media", "nemo_rl_patch_dim", "nemo_rl_recipe")
+    for spec in REGISTRY.values():
+        for field in fields:  # every layout a spec names imports and is callable
+            fn = spec.layouts.function(field)
+            assert fn is None or callable(fn), (spec.name, field)
+    assert spec_named("qwen3_vl").layouts.megatron_bridge_refused
+    assert spec_named("nemotron_omni").layouts.nemo_rl_media is not None
+    assert TrainerLayouts().function("nemo_rl_media") is None
+    with pytest.raises(ValueError, match="no family is called 'qwen9'"):
+        spec_named("qwen9")
+
+
+def test_a_conventions_variant_keeps_its_trainer_refusal_under_the_registered_layout():
+    """Megatron-Bridge's Nemotron Omni packs are laid out for Megatron-Bridge: NeMo-RL's registered Nemotron Omni
+    layout refuses them with the reason (the plain family's packs pass the same check)."""
+    from packtool.families.base import manifest_tokens
+    from packtool.families.nemotron_omni import MBridgeNemotronOmni, NemotronOmni, NemotronOmniSettings
+    from packtool.families.spec import spec_named
+
+    media = spec_named("nemotron_omni").layouts.function("nemo_rl_media")
+    assert media is not None
+    settings = NemotronOmniSettings()
+    variant = MBridgeNemotronOmni.__new__(MBridgeNemotronOmni)
+    with pytest.raises(ValueError, match="laid out for Megatron-Bridge, not NeMo-RL"):
+        media(variant, None, None, "here")
+    plain = NemotronOmni(manifest_tokens({}), families.TRANSFORMERS, "", settings)
+    assert getattr(plain, "nemo_rl_refused", None) is None  # control: the plain family is not refused

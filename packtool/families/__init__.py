@@ -7,9 +7,11 @@ text, or by the processor; ``placeholder_text``, ``expand_text``, ``place``), it
 (``manifest_entries``) and how to read them back (``owns``, ``from_manifest``), the placeholder ids verify and the
 reader check spans with (``placeholder_ids``), what verify re-derives (``check_image``, ``check_video``,
 ``check_audio``, ``image_counts``, ``expanded_in_text``), the reader's processors, media tensors and rope
-(``reader_processor``, ``read_media``, ``read_videos``, ``reader_images``, ``batch_keys``, ``position_ids``) and the
-Megatron-Bridge batch layout (``bridge_media``, found for a batch by :func:`of_batch`). The encoder, verify, the
-reader and the loaders ask the family; they hold no family branches of their own.
+(``reader_processor``, ``read_media``, ``read_videos``, ``reader_images``, ``batch_keys``, ``position_ids``). Where
+its packs meet each trainer's batch (Megatron-Bridge's step fields, NeMo-RL's media, patch size and recipe options)
+is no method of the family but its registration's :class:`~.spec.TrainerLayouts`, found for a reader batch by the
+family the batch names (:func:`of_batch`). The encoder, verify, the reader and the loaders ask the family; they hold
+no family branches of their own.
 
 Families: :class:`~.qwen2_vl.Qwen2VL`, :class:`~.qwen3_vl.Qwen3VL`, :class:`~.nemotron_omni.NemotronOmni`,
 :class:`~.fixed.FixedCount` (``image_tokens``), :class:`~.base.NoMedia` (no media rule), and
@@ -19,10 +21,12 @@ family when packtool has one.
 Adding a family: one module (or a home package holding its rule, family and reader code, as :mod:`.qwen2_vl`,
 :mod:`.qwen3_vl` and :mod:`.nemotron_omni` do) with a :class:`Family` subclass (``detect``, ``load``, ``owns``,
 ``from_manifest``, ``manifest_entries``, and the ``plan_*`` of the kinds it takes; a family that expands in the text
-subclasses :class:`~.base.ExpandsInText` and gives ``placeholders``), one line in :data:`FAMILIES` (detection order:
-first match wins), and its tests (``tests/test_families.py`` shows it for :mod:`.fixed`). Media items are frozen
-(:class:`packtool.packer.item.MediaItem`; while a sample is encoded, a :class:`~packtool.packer.item.Staged` with what
-only encoding needs): ``expand_text`` and ``place`` return new ones (``dataclasses.replace``), never change them.
+subclasses :class:`~.base.ExpandsInText` and gives ``placeholders``), its trainer layouts where they differ from the
+shared ones (:class:`~.spec.TrainerLayouts`), one registry line below (``register(FamilySpec(name, cls, layouts))``,
+in detection order: first match wins; a name registered twice is refused), and its tests (``tests/test_families.py``
+shows it for :mod:`.fixed`). Media items are frozen (:class:`packtool.packer.item.MediaItem`; while a sample is
+encoded, a :class:`~packtool.packer.item.Staged` with what only encoding needs): ``expand_text`` and ``place``
+return new ones (``dataclasses.replace``), never change them.
 
 Adding a convention (the same family under another trainer's data path, :mod:`.conventions`):
 
@@ -53,26 +57,29 @@ from packtool.errors import ConfigError
 from packtool.families.base import Family, ItemPlan, MediaTokens, NoMedia, NoRule
 from packtool.families.conventions import CONVENTIONS, TRANSFORMERS, Convention
 from packtool.families.fixed import FixedCount
-from packtool.families.nemotron_omni import NemotronOmni  # with its conventions' variants (registers them)
+from packtool.families.nemotron_omni import NEMOTRON_OMNI_LAYOUTS, NemotronOmni  # registers its variants
 from packtool.families.processor import ProcessorMode
-from packtool.families.qwen2_vl import Qwen2VL
-from packtool.families.qwen3_vl import Qwen3VL
+from packtool.families.qwen2_vl import QWEN2_VL_LAYOUTS, Qwen2VL
+from packtool.families.qwen3_vl import QWEN3_VL_LAYOUTS, Qwen3VL
+from packtool.families.spec import REGISTRY, FamilySpec, TrainerLayouts, register, spec_named
 from packtool.format import BATCH_FAMILY
 
 if TYPE_CHECKING:
     from packtool.settings import EncodeSettings
 
-__all__ = ["CONVENTIONS", "FAMILIES", "TRANSFORMERS", "Convention", "Family", "ItemPlan", "MediaTokens", "NoRule",
-           "from_manifest", "load", "named", "of_batch", "owner"]
+__all__ = ["CONVENTIONS", "FAMILIES", "REGISTRY", "TRANSFORMERS", "Convention", "Family", "FamilySpec", "ItemPlan",
+           "MediaTokens", "NoRule", "TrainerLayouts", "from_manifest", "load", "named", "of_batch", "owner", "register",
+           "spec_named"]
 
-#: The families a model folder is matched against, in order (the first whose ``detect`` says yes).
-FAMILIES: tuple[type[Family], ...] = (
-    NemotronOmni,
-    Qwen3VL,
-    FixedCount,
-    Qwen2VL,
-    NoMedia,
-)
+# The registry: one line per family, in detection order (the first whose ``detect`` takes a folder wins).
+register(FamilySpec("nemotron_omni", NemotronOmni, NEMOTRON_OMNI_LAYOUTS))
+register(FamilySpec("qwen3_vl", Qwen3VL, QWEN3_VL_LAYOUTS))
+register(FamilySpec("fixed", FixedCount))
+register(FamilySpec("qwen2_vl", Qwen2VL, QWEN2_VL_LAYOUTS))
+register(FamilySpec("none", NoMedia))
+
+#: The families a model folder is matched against, in order (the registry's).
+FAMILIES: tuple[type[Family], ...] = tuple(spec.family for spec in REGISTRY.values())
 
 
 def load(settings: EncodeSettings, tok: Any) -> Family:
@@ -119,10 +126,7 @@ def from_manifest(manifest: Mapping) -> Family:
 
 def named(name: str) -> type[Family]:
     """The registered family called ``name``; ``ValueError`` for a name no family has."""
-    found = next((cls for cls in FAMILIES if cls.name == name), None)
-    if found is None:
-        raise ValueError(f"no family is called {name!r} (families: {', '.join(c.name for c in FAMILIES)})")
-    return found
+    return spec_named(name).family
 
 
 def of_batch(batch: Mapping[str, Any]) -> type[Family]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
-from packtool.errors import FormatError, SampleError
+from packtool.errors import SampleError
 from packtool.families.conventions import Convention, trainer_image
 from packtool.format import AUDIO_TAG, MediaRef
 
@@ -393,39 +393,11 @@ class Family(ABC):
         forward, :mod:`packtool.runtime.hf`); the base has none."""
         raise NotImplementedError("the family has no rope positions of its own")
 
-    def nemo_rl_media(self, record: Any, processor: Any, where: str) -> dict[str, list[Any]] | None:
-        """The media inputs of NeMo-RL's packed batch for a pack record (:mod:`packtool.runtime.nemo_rl`: media key
-        -> one tensor per item); None: the reader's media fields serve, one tensor per pack (the base layout)."""
-        return None
-
-    #: Pixels per patch side of the images in NeMo-RL's batch (its patchify mode); None: not patchified.
-    nemo_rl_patch_dim: int | None = None
-
-    @classmethod
-    def check_recipe_options(cls, manifest: Mapping, given: Mapping[str, Any], fields: Mapping[str, str],
-                             processors: Any = None) -> None:
-        """Refuse a NeMo-RL recipe's Nemotron Omni options (``given``: option -> value; ``fields``: option -> the
-        processor setting it names) for the packs of ``manifest``; here every one of them: the packs were made for
-        another model folder (Nemotron Omni compares them with its settings)."""
-        family = (manifest.get("image_processor") or {}).get("family")
-        for name, value in given.items():
-            raise FormatError(
-                f"the recipe sets {name} {value!r}, a Nemotron Omni option, but the packs were made for a "
-                f"{family or 'text'} model folder: remove it")
-
     def batch_family(self) -> str:
         """The registered family whose trainer layouts (Megatron-Bridge, NeMo-RL, Hugging Face) this family's
         reader batches follow: its own :attr:`name`. The reader writes it into every batch (``family``), so a
         layout takes a batch's family from the batch itself, never from which keys it happens to hold."""
         return self.name
-
-    @classmethod
-    def bridge_media(cls, batch: Mapping[str, Any], temporal_patch_dim: int) -> dict[str, Any]:
-        """The media fields of the batch Megatron-Bridge's training steps consume
-        (:func:`packtool.runtime.megatron_batch.megatron_bridge_batch`): the base layout's ``visual_inputs``."""
-        from packtool.runtime.megatron_batch import vision_inputs
-
-        return {"visual_inputs": vision_inputs(batch)}
 
 
 def manifest_tokens(manifest: Mapping) -> MediaTokens:

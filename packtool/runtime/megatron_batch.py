@@ -60,7 +60,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from packtool.runtime.read import ROW_KEYS
-from packtool.runtime.registry import family_of_batch
+from packtool.runtime.registry import spec_of_batch
 
 #: Keys Megatron-Bridge's steps keep on the host (`.cpu()`); every other tensor goes to the GPU.
 HOST_KEYS = ("max_seqlen_q", "max_seqlen_kv")
@@ -88,7 +88,7 @@ class VisualInputs:
 
 def megatron_bridge_batch(batch: dict, *, temporal_patch_dim: int = 2) -> dict:
     """Reader batch (one pack, or several from `collate_packs`) -> Megatron-Bridge step batch (tables above; the
-    media fields as the family whose layout the batch has lays them out, `Family.bridge_media`).
+    media fields as the batch's family lays them out: its registered `TrainerLayouts.megatron_bridge`).
     `temporal_patch_dim`: frames per video tubelet of the model (`Family.temporal_patch_dim`; a Nemotron Omni
     model's processor's `video_temporal_patch_dim`, unused by the Qwen-VL layout)."""
     out = {key: batch[key].reshape(1, -1) for key in ROW_KEYS}
@@ -98,7 +98,12 @@ def megatron_bridge_batch(batch: dict, *, temporal_patch_dim: int = 2) -> dict:
     if int(cu_padded[-1]) != length:
         raise ValueError(f"cu_seqlens_padded ends at {int(cu_padded[-1])}, the row has {length} tokens")
     max_seqlen = int(batch["max_seqlen"])
-    out.update(family_of_batch(batch).bridge_media(batch, temporal_patch_dim))
+    layouts = spec_of_batch(batch).layouts
+    if layouts.megatron_bridge_refused is not None:
+        raise ValueError(layouts.megatron_bridge_refused)
+    layout = layouts.function("megatron_bridge")
+    assert layout is not None  # every family has one (the shared one by default)
+    out.update(layout(batch, temporal_patch_dim))
     out.update(
         cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
         max_seqlen_q=torch.tensor(max_seqlen, dtype=torch.int32),
@@ -106,6 +111,11 @@ def megatron_bridge_batch(batch: dict, *, temporal_patch_dim: int = 2) -> dict:
         total_tokens=length, attention_mask=None, keys=batch["keys"], pack_key=batch["pack_key"],
     )
     return out
+
+
+def vision_fields(batch: Mapping, temporal_patch_dim: int = 2) -> dict:
+    """The shared Megatron-Bridge layout (Qwen-VL families): ``visual_inputs`` alone."""
+    return {"visual_inputs": vision_inputs(batch)}
 
 
 def vision_inputs(batch: Mapping) -> VisualInputs | None:

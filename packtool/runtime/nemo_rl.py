@@ -52,11 +52,8 @@ from packtool.format import Manifest, PackRecord
 from packtool.runtime.hf import mm_token_type_ids
 from packtool.runtime.loader import PackSample, _manifest, _reader_processor, cook_pack
 from packtool.runtime.read import open_pack, pack_to_batch
-from packtool.runtime.registry import Family, family_class_of, family_of
+from packtool.runtime.registry import Family, family_class_of, family_of, spec_of
 
-#: The family whose transformers processor gives ``mm_token_type_ids`` (0 text, 1 image, 2 video per token), which
-#: its NeMo-RL batch carries (:func:`packtool.runtime.hf.mm_token_type_ids`).
-QWEN_FAMILY = "qwen2_vl"
 #: The media keys of a Qwen2-VL-style reader batch that NeMo-RL's ``hf_multimodal`` adapter carries (the
 #: transformers processor's own names).
 QWEN_MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
@@ -121,7 +118,14 @@ def check_packed_recipe_options(manifest: Mapping, options: Mapping[str, Any], p
                               f"{packed!r}")
     options = {name: value for name, value in given.items() if PACKED_RECIPE_OPTIONS[name] != "settings.pack_size"}
     if options:  # Nemotron Omni's processor settings, which the packs' family compares
-        family_class_of(manifest).check_recipe_options(manifest, options, PACKED_RECIPE_OPTIONS, processors)
+        owner = family_class_of(manifest)
+        check = spec_of(owner.name).layouts.function("nemo_rl_recipe") if owner is not Family else None
+        if check is None:  # the packs' family has no such options
+            kind = "text" if owner is Family or owner.name == "none" else owner.name
+            name, value = next(iter(options.items()))
+            raise FormatError(f"the recipe sets {name} {value!r}, a Nemotron Omni option, but the packs were made "
+                              f"for a {kind} model folder: remove it")
+        check(manifest, options, PACKED_RECIPE_OPTIONS, processors)
 
 
 #: The prompt format packtool's ``nemo-rl-nemotron-omni`` preset renders (NeMo-RL's ``prompt_format``).
@@ -189,20 +193,23 @@ def nemo_rl_row(members: Mapping[str, Any], manifest: Mapping, *, multiple: int 
     family = family_of(manifest)
     media = _media(members, record, manifest, family, where, images, image_processor, source)
     input_ids = torch.from_numpy(ids)
-    token_types = mm_token_type_ids(input_ids, manifest).long() if family.name == QWEN_FAMILY else None
+    layouts = spec_of(family.batch_family()).layouts
+    token_types = mm_token_type_ids(input_ids, manifest).long() if layouts.nemo_rl_token_types else None
+    patch_dim = layouts.function("nemo_rl_patch_dim")
     return NemoRLRow(input_ids, torch.from_numpy(mask), lengths.tolist(), padded.tolist(),
-                     [s.key for s in record.segments], record.key, media, family.nemo_rl_patch_dim, token_types)
+                     [s.key for s in record.segments], record.key, media,
+                     patch_dim(family) if patch_dim is not None else None, token_types)
 
 
 def _media(members: Mapping[str, Any], record: PackRecord, manifest: Mapping, family: Family, where: str,
            images: bool, image_processor, source: str) -> dict[str, list[torch.Tensor]]:
-    """The family's NeMo-RL media inputs (:meth:`Family.nemo_rl_media`), else the reader's media fields, one
-    tensor per pack."""
+    """The family's NeMo-RL media inputs (its registered ``TrainerLayouts.nemo_rl_media``), else the reader's media
+    fields, one tensor per pack."""
     if not images or not record.media_refs:
         return {}
-    own = family.nemo_rl_media(record, image_processor, where)
+    own = spec_of(family.batch_family()).layouts.function("nemo_rl_media")
     if own is not None:
-        return own
+        return own(family, record, image_processor, where)
     batch = pack_to_batch(members, manifest, pad_to="segments", images=True, image_processor=image_processor,
                           source=source)
     return {key: [batch[key]] for key in QWEN_MEDIA_KEYS if _present(batch.get(key))}

@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from packtool.families import Family, from_manifest, named, of_batch, owner
+from packtool.families import Family, FamilySpec, from_manifest, named, of_batch, owner, spec_named
 
-__all__ = ["Family", "family_class_of", "family_named", "family_of", "family_of_batch"]
+__all__ = ["Family", "FamilySpec", "family_class_of", "family_named", "family_of", "family_of_batch", "spec_of",
+           "spec_of_batch"]
 
 
 def family_of(manifest: Mapping) -> Family:
@@ -40,3 +41,14 @@ def family_of_batch(batch: Mapping[str, Any]) -> type[Family]:
 def family_named(name: str) -> type[Family]:
     """The registered family called ``name`` (:attr:`Family.name`; :func:`packtool.families.named`)."""
     return named(name)
+
+
+def spec_of(name: str) -> FamilySpec:
+    """The registration of the family called ``name``: its class and trainer layouts
+    (:class:`packtool.families.spec.FamilySpec`)."""
+    return spec_named(name)
+
+
+def spec_of_batch(batch: Mapping[str, Any]) -> FamilySpec:
+    """The registration of the family a reader batch names (:func:`packtool.families.of_batch`)."""
+    return spec_named(of_batch(batch).name)

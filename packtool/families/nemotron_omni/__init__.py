@@ -10,5 +10,17 @@ from __future__ import annotations
 from packtool.families.nemotron_omni.family import NemotronOmni, NemotronOmniSettings
 from packtool.families.nemotron_omni.mbridge import MBridgeNemotronOmni
 from packtool.families.nemotron_omni.nemo_rl import NemoRLNemotronOmni
+from packtool.families.spec import TrainerLayouts
 
-__all__ = ["MBridgeNemotronOmni", "NemoRLNemotronOmni", "NemotronOmni", "NemotronOmniSettings"]
+_HERE = "packtool.families.nemotron_omni"
+#: Nemotron Omni's trainer layouts: Megatron-Bridge's ``nemotron_omni_step`` fields (:mod:`.bridge_batch`), NeMo-RL's
+#: per-item media and patch size (:mod:`.nemo_rl_batch`), its recipe's processor options compared with the packs'.
+NEMOTRON_OMNI_LAYOUTS = TrainerLayouts(
+    megatron_bridge=f"{_HERE}.bridge_batch:nemotron_inputs",
+    nemo_rl_media=f"{_HERE}.nemo_rl_batch:family_inputs",
+    nemo_rl_patch_dim=f"{_HERE}.nemo_rl_batch:patch_dim",
+    nemo_rl_recipe=f"{_HERE}.reader:check_recipe_options",
+)
+
+__all__ = ["NEMOTRON_OMNI_LAYOUTS", "MBridgeNemotronOmni", "NemoRLNemotronOmni", "NemotronOmni",
+           "NemotronOmniSettings"]

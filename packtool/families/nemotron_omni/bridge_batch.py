@@ -1,7 +1,7 @@
 """The Megatron-Bridge batch fields of a Nemotron Omni reader batch (Megatron-Bridge's ``nemotron_omni_step``):
 ``visual_inputs``, ``imgs_sizes``, ``num_frames``, ``sound_clips``, ``sound_length`` (and ``num_image_tiles`` for
 packs of ``--preset megatron-bridge-nemotron-omni``). The family hands them to
-:func:`packtool.runtime.megatron_batch.megatron_bridge_batch` (:meth:`.family.NemotronOmni.bridge_media`)."""
+:func:`packtool.runtime.megatron_batch.megatron_bridge_batch` (Nemotron Omni's registered Megatron-Bridge layout)."""
 
 from __future__ import annotations
 

@@ -515,33 +515,6 @@ class NemotronOmni(ExpandsInText):
     def temporal_patch_dim(self) -> int:
         return self.rule.video_temporal_patch_dim
 
-    def nemo_rl_media(self, record: Any, processor: Any, where: str) -> dict[str, list[Any]] | None:
-        """NeMo-RL's Nemotron Omni inputs (images and audio; the feature extractor: ``processor.audio``)."""
-        from packtool.families.nemotron_omni.nemo_rl_batch import nemotron_inputs
-
-        return nemotron_inputs(record, {"image_processor": self.rule.manifest()}, where,
-                               getattr(processor, "audio", None))
-
-    @property
-    def nemo_rl_patch_dim(self) -> int | None:  # type: ignore[override]
-        return self.rule.patch_size
-
-    @classmethod
-    def check_recipe_options(cls, manifest: Mapping, given: Mapping[str, Any], fields: Mapping[str, str],
-                             processors: Any = None) -> None:
-        """Compared with the settings the packs were made with (:func:`.reader.check_recipe_options`)."""
-        from packtool.families.nemotron_omni.reader import check_recipe_options
-
-        check_recipe_options(manifest, given, fields, processors)
-
-    @classmethod
-    def bridge_media(cls, batch: Mapping[str, Any], temporal_patch_dim: int) -> dict[str, Any]:
-        """Laid out for Megatron-Bridge's ``nemotron_omni_step``: ``visual_inputs``, ``imgs_sizes``, ``num_frames``,
-        ``sound_clips``, ``sound_length``."""
-        from packtool.families.nemotron_omni.bridge_batch import nemotron_inputs
-
-        return nemotron_inputs(batch, temporal_patch_dim)
-
     def manifest_entries(self) -> dict[str, Any]:
         t = self.tokens
         return {"image_token_id": t.image_token_id, "vision_start_token_id": t.vision_start_id,

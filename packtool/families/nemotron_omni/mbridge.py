@@ -229,8 +229,8 @@ class MBridgeNemotronOmni(NemotronOmni):
 
         return mbridge_media(record, self.mbridge_entry(), where, decode)
 
-    def nemo_rl_media(self, record: Any, processor: Any, where: str) -> dict[str, list[Any]] | None:
-        raise ValueError(f"packs of --preset {MB_NEMOTRON} are laid out for Megatron-Bridge, not NeMo-RL")
+    #: Why NeMo-RL's batch refuses these packs (:func:`.nemo_rl_batch.family_inputs` reads it).
+    nemo_rl_refused = f"packs of --preset {MB_NEMOTRON} are laid out for Megatron-Bridge, not NeMo-RL"
 
 
 def audio_tokens(samples: int, count: str = "valid") -> int:

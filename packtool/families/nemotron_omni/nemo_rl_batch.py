@@ -1,7 +1,7 @@
 """NeMo-RL's Nemotron Omni inputs of a pack (its ``nemotron_multimodal`` path), for the packed batch of
 :mod:`packtool.runtime.nemo_rl`: one segment per image or video (``pixel_values`` float32 ``[frames, 3, H, W]``,
 ``imgs_sizes``, ``num_frames``) and per audio item (``sound_clips``, ``sound_length``). The family hands them to the
-runtime (:meth:`.family.NemotronOmni.nemo_rl_media`)."""
+runtime (Nemotron Omni's registered NeMo-RL layout, :func:`family_inputs`)."""
 
 from __future__ import annotations
 
@@ -127,3 +127,19 @@ def _nemotron_video_frames(record: PackRecord, ref: Any, manifest: Mapping, wher
     return [Image.fromarray(clip[0].permute(1, 2, 0).numpy()) for clip in clips[:len(seconds)]]
 
 
+
+
+def family_inputs(family: Any, record: Any, processor: Any, where: str) -> dict[str, list[Any]]:
+    """NeMo-RL's layout of a Nemotron Omni pack's media (the family's registered ``nemo_rl_media``): images and
+    audio (the feature extractor: ``processor.audio``); a convention's variant laid out for another trainer
+    refuses (its ``nemo_rl_refused``)."""
+    why = getattr(family, "nemo_rl_refused", None)
+    if why:
+        raise ValueError(why)
+    return nemotron_inputs(record, {"image_processor": family.rule.manifest()}, where,
+                           getattr(processor, "audio", None))
+
+
+def patch_dim(family: Any) -> int:
+    """Pixels per patch side of the images in NeMo-RL's batch (the family's registered ``nemo_rl_patch_dim``)."""
+    return int(family.rule.patch_size)

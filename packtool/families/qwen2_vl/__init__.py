@@ -19,7 +19,13 @@ from packtool.families.qwen2_vl.family import (
     fetch_image_resize,
     qwen_resize,
 )
+from packtool.families.spec import TrainerLayouts
+
+#: Qwen2-VL's trainer layouts: Megatron-Bridge's shared Qwen-VL ``visual_inputs``, NeMo-RL's reader media fields
+#: with ``mm_token_type_ids``.
+QWEN2_VL_LAYOUTS = TrainerLayouts(nemo_rl_token_types=True)
 
 __all__ = ["FETCH_IMAGE_TOKENS", "FETCH_VIDEO_TOKENS", "FETCH_VIDEO_TOTAL_TOKENS", "QWEN2_VL_IMAGE_PROCESSORS",
-           "QWEN2_VL_MODEL_TYPES", "QWEN2_VL_PROCESSORS", "QWEN2_VL_VIDEO_PROCESSORS", "ImageRule", "Qwen2VL",
+           "QWEN2_VL_LAYOUTS", "QWEN2_VL_MODEL_TYPES", "QWEN2_VL_PROCESSORS", "QWEN2_VL_VIDEO_PROCESSORS", "ImageRule",
+           "Qwen2VL",
            "Qwen2VLSettings", "QwenVideoPlan", "fetch_image_resize", "qwen_resize"]

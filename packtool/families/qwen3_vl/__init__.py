@@ -7,5 +7,13 @@ from __future__ import annotations
 
 from packtool.families.qwen3_vl.family import Qwen3VL
 from packtool.families.qwen3_vl.rule import Qwen3VLVideoPlan, Qwen3VLVideoRule
+from packtool.families.spec import TrainerLayouts
 
-__all__ = ["Qwen3VL", "Qwen3VLVideoPlan", "Qwen3VLVideoRule"]
+#: Qwen3-VL's trainer layouts: no Megatron-Bridge batch (its step's rope spans the whole row).
+QWEN3_VL_LAYOUTS = TrainerLayouts(megatron_bridge_refused=(
+    "a Qwen3-VL reader batch has no Megatron-Bridge batch: Megatron-Bridge's qwen3_vl_step treats each batch row "
+    "as one sequence (it ignores a batch's cu_seqlens and computes the rope over the whole row), so packtool gives "
+    "Qwen3-VL packs no Megatron-Bridge batch; use its in-batch packing (pack_sequences_in_batch) on unpacked data, "
+    "or read the packs with the per-segment rope (packtool.families.qwen3_vl.reader.position_ids)"))
+
+__all__ = ["QWEN3_VL_LAYOUTS", "Qwen3VL", "Qwen3VLVideoPlan", "Qwen3VLVideoRule"]

@@ -164,16 +164,3 @@ class Qwen3VL(ExpandsInText):
     @property
     def temporal_patch_dim(self) -> int:
         return self.video.temporal_patch_size if self.video is not None else self.image.temporal_patch_size
-
-    @classmethod
-    def bridge_media(cls, batch: Mapping[str, Any], temporal_patch_dim: int) -> dict[str, Any]:
-        """Refused: Megatron-Bridge's ``qwen3_vl_step`` takes each batch row as one sequence (its own in-batch
-        packing builds the boundaries; the model computes the rope over the whole row), so a pack's segments would
-        attend across each other."""
-        raise ValueError("a Qwen3-VL reader batch has no "
-                         "Megatron-Bridge batch: Megatron-Bridge's qwen3_vl_step treats each batch row as one "
-                         "sequence (it ignores a "
-                         "batch's cu_seqlens and computes the rope over the whole row), so packtool gives Qwen3-VL "
-                         "packs no Megatron-Bridge batch; use its in-batch packing (pack_sequences_in_batch) on "
-                         "unpacked data, or read the packs with the per-segment rope "
-                         "(packtool.families.qwen3_vl.reader.position_ids)")

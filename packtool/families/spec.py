@@ -1,0 +1,90 @@
+"""A model family's one registration: :class:`FamilySpec` (its name, its rule class — detection, loading from a
+model folder and from a manifest, the encode and verify rules — and its trainer layouts), and the registry that
+holds each name once (:func:`register`).
+
+The trainer layouts (:class:`TrainerLayouts`) are where a family's packs meet each trainer's batch: named as
+``"module:function"`` and imported only when a batch is laid out, since a family's reader code imports the runtime
+and the registry is imported by the runtime (:mod:`packtool.runtime.registry`). A trainer's layout a family does not
+give is either the shared one (the base Qwen-VL ``visual_inputs`` for Megatron-Bridge, the reader's media fields for
+NeMo-RL) or a refusal with its reason. Adding a trainer adds a field here, never a method to
+:class:`~packtool.families.base.Family`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from packtool.families.base import Family
+
+#: Megatron-Bridge's shared layout: the base Qwen-VL ``visual_inputs``.
+BRIDGE_VISION = "packtool.runtime.megatron_batch:vision_fields"
+
+
+@dataclass(frozen=True)
+class TrainerLayouts:
+    """How one family's reader batches and pack records become each trainer's batch (``"module:function"``)."""
+
+    #: Megatron-Bridge's step batch: ``(batch, temporal_patch_dim) -> media fields``
+    #: (:func:`packtool.runtime.megatron_batch.megatron_bridge_batch`).
+    megatron_bridge: str = BRIDGE_VISION
+    #: Why the family's packs get no Megatron-Bridge batch (None: they do).
+    megatron_bridge_refused: str | None = None
+    #: NeMo-RL's packed batch media: ``(family, record, processor, where) -> media key -> one tensor per item``;
+    #: None: the reader's media fields, one tensor per pack.
+    nemo_rl_media: str | None = None
+    #: Pixels per patch side of the images in NeMo-RL's batch (its patchify mode): ``(family) -> int``; None: not
+    #: patchified.
+    nemo_rl_patch_dim: str | None = None
+    #: Checks a NeMo-RL recipe's model-processor options against the packs:
+    #: ``(manifest, given, fields, processors) -> None``; None: any such option is refused (the packs were made for
+    #: a model folder those options do not describe).
+    nemo_rl_recipe: str | None = None
+    #: Whether NeMo-RL's batch carries ``mm_token_type_ids`` (its Qwen2-VL processor's).
+    nemo_rl_token_types: bool = False
+
+    def function(self, trainer: str) -> Callable[..., Any] | None:
+        """The function a field names, imported (None where the field is None)."""
+        path = getattr(self, trainer)
+        if path is None:
+            return None
+        module, _, name = path.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One model family, registered once: its ``name`` (what manifests, reader batches and ``--preset`` conventions
+    call it), its rule class ``family`` (``detect``, ``load``, ``owns``, ``from_manifest``, the media rules, the
+    reader's processors and media tensors) and its :class:`TrainerLayouts`."""
+
+    name: str
+    family: type[Family]
+    layouts: TrainerLayouts = TrainerLayouts()
+
+    def __post_init__(self) -> None:
+        if self.family.name != self.name:
+            raise ValueError(f"family spec {self.name!r} names the class {self.family.__name__}, which is called "
+                             f"{self.family.name!r}")
+
+
+#: Every registered family by name, in detection order (the first whose ``detect`` takes a folder wins).
+REGISTRY: dict[str, FamilySpec] = {}
+
+
+def register(spec: FamilySpec) -> FamilySpec:
+    """Add a family; a name registered twice is refused."""
+    if spec.name in REGISTRY:
+        raise ValueError(f"a family called {spec.name!r} is already registered ({REGISTRY[spec.name].family.__name__})")
+    REGISTRY[spec.name] = spec
+    return spec
+
+
+def spec_named(name: str) -> FamilySpec:
+    """The registered family called ``name``; ``ValueError`` for a name no family has."""
+    if name not in REGISTRY:
+        raise ValueError(f"no family is called {name!r} (families: {', '.join(REGISTRY)})")
+    return REGISTRY[name]
