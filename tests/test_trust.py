@@ -185,9 +185,9 @@ def test_a_packtool_bug_stops_the_run_instead_of_quarantining(tok, tmp_path, mon
     """Any exception packtool's own code raises while one sample is encoded is a bug, not bad data, whatever its
     type (KeyError, TypeError, IndexError, ValueError as much as AttributeError): the run stops with it, its
     traceback names the sample, and no ledger is written."""
-    import packtool.packer.encoder
+    import packtool.packer.sources.formats
 
-    real = packtool.packer.encoder.conversation_adapter
+    real = packtool.packer.sources.formats.conversation_adapter
     for bug in (AttributeError("'NoneType' object has no attribute 'messages'"), NameError("name 'x' is not defined"),
                 KeyError("grid_thw"), TypeError("'NoneType' object is not subscriptable"),
                 IndexError("list index out of range"), ValueError("too many values to unpack")):
@@ -196,7 +196,7 @@ def test_a_packtool_bug_stops_the_run_instead_of_quarantining(tok, tmp_path, mon
                 raise _bug
             return real(parts, *args, **kwargs)
 
-        monkeypatch.setattr(packtool.packer.encoder, "conversation_adapter", broken)
+        monkeypatch.setattr(packtool.packer.sources.formats, "conversation_adapter", broken)
         src = dataset(tmp_path / f"src-{type(bug).__name__}",
                       {"shards/a.tar": [sample(0), ("x0bug", {"json": chat("a BUG here")}), sample(1)]})
         out = tmp_path / f"out-{type(bug).__name__}"

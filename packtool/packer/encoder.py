@@ -43,12 +43,9 @@ from packtool.packer import hfcompat
 from packtool.packer.chatshape import ShapeRenderer
 from packtool.packer.item import MediaItem, Staged
 from packtool.packer.sources import Conversation, RawSample
-from packtool.packer.sources.conversation import conversation_adapter
-from packtool.packer.sources.custom import custom_adapter, load_function
-from packtool.packer.sources.mbridge import chatml_adapter, chatml_fields
+from packtool.packer.sources.formats import input_format
 from packtool.packer.sources.safepickle import load_bytes_list, video_frames
 from packtool.packer.sources.sample import MEDIA_TAGS, TAG_PATTERN, Media, tag_kinds
-from packtool.packer.sources.typed import sample_type, typed_adapter
 from packtool.packer.tokenizing import Tokenizing, Tokens
 from packtool.settings import EncodeSettings
 
@@ -221,12 +218,7 @@ class Encoder:
                               for kind in ("image", "video", "audio"))
         self.placeholder_text = {kind: self.family.placeholder_text(kind, self.structured)
                                  for kind in ("image", "video", "audio")}
-        self.kind = sample_type(dataset_yaml or {})
-        self.field_map = (dataset_yaml or {}).get("field_map") or {}
-        if (dataset_yaml or {}).get("sample_loader") and not settings.adapter:
-            raise ConfigError("dataset.yaml uses a sample_loader: give an adapter (module:function) for it")
-        self.custom = load_function(settings.adapter) if settings.adapter else None
-        self.chatml = chatml_fields(dataset_yaml or {})
+        self.input_format = input_format(dataset_yaml, settings, chatml_audio=self.family.convention.chatml_audio)
         newline = self.tok.backend_tokenizer.encode("\n", add_special_tokens=False).ids
         self.newline_id = newline[0] if len(newline) == 1 else None
         if settings.target_newline_after_eot and self.newline_id is None:
@@ -310,17 +302,10 @@ class Encoder:
                 raise SampleError(f"assistant reply {i} does not appear verbatim in the rendered chat")
         return text, spans
 
-    # -- adapters --------------------------------------------------------------------------------------------
+    # -- the source's input format ------------------------------------------------------------------------------
     def conversation(self, raw: RawSample) -> Conversation:
-        if self.custom is not None:
-            return custom_adapter(raw.parts, raw.key, self.custom, name=self.settings.adapter)
-        if self.kind is not None:
-            return typed_adapter(raw.parts, kind=self.kind, field_map=self.field_map,
-                                 prompt=self.settings.caption_prompt)
-        if self.chatml is not None:
-            return chatml_adapter(raw.parts, fields=self.chatml, allow_pickle=self.settings.allow_pickle,
-                                  audio=self.family.convention.chatml_audio)
-        return conversation_adapter(raw.parts, allow_pickle=self.settings.allow_pickle)
+        """The raw sample as a conversation, read by the source's input format (:mod:`.sources.formats`)."""
+        return self.input_format.conversation(raw)
 
     def _media_facts(self, raw: RawSample, conv: Conversation) -> list[Staged]:
         """What each media item costs and where its bytes lie; a member that does not read, or a kind the model
