@@ -229,13 +229,6 @@ def build(values: Mapping[str, Any], given: Collection[str], origin: Mapping[str
         if values.get(key) is None:
             raise ConfigError(f"{key} is required (a flag, an argument or a key of the config file)")
     preset = values.get("preset")
-    if preset is not None and preset in PRESETS:
-        for name, value in PRESETS[preset].items():
-            if name in given and values[name] != value:
-                where = f"in {origin[name]}" if name in origin else "explicitly"
-                raise ConfigError(f"preset {preset!r} sets {name} to {value!r}, not {values[name]!r} (given "
-                                  f"{where}); leave it unset or drop the preset")
-            values[name] = value
     tokenizer = values["tokenizer"] if is_remote(values["tokenizer"]) else resolve_model(values["tokenizer"])
     why = CONVENTIONS[preset].no_context_parallel if preset in CONVENTIONS else None
     if why and values["cp_size"] > 1:
@@ -247,7 +240,10 @@ def build(values: Mapping[str, Any], given: Collection[str], origin: Mapping[str
     except ConfigError as exc:
         raise ConfigError(f"{exc}{came_from('align', 'align_for', 'cp_size', 'tp_size', 'sequence_parallel')}") \
             from None
-    encode = EncodeSettings(**{**{k: values[k] for k in _ENCODE}, "tokenizer": str(tokenizer), "align": align})
+    # the preset is applied once, by the settings, told what was given and where
+    encode = EncodeSettings(**{**{k: values[k] for k in _ENCODE}, "tokenizer": str(tokenizer), "align": align},
+                            given=set(given), origin=origin)
+    values.update({name: getattr(encode, name) for name in PRESETS.get(str(preset), {})})  # as they took effect
     plan = PlanSettings(**{k: values[k] for k in _PLAN})
     options = RunOptions(**{**{k: values[k] for k in _RUN}, "workers": values["workers"] or default_workers()})
     split = values["split"] or []

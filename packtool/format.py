@@ -585,6 +585,10 @@ class Manifest(Mapping[str, Any]):
     #: split's entries as declared; ``repetitions``: split -> dataset -> times its kept samples were taken); None
     #: for one dataset.
     mixture: dict | None = None
+    #: A ``--preset`` run's convention as it took effect (``packtool.families.conventions.Convention.record``: its
+    #: name and every choice it made), which readers take instead of looking the name up again; None without a
+    #: preset (and in manifests of older packtool versions: then the preset's name in ``settings`` is looked up).
+    convention: dict | None = None
 
     @classmethod
     def read(cls, root: str | Path) -> Manifest:
@@ -607,7 +611,7 @@ class Manifest(Mapping[str, Any]):
 
     def to_bytes(self) -> bytes:
         data = asdict(self)
-        for name in ("run_config", "mixture"):  # written only when there is one (older outputs keep their bytes)
+        for name in ("run_config", "mixture", "convention"):  # written only when set (other outputs keep their bytes)
             if data[name] is None:
                 del data[name]
         return json.dumps(data, indent=1).encode()

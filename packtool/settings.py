@@ -22,7 +22,8 @@ import datetime
 import json
 import math
 import re
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from collections.abc import Collection, Mapping
+from dataclasses import MISSING, InitVar, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -48,6 +49,10 @@ ThinkingTraceFormat = Literal["normalized", "ultra"]
 
 #: The encode settings each preset sets: those of its convention (:mod:`packtool.families.conventions`).
 PRESETS: dict[str, dict[str, Any]] = {name: c.settings() for name, c in CONVENTIONS.items()}
+#: Encode settings only some conventions take -> those conventions' names (:attr:`Convention.options`).
+CONVENTION_OPTIONS: dict[str, tuple[str, ...]] = {
+    name: tuple(c.name for c in CONVENTIONS.values() if name in c.options)
+    for name in dict.fromkeys(n for c in CONVENTIONS.values() for n in c.options)}
 #: Presets named but not available yet, with the reason.
 UNSUPPORTED_PRESETS = {name: c.unsupported for name, c in CONVENTIONS.items() if c.unsupported}
 #: Every preset's name, in the registry's order.
@@ -279,9 +284,14 @@ class EncodeSettings:
     #: A named set of the settings above (:data:`PRESETS`): it fills those still at their default, and any of them
     #: given a different value is an error, so the recorded preset always means what it says.
     preset: Preset | None = None
+    #: Which settings were given (by a flag or a config file), and where each came from (its config file): the one
+    #: application of the preset (:meth:`_apply_preset`) refuses a given value the preset sets otherwise, and names
+    #: the file. Without ``given``, the values other than their default count as given. Not settings themselves.
+    given: InitVar[Collection[str] | None] = None
+    origin: InitVar[Mapping[str, str] | None] = None
 
-    def __post_init__(self) -> None:
-        self._apply_preset()
+    def __post_init__(self, given: Collection[str] | None = None, origin: Mapping[str, str] | None = None) -> None:
+        self._apply_preset(given, origin or {})
         _check_int(self.pack_size, "pack_size", high=MAX_PACK_SIZE)
         _check_int(self.align, "align")
         if self.align > self.pack_size:
@@ -291,11 +301,10 @@ class EncodeSettings:
         _check_choice(self.media_tokens, MediaTokens, "media_tokens")
         _check_choice(self.image_resize, ImageResize, "image_resize")
         _check_choice(self.audio_count, AudioCount, "audio_count")
-        if self.audio_count != "valid" and self.preset != "megatron-bridge-nemotron-omni":
-            raise ConfigError("audio_count applies to --preset megatron-bridge-nemotron-omni only")
         _check_choice(self.thinking_trace_format, ThinkingTraceFormat, "thinking_trace_format")
-        if self.thinking_trace_format != "normalized" and self.preset != "nemo-rl-nemotron-omni":
-            raise ConfigError("thinking_trace_format applies to --preset nemo-rl-nemotron-omni only")
+        for name, owners in CONVENTION_OPTIONS.items():  # a convention's own settings, with it only
+            if getattr(self, name) != default(EncodeSettings, name) and self.preset not in owners:
+                raise ConfigError(f"{name} applies to --preset {' or '.join(owners)} only")
         for name in ("min_pixels", "max_pixels", "image_tokens", "max_images", "max_image_tokens", "video_frames",
                      "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels",
                      "sample_max_images", "sample_max_visual_tokens", "video_keep_frames"):
@@ -325,7 +334,9 @@ class EncodeSettings:
         except (TypeError, ValueError):
             raise ConfigError(f"template_date must be YYYY-MM-DD, not {self.template_date!r}") from None
 
-    def _apply_preset(self) -> None:
+    def _apply_preset(self, given: Collection[str] | None, origin: Mapping[str, str]) -> None:
+        """The preset's one application: every setting its convention sets takes the convention's value; one given
+        another value (explicitly, or in a config file: ``origin``) is an error naming where it came from."""
         if self.preset is None:
             return
         if self.preset not in CONVENTIONS:
@@ -334,11 +345,13 @@ class EncodeSettings:
             raise ConfigError(f"preset {self.preset!r} is not supported yet: {UNSUPPORTED_PRESETS[self.preset]}")
         for name, value in PRESETS[self.preset].items():
             current = getattr(self, name)
-            if current == default(EncodeSettings, name):
-                object.__setattr__(self, name, value)
-            elif current != value:
-                raise ConfigError(f"preset {self.preset!r} sets {name} to {value!r}, not {current!r}; leave it unset "
-                                  f"or drop the preset")
+            stated = name in given if given is not None else current != default(EncodeSettings, name)
+            if stated and current != value:
+                where = (f" (given in {origin[name]})" if name in origin
+                         else " (given explicitly)" if given is not None else "")
+                raise ConfigError(f"preset {self.preset!r} sets {name} to {value!r}, not {current!r}{where}; leave it "
+                                  f"unset or drop the preset")
+            object.__setattr__(self, name, value)
 
     @property
     def max_tokens(self) -> int:

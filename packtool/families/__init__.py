@@ -30,11 +30,13 @@ return new ones (``dataclasses.replace``), never change them.
 
 Adding a convention (the same family under another trainer's data path, :mod:`.conventions`):
 
-1. Add a :class:`~.conventions.Convention` value to :data:`~.conventions.CONVENTIONS` under its ``--preset`` name
-   (``--preset`` takes its names from there). Its fields are the choices every family shares: which tokens
-   are targets (``target_newline_after_eot``; override :meth:`Convention.mark_targets` for other rules), the
-   layout of a turn around its media (``media_first``; :meth:`Convention.turn_text`), the image resize rule's
-   pixel bounds (``min_pixels``, ``max_pixels``). The preset fills the matching encode settings.
+1. Register a :class:`~.conventions.Convention` value (:func:`~.conventions.register_convention`; a name registered
+   twice is refused) under its ``--preset`` name (``--preset`` takes its names from the registry). Settings only it
+   takes are its ``options``; a run records the resolved convention in its manifest, and readers take it from there.
+   Its fields are the choices every family shares: which tokens are targets (``target_newline_after_eot``; override
+   :meth:`Convention.mark_targets` for other rules), the layout of a turn around its media (``media_first``;
+   :meth:`Convention.turn_text`), the image resize rule's pixel bounds (``min_pixels``, ``max_pixels``). The preset
+   fills the matching encode settings.
 2. Where it changes one family's media, subclass that family and override: ``plan_image`` (the image resize
    rule), ``video_facts`` (the video facts a trainer reads, e.g. Energon's duration), ``plan_video`` (frame sampling,
    frame labels and canvas), ``plan_audio`` (audio counts),
@@ -43,7 +45,7 @@ Adding a convention (the same family under another trainer's data path, :mod:`.c
    variants under the convention's name: ``NemotronOmni.register_variant("my-convention", MyNemotronOmni)``
    (each family holds its own variants; a name registered twice is refused).
    :func:`load` builds the variant when the settings name that convention. A convention for one family can keep
-   both in one module that registers them (``CONVENTIONS[name] = ...``, imported here), as
+   both in one module that registers them (:func:`~.conventions.register_convention`, imported here), as
    :mod:`.nemotron_omni.mbridge` does.
 """
 
@@ -55,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from packtool.errors import ConfigError
 from packtool.families.base import Family, ItemPlan, MediaTokens, NoMedia, NoRule
-from packtool.families.conventions import CONVENTIONS, TRANSFORMERS, Convention
+from packtool.families.conventions import CONVENTIONS, TRANSFORMERS, Convention, from_record
 from packtool.families.fixed import FixedCount
 from packtool.families.nemotron_omni import NEMOTRON_OMNI_LAYOUTS, NemotronOmni  # registers its variants
 from packtool.families.processor import ProcessorMode
@@ -111,17 +113,22 @@ def owner(manifest: Mapping) -> type[Family] | None:
 
 
 def from_manifest(manifest: Mapping) -> Family:
-    """The family a manifest was written by, under the convention its settings name (the family's variant for
-    it, where it has one); ``ValueError`` for one no family owns or malformed settings."""
+    """The family a manifest was written by, under the convention it records (the family's variant for it, where
+    it has one; a manifest without the record: the one its settings name); ``ValueError`` for one no family owns
+    or malformed settings."""
     cls = owner(manifest)
     if cls is None:
         entry = manifest.get("image_processor")
         raise ValueError(f"unsupported image processor {entry!r}")
     preset = str((manifest.get("settings") or {}).get("preset"))
     family = cls.from_manifest(manifest)
-    if preset in CONVENTIONS:
+    recorded = manifest.get("convention")
+    if isinstance(recorded, Mapping):  # the convention as the run resolved it
+        family.convention = from_record(recorded)
+    elif preset in CONVENTIONS:  # a manifest of an older packtool: by the preset's name
         family.convention = CONVENTIONS[preset]
     return family
+
 
 
 def named(name: str) -> type[Family]:

@@ -7,6 +7,7 @@ A :class:`Convention` is a value a family takes. transformers' processor is the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
@@ -71,12 +72,15 @@ class Convention:
     rgb_decode: bool = False
     #: How a reply's thinking trace is rendered (NeMo-RL's ``thinking_trace_format``; its Nemotron convention only).
     thinking_trace_format: str = "normalized"
+    #: Encode settings only this convention takes (besides the fields above): given with another convention, or
+    #: none, a value other than their default is an error (``audio_count``, ``thinking_trace_format``).
+    options: tuple[str, ...] = ()
 
     def settings(self) -> dict[str, Any]:
         """The encode settings this convention sets (those that differ from the default convention)."""
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name not in ("name", "unsupported", "family", "untagged_note", "video_file_note",
-                                  "no_context_parallel", "chatml_audio", "rgb_decode")
+                                  "no_context_parallel", "chatml_audio", "rgb_decode", "options")
                 and getattr(self, f.name) != getattr(TRANSFORMERS, f.name)}
 
     @classmethod
@@ -90,6 +94,10 @@ class Convention:
                        sample_max_visual_tokens=settings.sample_max_visual_tokens,
                        video_keep_frames=settings.video_keep_frames, overlong=settings.overlong,
                        thinking_trace_format=settings.thinking_trace_format)
+
+    def record(self) -> dict[str, Any]:
+        """The convention as it took effect, for the manifest (:func:`from_record` reads it back)."""
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
 
     # -- what the encoder asks of it ------------------------------------------------------------------------------
     def turn_text(self, text: str, role: str = "user") -> str:
@@ -160,27 +168,43 @@ def media_first(text: str) -> str:
 #: pixel bounds come from the model folder.
 TRANSFORMERS = Convention()
 
-#: Every named convention (``--preset``).
-CONVENTIONS: dict[str, Convention] = {
-    # Megatron-Bridge's QwenVLTaskEncoder: its ``build_assistant_loss_mask`` (the newline after each reply's
-    # end-of-turn token is a target), media first, its two-step image resize (qwen_vl_utils' ``fetch_image``,
-    # then the processor with its pixel bounds) and its per-sample limits (``max_num_images`` 10,
-    # ``max_visual_tokens`` 16,384); an over-long sample makes its encoder raise, and Energon skips it (dropped here).
-    "megatron-bridge-qwen-vl": Convention("megatron-bridge-qwen-vl", target_newline_after_eot=True, rgb_decode=True,
-                                          media_first=True, min_pixels=200_704, max_pixels=1_003_520,
-                                          image_resize="qwen_vl_utils", sample_max_images=10,
-                                          sample_max_visual_tokens=16_384, video_keep_frames=60,
-                                          overlong="drop",
-                                          untagged_note="Megatron-Bridge's Qwen-VL path would leave them out and "
-                                                        "train the text only",
-                                          video_file_note="Megatron-Bridge's Qwen-VL Energon path cannot read video "
-                                                          "files and skips such a sample",
-                                          no_context_parallel="Megatron-Bridge's Qwen2.5-VL model does not split "
-                                                              "sequences across context-parallel ranks (its recipes "
-                                                              "use CP 1)"),
-    # NeMo-RL's Qwen2.5-VL path (generic_sft + hf_multimodal): whole assistant messages are targets; an over-long
-    # sample becomes a stub with loss weight 0, which trains on nothing (dropped here).
-    "nemo-rl-qwen-vl": NemoRLChat("nemo-rl-qwen-vl", target_newline_after_eot=True, overlong="drop", rgb_decode=True),
-    NEMO_RL_NEMOTRON: NemoRLNemotron(NEMO_RL_NEMOTRON, family=NEMOTRON_FAMILY, rgb_decode=True),
-    # Megatron-Bridge's Nemotron Omni Energon path: packtool.families.nemotron_omni.mbridge adds it.
-}
+#: Every named convention (``--preset``), each registered once (:func:`register_convention`).
+CONVENTIONS: dict[str, Convention] = {}
+
+
+def register_convention(convention: Convention) -> Convention:
+    """Add a named convention (``--preset`` takes its names from here); a name registered twice is refused."""
+    if convention.name in CONVENTIONS or convention.name == TRANSFORMERS.name:
+        raise ValueError(f"a convention called {convention.name!r} is already registered")
+    CONVENTIONS[convention.name] = convention
+    return convention
+
+
+def from_record(record: Mapping[str, Any]) -> Convention:
+    """The convention a manifest recorded (:meth:`Convention.record`): the registered convention's class of that
+    name (its rules), with the recorded values (so packs read as they were made, whatever this packtool's value
+    of the convention is now); fields the record lacks keep the class's defaults, unknown ones are ignored."""
+    base = CONVENTIONS.get(str(record.get("name")), TRANSFORMERS)
+    names = {f.name: f for f in fields(base)}
+    values: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in record.items() if k in names}
+    return type(base)(**values)
+
+
+# Megatron-Bridge's QwenVLTaskEncoder: its ``build_assistant_loss_mask`` (the newline after each reply's end-of-turn
+# token is a target), media first, its two-step image resize (qwen_vl_utils' ``fetch_image``, then the processor with
+# its pixel bounds) and its per-sample limits (``max_num_images`` 10, ``max_visual_tokens`` 16,384); an over-long
+# sample makes its encoder raise, and Energon skips it (dropped here).
+register_convention(Convention(
+    "megatron-bridge-qwen-vl", target_newline_after_eot=True, rgb_decode=True, media_first=True, min_pixels=200_704,
+    max_pixels=1_003_520, image_resize="qwen_vl_utils", sample_max_images=10, sample_max_visual_tokens=16_384,
+    video_keep_frames=60, overlong="drop",
+    untagged_note="Megatron-Bridge's Qwen-VL path would leave them out and train the text only",
+    video_file_note="Megatron-Bridge's Qwen-VL Energon path cannot read video files and skips such a sample",
+    no_context_parallel="Megatron-Bridge's Qwen2.5-VL model does not split sequences across context-parallel ranks "
+                        "(its recipes use CP 1)"))
+# NeMo-RL's Qwen2.5-VL path (generic_sft + hf_multimodal): whole assistant messages are targets; an over-long sample
+# becomes a stub with loss weight 0, which trains on nothing (dropped here).
+register_convention(NemoRLChat("nemo-rl-qwen-vl", target_newline_after_eot=True, overlong="drop", rgb_decode=True))
+register_convention(NemoRLNemotron(NEMO_RL_NEMOTRON, family=NEMOTRON_FAMILY, rgb_decode=True,
+                                   options=("thinking_trace_format",)))
+# Megatron-Bridge's Nemotron Omni Energon path: packtool.families.nemotron_omni.mbridge registers it.

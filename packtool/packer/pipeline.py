@@ -24,6 +24,7 @@ from packtool import __version__
 from packtool.commit import commit_bytes, temporary_name
 from packtool.config import recorded_config
 from packtool.errors import ConfigError, FormatError
+from packtool.families.conventions import Convention
 from packtool.format import (
     FORMAT_VERSION,
     MANIFEST,
@@ -383,6 +384,7 @@ def _manifest(settings: PackSettings, fingerprints: dict, source: Path, out_shar
         tokenizer={"fingerprint": fingerprints["encode"]["tokenizer"], "dir": TOKENIZER_DIR},
         seed=settings.plan.seed, counts=counts, packs=packs, dry_run=dry_run, **facts,
         run_config=recorded_config(settings, source),
+        convention=Convention.of(settings.encode).record() if settings.encode.preset else None,
     )
 
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from packtool.errors import ConfigError, SampleError
 from packtool.families.base import ItemPlan
-from packtool.families.conventions import CONVENTIONS, Convention
+from packtool.families.conventions import Convention, register_convention
 from packtool.families.nemotron_omni.family import NemotronOmni
 from packtool.format import AUDIO_TAG, IMAGE_TAG, NEMOTRON_FAMILY, VIDEO_TAG
 
@@ -74,9 +74,9 @@ class MBridgeNemotron(Convention):
         return AUDIO_TAG * audio + "\n".join(parts)
 
 
-CONVENTIONS[MB_NEMOTRON] = MBridgeNemotron(
-    MB_NEMOTRON, target_newline_after_eot=True, family=NEMOTRON_FAMILY, chatml_audio=True,
-    untagged_note="Megatron-Bridge's Nemotron Omni path would leave them out and train the text only")
+register_convention(MBridgeNemotron(
+    MB_NEMOTRON, target_newline_after_eot=True, family=NEMOTRON_FAMILY, chatml_audio=True, options=("audio_count",),
+    untagged_note="Megatron-Bridge's Nemotron Omni path would leave them out and train the text only"))
 
 
 class MBridgeNemotronOmni(NemotronOmni):
