@@ -31,9 +31,11 @@ from packtool.settings import (
     EncodeSettings,
     Holdout,
     PackSettings,
+    Parallel,
     PlanSettings,
     RunOptions,
     ShardSize,
+    alignment_for,
     default,
     resolve_align,
 )
@@ -252,7 +254,8 @@ def build(values: Mapping[str, Any], given: Collection[str], origin: Mapping[str
     holdout = None
     if values["val_ratio"] is not None or values["val_count"] is not None:
         holdout = Holdout(values["val_ratio"], values["val_count"])
-    settings = PackSettings(encode, plan, tuple(split), holdout)
+    parallel = Parallel(values["align_for"], values["cp_size"], values["tp_size"], bool(values["sequence_parallel"]))
+    settings = PackSettings(encode, plan, tuple(split), holdout, parallel if parallel.describe() else None)
     media_dir = values.get("media_dir")
     config = {k: _plain(values[k]) for k in KEYS}
     for key in PATH_KEYS:  # recorded absolute, so the printed config runs from anywhere
@@ -299,15 +302,20 @@ def recorded_config(settings: PackSettings, source: Path) -> dict:
         del encode["thinking_trace_format"]  # added later: recorded only when set, so older outputs keep their bytes
     plan = {**asdict(settings.plan), "shard_size": str(settings.plan.shard_size)}
     held = settings.holdout.describe() if settings.holdout is not None else {}  # recorded only when set
+    sizes = settings.parallel.describe() if settings.parallel is not None else {}  # recorded only when set
     return {"source": str(source), "tokenizer": encode.pop("tokenizer"), "split": list(settings.splits),
-            **encode, **plan, **held}
+            **encode, **plan, **held, **sizes}
+
+
+#: The parallel sizes a run's config records when set (:class:`packtool.settings.Parallel`).
+_PARALLEL_KEYS = ("align_for", "cp_size", "tp_size", "sequence_parallel")
 
 
 def recorded(output: str | Path, relative_to: Path | None = None) -> str:
     """The config file of the run that made ``output``, from the settings its manifest records as they took effect
     (``run_config``, with its media folder for a JSON/Parquet source), written to be reused: a model folder in the
     local hub cache as its model id, values that equal packtool's defaults left out, and the values the run
-    derived as comments, never set (each a preset's, and ``align`` where the default parallel sizes give it), so
+    derived as comments, never set (each a preset's, and ``align`` where the recorded parallel sizes derive it), so
     the file reused with other flags (``--tp-size 4 --cp-size 2``) sets nothing a preset or those sizes decide.
     With ``relative_to`` (the folder the file is written to), local paths are written relative to it, as
     :func:`read` takes them back."""
@@ -325,8 +333,13 @@ def recorded(output: str | Path, relative_to: Path | None = None) -> str:
         config["tokenizer"] = model
     preset = config.get("preset")
     derived = {k: v for k, v in PRESETS.get(str(preset), {}).items() if k in config and config[k] == v}
-    if config.get("align") == 1:
-        derived["align"] = 1
+    sizes = {k: config[k] for k in _PARALLEL_KEYS if k in config}
+    try:
+        needs = alignment_for(**sizes) if sizes else 1  # the alignment the recorded parallel sizes derive
+    except (ConfigError, TypeError, ValueError):
+        needs = None
+    if config.get("align") == needs:
+        derived["align"] = needs
     base = defaults()
     text = dump({k: v for k, v in config.items() if k not in derived})
     shown = {k: v for k, v in derived.items() if v != base.get(k)}

@@ -428,6 +428,27 @@ class Holdout:
 
 
 @dataclass(frozen=True)
+class Parallel:
+    """The parallel sizes a run's alignment was derived from (``--align-for``, ``--cp-size``, ``--tp-size``,
+    ``--sequence-parallel``): recorded in the run's config only when one differs from its default, so the config
+    ``inspect --config`` writes sets them and leaves the alignment they derive as a comment."""
+
+    align_for: AlignFor = "megatron"
+    cp_size: int = 1
+    tp_size: int = 1
+    sequence_parallel: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        """The sizes that differ from their defaults."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
+
+    def align(self) -> int:
+        """The alignment these sizes need (:func:`alignment_for`)."""
+        return alignment_for(self.align_for, cp_size=self.cp_size, tp_size=self.tp_size,
+                             sequence_parallel=self.sequence_parallel)
+
+
+@dataclass(frozen=True)
 class PackSettings:
     """Everything that decides the bytes of an OUTPUT."""
 
@@ -437,6 +458,9 @@ class PackSettings:
     splits: tuple[str, ...] = ()
     #: A validation split held out of ``train`` (``val``); None: the source's splits as they are.
     holdout: Holdout | None = None
+    #: The parallel sizes ``encode.align`` was derived from, when given (recorded in the run's config; the
+    #: alignment alone decides the bytes, so they are in no fingerprint).
+    parallel: Parallel | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "splits", tuple(self.splits))

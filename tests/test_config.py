@@ -168,8 +168,10 @@ def test_inspect_config_is_portable(demo_dir, tmp_path):
     text = conf.read_text()
     written = yaml.safe_load(text)
     assert written == {"source": os.path.relpath(demo_dir / "dataset", conf.parent), "split": ["val"],
-                       "tokenizer": "Acme/Tiny-VL", "pack_size": 2048, "align": 4, "preset": "nemo-rl-qwen-vl"}
+                       "tokenizer": "Acme/Tiny-VL", "pack_size": 2048, "preset": "nemo-rl-qwen-vl",
+                       "align_for": "nemo-rl", "tp_size": 2}
     assert "# overlong: drop" in text and "# target_newline_after_eot: true" in text  # the preset's: comments
+    assert "# align: 4" in text  # what the parallel sizes derived: a comment, not set
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     p = subprocess.run([*PACKTOOL, "pack", str(demo_dir / "dataset"), str(again), "--config", str(conf),
@@ -183,6 +185,7 @@ def test_inspect_config_is_portable(demo_dir, tmp_path):
     assert tree(again) == tree(first)
     assert run("pack", demo_dir / "dataset", tmp_path / "cp", "--config", conf, "--tp-size", 4, "--cp-size", 2,
                "--no-progress", env=env).returncode in (0, 3)
+    conf.write_text(text + "align: 4\n")  # set by hand now: a conflict names the file
     message = one_error(run("pack", demo_dir / "dataset", tmp_path / "bad", "--config", conf, "--cp-size", 3,
                             env=env))
     assert "align 4 conflicts" in message and f"align is set in {conf}" in message
