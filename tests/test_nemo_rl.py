@@ -1234,3 +1234,12 @@ def test_transparent_palette_and_cmyk_images_read_as_the_trainers_decoder(demo_d
     assert torch.allclose(batch["pixel_values"], want.float(), atol=1e-6)
     control = proc(images=stored, return_tensors="pt")["pixel_values"]
     assert not torch.allclose(batch["pixel_values"], control.float(), atol=1e-3)
+
+
+def test_a_processor_mode_pack_refuses_nemotron_recipe_options():
+    """Packs of the processor mode (no registered family of their own) refuse a recipe's Nemotron Omni option in one
+    line, as packs of any family other than Nemotron Omni do."""
+    manifest = {"image_processor": {"family": "processor"}, "settings": {"pack_size": 4096}}
+    with pytest.raises(FormatError, match="patch_dim 16, a Nemotron Omni option, but the packs were made for a "
+                                          "processor model folder"):
+        nemo_rl.check_packed_recipe_options(manifest, {"patch_dim": 16})

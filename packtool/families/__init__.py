@@ -130,7 +130,6 @@ def from_manifest(manifest: Mapping) -> Family:
     return family
 
 
-
 def named(name: str) -> type[Family]:
     """The registered family called ``name``; ``ValueError`` for a name no family has."""
     return spec_named(name).family

@@ -119,9 +119,12 @@ def check_packed_recipe_options(manifest: Mapping, options: Mapping[str, Any], p
     options = {name: value for name, value in given.items() if PACKED_RECIPE_OPTIONS[name] != "settings.pack_size"}
     if options:  # Nemotron Omni's processor settings, which the packs' family compares
         owner = family_class_of(manifest)
-        check = spec_of(owner.name).layouts.function("nemo_rl_recipe") if owner is not Family else None
+        kind = "text" if owner is Family or owner.name == "none" else owner.name
+        try:  # the processor mode is no registered family: its packs take no such option either
+            check = spec_of(kind).layouts.function("nemo_rl_recipe")
+        except ValueError:
+            check = None
         if check is None:  # the packs' family has no such options
-            kind = "text" if owner is Family or owner.name == "none" else owner.name
             name, value = next(iter(options.items()))
             raise FormatError(f"the recipe sets {name} {value!r}, a Nemotron Omni option, but the packs were made "
                               f"for a {kind} model folder: remove it")
