@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
-from packtool.errors import SampleError
+from packtool.errors import ConfigError, SampleError
 from packtool.families.conventions import Convention, trainer_image
 from packtool.format import AUDIO_TAG, MediaRef
 
@@ -398,6 +398,23 @@ class Family(ABC):
         reader batches follow: its own :attr:`name`. The reader writes it into every batch (``family``), so a
         layout takes a batch's family from the batch itself, never from which keys it happens to hold."""
         return self.name
+
+
+def knows_exactly(folder: Path, settings: EncodeSettings, known: Mapping[str, frozenset[str]], family: str) -> bool:
+    """Whether a folder that names ``family`` states only names the family's rule knows (``known``: names per kind
+    of name, :func:`packtool.media.folder.stated_names`). One that states another name is a one-line
+    :class:`ConfigError` naming the processor mode, never read by the nearest rule; in that mode, False (the folder's
+    own processor counts its tokens)."""
+    from packtool.media.folder import stated_names, unknown_name
+
+    unknown = unknown_name(stated_names(folder), known)
+    if unknown is None:
+        return True
+    if settings.media_tokens == "processor":
+        return False
+    raise ConfigError(f"{folder}: names {family}, but its {unknown} is no {family} one packtool knows, so packtool "
+                      f"has no exact token rule for this folder; use --media-tokens processor (the folder's own "
+                      f"processor counts the tokens)")
 
 
 def manifest_tokens(manifest: Mapping) -> MediaTokens:

@@ -10,6 +10,7 @@ Top-level keys of ``processor_config.json`` are the processor's own arguments.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -114,7 +115,7 @@ def stated_names(folder: str | Path) -> list[tuple[str, str]]:
     return stated
 
 
-def unknown_name(stated: list[tuple[str, str]], known: dict[str, frozenset[str]]) -> str | None:
+def unknown_name(stated: list[tuple[str, str]], known: Mapping[str, frozenset[str]]) -> str | None:
     """The first stated name (``"what 'name'"``) that ``known`` (names per kind of name) does not list; ``None``
     when every stated name is known."""
     for what, name in stated:

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from packtool.errors import ConfigError, SampleError
-from packtool.families.base import ExpandsInText, ItemPlan, MediaTokens, manifest_tokens
+from packtool.families.base import ExpandsInText, ItemPlan, MediaTokens, knows_exactly, manifest_tokens
 from packtool.families.conventions import TRANSFORMERS, Convention
 from packtool.format import NEMOTRON_FAMILY
 from packtool.media.audio import AudioFacts, resampled_length
-from packtool.media.folder import read_folder, stated_names, unknown_name
+from packtool.media.folder import read_folder, stated_names
 from packtool.media.video import VideoFacts
 
 if TYPE_CHECKING:
@@ -407,17 +407,7 @@ class NemotronOmni(ExpandsInText):
         """A folder that names Nemotron Omni with every name this rule knows; one that names it with another
         (another version's processor) is a :class:`ConfigError` naming the processor mode (nothing in
         that mode: its own processor counts the tokens)."""
-        if not is_nemotron_omni(folder):
-            return False
-        unknown = unknown_name(stated_names(folder), NEMOTRON_OMNI_NAMES)
-        if unknown is None:
-            return True
-        if settings.media_tokens == "processor":
-            return False
-        raise ConfigError(f"{folder}: {unknown} is no Nemotron Omni one packtool knows "
-                          f"({', '.join(sorted(NEMOTRON_OMNI_NAMES['processor class']))}), so packtool has no exact "
-                          f"token rule for this folder; use --media-tokens processor (the folder's own processor "
-                          f"counts the tokens)")
+        return is_nemotron_omni(folder) and knows_exactly(folder, settings, NEMOTRON_OMNI_NAMES, "Nemotron Omni")
 
     @classmethod
     def load(cls, settings: EncodeSettings, tok: Any, convention: Convention) -> NemotronOmni:

@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from packtool.errors import ConfigError
-from packtool.families.base import ExpandsInText, ItemPlan, MediaTokens, manifest_tokens
+from packtool.families.base import ExpandsInText, ItemPlan, MediaTokens, knows_exactly, manifest_tokens
 from packtool.families.conventions import TRANSFORMERS, Convention
 from packtool.families.qwen2_vl.family import QWEN2_VL_IMAGE_PROCESSORS, ImageRule, _image_rule, _json_file
 from packtool.families.qwen3_vl.rule import Qwen3VLVideoRule
-from packtool.media.folder import read_folder, stated_names, unknown_name
+from packtool.media.folder import read_folder
 from packtool.media.video import VideoFacts
 
 if TYPE_CHECKING:
@@ -62,16 +62,7 @@ class Qwen3VL(ExpandsInText):
     def detect(cls, folder: Path, settings: EncodeSettings) -> bool:
         """A folder that names Qwen3-VL with every name this rule knows (:data:`QWEN3_VL_NAMES`); one that names it
         with another is a :class:`ConfigError` naming the processor mode (nothing in that mode)."""
-        if not is_qwen3_vl(folder):
-            return False
-        unknown = unknown_name(stated_names(folder), QWEN3_VL_NAMES)
-        if unknown is None:
-            return True
-        if settings.media_tokens == "processor":
-            return False
-        raise ConfigError(f"{folder}: names Qwen3-VL, but its {unknown} is no Qwen3-VL one, so packtool has no "
-                          f"exact token rule for this folder; use --media-tokens processor (the folder's own "
-                          f"processor counts the tokens)")
+        return is_qwen3_vl(folder) and knows_exactly(folder, settings, QWEN3_VL_NAMES, "Qwen3-VL")
 
     @classmethod
     def load(cls, settings: EncodeSettings, tok: Any, convention: Convention) -> Qwen3VL:
