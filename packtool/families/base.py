@@ -401,7 +401,7 @@ class Family(ABC):
 
 
 def knows_exactly(folder: Path, settings: EncodeSettings, known: Mapping[str, frozenset[str]], family: str) -> bool:
-    """Whether a folder that names ``family`` states only names the family's rule knows (``known``: names per kind
+    """Whether a folder states only names ``family``'s rule knows (``known``: names per kind
     of name, :func:`packtool.media.folder.stated_names`). One that states another name is a one-line
     :class:`ConfigError` naming the processor mode, never read by the nearest rule; in that mode, False (the folder's
     own processor counts its tokens)."""
@@ -412,9 +412,8 @@ def knows_exactly(folder: Path, settings: EncodeSettings, known: Mapping[str, fr
         return True
     if settings.media_tokens == "processor":
         return False
-    raise ConfigError(f"{folder}: names {family}, but its {unknown} is no {family} one packtool knows, so packtool "
-                      f"has no exact token rule for this folder; use --media-tokens processor (the folder's own "
-                      f"processor counts the tokens)")
+    raise ConfigError(f"{folder}: {unknown} is no {family} one packtool knows, so packtool has no exact token rule "
+                      f"for this folder; use --media-tokens processor (the folder's own processor counts the tokens)")
 
 
 def manifest_tokens(manifest: Mapping) -> MediaTokens:

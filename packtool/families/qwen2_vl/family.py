@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from packtool.errors import ConfigError
-from packtool.families.base import Family, ItemPlan, MediaTokens, manifest_tokens
+from packtool.families.base import Family, ItemPlan, MediaTokens, knows_exactly, manifest_tokens
 from packtool.families.conventions import TRANSFORMERS, Convention
-from packtool.media.folder import FolderConfigs, read_folder
+from packtool.media.folder import read_folder
 from packtool.media.video import VideoFacts
 
 if TYPE_CHECKING:
@@ -418,26 +418,11 @@ QWEN2_VL_VIDEO_PROCESSORS = frozenset({"Qwen2VLVideoProcessor", "Qwen2VLVideoPro
 QWEN2_VL_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
 
 
-def _foreign_names(folder: Path, configs: FolderConfigs) -> str | None:
-    """What in a model folder names another model than Qwen2-VL / Qwen2.5-VL (``processor_class`` wherever the
-    folder states it, the video processor's class, ``config.json``'s ``model_type``), or ``None``. A folder that
-    names none of them (a bare tokenizer with pixel bounds) is no other model's."""
-    stated: list[tuple[str, str, frozenset[str]]] = []
-    sources = (configs.processor, configs.image, configs.video, _json_file(folder / "tokenizer_config.json"))
-    for entry in sources:
-        name = entry.get("processor_class")
-        if isinstance(name, str):
-            stated.append(("processor class", name, QWEN2_VL_PROCESSORS))
-    video_kind = configs.video.get("video_processor_type")
-    if isinstance(video_kind, str):
-        stated.append(("video processor", video_kind, QWEN2_VL_VIDEO_PROCESSORS))
-    model_type = _json_file(folder / "config.json").get("model_type")
-    if isinstance(model_type, str):
-        stated.append(("model type", model_type, QWEN2_VL_MODEL_TYPES))
-    for what, name, known in stated:
-        if name not in known:
-            return f"{what} {name!r}"
-    return None
+#: The names a Qwen2-VL / Qwen2.5-VL folder may state besides its image processor, each checked exactly.
+QWEN2_VL_NAMES: dict[str, frozenset[str]] = {
+    "processor class": QWEN2_VL_PROCESSORS, "video processor": QWEN2_VL_VIDEO_PROCESSORS,
+    "model type": QWEN2_VL_MODEL_TYPES,
+}
 
 
 def _json_file(path: Path) -> dict:
@@ -483,16 +468,9 @@ class Qwen2VL(Family):
             raise ConfigError(f"{folder}: image processor {kind!r} is no Qwen2-VL one, so packtool has no token rule "
                               f"for its images; use the processor mode (the folder's own processor counts them) or "
                               f"image_tokens (a fixed count per image)")
-        foreign = _foreign_names(folder, configs)
-        if foreign is None:
-            return True
-        if settings.media_tokens == "processor":
-            return False
         # A newer Qwen family ships Qwen2-VL's image processor under its own processor and video processor: its
         # tokens follow other rules, so the nearest rule is never applied to it.
-        raise ConfigError(f"{folder}: {foreign} is no Qwen2-VL or Qwen2.5-VL one, so packtool has no exact token rule "
-                          f"for this folder; use --media-tokens processor (the folder's own processor counts the "
-                          f"tokens)")
+        return knows_exactly(folder, settings, QWEN2_VL_NAMES, "Qwen2-VL or Qwen2.5-VL")
 
     @classmethod
     def load(cls, settings: EncodeSettings, tok: Any, convention: Convention) -> Qwen2VL:
