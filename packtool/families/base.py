@@ -19,7 +19,7 @@ import numpy as np
 
 from packtool.errors import ConfigError, SampleError
 from packtool.families.conventions import Convention, trainer_image
-from packtool.format import AUDIO_TAG, MediaRef
+from packtool.format import AUDIO_TAG, MediaRef, PackRecord
 
 if TYPE_CHECKING:
     from packtool.media.audio import AudioFacts
@@ -357,7 +357,7 @@ class Family(ABC):
         None: the family's packs hold no videos the reader can process."""
         return None
 
-    def read_videos(self, record: Any, where: str, decode: bool) -> dict[str, Any]:
+    def read_videos(self, record: PackRecord, where: str, decode: bool) -> dict[str, Any]:
         """The base layout's video fields of a pack record (video_grid_thw, second_per_grid_ts, + with ``decode``
         pixel_values_videos) through the family's video processor; none: the family has no video processor."""
         return {}
@@ -374,7 +374,7 @@ class Family(ABC):
             pil = [prefit_image(image, entry) for image in pil]
         return pil
 
-    def read_media(self, record: Any, processor: Any, where: str, decode: bool) -> dict[str, Any]:
+    def read_media(self, record: PackRecord, processor: Any, where: str, decode: bool) -> dict[str, Any]:
         """The reader batch's media fields of a pack record (:class:`packtool.format.PackRecord`, its spans already
         checked): the stored grids, and with ``decode`` the processor's tensors (``processor``: the caller's or
         :meth:`reader_processor`'s)."""

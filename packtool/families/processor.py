@@ -31,6 +31,7 @@ import numpy as np
 from packtool.errors import ConfigError, SampleError
 from packtool.families.base import Decoded, Family, ItemPlan, MediaTokens, NoRule, manifest_tokens
 from packtool.families.conventions import TRANSFORMERS, Convention
+from packtool.format import MediaRef, PackRecord
 
 if TYPE_CHECKING:
     from packtool.media.audio import AudioFacts
@@ -228,7 +229,7 @@ class ProcessorMode(Family):
         """The model folder copy's own processor (None without a folder)."""
         return None if folder is None else load_processor(str(folder))
 
-    def read_media(self, record: Any, processor: Any, where: str, decode: bool) -> dict[str, Any]:
+    def read_media(self, record: PackRecord, processor: Any, where: str, decode: bool) -> dict[str, Any]:
         """Each item through the model processor's own sub-processor (:func:`processor_media`); a caller that
         passed an image processor alone (not a whole model processor) has its images go through it as before."""
         if processor is not None:
@@ -374,7 +375,7 @@ class ProcessorMode(Family):
 
 
 # -- reading processor-mode packs ---------------------------------------------------------------------------------
-def processor_media(record: Any, processor: Any, where: str, decode: bool,
+def processor_media(record: PackRecord, processor: Any, where: str, decode: bool,
                     audio_max_seconds: float | None) -> dict:
     """The media of a processor-mode pack (``record``: a :class:`~packtool.format.PackRecord`): ``media_kinds``
     (placeholder order) and, with ``decode``, ``media_inputs``: one dict per media item, in the same order, of
@@ -406,7 +407,7 @@ def processor_media(record: Any, processor: Any, where: str, decode: bool,
     return out
 
 
-def _item_inputs(record: Any, m: Any, processor: Any, audio_max_seconds: float | None) -> dict:
+def _item_inputs(record: PackRecord, m: MediaRef, processor: Any, audio_max_seconds: float | None) -> dict:
     """One media item through its kind's sub-processor (see :func:`processor_media`)."""
     from packtool.media import decode_audio, decode_frames, decode_video
 

@@ -30,7 +30,7 @@ import numpy as np
 from packtool.errors import ConfigError, SampleError
 from packtool.families.base import ExpandsInText, ItemPlan, MediaTokens, knows_exactly, manifest_tokens
 from packtool.families.conventions import TRANSFORMERS, Convention
-from packtool.format import NEMOTRON_FAMILY
+from packtool.format import NEMOTRON_FAMILY, PackRecord
 from packtool.media.audio import AudioFacts, resampled_length
 from packtool.media.folder import read_folder, stated_names
 from packtool.media.video import VideoFacts
@@ -496,7 +496,7 @@ class NemotronOmni(ExpandsInText):
 
         return None if folder is None else nemotron_processors({"image_processor": self.rule.manifest()}, folder)
 
-    def read_media(self, record: Any, processor: Any, where: str, decode: bool) -> dict[str, Any]:
+    def read_media(self, record: PackRecord, processor: Any, where: str, decode: bool) -> dict[str, Any]:
         from packtool.families.nemotron_omni.reader import nemotron_media
 
         return nemotron_media(record, processor, where, decode)

@@ -35,7 +35,7 @@ from packtool.errors import ConfigError, SampleError
 from packtool.families.base import ItemPlan
 from packtool.families.conventions import Convention, register_convention
 from packtool.families.nemotron_omni.family import NemotronOmni
-from packtool.format import AUDIO_TAG, IMAGE_TAG, NEMOTRON_FAMILY, VIDEO_TAG
+from packtool.format import AUDIO_TAG, IMAGE_TAG, NEMOTRON_FAMILY, VIDEO_TAG, PackRecord
 
 if TYPE_CHECKING:
     from packtool.media import AudioFacts, VideoFacts
@@ -224,7 +224,7 @@ class MBridgeNemotronOmni(NemotronOmni):
         """None: the reader's tensors follow from the manifest alone (:mod:`.mbridge_reader`)."""
         return None
 
-    def read_media(self, record: Any, processor: Any, where: str, decode: bool) -> dict[str, Any]:
+    def read_media(self, record: PackRecord, processor: Any, where: str, decode: bool) -> dict[str, Any]:
         from packtool.families.nemotron_omni.mbridge_reader import mbridge_media
 
         return mbridge_media(record, self.mbridge_entry(), where, decode)

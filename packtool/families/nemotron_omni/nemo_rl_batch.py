@@ -129,7 +129,7 @@ def _nemotron_video_frames(record: PackRecord, ref: Any, manifest: Mapping, wher
 
 
 
-def family_inputs(family: Any, record: Any, processor: Any, where: str) -> dict[str, list[Any]]:
+def family_inputs(family: Any, record: PackRecord, processor: Any, where: str) -> dict[str, list[Any]]:
     """NeMo-RL's layout of a Nemotron Omni pack's media (the family's registered ``nemo_rl_media``): images and
     audio (the feature extractor: ``processor.audio``); a convention's variant laid out for another trainer
     refuses (its ``nemo_rl_refused``)."""

@@ -20,6 +20,7 @@ import numpy as np
 from packtool.errors import ConfigError
 from packtool.families.base import Family, ItemPlan, MediaTokens, knows_exactly, manifest_tokens
 from packtool.families.conventions import TRANSFORMERS, Convention
+from packtool.format import PackRecord
 from packtool.media.folder import read_folder
 from packtool.media.video import VideoFacts
 
@@ -533,7 +534,7 @@ class Qwen2VL(Family):
     def video_entry(self) -> Mapping[str, Any] | None:
         return self.manifest_entries()["video_processor"]
 
-    def read_videos(self, record: Any, where: str, decode: bool) -> dict[str, Any]:
+    def read_videos(self, record: PackRecord, where: str, decode: bool) -> dict[str, Any]:
         """video_grid_thw and second_per_grid_ts (+ pixel_values_videos) through transformers' Qwen2-VL video
         processor (:func:`.reader.video_media`); none without video settings."""
         video = self.video_entry()

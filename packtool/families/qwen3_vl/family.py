@@ -11,6 +11,7 @@ from packtool.families.base import ExpandsInText, ItemPlan, MediaTokens, knows_e
 from packtool.families.conventions import TRANSFORMERS, Convention
 from packtool.families.qwen2_vl.family import QWEN2_VL_IMAGE_PROCESSORS, ImageRule, _image_rule, _json_file
 from packtool.families.qwen3_vl.rule import Qwen3VLVideoRule
+from packtool.format import PackRecord
 from packtool.media.folder import read_folder
 from packtool.media.video import VideoFacts
 
@@ -147,7 +148,7 @@ class Qwen3VL(ExpandsInText):
 
         return qwen_image_processor(self.image.manifest())
 
-    def read_media(self, record: Any, processor: Any, where: str, decode: bool) -> dict[str, Any]:
+    def read_media(self, record: PackRecord, processor: Any, where: str, decode: bool) -> dict[str, Any]:
         from packtool.families.qwen3_vl.reader import qwen3_vl_media
 
         return qwen3_vl_media(self, record, processor, where, decode)
