@@ -95,9 +95,10 @@ def test_check_model_refuses_and_turns_cache_off():
         check_model(model)
     from transformers import LlavaConfig, WhisperConfig
 
-    for kind in ("qwen3_vl", "nemotron_omni", "processor"):
+    for kind in ("nemotron_omni", "processor", "fixed"):
         with pytest.raises(ValueError, match=f"packtool: error: packs made for image processor '{kind}'"):
             family_of_batch({}, {"image_processor": {"family": kind}})
+    assert family_of_batch({}, {"image_processor": {"family": "qwen3_vl"}}).name == "qwen3_vl"  # it has a hook now
     for config in (LlavaConfig(), WhisperConfig()):
         with pytest.raises(ValueError, match=f"packtool: error: model type '{config.model_type}'"):
             check_model(type("M", (), {"config": config})())

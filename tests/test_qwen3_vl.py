@@ -280,3 +280,69 @@ def test_megatron_bridge_batches_are_refused(qwen3_run):
     assert families.of_batch(batch) is Qwen3VL
     with pytest.raises(ValueError, match="qwen3_vl_step treats each batch row as one sequence"):
         megatron_bridge_batch(batch, temporal_patch_dim=2)
+
+
+def _tiny_qwen3_vl(manifest, vocab_size: int):
+    """A tiny random Qwen3-VL (fp32, eager attention, seed 0) over the packs' vocabulary and media tokens, its vision
+    tower laid out as the folder's processor (patch, temporal patch, merge)."""
+    import torch
+    from transformers.models.qwen3_vl import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    proc = manifest.image_processor
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=vocab_size, hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=4096,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 1e4,
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=int(proc["patch_size"]), spatial_merge_size=int(proc["merge_size"]),
+                           temporal_patch_size=int(proc["temporal_patch_size"]), num_position_embeddings=64,
+                           deepstack_visual_indexes=[0]),
+        image_token_id=manifest.image_token_id, video_token_id=manifest.video_token_id,
+        vision_start_token_id=manifest.vision_start_token_id, vision_end_token_id=manifest.vision_end_token_id)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return Qwen3VLForConditionalGeneration(config).eval()
+
+
+def test_hugging_face_batch_packed_equals_each_segment_alone(qwen3_run):
+    """``hf_batch`` of a Qwen3-VL pack (per-segment rope, media without ``second_per_grid_ts``) through a real
+    Qwen3-VL forward gives each segment's logits and loss as that segment alone does; the control: plain text
+    positions in place of the media's 3-D rope do not."""
+    import torch
+
+    from packtool.runtime.hf import check_model, hf_batch
+    from packtool.runtime.read import read_packs
+    from test_hf import check_packed_equals_alone
+
+    run = qwen3_run
+    manifest = Manifest.read(run.out)
+    segments = {s.key: s for s, _, _, _ in fx.packed_segments(run.out)}
+    batch = max(read_packs(run.out), key=lambda b: sum(len(segments[k].media) for k in b["keys"]))
+    model = _tiny_qwen3_vl(manifest, int(batch["tokens"].max()) + 1)
+    assert check_model(model).name == "qwen3_vl"
+    row = hf_batch(batch, manifest)
+    assert row["position_ids"].shape == (4, 1, row["input_ids"].shape[1]) and "second_per_grid_ts" not in row
+    cu = row["cu_seq_lens_q"].tolist()
+    ip = [0] + (row["image_grid_thw"].prod(-1).cumsum(0).tolist() if "image_grid_thw" in row else [])
+    vp = [0] + (row["video_grid_thw"].prod(-1).cumsum(0).tolist() if "video_grid_thw" in row else [])
+    images = videos = 0
+    alone = []
+    for key, lo, hi in zip(batch["keys"], cu[:-1], cu[1:]):
+        kinds = [m.kind for m in segments[key].media]
+        ni, nv = kinds.count("image"), kinds.count("video")
+        inputs = {"input_ids": row["input_ids"][:, lo:hi], "mm_token_type_ids": row["mm_token_type_ids"][:, lo:hi]}
+        if ni:
+            inputs.update(pixel_values=row["pixel_values"][ip[images]:ip[images + ni]],
+                          image_grid_thw=row["image_grid_thw"][images:images + ni])
+        if nv:
+            inputs.update(pixel_values_videos=row["pixel_values_videos"][vp[videos]:vp[videos + nv]],
+                          video_grid_thw=row["video_grid_thw"][videos:videos + nv])
+        images, videos = images + ni, videos + nv
+        alone.append((inputs, row["labels"][:, lo:hi].clone()))
+    assert len(alone) > 1 and videos >= 1
+    check_packed_equals_alone(model, row, alone)
+    flat = {**row, "position_ids": row["position_ids"][:1].expand(4, -1, -1).clone()}
+    with torch.no_grad():  # control: text positions in place of the media's 3-D rope change the logits
+        assert not torch.allclose(model(**flat).logits, model(**row).logits, atol=1e-4)

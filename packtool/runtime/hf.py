@@ -11,6 +11,8 @@ the padding-free packed row a transformers model's ``forward`` takes, as ``DataC
 * ``position_ids`` restarting at 0 per segment: ``[1, T]`` for text models; ``[4, 1, T]`` for Qwen2-VL/2.5-VL (row 0
   the per-segment text positions, from which transformers builds the packed mask, then the three mRoPE rows
   computed per segment by :func:`packtool.families.qwen2_vl.reader.mrope_position_ids`, which the family hands over);
+  the same for Qwen3-VL with its rows (:func:`packtool.families.qwen3_vl.reader.position_ids`), whose videos carry no
+  ``second_per_grid_ts`` (their times are text in the tokens);
 * ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32) and ``max_length_q``/``max_length_k``: the varlen keywords flash
   attention takes;
 * media keys of the processor (``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``,
@@ -72,10 +74,23 @@ def _qwen2_vl_positions(row: dict, manifest, tokens_per_second) -> torch.Tensor:
     return torch.cat([row["position_ids"][None], rope])
 
 
-#: Family name -> hook. ``none``: text-only models; ``qwen2_vl``: Qwen2-VL and Qwen2.5-VL.
+def _qwen3_vl_positions(row: dict, manifest, tokens_per_second) -> torch.Tensor:
+    image_id = _manifest_get(manifest, "image_token_id")
+    processor = _manifest_get(manifest, "image_processor") or {}
+    if image_id is None or "merge_size" not in processor:
+        raise ValueError("packtool: error: the qwen3_vl hook needs the manifest (pass manifest=)")
+    rope = family_named("qwen3_vl").position_ids(
+        row["input_ids"], row["cu"], row.get("image_grid_thw"), row.get("video_grid_thw"), image_token_id=image_id,
+        video_token_id=_manifest_get(manifest, "video_token_id"), spatial_merge_size=int(processor["merge_size"]))
+    return torch.cat([row["position_ids"][None], rope])
+
+
+#: Family name -> hook. ``none``: text-only models; ``qwen2_vl``: Qwen2-VL and Qwen2.5-VL; ``qwen3_vl``: Qwen3-VL
+#: (its videos' times are text in the tokens: no ``second_per_grid_ts``).
 FAMILIES: dict[str, HFFamily] = {
     "none": HFFamily("none", (), _text_positions),
     "qwen2_vl": HFFamily("qwen2_vl", ("qwen2_vl", "qwen2_5_vl"), _qwen2_vl_positions),
+    "qwen3_vl": HFFamily("qwen3_vl", ("qwen3_vl", "qwen3_vl_moe"), _qwen3_vl_positions),
 }
 
 
@@ -99,8 +114,8 @@ def mm_token_type_ids(input_ids: torch.Tensor, manifest) -> torch.Tensor:
 
 
 def family_of_model(model) -> HFFamily:
-    """The hook of a transformers model (or config): ``qwen2_vl`` for Qwen2-VL/2.5-VL, ``none`` for a model without
-    a vision or audio tower; any other family is refused in one line."""
+    """The hook of a transformers model (or config): ``qwen2_vl`` for Qwen2-VL/2.5-VL, ``qwen3_vl`` for Qwen3-VL,
+    ``none`` for a model without a vision or audio tower; any other family is refused in one line."""
     config = getattr(model, "config", model)
     model_type = getattr(config, "model_type", "?")
     for family in FAMILIES.values():
@@ -110,7 +125,8 @@ def family_of_model(model) -> HFFamily:
             hasattr(config, k) for k in ("vision_config", "audio_config", "text_config")):
         return FAMILIES["none"]
     raise ValueError(f"packtool: error: model type {model_type!r} has no packed-row hook "
-                     f"(supported: text-only models, {', '.join(FAMILIES['qwen2_vl'].model_types)})")
+                     f"(supported: text-only models, "
+                     f"{', '.join(t for f in FAMILIES.values() for t in f.model_types)})")
 
 
 def family_of_batch(batch: Mapping, manifest=None) -> HFFamily:
@@ -128,7 +144,7 @@ def family_of_batch(batch: Mapping, manifest=None) -> HFFamily:
                          "reader); pass the manifest or family=")
     if name not in FAMILIES:
         raise ValueError(f"packtool: error: packs made for image processor {name!r} have no Hugging Face hook "
-                         "(supported: text-only, qwen2_vl)")
+                         f"(supported: text-only, {', '.join(n for n in FAMILIES if n != 'none')})")
     return FAMILIES[name]
 
 
@@ -187,7 +203,7 @@ def hf_batch(batch: Mapping, manifest=None, *, tokens_per_second: int | None = N
     out = {"input_ids": row["input_ids"], "labels": row["labels"], "position_ids": position_ids,
            "cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(),
            "max_length_q": int(seqlens.max()), "max_length_k": int(seqlens.max())}
-    if hook.name == "qwen2_vl":
+    if hook.name in ("qwen2_vl", "qwen3_vl"):
         out["mm_token_type_ids"] = mm_token_type_ids(row["input_ids"], manifest)
         if len(row.get("image_grid_thw", ())):
             out["image_grid_thw"] = row["image_grid_thw"]
@@ -195,7 +211,8 @@ def hf_batch(batch: Mapping, manifest=None, *, tokens_per_second: int | None = N
                 out["pixel_values"] = row["pixel_values"]
         if len(row.get("video_grid_thw", ())):
             out["video_grid_thw"] = row["video_grid_thw"]
-            out["second_per_grid_ts"] = row["second_per_grid_ts"]
+            if hook.name == "qwen2_vl":
+                out["second_per_grid_ts"] = row["second_per_grid_ts"]
             if "pixel_values_videos" in row:
                 out["pixel_values_videos"] = row["pixel_values_videos"]
     return out

@@ -153,6 +153,13 @@ class Qwen3VL(ExpandsInText):
 
         return qwen3_vl_media(self, record, processor, where, decode)
 
+    @staticmethod
+    def position_ids(*args: Any, **kwargs: Any) -> Any:
+        """The per-segment 3-D rope of a packed row (:func:`.reader.position_ids`)."""
+        from packtool.families.qwen3_vl.reader import position_ids
+
+        return position_ids(*args, **kwargs)
+
     @property
     def temporal_patch_dim(self) -> int:
         return self.video.temporal_patch_size if self.video is not None else self.image.temporal_patch_size
