@@ -442,11 +442,6 @@ class Parallel:
         """The sizes that differ from their defaults."""
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != f.default}
 
-    def align(self) -> int:
-        """The alignment these sizes need (:func:`alignment_for`)."""
-        return alignment_for(self.align_for, cp_size=self.cp_size, tp_size=self.tp_size,
-                             sequence_parallel=self.sequence_parallel)
-
 
 @dataclass(frozen=True)
 class PackSettings:

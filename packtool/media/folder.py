@@ -110,8 +110,9 @@ def stated_names(folder: str | Path) -> list[tuple[str, str]]:
         stated.append(("image processor", configs.image["image_processor_type"]))
     if isinstance(configs.video.get("video_processor_type"), str):
         stated.append(("video processor", configs.video["video_processor_type"]))
-    if isinstance(_json_quiet(folder / "config.json").get("model_type"), str):
-        stated.append(("model type", _json_quiet(folder / "config.json")["model_type"]))
+    model_type = _json_quiet(folder / "config.json").get("model_type")
+    if isinstance(model_type, str):
+        stated.append(("model type", model_type))
     return stated
 
 

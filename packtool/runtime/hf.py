@@ -52,6 +52,9 @@ class HFFamily:
     model_types: tuple[str, ...]
     #: (batch restricted to real tokens, manifest, tokens_per_second) -> position_ids.
     positions: Callable[[dict, Any, int | None], torch.Tensor]
+    #: The media keys the family's model takes (those of media a row has are passed on), and with them
+    #: ``mm_token_type_ids``; none: a text model.
+    media_keys: tuple[str, ...] = ()
 
 
 def _text_positions(row: dict, manifest, tokens_per_second) -> torch.Tensor:
@@ -89,8 +92,9 @@ def _qwen3_vl_positions(row: dict, manifest, tokens_per_second) -> torch.Tensor:
 #: (its videos' times are text in the tokens: no ``second_per_grid_ts``).
 FAMILIES: dict[str, HFFamily] = {
     "none": HFFamily("none", (), _text_positions),
-    "qwen2_vl": HFFamily("qwen2_vl", ("qwen2_vl", "qwen2_5_vl"), _qwen2_vl_positions),
-    "qwen3_vl": HFFamily("qwen3_vl", ("qwen3_vl", "qwen3_vl_moe"), _qwen3_vl_positions),
+    "qwen2_vl": HFFamily("qwen2_vl", ("qwen2_vl", "qwen2_5_vl"), _qwen2_vl_positions, MEDIA_KEYS),
+    "qwen3_vl": HFFamily("qwen3_vl", ("qwen3_vl", "qwen3_vl_moe"), _qwen3_vl_positions,
+                         tuple(k for k in MEDIA_KEYS if k != "second_per_grid_ts")),
 }
 
 
@@ -133,8 +137,8 @@ def family_of_batch(batch: Mapping, manifest=None) -> HFFamily:
     """The hook of the family the manifest names, else the one the reader wrote into the batch (``family``); a
     family without a hook is refused in one line. Nothing is guessed from the batch's keys: a batch that names no
     family, without a manifest, is refused too."""
-    processor = _manifest_get(manifest, "image_processor") if manifest is not None else None
     if manifest is not None:
+        processor = _manifest_get(manifest, "image_processor")
         kind = processor.get("family", processor.get("type")) if isinstance(processor, Mapping) else None
         name = "none" if kind is None else str(kind)
     elif isinstance(batch.get(BATCH_FAMILY), str):
@@ -203,18 +207,12 @@ def hf_batch(batch: Mapping, manifest=None, *, tokens_per_second: int | None = N
     out = {"input_ids": row["input_ids"], "labels": row["labels"], "position_ids": position_ids,
            "cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(),
            "max_length_q": int(seqlens.max()), "max_length_k": int(seqlens.max())}
-    if hook.name in ("qwen2_vl", "qwen3_vl"):
+    if hook.media_keys:
         out["mm_token_type_ids"] = mm_token_type_ids(row["input_ids"], manifest)
-        if len(row.get("image_grid_thw", ())):
-            out["image_grid_thw"] = row["image_grid_thw"]
-            if "pixel_values" in row:
-                out["pixel_values"] = row["pixel_values"]
-        if len(row.get("video_grid_thw", ())):
-            out["video_grid_thw"] = row["video_grid_thw"]
-            if hook.name == "qwen2_vl":
-                out["second_per_grid_ts"] = row["second_per_grid_ts"]
-            if "pixel_values_videos" in row:
-                out["pixel_values_videos"] = row["pixel_values_videos"]
+        has = {"image": len(row.get("image_grid_thw", ())) > 0, "video": len(row.get("video_grid_thw", ())) > 0}
+        for key in hook.media_keys:  # only the kinds the row has media of: empty media tensors crash the model
+            if key in row and has["video" if "video" in key or key == "second_per_grid_ts" else "image"]:
+                out[key] = row[key]
     return out
 
 
