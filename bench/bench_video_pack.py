@@ -17,7 +17,7 @@ planned frames (and clips), so the reader's time splits into decode, processor a
 
 Videos are sampled at ``--fps`` (as ``--video-fps``); a frame list records no rate, so those samples are
 quarantined ("video has no frame rate") and count as handled samples of the pack run. Encoding works in ranges of
-1,024 samples, so below that a second worker adds its start-up cost without sharing the encode.
+even work (:func:`packtool.packer.store.shard_ranges`), so a shard of videos is several tasks a second worker shares.
 """
 
 from __future__ import annotations

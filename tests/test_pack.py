@@ -228,11 +228,11 @@ def _digest(root: Path) -> dict:
 
 def test_encode_ranges_do_not_change_the_output(packed, demo_dir, tmp_path, monkeypatch):
     """Source shards cut into many small encode ranges (by sample count and by bytes) give the same bytes."""
-    from packtool.packer import pipeline
+    from packtool.packer import pipeline, store
     from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
-    monkeypatch.setattr(pipeline, "SAMPLES_PER_RANGE", 7)
-    monkeypatch.setattr(pipeline, "BYTES_PER_RANGE", 20_000)
+    monkeypatch.setattr(store, "SAMPLES_PER_RANGE", 7)
+    monkeypatch.setattr(store, "BYTES_PER_RANGE", 20_000)
     out = tmp_path / "ranges"
     settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048),
                             PlanSettings(shard_size="8"))
@@ -262,6 +262,35 @@ def test_shard_ranges_cover_every_sample_once(per_range, max_bytes):
         if max_bytes is not None and nxt - r.first > 1:  # only a single sample may start past the byte budget
             assert starts[nxt - 1] - starts[r.first] < max_bytes
     assert ShardLayout("e.tar", (), frozenset(), frozenset()).ranges(4, 10)[0].last
+
+
+def _range_sizes(sizes: list[int], *args, **kwargs) -> list[int]:
+    from packtool.packer.sources.energon import ShardLayout
+
+    starts = tuple(int(x) for x in np.cumsum([0, *sizes[:-1]]))
+    firsts = [r.first for r in ShardLayout("s.tar", starts, frozenset(), frozenset()).ranges(*args, **kwargs)]
+    return [b - a for a, b in zip(firsts, [*firsts[1:], len(sizes)])]
+
+
+def test_shard_ranges_are_even_and_count_small_media():
+    """Ranges are cut at even work, never a full range and a leftover; samples of media size count on their own,
+    so a shard of small videos (far below the byte budget) is still several tasks; the module's own limits cut
+    a shard of 400 such videos into tasks two workers share evenly."""
+    from packtool.packer.sources.energon import ShardLayout
+    from packtool.packer.store import shard_ranges
+
+    assert _range_sizes([1000] * 30, 1024, 10_000) == [10, 10, 10]
+    assert sorted(_range_sizes([1000] * 25, 1024, 10_000)) == [8, 8, 9]  # not 10, 10 and a leftover 5
+    assert _range_sizes([100] * 2050, 1024) == [683, 684, 683]
+    small_videos = [70_000] * 400
+    assert _range_sizes(small_videos, 1024, 32 << 20) == [400]  # bytes alone: one task for the whole shard
+    sizes = _range_sizes(small_videos, 1024, 32 << 20, max_large=100, large_bytes=64 << 10)
+    assert len(sizes) == 4 and max(sizes) <= 100 and max(sizes) - min(sizes) <= 2, sizes
+    text_and_video = [2_000, 70_000] * 200  # 200 large ones (weight 1/100 each) and 200 small (1/1024)
+    sizes = _range_sizes(text_and_video, 1024, 32 << 20, max_large=100, large_bytes=64 << 10)
+    assert sorted(sizes) == [133, 133, 134], sizes
+    starts = tuple(int(x) for x in np.cumsum([0, *small_videos[:-1]]))
+    assert len(shard_ranges(ShardLayout("s.tar", starts, frozenset(), frozenset()))) >= 4
 
 
 def test_an_encode_store_is_only_reused_for_the_same_range(demo_dir, tmp_path):

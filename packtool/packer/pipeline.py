@@ -56,12 +56,11 @@ from packtool.packer.sources.files import (
 )
 from packtool.packer.split_plan import SplitPlan, load_encoded, plan_split
 from packtool.packer.store import (
-    BYTES_PER_RANGE,
-    SAMPLES_PER_RANGE,
     EncodeTask,
     FailureLimits,
     SourceStamp,
     encode_range,
+    shard_ranges,
 )
 from packtool.packer.workers import FactsTask, model_facts, pack_engine
 from packtool.settings import PackSettings, RunOptions
@@ -293,7 +292,7 @@ def _encode(engine: Engine, out: OutputDir, src: SourceDataset, settings: PackSe
     limits = FailureLimits(run.max_failures_in_a_row, run.max_same_failures, total,
                            tuple((status, limit) for status, limit in run.limits().items() if status != "truncated"))
     for (split, i, shard), layout in zip(shards, layouts):
-        for k, span in enumerate(layout.ranges(SAMPLES_PER_RANGE, BYTES_PER_RANGE)):
+        for k, span in enumerate(shard_ranges(layout)):
             store = out.encode_dir(split, i, k)
             enc_dirs[split].append(store)
             tasks.append(EncodeTask(str(src.root), layout, span, src.excluded_samples, settings.encode,

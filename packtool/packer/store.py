@@ -125,7 +125,19 @@ SOURCE_FACTS = "source_facts.parquet"
 SAMPLES_PER_RANGE = 1024
 #: Bytes of source shard per encode task, about (a range closes at the first sample past it): a shard of videos
 #: is split into tasks of even work, whatever its sample count.
-BYTES_PER_RANGE = 32 << 20
+BYTES_PER_RANGE = 16 << 20
+#: Samples of :data:`LARGE_SAMPLE_BYTES` or more (media, almost always) per encode task, at most: a small video costs
+#: its decode check several times more per byte than a large one, so bytes alone would make one long task of a
+#: shard of small videos. An encode task's own cost is a few milliseconds: ranges this size keep the tasks' work
+#: even on any worker count, and the last task short.
+LARGE_PER_RANGE = 64
+LARGE_SAMPLE_BYTES = 64 << 10
+
+
+def shard_ranges(layout: ShardLayout) -> list[SampleRange]:
+    """The encode tasks' ranges of a shard (:meth:`ShardLayout.ranges` under this module's limits)."""
+    return layout.ranges(SAMPLES_PER_RANGE, BYTES_PER_RANGE, max_large=LARGE_PER_RANGE,
+                         large_bytes=LARGE_SAMPLE_BYTES)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
+import math
 import os
 import re
 import tarfile
@@ -164,27 +166,57 @@ class ShardLayout:
     #: Positions of samples left out by ``split.yaml``'s ``exclude``.
     excluded: frozenset[int]
 
-    def ranges(self, per_range: int, max_bytes: int | None = None) -> list[SampleRange]:
-        """Consecutive ranges covering the shard, each of at most ``per_range`` samples and closed at the first
-        sample that starts ``max_bytes`` or more past its own start (a shard of large videos is split into tasks
-        of even work; a single larger sample is a range of its own). At least one range; the last reads to the
-        end of the file, so a tail the header walk could not read is still reported."""
+    def ranges(self, per_range: int, max_bytes: int | None = None, *, max_large: int | None = None,
+               large_bytes: int = 64 << 10) -> list[SampleRange]:
+        """Consecutive ranges covering the shard, of even work and within every limit: at most ``per_range``
+        samples, at most ``max_large`` samples of ``large_bytes`` or more (media: a small video costs a decoder
+        far more per byte than a large one), and closed at the first sample that starts ``max_bytes`` or more past
+        the range's own start (a single larger sample is a range of its own). Each sample weighs its largest
+        share of a limit; the shard is cut into as few ranges as those weights allow, at even weight, so no range
+        is a small leftover that a worker ends the run on. At least one range; the last reads to the end of the
+        file, so a tail the header walk could not read is still reported."""
         n = len(self.starts)
-        bounds = [0]
-        while n:
-            first = bounds[-1]
-            nxt = first + per_range
-            if max_bytes is not None:
-                nxt = min(nxt, max(first + 1, bisect.bisect_left(self.starts, self.starts[first] + max_bytes)))
-            if nxt >= n:
+        # a sample's size is the distance to the next one's start (the last one's is unknown: the mean)
+        sizes = [b - a for a, b in zip(self.starts, self.starts[1:])]
+        sizes += [round(sum(sizes) / len(sizes)) if sizes else 0] * min(n, 1)
+        weights = [max(1 / per_range, size / max_bytes if max_bytes else 0.0,
+                       1 / max_large if max_large and size >= large_bytes else 0.0) for size in sizes]
+        prefix = [0.0, *itertools.accumulate(weights)]
+        fewest = max(1, math.ceil(prefix[-1] - 1e-9))
+        for count in range(fewest, fewest + 4):  # the fewest even cuts that keep every limit
+            bounds = [0]
+            for j in range(1, count):  # cut where the running weight is nearest j / count of the whole
+                target = prefix[-1] * j / count
+                i = bisect.bisect_left(prefix, target)
+                i = i - 1 if i > 0 and target - prefix[i - 1] < prefix[min(i, n)] - target else i
+                if bounds[-1] < i < n:
+                    bounds.append(i)
+            within = [self._within(a, stop, sizes, per_range, max_bytes, max_large, large_bytes)
+                      for a, stop in zip(bounds, [*bounds[1:], n])]
+            if all(len(part) == 1 for part in within):
                 break
-            bounds.append(nxt)
+        bounds = [b for part in within for b in part]  # else cut further where a limit is broken
         out = []
         for k, first in enumerate(bounds):
             last = k == len(bounds) - 1
             stop = None if last else self.starts[bounds[k + 1]]
             kept_before = first - sum(1 for e in self.excluded if e < first)
             out.append(SampleRange(first, self.starts[first] if n else 0, stop, kept_before, last))
+        return out
+
+    def _within(self, first: int, stop: int, sizes: list[int], per_range: int, max_bytes: int | None,
+                max_large: int | None, large_bytes: int) -> list[int]:
+        """The starts of the samples ``[first, stop)`` cut further wherever they break a limit (a cut at even
+        weight can overshoot one by a sample)."""
+        out, large = [first], 0
+        for i in range(first, stop):
+            is_large = max_large is not None and sizes[i] >= large_bytes
+            a = out[-1]
+            if i > a and (i - a >= per_range or (max_bytes is not None and self.starts[i] - self.starts[a] >= max_bytes)
+                          or (is_large and large >= (max_large or 0))):
+                out.append(i)
+                large = 0
+            large += is_large
         return out
 
 
