@@ -12,8 +12,14 @@ default check does): ``pack`` with 1 and with 2 workers on each layout (fresh CL
 the floor: the same videos decoded alone (``probe_video(decode=True)``, the check's own call) by 2 processes, each
 decoding half of them with the decoder threads a worker of a 2-worker pack gets
 (:func:`packtool.media.video.decoder_threads_for`); its time includes its processes' start-up. Printed per layout:
-the encode tasks the layout gives (ranges of at most 1,024 samples or about 32 MB of shard), pack(1) / pack(2)
+the encode tasks the layout gives (:func:`packtool.packer.store.shard_ranges`), pack(1) / pack(2)
 (the 2-worker speedup) and pack(2) / floor.
+
+A whole run also pays costs that do not grow with the videos: the command's and its workers' start-ups (an
+interpreter, transformers and the tokenizer each) and the planning, writing and closing after the last sample. So
+each layout is also packed (2 workers) from its first half of the videos, and the floor decodes that half too: the
+marginal ratio (pack(all) - pack(half)) / (floor(all) - floor(half)) is what each further video costs against its
+bare decode, the ratio a large source tends to.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ import demo  # noqa: E402
 
 PIXEL_LIMIT = 1 << 28  # far above the videos' frames: the check decodes, it never refuses a size here
 LAYOUTS = ("spread", "one-shard")
+#: Each layout, also made of the first half of the videos (``<layout>-half``).
+HALF = "-half"
 
 
 def encode_video(args: tuple[int, int, int, int, int]) -> bytes:
@@ -76,11 +84,13 @@ def write_layout(root: Path, samples: list[tuple[str, dict[str, bytes]]], shards
 
 
 def build(args: argparse.Namespace) -> dict[str, Path]:
-    """The two layouts and the model folder, cached under ``--out`` for these settings."""
+    """The two layouts, their halves and the model folder, cached under ``--out`` for these settings."""
     key = f"{args.videos}-{args.seconds:g}-{args.width}x{args.height}-{args.fps_source}-{args.shards}"
-    paths = {"spread": args.out / "spread", "one-shard": args.out / "one-shard", "model": args.out / "model"}
+    paths = {name: args.out / name for name in (*LAYOUTS, *(layout + HALF for layout in LAYOUTS), "model")}
     stamp = args.out / "built.json"
     if stamp.exists() and json.loads(stamp.read_text()).get("key") == key:
+        if not all(paths[layout + HALF].exists() for layout in LAYOUTS):  # a cache from before the halves
+            write_halves(paths, read_samples(paths["one-shard"]), args.shards)
         return paths
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
@@ -91,21 +101,45 @@ def build(args: argparse.Namespace) -> dict[str, Path]:
     samples = [sample(i, v) for i, v in enumerate(videos)]
     write_layout(paths["spread"], samples, args.shards)
     write_layout(paths["one-shard"], samples, 1)
+    write_halves(paths, samples, args.shards)
     demo.build_tokenizer(paths["model"])
     stamp.write_text(json.dumps({"key": key, "bytes": sum(len(v) for v in videos)}))
     return paths
+
+
+def write_halves(paths: dict[str, Path], samples: list[tuple[str, dict[str, bytes]]], shards: int) -> None:
+    """Each layout of the first half of ``samples`` (the spread one over half the shards)."""
+    half = samples[:len(samples) // 2]
+    for layout, count in (("spread", max(1, shards // 2)), ("one-shard", 1)):
+        shutil.rmtree(paths[layout + HALF], ignore_errors=True)
+        write_layout(paths[layout + HALF], half, count)
+
+
+def read_samples(root: Path) -> list[tuple[str, dict[str, bytes]]]:
+    """The samples of a layout's shards, in order."""
+    from packtool.packer.sources import open_source
+
+    out: dict[str, dict[str, bytes]] = {}
+    for shard in open_source(root).splits["train"]:
+        with tarfile.open(root / shard) as tar:
+            for m in tar:
+                key, part = m.name.split(".", 1)
+                data = tar.extractfile(m)
+                assert data is not None
+                out.setdefault(key, {})[part] = data.read()
+    return list(out.items())
 
 
 def encode_tasks(root: Path) -> list[int]:
     """Samples of each encode task ``pack`` makes of the layout (its own range rule)."""
     from packtool.packer.sources import open_source
     from packtool.packer.sources.energon import shard_layout
-    from packtool.packer.store import BYTES_PER_RANGE, SAMPLES_PER_RANGE
+    from packtool.packer.store import shard_ranges
 
     sizes = []
     for shard in open_source(root).splits["train"]:
         layout = shard_layout(root, shard)
-        bounds = [r.first for r in layout.ranges(SAMPLES_PER_RANGE, BYTES_PER_RANGE)] + [len(layout.starts)]
+        bounds = [r.first for r in shard_ranges(layout)] + [len(layout.starts)]
         sizes += [b - a for a, b in zip(bounds, bounds[1:])]
     return sizes
 
@@ -197,30 +231,42 @@ def main() -> None:
     print(f"source: {args.videos} videos (mp4/H.264 {args.width}x{args.height}, {args.seconds:g} s at "
           f"{args.fps_source} fps, {total / 1e6:.1f} MB); built or loaded in {time.perf_counter() - t:.1f} s")
     members = video_members(paths["spread"])
+    half_members = video_members(paths["spread" + HALF])
 
     times: dict[str, float] = {}
     frames = 0
+
+    def best(name: str, wall: float) -> None:
+        times[name] = min(times.get(name, float("inf")), wall)
+
     for _ in range(args.repeat):
         for layout in LAYOUTS:
             for w in (1, 2):
                 time.sleep(1)  # the last run's processes are still exiting: let them, before timing alone
-                name = f"{layout} pack {w}"
-                times[name] = min(times.get(name, float("inf")),
-                                  run_pack(paths[layout], paths["model"], args.out / "packed", w, args.fps))
+                best(f"{layout} pack {w}", run_pack(paths[layout], paths["model"], args.out / "packed", w, args.fps))
+                kept = sum(1 for _ in _segments(args.out / "packed"))
+                if kept != args.videos:
+                    sys.exit(f"packtool: error: the pack of {layout} kept {kept} of {args.videos} samples (see its "
+                             f"ledger)")
+            time.sleep(1)
+            best(f"{layout}{HALF} pack 2", run_pack(paths[layout + HALF], paths["model"], args.out / "packed", 2,
+                                                     args.fps))
         time.sleep(1)
         wall, frames = run_floor(members, 2)
-        times["floor 2"] = min(times.get("floor 2", float("inf")), wall)
-    kept = sum(1 for _ in _segments(args.out / "packed"))
-    if kept != args.videos:
-        sys.exit(f"packtool: error: the last pack kept {kept} of {args.videos} samples (see its ledger)")
+        best("floor 2", wall)
+        time.sleep(1)
+        best(f"floor{HALF} 2", run_floor(half_members, 2)[0])
 
-    floor = times["floor 2"]
-    print(f"floor: {len(members)} videos ({frames} frames) decoded by 2 processes: {floor:.2f} s")
+    floor, floor_half = times["floor 2"], times[f"floor{HALF} 2"]
+    print(f"floor: {len(members)} videos ({frames} frames) decoded by 2 processes: {floor:.2f} s "
+          f"(the first {len(half_members)}: {floor_half:.2f} s)")
     for layout in LAYOUTS:
         tasks = encode_tasks(paths[layout])
-        p1, p2 = times[f"{layout} pack 1"], times[f"{layout} pack 2"]
+        p1, p2, half = times[f"{layout} pack 1"], times[f"{layout} pack 2"], times[f"{layout}{HALF} pack 2"]
         print(f"{layout}: {len(tasks)} encode task(s) of {tasks} samples; pack 1 worker {p1:.2f} s, 2 workers "
-              f"{p2:.2f} s: 2 workers / 1 worker speedup {p1 / p2:.2f}x; pack(2) / floor {p2 / floor:.2f}x")
+              f"{p2:.2f} s: 2 workers / 1 worker speedup {p1 / p2:.2f}x; pack(2) / floor {p2 / floor:.2f}x; "
+              f"half the videos {half:.2f} s: marginal pack(2) / floor {(p2 - half) / (floor - floor_half):.2f}x; "
+              f"at no videos (extrapolated) pack(2) {2 * half - p2:.2f} s, floor {2 * floor_half - floor:.2f} s")
 
 
 if __name__ == "__main__":
