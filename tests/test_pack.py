@@ -243,15 +243,17 @@ def test_encode_ranges_do_not_change_the_output(packed, demo_dir, tmp_path, monk
     assert _digest(out) == _digest(packed)
 
 
-@pytest.mark.parametrize("per_range, max_bytes", [(1, None), (3, None), (1024, None), (1024, 1), (5, 250),
-                                                   (2, 10_000)])
-def test_shard_ranges_cover_every_sample_once(per_range, max_bytes):
+@pytest.mark.parametrize("per_range, max_bytes, max_large", [(1, None, None), (3, None, None), (1024, None, None),
+                                                              (1024, 1, None), (5, 250, None), (2, 10_000, None),
+                                                              (1024, None, 1), (1024, None, 4), (7, 900, 3)])
+def test_shard_ranges_cover_every_sample_once(per_range, max_bytes, max_large):
     from packtool.packer.sources.energon import ShardLayout
 
     rng = np.random.default_rng(per_range)
     starts = tuple(int(x) for x in np.cumsum(rng.integers(1, 400, size=40)) - 1)
     layout = ShardLayout("s.tar", starts, frozenset(), frozenset({3, 17}))
-    ranges = layout.ranges(per_range, max_bytes)
+    ranges = layout.ranges(per_range, max_bytes, max_large=max_large, large_bytes=200)
+    sizes = np.diff(starts).tolist() + [0]  # the last one counted small: its size is not known here
     firsts = [r.first for r in ranges] + [len(starts)]
     assert firsts[0] == 0 and all(a < b for a, b in zip(firsts, firsts[1:]))  # in order, none empty
     assert [r.last for r in ranges] == [False] * (len(ranges) - 1) + [True]
@@ -261,6 +263,8 @@ def test_shard_ranges_cover_every_sample_once(per_range, max_bytes):
         assert r.kept_before == r.first - sum(1 for e in (3, 17) if e < r.first)
         if max_bytes is not None and nxt - r.first > 1:  # only a single sample may start past the byte budget
             assert starts[nxt - 1] - starts[r.first] < max_bytes
+        if max_large is not None:
+            assert sum(size >= 200 for size in sizes[r.first:nxt]) <= max_large
     assert ShardLayout("e.tar", (), frozenset(), frozenset()).ranges(4, 10)[0].last
 
 
