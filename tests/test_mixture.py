@@ -159,6 +159,32 @@ def test_blend_shares_and_joint_fill(datasets, demo_dir, tmp_path):
     assert "packed apart:" in text and "declared" in text
 
 
+def test_copies_of_short_samples_never_share_a_pack(datasets, demo_dir, tmp_path):
+    """Many copies of a few short samples of near-equal length (a blend that takes 20 VQA samples many times
+    beside the text set): no pack holds one sample twice, and stats says so. Control: the plain planner on the same
+    lengths puts copies of one sample together."""
+    from packtool.packer.algorithms import pack_lengths
+    from packtool.packer.mixing import shared_packs
+
+    splits = {"train": {"blend": [{"weight": 0.6, "path": "vqa"}, {"weight": 0.4, "path": "text"}]}}
+    out = tmp_path / "copies"
+    pack(_write(datasets, "copies.yaml", splits), out, _settings(demo_dir), workers=1, progress=False)
+    ledger = read_ledger(out).to_pandas()
+    kept = ledger[ledger.pack.notna()]
+    assert kept["copy"].max() >= 4  # each VQA sample taken several times
+    per_pack = Counter(zip(kept.pack, kept.shard, kept.key))
+    assert max(per_pack.values()) == 1
+    report = compute(out)["splits"]["train"]
+    assert report["packs_sharing_a_sample"] == 0
+    assert "copies together: 0 packs" in RUNNER.invoke(app, ["stats", str(out)]).output
+    # the plan without the copies' identities packs them together, and the count sees it
+    ident = [f"{a}\0{b}" for a, b in zip(kept.shard, kept.key)]
+    plain = pack_lengths(kept.tokens.to_numpy(), 2048)
+    assert shared_packs(plain, ident) > 0
+    # the joint plan still costs no more packs than the same proportions packed apart
+    assert report["packs"] <= sum(d["packs_apart"] for d in report["datasets"])
+
+
 def test_reruns_are_byte_identical_whatever_the_workers(epochized, datasets, demo_dir, tmp_path):
     again = tmp_path / "again"
     pack(datasets / "epochized.yaml", again, _settings(demo_dir), workers=2, progress=False)

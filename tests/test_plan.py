@@ -207,6 +207,42 @@ def test_every_algorithm_valid_deterministic_and_follows_its_rule(problem, algor
 
 
 @FAST
+@given(problems(), st.data())
+def test_copies_of_one_sample_never_share_a_pack(problem, data):
+    """``samples`` (a mixture's copies): under every constraint, bfd never puts two copies of one sample in one
+    pack, and without copies (all -1) it packs exactly as without ``samples``."""
+    lengths, pack_size, kw = problem
+    n = len(lengths)
+    samples = np.asarray(data.draw(st.lists(st.integers(-1, 3), min_size=n, max_size=n)), np.int64)
+    ids = pack_lengths(lengths, pack_size, algorithm="bfd", samples=samples, **kw)
+    assert_valid(ids, lengths, pack_size, **kw)
+    copied = samples >= 0
+    pairs = list(zip(ids[copied].tolist(), samples[copied].tolist()))
+    assert len(pairs) == len(set(pairs))
+    none = pack_lengths(lengths, pack_size, algorithm="bfd", samples=np.full(n, -1), **kw)
+    units = [-(-x // kw["align"]) for x in lengths]
+    assert none.tolist() == ref_pack("bfd", units, pack_size // kw["align"], kw["max_segments"],
+                                     _resources(kw, n))
+
+
+def test_copies_spread_over_rounds_fill_like_plain_best_fit():
+    """Many copies of a few short samples beside long ones: spread over rounds, best fit keeps them apart at about
+    plain best fit's pack count (within 3 %); in plain decreasing order with the same rule each copy of the last, shortest
+    samples needs a pack of its own (control)."""
+    rng = np.random.default_rng(0)
+    long = rng.integers(300, 1800, 300)
+    short = np.repeat(rng.integers(80, 120, 20), 50)  # 20 captions, 50 copies each
+    lengths = np.concatenate([long, short])
+    samples = np.concatenate([np.full(long.size, -1), np.repeat(np.arange(20), 50)])
+    plain = pack_lengths(lengths, 2048, algorithm="bfd")
+    apart = pack_lengths(lengths, 2048, algorithm="bfd", samples=samples)
+    assert len(set(zip(apart[samples >= 0].tolist(), samples[samples >= 0].tolist()))) == short.size
+    assert apart.max() + 1 <= (plain.max() + 1) * 1.03
+    in_order = place_by_rows(lengths, 2048, decreasing_order(lengths, 2048), samples=samples)
+    assert in_order.max() > apart.max() + 5
+
+
+@FAST
 @given(problems(max_items=80), st.sampled_from([None, 1, 2, 3, 16]))
 def test_histogram_and_per_item_implementations_agree(problem, max_segments):
     lengths, pack_size, _ = problem

@@ -103,82 +103,94 @@ def _not_drawn(table: pa.Table, rows: np.ndarray, reps: dict[int, float], names:
 
 def separate_copies(ids: np.ndarray, ident: list[str], lengths: np.ndarray, capacity: int,
                     caps: list[tuple[np.ndarray, int | None]]) -> np.ndarray:
-    """Pack ids (one per kept row) with copies of one sample moved out of a shared pack. Each second copy moves
-    to the emptiest pack with room for it, else trades places with a segment of another pack (equal length
-    first, then the nearest lengths, at most :data:`SWAP_TRIES` tried). Both packs must still fit ``capacity``
-    (``lengths``: aligned) and every per-pack cap of ``caps`` (``(per-row amount, cap or None)``), and neither
-    may then hold a sample twice. The pack count never changes; copies no move or trade parts stay together."""
-    ids = ids.copy()
-    members: dict[int, Counter[str]] = defaultdict(Counter)
-    clash: list[int] = []
-    for row, p in enumerate(ids.tolist()):
-        if members[p][ident[row]]:
-            clash.append(row)
-        members[p][ident[row]] += 1
-    if not clash:
+    """Pack ids (one per kept row) with copies of one sample moved out of a shared pack. Each copy after the first
+    in a pack moves to the emptiest pack that takes it, else trades places with the segment of nearest length of
+    another pack that the trade leaves both packs able to hold (at most :data:`SWAP_SCAN` segments each side of its
+    length tried). Both packs must still fit ``capacity`` (``lengths``: aligned) and every per-pack cap of
+    ``caps`` (``(per-row amount, cap or None)``), and neither may then hold a sample twice. Passes repeat while one
+    parts a copy; copies that no move or trade parts stay together (:func:`shared_packs` counts them). The pack
+    count never changes."""
+    ids = np.asarray(ids, np.int64).copy()
+    if not ids.size:
         return ids
+    _, code = np.unique(np.asarray(ident, dtype=object), return_inverse=True)
+    code = code.astype(np.int64)
+    width = int(code.max()) + 1
+    members = Counter((ids * width + code).tolist())  # (pack, sample) -> copies there
+    if max(members.values()) < 2:
+        return ids
+    lengths = np.asarray(lengths, np.int64)
     n_packs = int(ids.max()) + 1
     load = np.bincount(ids, weights=lengths, minlength=n_packs).astype(np.int64)
-    used = [np.bincount(ids, weights=amount, minlength=n_packs).astype(np.int64) for amount, _ in caps]
-    order = np.argsort(lengths, kind="stable")  # rows by length: the nearest lengths are neighbours here
-    where = np.empty_like(order)
-    where[order] = np.arange(order.size)
+    limited = [(np.asarray(amount, np.int64), int(cap)) for amount, cap in caps if cap is not None]
+    used = [np.bincount(ids, weights=amount, minlength=n_packs).astype(np.int64) for amount, _ in limited]
+    order = np.argsort(lengths, kind="stable")
+    by_length = lengths[order]
 
-    def fits(row: int, p: int, other: int, q: int) -> bool:
-        if load[p] - lengths[row] + lengths[other] > capacity or load[q] - lengths[other] + lengths[row] > capacity:
-            return False
-        for (amount, cap), u in zip(caps, used):
-            d = amount[other] - amount[row]
-            if cap is not None and (u[p] + d > cap or u[q] - d > cap):
-                return False
-        return not members[q][ident[row]] and not members[p][ident[other]]
+    def place(row: int, p: int, q: int) -> None:
+        members[p * width + code[row]] -= 1
+        members[q * width + code[row]] += 1
+        ids[row] = q
+        load[p] -= lengths[row]
+        load[q] += lengths[row]
+        for (amount, _), u in zip(limited, used):
+            u[p] -= amount[row]
+            u[q] += amount[row]
 
     def move(row: int, p: int) -> bool:
-        """Move ``row`` alone into the emptiest pack that takes it (the copy left behind keeps ``p`` non-empty)."""
-        for q in np.argsort(load, kind="stable")[:SWAP_TRIES].tolist():
-            if q == p or load[q] + lengths[row] > capacity or members[q][ident[row]]:
+        """Move ``row`` into the emptiest pack that takes it (the copy left behind keeps ``p`` non-empty)."""
+        ok = load + lengths[row] <= capacity
+        for (amount, cap), u in zip(limited, used):
+            ok &= u + amount[row] <= cap
+        ok[p] = False
+        for q in np.flatnonzero(ok)[np.argsort(load[ok], kind="stable")].tolist():
+            if not members[q * width + code[row]]:
+                place(row, p, q)
+                return True
+        return False
+
+    def trade(row: int, p: int) -> bool:
+        """Trade places with a segment of another pack: the nearest length that leaves both packs within their
+        limits and neither holding a sample twice."""
+        at = int(np.searchsorted(by_length, lengths[row]))
+        cand = order[max(0, at - SWAP_SCAN):at + SWAP_SCAN]
+        q = ids[cand]
+        delta = lengths[cand] - lengths[row]  # what p gains, q loses
+        ok = (q != p) & (code[cand] != code[row]) & (load[p] + delta <= capacity) & (load[q] - delta <= capacity)
+        for (amount, cap), u in zip(limited, used):
+            d = amount[cand] - amount[row]
+            ok &= (u[p] + d <= cap) & (u[q] - d <= cap)
+        cand, q = cand[ok], q[ok]
+        for k in np.argsort(np.abs(delta[ok]), kind="stable").tolist():
+            other, pack = int(cand[k]), int(q[k])
+            if members[pack * width + code[row]] or members[p * width + code[other]]:
                 continue
-            if any(cap is not None and u[q] + amount[row] > cap for (amount, cap), u in zip(caps, used)):
-                continue
-            members[p][ident[row]] -= 1
-            members[q][ident[row]] += 1
-            ids[row] = q
-            load[p] -= lengths[row]
-            load[q] += lengths[row]
-            for (amount, _), u in zip(caps, used):
-                u[p] -= amount[row]
-                u[q] += amount[row]
+            place(row, p, pack)
+            place(other, pack, p)
             return True
         return False
 
-    for row in clash:
-        p = int(ids[row])
-        if move(row, p):
-            continue
-        at = int(where[row])
-        for step in range(1, SWAP_TRIES):  # outwards from the row's place in length order
-            k = at + (step + 1) // 2 * (1 if step % 2 else -1)
-            if not 0 <= k < order.size:
+    while True:
+        parted, seen = 0, set()
+        for row, key in enumerate((ids * width + code).tolist()):
+            if key not in seen:
+                seen.add(key)
                 continue
-            other = int(order[k])
-            q = int(ids[other])
-            if q == p or not fits(row, p, other, q):
-                continue
-            members[p][ident[row]] -= 1
-            members[q][ident[other]] -= 1
-            ids[row], ids[other] = q, p
-            members[q][ident[row]] += 1
-            members[p][ident[other]] += 1
-            delta = int(lengths[other] - lengths[row])
-            load[p] += delta
-            load[q] -= delta
-            for (amount, _), u in zip(caps, used):
-                d = int(amount[other] - amount[row])
-                u[p] += d
-                u[q] -= d
-            break
-    return ids
+            p = int(ids[row])
+            if members[p * width + code[row]] > 1 and (move(row, p) or trade(row, p)):
+                parted += 1
+        if not parted:
+            return ids
 
 
-#: Segments a copy's trade tries before it stays where the plan put it.
-SWAP_TRIES = 512
+def shared_packs(ids: np.ndarray, ident: list[str]) -> int:
+    """How many packs hold some sample more than once (``ids``: each row's pack; ``ident``: its sample)."""
+    if not len(ids):
+        return 0
+    _, code = np.unique(np.asarray(ident, dtype=object), return_inverse=True)
+    keys, counts = np.unique(np.asarray(ids, np.int64) * (int(code.max()) + 1) + code, return_counts=True)
+    return int(np.unique(keys[counts > 1] // (int(code.max()) + 1)).size)
+
+
+#: Segments of nearest length each side that a copy's trade tries before it stays where the plan put it.
+SWAP_SCAN = 1 << 15

@@ -65,16 +65,20 @@ def plan_split(split: str, table: pa.Table, settings: PackSettings) -> SplitPlan
     images = table.column("images").to_numpy()[keep].astype(np.int64)
     image_tokens = table.column("image_tokens").to_numpy()[keep].astype(np.int64)
     enc, plan = settings.encode, settings.plan
+    copied = "copy" in table.column_names and bool((table.column("copy").to_numpy()[keep] > 0).any())
+    samples = ident = None
+    if copied:  # a mixture's copies: the planner keeps copies of one sample apart
+        sub = table.take(pa.array(keep))
+        ident = [f"{a}\0{b}" for a, b in zip(sub.column("shard").to_pylist(), sub.column("key").to_pylist())]
+        _, code, count = np.unique(np.asarray(ident, dtype=object), return_inverse=True, return_counts=True)
+        samples = np.where(count[code] > 1, code, -1)
     ids = pack_lengths(
         lengths, enc.pack_size, algorithm=plan.algorithm, align=enc.align, max_segments=plan.max_segments,
         images=images, max_images=enc.max_images, image_tokens=image_tokens, max_image_tokens=enc.max_image_tokens,
-        seed=plan.seed, balanced_delta=plan.balanced_delta,
+        seed=plan.seed, balanced_delta=plan.balanced_delta, samples=samples,
     )
-    if "copy" in table.column_names and (table.column("copy").to_numpy() > 0).any():  # a mixture's copies
-        sub = table.take(pa.array(keep))
-        ident = [f"{a}\0{b}" for a, b in zip(sub.column("shard").to_pylist(), sub.column("key").to_pylist())]
-        ids = separate_copies(np.asarray(ids), ident, aligned_lengths(lengths, enc.align),
-                              row_length(enc.pack_size, enc.align),
+    if ident is not None:  # what the plan still put together is moved apart where a move or a trade can
+        ids = separate_copies(ids, ident, aligned_lengths(lengths, enc.align), row_length(enc.pack_size, enc.align),
                               [(np.ones_like(lengths), plan.max_segments), (images, enc.max_images),
                                (image_tokens, enc.max_image_tokens)])
     n_packs = int(ids.max()) + 1

@@ -129,8 +129,20 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
         mixture = _manifest(path).get("mixture") if path.is_dir() else None
         if isinstance(mixture, dict) and split in mixture.get("repetitions", {}):
             entry["datasets"] = per_dataset(path, split, mixture, st)
+            entry["packs_sharing_a_sample"] = packs_sharing_a_sample(path, split)
         splits[split] = entry
     return report
+
+
+def packs_sharing_a_sample(path: Path, split: str) -> int:
+    """How many packs of a mixture's split hold two or more copies of one sample (copies the planner could not
+    keep apart)."""
+    from packtool.packer.mixing import shared_packs
+
+    t = read_ledger(path, ["split", "shard", "key", "pack"])
+    t = t.filter(pc.and_(pc.equal(t.column("split"), split), pc.is_valid(t.column("pack"))))
+    ident = [f"{a}\0{b}" for a, b in zip(t.column("shard").to_pylist(), t.column("key").to_pylist())]
+    return shared_packs(pack_numbers(t.column("pack")), ident)
 
 
 def per_dataset(path: Path, split: str, mixture: dict, st: dict) -> list[dict]:
@@ -139,8 +151,13 @@ def per_dataset(path: Path, split: str, mixture: dict, st: dict) -> list[dict]:
     with the mixture's joint fill to compare."""
     from packtool.packer.algorithms import pack_lengths
 
-    t = read_ledger(path, ["split", "status", "reason", "tokens", "images", "image_tokens", "dataset", "copy"])
+    t = read_ledger(path, ["split", "status", "reason", "tokens", "images", "image_tokens", "dataset", "copy",
+                           "shard", "key"])
     t = t.filter(pc.equal(t.column("split"), split))
+    ident = np.asarray([f"{a}\0{b}" for a, b in zip(t.column("shard").to_pylist(), t.column("key").to_pylist())],
+                       dtype=object)
+    _, code, count = np.unique(ident, return_inverse=True, return_counts=True)
+    samples = np.where(count[code] > 1, code, -1)  # copies kept apart, as the joint plan keeps them
     size, align = int(st["pack_size"]), int(st["align"])
     kept = pc.is_in(t.column("status"), value_set=pa.array(list(KEPT))).to_numpy(zero_copy_only=False)
     names = t.column("dataset").to_pylist()
@@ -157,7 +174,8 @@ def per_dataset(path: Path, split: str, mixture: dict, st: dict) -> list[dict]:
         ids = pack_lengths(lengths[k], size, algorithm=st.get("algorithm", "auto"), align=align,
                            max_segments=st.get("max_segments"), images=images[k], max_images=st.get("max_images"),
                            image_tokens=image_tokens[k], max_image_tokens=st.get("max_image_tokens"),
-                           seed=int(st.get("seed", 0))) if k.any() else np.zeros(0, np.int64)
+                           seed=int(st.get("seed", 0)), samples=samples[k] if (samples[k] >= 0).any() else None) \
+            if k.any() else np.zeros(0, np.int64)
         rows.append({"dataset": name, "samples": int(k.sum()), "distinct": int((k & first).sum()), "pool": pool,
                      "tokens": int(lengths[k].sum()), "packs_apart": int(ids.max()) + 1 if ids.size else 0,
                      "weight": declared[name].get("weight"), "repetitions": declared[name].get("repetitions")})
@@ -272,6 +290,8 @@ def format_report(report: dict) -> str:
                 lines.append(f"  packed apart: {apart} packs, fill {e['tokens'] / (apart * report['pack_size']):.4f}; "
                              f"jointly: {e['packs']} packs, fill {e['fill']:.4f} ({apart - e['packs']:+d} packs "
                              f"apart)")
+            lines.append(f"  copies together: {e.get('packs_sharing_a_sample', 0)} packs hold a sample more than "
+                         f"once")
         if "dp_imbalance" in e:
             lines.append(f"  DP imbalance     {e['dp_imbalance']:.4f} over groups of {e['dp_group']} "
                          f"(natural order {e['dp_imbalance_unbalanced_order']:.4f})")

@@ -23,9 +23,11 @@ _BITSET_ROWS = 1 << 16
 
 
 def place_by_rows(units: np.ndarray, cap: int, order: np.ndarray, max_segments: int | None = None,
-                  resources: tuple[Resource, ...] = (), worst: bool = False, start: int = 0) -> np.ndarray:
+                  resources: tuple[Resource, ...] = (), worst: bool = False, start: int = 0,
+                  samples: np.ndarray | None = None) -> np.ndarray:
     """Pack id per item, items taken in ``order``; ``worst``: emptiest pack instead of fullest; ``start``
-    packs are open (empty) from the beginning."""
+    packs are open (empty) from the beginning. ``samples``: per item, the sample it is a copy of (-1: none):
+    an item never goes to a pack that holds a copy of its sample (a new pack opens when every other is)."""
     n = units.size
     K = max_segments
     limits = [lim for _, lim in resources]
@@ -72,9 +74,11 @@ def place_by_rows(units: np.ndarray, cap: int, order: np.ndarray, max_segments: 
             row_left[j][cap] = [limits[j]] * start
         refresh(cap)
     ids = np.empty(n, dtype=np.int64)
+    held: set[tuple[int, int]] = set()  #: (pack, sample) of the copies placed so far
     for a in range(0, n, _CHUNK):
         idx = order[a:a + _CHUNK]
         cost = units[idx].tolist()
+        copy_of = samples[idx].tolist() if samples is not None else [-1] * len(cost)
         demand = [v[idx].tolist() for v, _ in resources]
         got = []
         for i, c in enumerate(cost):
@@ -86,14 +90,23 @@ def place_by_rows(units: np.ndarray, cap: int, order: np.ndarray, max_segments: 
                 r = occupied.bit_length() - 1 if worst else c + (above & -above).bit_length() - 1 if above else -1
             else:
                 r = tree.rightmost(cap, need) if worst else tree.leftmost(c, need)
+            s = copy_of[i]
             while r >= c:
                 for _, q in rows[r]:
-                    if all(left[j][q] >= want[j] for j in range(m)):
+                    if all(left[j][q] >= want[j] for j in range(m)) and (s < 0 or (q, s) not in held):
                         p = q
                         break
                 if p >= 0:
                     break
-                r = tree.rightmost(r - 1, need) if worst else tree.leftmost(r + 1, need)
+                if bitset:  # the next occupied row (-1: none)
+                    if worst:
+                        below = occupied & ((1 << r) - 1)
+                        r = below.bit_length() - 1 if below else -1
+                    else:
+                        above = occupied >> (r + 1)
+                        r = r + 1 + (above & -above).bit_length() - 1 if above else -1
+                else:
+                    r = tree.rightmost(r - 1, need) if worst else tree.leftmost(r + 1, need)
             if p < 0:
                 p = len(rem)
                 rem.append(cap)
@@ -109,6 +122,8 @@ def place_by_rows(units: np.ndarray, cap: int, order: np.ndarray, max_segments: 
                 left[j][p] -= want[j]
             if rem[p] > 0 and (slots[p] > 0 or not K):
                 add(rem[p], p)
+            if s >= 0:
+                held.add((p, s))
             got.append(p)
         ids[idx] = got
     return ids

@@ -20,9 +20,11 @@ from packtool.packer.algorithms._rows import place_by_rows
 
 
 def best_fit_decreasing(units: np.ndarray, cap: int, max_segments: int | None = None,
-                        resources: tuple[Resource, ...] = ()) -> np.ndarray:
+                        resources: tuple[Resource, ...] = (), samples: np.ndarray | None = None) -> np.ndarray:
     """Pack id per item (see module doc). ``units``: aligned costs divided by the alignment; ``cap``: pack size
-    in the same units."""
+    in the same units; ``samples``: per item the sample it copies (-1: none): see :func:`spread_order`."""
+    if samples is not None:
+        return place_by_rows(units, cap, spread_order(units, samples), max_segments, resources, samples=samples)
     if resources or few_per_cost(units):  # the histogram sweep pays per distinct cost: per item is faster here
         return place_by_rows(units, cap, decreasing_order(units, cap), max_segments, resources)
     return bfd_by_cost(units, cap, max_segments)
@@ -69,3 +71,25 @@ def bfd_by_cost(units: np.ndarray, cap: int, max_segments: int | None = None) ->
             each.append(took)
         out[s:e] = np.repeat(np.concatenate(ids_parts), np.concatenate(each))
     return scatter(out, decreasing_order(units, cap))
+
+
+#: Rounds a sample's copies are spread over (:func:`spread_order`).
+COPY_ROUNDS = 16
+
+
+def spread_order(units: np.ndarray, samples: np.ndarray, rounds: int = COPY_ROUNDS) -> np.ndarray:
+    """The item order of best fit over a mixture's copies (``samples``: per item the sample it copies, -1: none):
+    the k-th of a sample's n copies goes in round ``floor(k * rounds / n)``, items not copied in round 0, and each
+    round largest first (equal costs in index order). A copy never joins a pack that holds its sample (a new pack
+    opens when none other fits). In plain decreasing order the copies of one short sample come last, together,
+    and each needs a pack of its own; spread over rounds they fill the room earlier rounds leave (on a demo blend
+    of 57 copies per caption: 302 packs, none shared, against 301 packs with 17 holding a caption many times)."""
+    copied = np.flatnonzero(samples >= 0)
+    rank = np.zeros(samples.size, np.int64)
+    count = np.ones(samples.size, np.int64)
+    if copied.size:
+        by = copied[np.argsort(samples[copied], kind="stable")]
+        _, start, n = np.unique(samples[by], return_index=True, return_counts=True)
+        rank[by] = np.arange(by.size) - np.repeat(start, n)
+        count[by] = np.repeat(n, n)
+    return np.lexsort((-units, rank * rounds // count)).astype(np.int64)
