@@ -227,8 +227,8 @@ def test_copies_of_one_sample_never_share_a_pack(problem, data):
 
 def test_copies_spread_over_rounds_fill_like_plain_best_fit():
     """Many copies of a few short samples beside long ones: spread over rounds, best fit keeps them apart at about
-    plain best fit's pack count (within 3 %); in plain decreasing order with the same rule each copy of the last, shortest
-    samples needs a pack of its own (control)."""
+    plain best fit's pack count (within 3 %); in plain decreasing order with the same rule the copies of the last,
+    shortest samples open packs of their own (control)."""
     rng = np.random.default_rng(0)
     long = rng.integers(300, 1800, 300)
     short = np.repeat(rng.integers(80, 120, 20), 50)  # 20 captions, 50 copies each

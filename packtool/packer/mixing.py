@@ -4,7 +4,7 @@ declared proportion asks for, and copies of one sample kept out of one pack."""
 from __future__ import annotations
 
 import math
-from collections import Counter, defaultdict
+from collections import Counter
 
 import numpy as np
 import pyarrow as pa
