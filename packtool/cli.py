@@ -223,8 +223,10 @@ def pack(
 
     def build() -> cfg.PackRun:
         file = cfg.read(config) if config is not None else None
+        if file and file.get("source") is not None and "source" in explicit and "output" not in explicit:
+            explicit["output"] = explicit.pop("source")  # one argument beside a config file naming the source
         values, given = cfg.merge(file, explicit)
-        return cfg.build(values, given, cfg.origins(file, explicit, config))
+        return cfg.build(values, given, cfg.origins(file, explicit, config), need_output=not print_config)
 
     run = _one_line(build)
     if print_config:
@@ -411,6 +413,12 @@ def inspect(
 def _usage_line(exc: click.ClickException) -> str:
     """One line for a command line Click refuses: a mistyped option or command names the nearest one."""
     if isinstance(exc, click.NoSuchOption):
+        arguments = [p.name for p in (exc.ctx.command.params if exc.ctx is not None else [])
+                     if p.param_type_name == "argument" and p.name]
+        if exc.option_name.lstrip("-").replace("-", "_") in arguments:
+            named = " ".join(a.upper() for a in arguments)
+            return (f"{exc.option_name.lstrip('-').upper()} is an argument, not an option: {exc.ctx.command_path} "
+                    f"{named} ...")
         near = exc.possibilities or difflib.get_close_matches(exc.option_name, _options_of(exc.ctx), n=1)
         return f"no such option {exc.option_name}" + (f"; did you mean {near[0]}?" if near else "")
     message = exc.format_message()
@@ -423,7 +431,8 @@ def _usage_line(exc: click.ClickException) -> str:
 
 
 def _options_of(ctx: click_core.Context | None) -> list[str]:
-    return [name for param in (ctx.command.params if ctx is not None else []) for name in param.opts]
+    return [name for param in (ctx.command.params if ctx is not None else []) if param.param_type_name == "option"
+            for name in param.opts]
 
 
 #: The exit status of a run stopped by Ctrl-C (128 + SIGINT), as shells report it.

@@ -179,6 +179,16 @@ def read(path: str | Path) -> dict[str, Any]:
     return data
 
 
+#: What a run that lacks a required setting is told: where each is given.
+REQUIRED = {
+    "source": "SOURCE is required: `packtool pack SOURCE OUTPUT ...`, or `source:` in the config file",
+    "output": "OUTPUT is required: `packtool pack SOURCE OUTPUT ...`, `packtool pack OUTPUT --config FILE` when FILE "
+              "names the source, or `output:` in the config file",
+    "tokenizer": "tokenizer is required: --tokenizer MODEL, or `tokenizer:` in the config file",
+    "pack_size": "pack_size is required: --pack-size N, or `pack_size:` in the config file",
+}
+
+
 @dataclass(frozen=True)
 class PackRun:
     """One pack run, built from merged values and checked."""
@@ -211,9 +221,11 @@ def merge(config: Mapping[str, Any] | None, explicit: Mapping[str, Any]) -> tupl
     return values, set(config or {}) | set(explicit)
 
 
-def build(values: Mapping[str, Any], given: Collection[str], origin: Mapping[str, str] | None = None) -> PackRun:
+def build(values: Mapping[str, Any], given: Collection[str], origin: Mapping[str, str] | None = None, *,
+          need_output: bool = True) -> PackRun:
     """The run ``values`` describe (``given``: the keys set by a file, a flag or an argument, for the preset;
-    ``origin``: key -> the config file it came from, named in a conflict's message)."""
+    ``origin``: key -> the config file it came from, named in a conflict's message; ``need_output``: False to
+    print the settings of a run that names no output yet)."""
     origin = origin or {}
 
     def came_from(*keys: str) -> str:
@@ -228,8 +240,8 @@ def build(values: Mapping[str, Any], given: Collection[str], origin: Mapping[str
         raise ConfigError("staging: JSON/JSONL, Parquet and save_to_disk sources are read in place, nothing is "
                           "staged; remove the staging option")
     for key in ("source", "output", "tokenizer", "pack_size"):
-        if values.get(key) is None:
-            raise ConfigError(f"{key} is required (a flag, an argument or a key of the config file)")
+        if values.get(key) is None and (key != "output" or need_output):
+            raise ConfigError(REQUIRED[key])
     preset = values.get("preset")
     tokenizer = values["tokenizer"] if is_remote(values["tokenizer"]) else resolve_model(values["tokenizer"])
     why = CONVENTIONS[preset].no_context_parallel if preset in CONVENTIONS else None
@@ -262,7 +274,7 @@ def build(values: Mapping[str, Any], given: Collection[str], origin: Mapping[str
         value = config[key]
         if value is not None and not is_remote(value) and (key != "tokenizer" or Path(value).expanduser().is_dir()):
             config[key] = str(Path(value).expanduser().resolve())
-    return PackRun(location(values["source"]), location(values["output"]), settings, options,
+    return PackRun(location(values["source"]), location(values["output"] or "."), settings, options,
                    Path(media_dir) if media_dir is not None else None, bool(values["absolute_media_paths"]), config)
 
 

@@ -192,3 +192,27 @@ def test_inspect_config_is_portable(demo_dir, tmp_path):
     conf.write_text(text + "overlong: truncate\n")
     message = one_error(run("pack", demo_dir / "dataset", tmp_path / "bad", "--config", conf, env=env))
     assert f"(given in {conf})" in message
+
+
+def test_a_config_naming_the_source_takes_one_argument_as_the_output(demo_dir, tmp_path):
+    """``pack --config run.yaml NEWOUT`` (run.yaml from ``inspect --config``, naming the source) packs into NEWOUT;
+    ``--print-config`` needs no output; ``--output`` says OUTPUT is an argument; without a source in the file one
+    argument is still the source (control: OUTPUT is then missing, said with the command line that exists)."""
+    first = tmp_path / "first"
+    p = run("pack", demo_dir / "dataset", first, "--tokenizer", demo_dir / "tokenizer", "--pack-size", 2048,
+            "--split", "val", "--workers", 1, "--no-progress")
+    assert p.returncode in (0, 3), p.stderr
+    conf = tmp_path / "run.yaml"
+    conf.write_text(run("inspect", first, "--config").stdout)
+    again = tmp_path / "again"
+    p = run("pack", "--config", conf, again, "--workers", 1, "--no-progress")
+    assert p.returncode in (0, 3), p.stderr
+    assert (again / "ledger.parquet").read_bytes() == (first / "ledger.parquet").read_bytes()
+    printed = run("pack", "--config", conf, "--print-config")
+    assert printed.returncode == 0 and yaml.safe_load(printed.stdout)["source"] == str(demo_dir / "dataset")
+    assert "OUTPUT is an argument, not an option" in one_error(run("pack", "--config", conf, "--output", "x"))
+    no_source = tmp_path / "no-source.yaml"
+    no_source.write_text(yaml.safe_dump({"tokenizer": str(demo_dir / "tokenizer"), "pack_size": 2048}))
+    message = one_error(run("pack", "--config", no_source, demo_dir / "dataset"))
+    assert message.startswith("packtool: error: OUTPUT is required: `packtool pack SOURCE OUTPUT")
+    assert "a flag" not in message
