@@ -329,6 +329,7 @@ def stats(
 
     report = _one_line(run)
     typer.echo(json.dumps(report, indent=1) if as_json else st.format_report(report))
+    _check_shards(path)
 
 
 @app.command()
@@ -348,6 +349,21 @@ def failures(
 
     report = _one_line(lambda: find(path, status=status, split=split, limit=None if all_samples else limit))
     typer.echo(json.dumps(report, indent=1) if as_json else format_failures(report), nl=as_json)
+    _check_shards(path)
+
+
+def _check_shards(path: str) -> None:
+    """Exit 1 with one line when a shard the manifest names is missing or cut short (what the ledger cannot show)."""
+    from packtool.verify.extent import shard_problems
+
+    problems = _one_line(lambda: shard_problems(path))
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        from packtool.storage import location
+
+        folder = path if location(path).is_dir() else str(location(path).parent)
+        _fail(f"the output is damaged: {problems[0]}{more}; the report above is the ledger's; run `packtool verify "
+              f"{folder}`", code=1)
 
 
 @app.command()
