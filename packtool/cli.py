@@ -179,10 +179,11 @@ def pack(
                                     help=", ".join(choices(AudioCount)) + ": audio tokens of --preset "
                                          "megatron-bridge-nemotron-omni from the features' valid length "
                                          "(Megatron-Bridge main) or frame count (0.6.2)."),
-    thinking_trace_format: str = typer.Option(default(E, "thinking_trace_format"),
+    thinking_trace_format: str | None = typer.Option(default(E, "thinking_trace_format"),
                                               help=", ".join(choices(ThinkingTraceFormat)) + ": a reply's thinking "
                                                    "trace under --preset nemo-rl-nemotron-omni, as NeMo-RL's "
-                                                   "thinking_trace_format renders it."),
+                                                   "thinking_trace_format renders it (default: its "
+                                                   "Nemotron Omni recipe's, ultra)."),
     workers: int | None = typer.Option(None, help="Worker processes (default: all cores)."),
     engine: str = typer.Option(default(R, "engine"), help="local or ray."),
     ray_address: str | None = typer.Option(None, help="Ray cluster address host:port (with --engine ray)."),
@@ -433,7 +434,8 @@ def _usage_line(exc: click.ClickException) -> str:
                      if p.param_type_name == "argument" and p.name]
         if exc.option_name.lstrip("-").replace("-", "_") in arguments:
             named = " ".join(a.upper() for a in arguments)
-            return (f"{exc.option_name.lstrip('-').upper()} is an argument, not an option: {exc.ctx.command_path} "
+            where = exc.ctx.command_path if exc.ctx is not None else "packtool"
+            return (f"{exc.option_name.lstrip('-').upper()} is an argument, not an option: {where} "
                     f"{named} ...")
         near = exc.possibilities or difflib.get_close_matches(exc.option_name, _options_of(exc.ctx), n=1)
         return f"no such option {exc.option_name}" + (f"; did you mean {near[0]}?" if near else "")

@@ -279,8 +279,8 @@ class EncodeSettings:
     audio_count: AudioCount = "valid"
     #: With ``--preset nemo-rl-nemotron-omni``: NeMo-RL's ``thinking_trace_format``: ``normalized`` renders a trace
     #: ``<think>\n…\n</think>\n`` before the answer, ``ultra`` (its Nemotron Omni recipe) ``<think>\n…</think>``
-    #: with the answer right after.
-    thinking_trace_format: ThinkingTraceFormat = "normalized"
+    #: with the answer right after. None: the preset's default (``ultra``, what that recipe trains).
+    thinking_trace_format: ThinkingTraceFormat | None = None
     #: A named set of the settings above (:data:`PRESETS`): it fills those still at their default, and any of them
     #: given a different value is an error, so the recorded preset always means what it says.
     preset: Preset | None = None
@@ -301,7 +301,8 @@ class EncodeSettings:
         _check_choice(self.media_tokens, MediaTokens, "media_tokens")
         _check_choice(self.image_resize, ImageResize, "image_resize")
         _check_choice(self.audio_count, AudioCount, "audio_count")
-        _check_choice(self.thinking_trace_format, ThinkingTraceFormat, "thinking_trace_format")
+        if self.thinking_trace_format is not None:
+            _check_choice(self.thinking_trace_format, ThinkingTraceFormat, "thinking_trace_format")
         for name, owners in CONVENTION_OPTIONS.items():  # a convention's own settings, with it only
             if getattr(self, name) != default(EncodeSettings, name) and self.preset not in owners:
                 raise ConfigError(f"{name} applies to --preset {' or '.join(owners)} only")
@@ -352,6 +353,9 @@ class EncodeSettings:
                 raise ConfigError(f"preset {self.preset!r} sets {name} to {value!r}, not {current!r}{where}; leave it "
                                   f"unset or drop the preset")
             object.__setattr__(self, name, value)
+        for name, value in CONVENTIONS[self.preset].option_defaults().items():  # its own options: defaults
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
 
     @property
     def max_tokens(self) -> int:
@@ -371,6 +375,23 @@ def _recorded(encode: EncodeSettings) -> dict[str, Any]:
         if values[name] == default(EncodeSettings, name):
             del values[name]
     return values
+
+
+#: What a preset's own option meant in manifests that do not record it (written before the preset had a default of
+#: its own): ``thinking_trace_format`` was ``normalized``.
+UNRECORDED_OPTIONS = {"thinking_trace_format": "normalized"}
+
+
+def recorded_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Encode settings as a manifest records them, ready for :class:`EncodeSettings`: a preset's own option the
+    manifest lacks takes the value it had then (:data:`UNRECORDED_OPTIONS`), not the preset's default now."""
+    names = {f.name for f in fields(EncodeSettings)}
+    kw = {k: v for k, v in settings.items() if k in names}
+    preset = kw.get("preset")
+    for name in (CONVENTIONS[preset].option_defaults() if preset in CONVENTIONS else {}):
+        if name in UNRECORDED_OPTIONS:
+            kw.setdefault(name, UNRECORDED_OPTIONS[name])
+    return kw
 
 
 @dataclass(frozen=True)

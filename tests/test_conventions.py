@@ -33,6 +33,23 @@ def test_a_conventions_own_settings_are_declared_by_it():
     assert ok.thinking_trace_format == "ultra"
 
 
+def test_nemo_rl_nemotrons_trace_format_defaults_to_its_recipes():
+    """Under ``--preset nemo-rl-nemotron-omni`` an unset ``thinking_trace_format`` is ``ultra`` (NeMo-RL's Nemotron
+    Omni recipe), recorded in the manifest; ``normalized`` stays when given (control); a manifest written before
+    the default (none recorded) reads back as ``normalized``, what it was packed with."""
+    from packtool.settings import PackSettings, recorded_settings
+
+    unset = EncodeSettings(tokenizer="t", pack_size=1024, preset="nemo-rl-nemotron-omni")
+    assert unset.thinking_trace_format == "ultra"
+    assert PackSettings(unset).describe()["thinking_trace_format"] == "ultra"
+    given = EncodeSettings(tokenizer="t", pack_size=1024, preset="nemo-rl-nemotron-omni",
+                           thinking_trace_format="normalized")
+    assert given.thinking_trace_format == "normalized"
+    assert EncodeSettings(tokenizer="t", pack_size=1024).thinking_trace_format is None  # no preset: not used
+    old = recorded_settings({"preset": "nemo-rl-nemotron-omni", "pack_size": 1024, "tokenizer": "t"})
+    assert EncodeSettings(**old).thinking_trace_format == "normalized"
+
+
 def test_the_preset_is_applied_once_and_a_given_conflict_names_where_it_came_from():
     preset = "megatron-bridge-qwen-vl"
     filled = EncodeSettings(tokenizer="t", pack_size=1024, preset=preset)

@@ -914,7 +914,7 @@ def test_nemotron_preset_equals_nemo_rls_images_audio_and_replies(nemotron_folde
     budget_bound = differs = 0
     for (turns, sizes, audio), got, base in zip(expected, preset.encode_many(raws), plain.encode_many(raws)):
         assert got.status == "packed", got.reason
-        ids, mask, grids = nemo_rl_nemotron_sample(preset.tok, turns, sizes, 4096, audio)
+        ids, mask, grids = nemo_rl_nemotron_sample(preset.tok, turns, sizes, 4096, audio, ultra=True)
         assert got.tokens.tolist() == ids
         targets = got.targets.tolist()
         targets[0] = 0
@@ -940,7 +940,7 @@ def test_nemotron_preset_thinking_trace_format(nemotron_folder, tmp_path):
     raw = raw_sample("t", turns, [])
     settings = dict(tokenizer=str(nemotron_folder), pack_size=4096, preset="nemo-rl-nemotron-omni")
     ultra = Encoder(EncodeSettings(**settings, thinking_trace_format="ultra")).encode_many([raw])[0]
-    normal = Encoder(EncodeSettings(**settings)).encode_many([raw])[0]
+    normal = Encoder(EncodeSettings(**settings, thinking_trace_format="normalized")).encode_many([raw])[0]
     enc = Encoder(EncodeSettings(**settings))
     want_ultra, _, _ = nemo_rl_nemotron_sample(enc.tok, turns, [], 4096, ultra=True)
     want_normal, _, _ = nemo_rl_nemotron_sample(enc.tok, turns, [], 4096)
@@ -1105,7 +1105,7 @@ def test_nemotron_preset_videos_equal_nemo_rls(nemotron_folder):
     differs = taken = 0
     for (turns, sizes, videos), got, base in zip(expected, preset.encode_many(raws), plain.encode_many(raws)):
         assert got.status == "packed", got.reason
-        ids, mask, grids = nemo_rl_nemotron_sample(preset.tok, turns, sizes, 8192, videos=videos)
+        ids, mask, grids = nemo_rl_nemotron_sample(preset.tok, turns, sizes, 8192, videos=videos, ultra=True)
         assert got.tokens.tolist() == ids
         targets = got.targets.tolist()
         targets[0] = 0

@@ -73,15 +73,22 @@ class Convention:
     #: How a reply's thinking trace is rendered (NeMo-RL's ``thinking_trace_format``; its Nemotron convention only).
     thinking_trace_format: str = "normalized"
     #: Encode settings only this convention takes (besides the fields above): given with another convention, or
-    #: none, a value other than their default is an error (``audio_count``, ``thinking_trace_format``).
+    #: none, a value other than their default is an error (``audio_count``, ``thinking_trace_format``). Those that
+    #: are fields of the convention take its value when nobody gives one (:meth:`option_defaults`).
     options: tuple[str, ...] = ()
 
     def settings(self) -> dict[str, Any]:
-        """The encode settings this convention sets (those that differ from the default convention)."""
+        """The encode settings this convention sets (those that differ from the default convention); its own
+        options are defaults, not set (:meth:`option_defaults`)."""
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name not in ("name", "unsupported", "family", "untagged_note", "video_file_note",
-                                  "no_context_parallel", "chatml_audio", "rgb_decode", "options")
+                                  "no_context_parallel", "chatml_audio", "rgb_decode", "options", *self.options)
                 and getattr(self, f.name) != getattr(TRANSFORMERS, f.name)}
+
+    def option_defaults(self) -> dict[str, Any]:
+        """The values of this convention's own options when none is given (its trainer's recipe's)."""
+        names = {f.name for f in fields(self)}
+        return {name: getattr(self, name) for name in self.options if name in names}
 
     @classmethod
     def of(cls, settings: EncodeSettings) -> Convention:
@@ -93,7 +100,7 @@ class Convention:
                        sample_max_images=settings.sample_max_images,
                        sample_max_visual_tokens=settings.sample_max_visual_tokens,
                        video_keep_frames=settings.video_keep_frames, overlong=settings.overlong,
-                       thinking_trace_format=settings.thinking_trace_format)
+                       thinking_trace_format=settings.thinking_trace_format or base.thinking_trace_format)
 
     def record(self) -> dict[str, Any]:
         """The convention as it took effect, for the manifest (:func:`from_record` reads it back)."""
@@ -205,6 +212,8 @@ register_convention(Convention(
 # NeMo-RL's Qwen2.5-VL path (generic_sft + hf_multimodal): whole assistant messages are targets; an over-long sample
 # becomes a stub with loss weight 0, which trains on nothing (dropped here).
 register_convention(NemoRLChat("nemo-rl-qwen-vl", target_newline_after_eot=True, overlong="drop", rgb_decode=True))
+# NeMo-RL's Nemotron Omni recipe sets ``thinking_trace_format: ultra``: the preset's default (``normalized`` when
+# given).
 register_convention(NemoRLNemotron(NEMO_RL_NEMOTRON, family=NEMOTRON_FAMILY, rgb_decode=True,
-                                   options=("thinking_trace_format",)))
+                                   thinking_trace_format="ultra", options=("thinking_trace_format",)))
 # Megatron-Bridge's Nemotron Omni Energon path: packtool.families.nemotron_omni.mbridge registers it.

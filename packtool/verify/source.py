@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from packtool.packer.sources.energon import ShardScan
 from packtool.packer.sources.files import FileChunk, FileDataset, FileSource, open_files
 from packtool.packer.sources.safepickle import load_bytes_list, video_frames
 from packtool.packer.store import UNREADABLE, ChunkScan
-from packtool.settings import EncodeSettings
+from packtool.settings import EncodeSettings, recorded_settings
 from packtool.storage import local_copy, location, open_read, read_parquet
 
 CHUNK = 256
@@ -46,8 +46,7 @@ def _plain(value: object) -> object:
 
 
 def _settings(out: Path, manifest: Manifest) -> EncodeSettings:
-    names = {f.name for f in fields(EncodeSettings)}
-    kw = {k: v for k, v in manifest.settings.items() if k in names}
+    kw = recorded_settings(manifest.settings)
     kw["tokenizer"] = str(local_copy(out / TOKENIZER_DIR))
     return EncodeSettings(**kw)
 
