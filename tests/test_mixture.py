@@ -230,6 +230,21 @@ def test_bad_metadatasets_are_refused_with_one_line(datasets, demo_dir, tmp_path
     assert result.exit_code == 2 and "\n" not in text and needle in text, text[-2000:]
 
 
+def test_an_entry_error_names_the_entry_and_the_file(datasets, demo_dir, tmp_path):
+    """A ``val`` blend naming a dataset without a ``val`` split: one line naming the mixture file, the split and
+    the dataset (the dataset's own error after them); the same blend on ``train`` packs (control)."""
+    from packtool.packer.sources.mixture import open_mixture
+
+    blend = {"blend": [{"weight": 1, "path": "text"}, {"weight": 1, "path": "vqa"}]}
+    path = _write(datasets, "val-blend.yaml", {"val": blend})
+    with pytest.raises(SourceError) as exc:
+        open_mixture(path)
+    message = str(exc.value)
+    assert message.startswith(f"{path}: split 'val', dataset vqa (") and "unknown split 'val'" in message
+    assert "\n" not in message
+    assert open_mixture(_write(datasets, "train-blend.yaml", {"train": blend})).splits["train"]
+
+
 def test_not_a_metadataset(datasets):
     path = datasets / "plain.yaml"
     path.write_text(json.dumps({"splits": {"train": {"path": "text"}}}))

@@ -210,7 +210,13 @@ def open_mixture(path: str | Path, splits: list[str] | None = None) -> SourceDat
     unknown = [s for s in chosen if s not in mixture.splits]
     if unknown:
         raise SourceError(f"unknown split {unknown[0]!r}; {mixture.path} has {', '.join(mixture.splits)}")
-    opened = {(s, e.name): open_source(e.root, [e.split_part]) for s in chosen for e in mixture.splits[s]}
+    def entry(split: str, e: MixtureEntry) -> SourceDataset:
+        try:
+            return open_source(e.root, [e.split_part])
+        except SourceError as exc:  # the entry and the file it comes from, before what went wrong
+            raise SourceError(f"{mixture.path}: split {split!r}, dataset {e.name} ({e.root}): {exc}") from None
+
+    opened = {(s, e.name): entry(s, e) for s in chosen for e in mixture.splits[s]}
     root = Path(os.path.commonpath([str(e.root) for s in chosen for e in mixture.splits[s]]))
     shards: dict[str, list[str]] = {}
     dataset_of: dict[str, str] = {}
