@@ -310,7 +310,8 @@ def stats(
             raise PacktoolError("--tokens-per-step and --global-batch-samples are targets of --recommend; "
                                 "add --recommend")
         if recommend and (tokens_per_step is None) == (global_batch_samples is None):
-            raise PacktoolError("--recommend needs one target: --tokens-per-step or --global-batch-samples")
+            raise PacktoolError("--recommend needs one target: --global-batch-samples G (the samples per step of "
+                                "your unpacked run) or --tokens-per-step T")
         if candidates or html is not None or recommend:
             from packtool.verify.candidates import DEFAULT_SIZES, check_sizes
 
