@@ -198,3 +198,55 @@ def test_trl_sft_example_steps(tmp_path):
     result = trainer.train()
     assert result.global_step == 2 and np.isfinite(result.training_loss)
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_packs_and_model_that_do_not_belong_together_are_refused(tmp_path):
+    """Text packs against a Qwen2.5-VL or Qwen3-VL model folder, through ``HFPackDataset(model_folder=...)`` and
+    ``check_model(model, packs)``: one line naming both; a batch given another family's manifest is refused too.
+    Controls: a text model, and the batch with its own manifest, pass."""
+    import json
+
+    from packtool.format import load_manifest
+
+    text_packs(tmp_path / "packs")
+    for model_type in ("qwen2_5_vl", "qwen3_vl"):
+        folder = tmp_path / model_type
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": model_type, "vision_config": {}}))
+        with pytest.raises(ValueError, match=rf"packtool: error: the packs at .*packs were made for a text-only "
+                                             rf"model, the model at .*{model_type} is '{model_type}'"):
+            HFPackDataset(tmp_path / "packs", model_folder=folder)
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    dataset = HFPackDataset(tmp_path / "packs", model_folder=text)
+    model = tiny_text_model("sdpa")
+    assert check_model(model, dataset).name == "none"
+    vl = type("M", (), {"config": type("C", (), {"model_type": "qwen2_5_vl", "vision_config": {}})()})()
+    with pytest.raises(ValueError, match="made for a text-only model, the model is 'qwen2_5_vl'"):
+        check_model(vl, dataset)
+    batch = next(iter(read_packs(tmp_path / "packs")))
+    manifest = load_manifest(tmp_path / "packs")
+    assert hf_batch(batch, manifest)["input_ids"].shape[0] == 1
+    other = {**dict(manifest), "image_processor": {"type": "qwen2_vl"}, "image_token_id": 7}
+    with pytest.raises(ValueError, match="the batch is of family none, the manifest given was written for qwen2_vl"):
+        hf_batch(batch, other)
+
+
+def test_trl_example_runs_on_cpu_from_the_demo(packed, demo_dir, tmp_path, capsys):
+    """The README's command: the demo's packs (images and videos) and the tiny random Qwen2.5-VL that
+    ``examples/tiny_model.py`` writes from the demo's tokenizer folder; TRL's SFTTrainer takes a step on CPU and
+    the model's weights move. The tiny model's media token ids are the packs' (the pairing check passes)."""
+    pytest.importorskip("trl")
+    import tiny_model
+    import trl_sft
+
+    model = tiny_model.build(demo_dir / "tokenizer", tmp_path / "model")
+    from safetensors.torch import load_file
+
+    before = load_file(model / "model.safetensors")
+    trainer = trl_sft.main([str(packed), str(model), str(tmp_path / "run"), "--max-steps", "1", "--cpu"])
+    assert "1 steps, training loss" in capsys.readouterr().out
+    after = {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
+    moved = [k for k, v in before.items() if k in after and not torch.equal(v, after[k])]
+    assert moved

@@ -152,11 +152,37 @@ def family_of_batch(batch: Mapping, manifest=None) -> HFFamily:
     return FAMILIES[name]
 
 
-def check_model(model):
+def check_pairing(manifest, config, where: str = "the packs", model: str = "the model") -> None:
+    """Refuse packs and a model that do not belong together, in one line naming both: the family the packs were
+    made for against the model's (its ``model_type``), and the media token ids both state."""
+    config = getattr(config, "config", config)
+    if isinstance(config, Mapping):
+        from types import SimpleNamespace
+
+        config = SimpleNamespace(**config)
+    packs = family_of_batch({}, manifest).name
+    model_type = getattr(config, "model_type", "?")
+    ours = family_of_model(config).name
+    if packs != ours:
+        raise ValueError(f"packtool: error: {where} were made for {packs if packs != 'none' else 'a text-only model'}"
+                         f", {model} is {model_type!r} ({ours if ours != 'none' else 'text-only'}); pack with that "
+                         f"model's folder or train the model the packs were made for")
+    for key in ("image_token_id", "video_token_id"):
+        theirs, mine = getattr(config, key, None), _manifest_get(manifest, key)
+        if theirs is not None and mine is not None and int(theirs) != int(mine):
+            raise ValueError(f"packtool: error: {where} use {key} {mine}, {model} {theirs}: another tokenizer; "
+                             f"pack with that model's folder")
+
+
+def check_model(model, packs=None):
     """Refuse a model whose attention would let packed segments see each other; turn its cache off (outer config
     and text config: Qwen2.5-VL's text config defaults to ``use_cache=True``, and with a cache transformers does not
-    build the packed mask). Returns the model's :class:`HFFamily`."""
+    build the packed mask). With ``packs`` (an :class:`HFPackDataset` or a manifest), also refuse a model the packs
+    were not made for (:func:`check_pairing`). Returns the model's :class:`HFFamily`."""
     family = family_of_model(model)
+    if packs is not None:
+        check_pairing(getattr(packs, "manifest", packs), model.config,
+                      f"the packs at {packs.path}" if isinstance(packs, HFPackDataset) else "the packs")
     config = model.config
     configs = [config] + [c for c in [getattr(config, "text_config", None)] if c is not None]
     for c in configs:
@@ -187,6 +213,12 @@ def hf_batch(batch: Mapping, manifest=None, *, tokens_per_second: int | None = N
     the manifest names, else the one the batch names (:func:`family_of_batch`)."""
     if family is not None and family not in FAMILIES:
         raise ValueError(f"packtool: error: unknown family {family!r} (known: {', '.join(FAMILIES)})")
+    named = batch.get(BATCH_FAMILY)
+    if manifest is not None and named in FAMILIES:
+        made = family_of_batch({}, manifest).name
+        if made != named:
+            raise ValueError(f"packtool: error: the batch is of family {named}, the manifest given was written for "
+                             f"{made}: pass the manifest of the output the batch was read from")
     hook = FAMILIES[family] if family is not None else family_of_batch(batch, manifest)
     tokens = batch["tokens"][0]
     real = ~batch["padding_mask"][0]
@@ -260,6 +292,9 @@ class HFPackDataset(torch.utils.data.Dataset):
         self.manifest = load_manifest(path)
         if family is None:
             family_of_batch({}, self.manifest)  # packs of a family without a hook are refused here, in one line
+        if model_folder is not None and (Path(model_folder) / "config.json").is_file():
+            check_pairing(self.manifest, json.loads((Path(model_folder) / "config.json").read_text()),
+                          f"the packs at {path}", f"the model at {model_folder}")
         if tokens_per_second is None:
             tokens_per_second = model_tokens_per_second(model_folder or self.path / TOKENIZER_DIR)
         self.tokens_per_second = tokens_per_second
