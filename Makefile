@@ -71,9 +71,10 @@ $(TEST_STAMP): $(STAMP)
 # The Nemotron Omni demo (audio, video, images) packs too; `make run OMNI_DEMO=0` skips it.
 OMNI_DEMO ?= 1
 
-$(DEMO)/.built: $(STAMP) examples/demo.py examples/nemotron_omni_model.py
+$(DEMO)/.built: $(STAMP) examples/demo.py examples/nemotron_omni_model.py examples/tiny_model.py
 	$(BIN)/python examples/demo.py $(DEMO)
 	$(BIN)/python examples/nemotron_omni_model.py $(DEMO)/nemotron-omni
+	$(BIN)/python examples/tiny_model.py $(DEMO)/tokenizer $(DEMO)/model
 	touch $@
 
 # Text, images and videos (mp4, webm, mkv, frame lists) for the Qwen2.5-VL-style folder; then audio, video and

@@ -3,6 +3,10 @@
     packtool pack SOURCE OUTPUT --tokenizer MODEL_DIR --pack-size 8192
     python examples/trl_sft.py OUTPUT MODEL_DIR RUN_DIR --max-steps 100
 
+On CPU, from the demo (`make run` packs it and writes a tiny random Qwen2.5-VL of its vocabulary,
+`examples/tiny_model.py`): `python examples/trl_sft.py examples/demo/packed examples/demo/model /tmp/trl-run
+--max-steps 2 --cpu`.
+
 Each dataset item is one pack as a padding-free packed row (`packtool.runtime.hf.HFPackDataset`: unshifted labels,
 positions restarting per segment, varlen keywords, media); the collator concatenates the packs of a micro-batch
 (`HFPackCollator`). TRL's own preparation and packing are switched off by its documented settings:
@@ -30,6 +34,8 @@ def sft_config(run_dir: str | Path, *, max_steps: int, packs_per_step: int = 1, 
     """TRL's SFTConfig for pre-packed rows (see the module docstring)."""
     from trl import SFTConfig
 
+    if use_cpu:
+        overrides.setdefault("bf16", False)  # SFTConfig's default bf16 needs a GPU
     return SFTConfig(output_dir=str(run_dir), max_steps=max_steps, per_device_train_batch_size=packs_per_step,
                      learning_rate=learning_rate, dataset_kwargs={"skip_prepare_dataset": True}, packing=False,
                      padding_free=False, remove_unused_columns=False, max_length=None, report_to=[],
@@ -42,15 +48,16 @@ def build_trainer(packs: str | Path, model, processing_class, run_dir: str | Pat
 
     from packtool.runtime.hf import HFPackCollator, HFPackDataset, check_model
 
-    check_model(model)
     folder = getattr(processing_class, "name_or_path", None)
     dataset = HFPackDataset(packs, "train", model_folder=folder or None)
+    check_model(model, dataset)  # segments kept apart, the cache off, and packs made for this model
     # SFTTrainer takes a `datasets.Dataset` only: items `{"pack": i}`, each read by the collator.
     return SFTTrainer(model=model, args=sft_config(run_dir, **config), train_dataset=dataset.index_dataset(),
                       data_collator=HFPackCollator(dataset), processing_class=processing_class)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None):
+    """Train as the command line says; returns the trainer."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("packs", help="packtool OUTPUT")
     parser.add_argument("model", help="Hugging Face model folder (the one the packs were made with)")
@@ -59,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--packs-per-step", type=int, default=1)
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--attn", default="sdpa", help="eager, sdpa, flash_attention_2 or flash_attention_3")
+    parser.add_argument("--cpu", action="store_true", help="train on the CPU (fp32)")
     args = parser.parse_args(argv)
 
     from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, PretrainedConfig
@@ -73,8 +81,11 @@ def main(argv: list[str] | None = None) -> None:
         model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=args.attn)
         processing_class = AutoTokenizer.from_pretrained(args.model)
     trainer = build_trainer(args.packs, model, processing_class, args.run_dir, max_steps=args.max_steps,
-                            packs_per_step=args.packs_per_step, learning_rate=args.learning_rate)
-    trainer.train()
+                            packs_per_step=args.packs_per_step, learning_rate=args.learning_rate,
+                            use_cpu=args.cpu)
+    result = trainer.train()
+    print(f"{result.global_step} steps, training loss {result.training_loss:.4f}")
+    return trainer
 
 
 if __name__ == "__main__":
