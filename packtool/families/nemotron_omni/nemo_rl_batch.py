@@ -93,6 +93,8 @@ def _nemotron_images(record: PackRecord, refs: list, manifest: Mapping, where: s
             pictures = [open_stored_image(record.media[m.member], f"{where}, member {m.member}")]
         pixels = []
         for picture in pictures:
+            # as NeMo-RL's Energon decoder (pilrgb) hands it over: convert("RGB") drops an alpha channel (no
+            # compositing onto a background), palette and CMYK converted by PIL
             resized = picture.convert("RGB").resize((grid_w * patch, grid_h * patch), Image.Resampling.BICUBIC)
             tensor = torch.from_numpy(np.array(resized, copy=True)).permute(2, 0, 1).to(torch.float32).div_(255)
             pixels.append((tensor - mean) / std)
