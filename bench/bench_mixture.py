@@ -12,9 +12,10 @@ might declare as ``blend_epochized`` repetitions:
   ocr        a document page, mean ~2.5k               repetitions 0.5
   video      a clip, mean ~7k                          repetitions 1.5
 
-``--samples`` is the samples taken (copies counted) over all five. Joint: one plan over every copy
-(:func:`packtool.packer.algorithms.pack_lengths`, the planner ``pack`` runs), then the copies kept out of one pack
-(:func:`packtool.packer.mixing.separate_copies`); apart: one plan per dataset. Printed: packs, the L1 bound,
+``--samples`` is the samples taken (copies counted) over all five. Joint: one plan over every copy, told which rows
+copy one sample (:func:`packtool.packer.algorithms.pack_lengths` with ``samples``, as ``pack`` runs it), then
+what is left together moved apart (:func:`packtool.packer.mixing.separate_copies`); apart: one plan per dataset,
+its copies kept apart the same way. Printed: packs, the L1 bound,
 fill, seconds of each, the packs apart / joint ratio, and the copies left sharing a pack.
 """
 
@@ -31,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from packtool.packer.algorithms import l1_bound, pack_lengths
-from packtool.packer.mixing import separate_copies
+from packtool.packer.mixing import copy_samples, separate_copies
 
 #: name -> (mean tokens, sigma of the log, repetitions, share of the distinct samples)
 DATASETS = {"chat": (300, 0.8, 1.0, 0.40), "caption": (700, 0.4, 2.0, 0.15), "vqa": (1200, 0.5, 1.0, 0.25),
@@ -72,14 +73,15 @@ def main() -> None:
         lengths.append(dist[rows])
         ident += [f"{name}\0{i}" for i in rows.tolist()]
         t = time.perf_counter()
-        ids = pack_lengths(dist[rows], args.pack_size, algorithm=args.algorithm)
+        ids = pack_lengths(dist[rows], args.pack_size, algorithm=args.algorithm,
+                           samples=copy_samples(ident[-rows.size:]))
         apart_seconds += time.perf_counter() - t
         apart_packs += int(ids.max()) + 1
         print(f"{name:<8} {rows.size:>9} samples ({dist.size} distinct x {reps:g}), {int(ids.max()) + 1} packs alone")
     all_lengths = np.concatenate(lengths)
     tokens = int(all_lengths.sum())
     t = time.perf_counter()
-    ids = pack_lengths(all_lengths, args.pack_size, algorithm=args.algorithm)
+    ids = pack_lengths(all_lengths, args.pack_size, algorithm=args.algorithm, samples=copy_samples(ident))
     plan_seconds = time.perf_counter() - t
     t = time.perf_counter()
     ids = separate_copies(ids, ident, all_lengths, args.pack_size, [])

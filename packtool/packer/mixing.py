@@ -183,6 +183,13 @@ def separate_copies(ids: np.ndarray, ident: list[str], lengths: np.ndarray, capa
             return ids
 
 
+def copy_samples(ident: list[str]) -> np.ndarray:
+    """Per row, the sample it is a copy of (the planner's ``samples``): the index of its ``ident`` among the
+    distinct ones for rows whose sample is there more than once, -1 for the others."""
+    _, code, count = np.unique(np.asarray(ident, dtype=object), return_inverse=True, return_counts=True)
+    return np.where(count[code] > 1, code, -1).astype(np.int64)
+
+
 def shared_packs(ids: np.ndarray, ident: list[str]) -> int:
     """How many packs hold some sample more than once (``ids``: each row's pack; ``ident``: its sample)."""
     if not len(ids):

@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 from packtool.format import KEPT, aligned_lengths, row_length
 from packtool.packer.algorithms import balance_dp, pack_lengths
 from packtool.packer.assemble import estimate_pack_bytes, media_bytes_of
-from packtool.packer.mixing import separate_copies
+from packtool.packer.mixing import copy_samples, separate_copies
 from packtool.packer.store import ENCODED_SCHEMA
 from packtool.settings import PackSettings, ShardSize
 from packtool.storage import location, read_parquet
@@ -70,8 +70,7 @@ def plan_split(split: str, table: pa.Table, settings: PackSettings) -> SplitPlan
     if copied:  # a mixture's copies: the planner keeps copies of one sample apart
         sub = table.take(pa.array(keep))
         ident = [f"{a}\0{b}" for a, b in zip(sub.column("shard").to_pylist(), sub.column("key").to_pylist())]
-        _, code, count = np.unique(np.asarray(ident, dtype=object), return_inverse=True, return_counts=True)
-        samples = np.where(count[code] > 1, code, -1)
+        samples = copy_samples(ident)
     ids = pack_lengths(
         lengths, enc.pack_size, algorithm=plan.algorithm, align=enc.align, max_segments=plan.max_segments,
         images=images, max_images=enc.max_images, image_tokens=image_tokens, max_image_tokens=enc.max_image_tokens,

@@ -154,10 +154,10 @@ def per_dataset(path: Path, split: str, mixture: dict, st: dict) -> list[dict]:
     t = read_ledger(path, ["split", "status", "reason", "tokens", "images", "image_tokens", "dataset", "copy",
                            "shard", "key"])
     t = t.filter(pc.equal(t.column("split"), split))
-    ident = np.asarray([f"{a}\0{b}" for a, b in zip(t.column("shard").to_pylist(), t.column("key").to_pylist())],
-                       dtype=object)
-    _, code, count = np.unique(ident, return_inverse=True, return_counts=True)
-    samples = np.where(count[code] > 1, code, -1)  # copies kept apart, as the joint plan keeps them
+    from packtool.packer.mixing import copy_samples
+
+    # copies kept apart, as the joint plan keeps them
+    samples = copy_samples([f"{a}\0{b}" for a, b in zip(t.column("shard").to_pylist(), t.column("key").to_pylist())])
     size, align = int(st["pack_size"]), int(st["align"])
     kept = pc.is_in(t.column("status"), value_set=pa.array(list(KEPT))).to_numpy(zero_copy_only=False)
     names = t.column("dataset").to_pylist()
