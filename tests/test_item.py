@@ -1,4 +1,4 @@
-"""The encoded media item (:class:`packtool.packer.item.MediaItem`): its encode-store JSON, byte for byte."""
+"""The encoded media item (:class:`packtool.item.MediaItem`): its encode-store JSON, byte for byte."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 
 from packtool.families.base import MediaTokens, NoMedia
 from packtool.families.conventions import TRANSFORMERS
-from packtool.packer.assemble import media_ref
-from packtool.packer.item import (
+from packtool.item import (
     AUDIO_KEYS,
     DECODED_AUDIO_KEYS,
     IMAGE_KEYS,
@@ -21,6 +20,7 @@ from packtool.packer.item import (
     dumps_media,
     loads_media,
 )
+from packtool.packer.assemble import media_ref
 
 # Media columns of encode stores written before the type existed (the demo's, packed with the Qwen2.5-VL-style
 # folder and the Nemotron Omni folder by rule, and by the processor mode): each layout's bytes as they are.

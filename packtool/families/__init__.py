@@ -24,8 +24,8 @@ Adding a family: one module (or a home package holding its rule, family and read
 subclasses :class:`~.base.ExpandsInText` and gives ``placeholders``), its trainer layouts where they differ from the
 shared ones (:class:`~.spec.TrainerLayouts`), one registry line below (``register(FamilySpec(name, cls, layouts))``,
 in detection order: first match wins; a name registered twice is refused), and its tests (``tests/test_families.py``
-shows it for :mod:`.fixed`). Media items are frozen (:class:`packtool.packer.item.MediaItem`; while a sample is
-encoded, a :class:`~packtool.packer.item.Staged` with what only encoding needs): ``expand_text`` and ``place``
+shows it for :mod:`.fixed`). Media items are frozen (:class:`packtool.item.MediaItem`; while a sample is
+encoded, a :class:`~packtool.item.Staged` with what only encoding needs): ``expand_text`` and ``place``
 return new ones (``dataclasses.replace``), never change them.
 
 Adding a convention (the same family under another trainer's data path, :mod:`.conventions`):

@@ -22,9 +22,9 @@ from packtool.families.conventions import Convention, trainer_image
 from packtool.format import AUDIO_TAG, MediaRef, PackRecord
 
 if TYPE_CHECKING:
+    from packtool.item import MediaItem, Staged
     from packtool.media.audio import AudioFacts
     from packtool.media.video import VideoFacts
-    from packtool.packer.item import MediaItem, Staged
     from packtool.settings import EncodeSettings
 
 #: Where a family's placeholders become their expansion: the placeholder token repeated in the token ids
@@ -378,7 +378,7 @@ class Family(ABC):
         """The reader batch's media fields of a pack record (:class:`packtool.format.PackRecord`, its spans already
         checked): the stored grids, and with ``decode`` the processor's tensors (``processor``: the caller's or
         :meth:`reader_processor`'s)."""
-        from packtool.runtime.read import vision_media  # the runtime side, loaded only where it reads
+        from packtool.readkit import vision_media  # torch: loaded only where it reads
 
         return vision_media(self, record, processor, where, decode)
 

@@ -34,9 +34,9 @@ from packtool.families.conventions import TRANSFORMERS, Convention
 from packtool.format import MediaRef, PackRecord
 
 if TYPE_CHECKING:
+    from packtool.item import MediaItem, Staged
     from packtool.media.audio import AudioFacts
     from packtool.media.video import VideoFacts
-    from packtool.packer.item import MediaItem, Staged
     from packtool.settings import EncodeSettings
 
 #: Matched runs shorter than this (holding no target and no special token) do not end a media region: an

@@ -3,8 +3,8 @@ model folder and from a manifest, the encode and verify rules — and its traine
 holds each name once (:func:`register`).
 
 The trainer layouts (:class:`TrainerLayouts`) are where a family's packs meet each trainer's batch: named as
-``"module:function"`` and imported only when a batch is laid out, since a family's reader code imports the runtime
-and the registry is imported by the runtime (:mod:`packtool.runtime.registry`). A trainer's layout a family does not
+``"module:function"`` and imported only when a batch is laid out: they build torch tensors, and registering a family
+(which the build side does in every worker) must not load torch. A trainer's layout a family does not
 give is either the shared one (the base Qwen-VL ``visual_inputs`` for Megatron-Bridge, the reader's media fields for
 NeMo-RL) or a refusal with its reason. Adding a trainer adds a field here, never a method to
 :class:`~packtool.families.base.Family`.

@@ -21,7 +21,7 @@ from packtool import __version__
 from packtool.commit import naming
 from packtool.errors import SourceError
 from packtool.format import IndexedRecord, MediaRef, PackRecord, Segment, pack_key, sha256
-from packtool.packer.item import MediaItem, loads_media
+from packtool.item import MediaItem, loads_media
 from packtool.packer.sources.safepickle import load_bytes_list, video_frames
 from packtool.packer.store import NpyReader, SourceStamp
 from packtool.shards import idx_path, index_tar, write_records, write_tar
@@ -43,7 +43,7 @@ class SegmentRow(NamedTuple):
     #: Where the segment's tokens start in its store's token array, and how many.
     tok_offset: int
     tokens: int
-    #: The encoded media items (:func:`~packtool.packer.item.loads_media`).
+    #: The encoded media items (:func:`~packtool.item.loads_media`).
     media: str
     #: A mixture's: the dataset's index among its names, and the sample's copy number (0 for one dataset).
     dataset: int = 0

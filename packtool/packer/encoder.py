@@ -38,10 +38,10 @@ from packtool.errors import (
 )
 from packtool.families import Family
 from packtool.format import sha256
+from packtool.item import MediaItem, Staged
 from packtool.media import AudioFacts, VideoFacts, image_size, probe_audio, probe_frames, probe_video
 from packtool.packer import hfcompat
 from packtool.packer.chatshape import ShapeRenderer
-from packtool.packer.item import MediaItem, Staged
 from packtool.packer.sources import Conversation, RawSample
 from packtool.packer.sources.formats import input_format
 from packtool.packer.sources.safepickle import load_bytes_list, video_frames

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from packtool.commit import commit_path
 from packtool.errors import LimitError, SourceError
 from packtool.format import KEPT, STATUSES, npy_bytes
-from packtool.packer.item import dumps_media
+from packtool.item import dumps_media
 from packtool.packer.sources.energon import RawSample, SampleRange, ShardLayout, ShardScan
 from packtool.settings import EncodeSettings
 from packtool.storage import ObjectPath, file_version, location, open_read, parquet_file, read_parquet

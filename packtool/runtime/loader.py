@@ -35,8 +35,9 @@ from packtool.format import (
     load_manifest,
     split_shard_paths,
 )
+from packtool.readkit import pad_frames
 from packtool.runtime.megatron_batch import megatron_bridge_batch
-from packtool.runtime.read import IGNORE_INDEX, PAD_TO, ROW_KEYS, pack_to_batch, pad_frames, processor_for_output
+from packtool.runtime.read import IGNORE_INDEX, PAD_TO, ROW_KEYS, pack_to_batch, processor_for_output
 from packtool.runtime.registry import family_of
 from packtool.shards import iter_records, record_offsets
 

@@ -55,35 +55,15 @@ loops that call a Megatron-Core model themselves.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
 
 import torch
 
+from packtool.readkit import VisualInputs
 from packtool.runtime.read import ROW_KEYS
 from packtool.runtime.registry import spec_of_batch
 
 #: Keys Megatron-Bridge's steps keep on the host (`.cpu()`); every other tensor goes to the GPU.
 HOST_KEYS = ("max_seqlen_q", "max_seqlen_kv")
-
-
-@dataclass
-class VisualInputs:
-    """Image and video tensors of a batch, in the shape Megatron-Bridge's VLM step expects (the fields of its
-    `GenericVisualInputs` that packtool fills): every attribute a tensor or None (the step moves them one by one),
-    `normalized_for_model()` the model's keyword arguments."""
-
-    pixel_values: torch.Tensor | None = None
-    image_grid_thw: torch.Tensor | None = None
-    pixel_values_videos: torch.Tensor | None = None
-    video_grid_thw: torch.Tensor | None = None
-    second_per_grid_ts: torch.Tensor | None = None
-
-    def normalized_for_model(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-
-    def to(self, device) -> VisualInputs:
-        return VisualInputs(**{f.name: None if getattr(self, f.name) is None
-                               else getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
 
 
 def megatron_bridge_batch(batch: dict, *, temporal_patch_dim: int = 2) -> dict:

@@ -27,7 +27,7 @@ Boundary conventions (all offsets are token indices into the row):
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,6 @@ from packtool.errors import FormatError
 from packtool.format import (
     BATCH_FAMILY,
     TOKENIZER_DIR,
-    MediaRef,
     PackRecord,
     aligned_lengths,
     arrays_digest,
@@ -211,107 +210,12 @@ def _media(record: PackRecord, family: Family, cu: np.ndarray, where: str, image
     return family.read_media(record, image_processor, where, images)
 
 
-def vision_media(family: Family, record: PackRecord, image_processor, where: str, images: bool) -> dict:
-    """The base layout (:attr:`Family.batch_keys`): image_grid_thw (+ pixel_values) for the pack's images and
-    video_grid_thw, second_per_grid_ts (+ pixel_values_videos) for its videos (where the family has a video
-    processor)."""
-    everything = record.media_refs
-    for m in everything:
-        if m.kind not in ("image", "video"):
-            raise FormatError(f"{where}: media kind {m.kind!r} (member {m.member}) is not supported by the reader "
-                              f"yet")
-    out = family.read_videos(record, where, images)
-    if any(m.kind == "video" for m in everything) and not out:
-        raise FormatError(f"{where}: the pack holds videos but the manifest describes no video processor")
-    media = [m for m in everything if m.kind == "image"]
-    stored = np.array([m.grid_thw for m in media], dtype=np.int64).reshape(-1, 3)
-    out["image_grid_thw"] = torch.from_numpy(stored)
-    if not images:
-        return out
-    proc = image_processor if image_processor is not None else family.reader_processor(None)
-    if proc is None:
-        if media:
-            raise ValueError(f"{where} has media but no image processor: pass the model's image_processor= "
-                             f"(dataset image rule: {family.name}) or images=False")
-        return out
-    if not media:
-        if hasattr(proc, "temporal_patch_size"):  # Qwen2-VL layout: [patches, C·t·p·p]
-            dim = 3 * proc.temporal_patch_size * proc.patch_size ** 2
-            out["pixel_values"] = torch.zeros((0, dim), dtype=torch.float32)
-        return out
-    pil = family.reader_images([open_stored_image(record.media[m.member], f"{where}, member {m.member}")
-                                for m in media])
-    try:
-        result = proc(images=pil, return_tensors="np")
-    except (ValueError, TypeError, OSError) as exc:
-        raise FormatError(f"{where}: the image processor refuses its media ({type(exc).__name__}: {exc})") from None
-    if "image_grid_thw" in result:
-        grid = np.asarray(result["image_grid_thw"], dtype=np.int64)
-        if not np.array_equal(grid, stored):
-            bad = next(i for i in range(len(media)) if not np.array_equal(grid[i], stored[i]))
-            raise FormatError(f"{where}: {media[bad].member} processes to grid {grid[bad].tolist()}, "
-                              f"stored {stored[bad].tolist()}")
-    out["pixel_values"] = torch.from_numpy(np.ascontiguousarray(result["pixel_values"], dtype=np.float32))
-    return out
-
-
-def decode_planned_videos(record: PackRecord, videos: Sequence[MediaRef], where: str) -> tuple[list, list]:
-    """The planned frames of each of ``videos`` (``(T, H, W, 3)`` arrays, only those frames decoded) and their
-    transformers ``VideoMetadata``; :class:`FormatError` naming the member for a video that does not decode."""
-    from transformers.video_utils import VideoMetadata
-
-    from packtool.media import decode_frames, decode_video
-
-    arrays, metadata = [], []
-    for m in videos:
-        try:
-            if m.frames:
-                arrays.append(decode_frames([record.media[f] for f in m.frames], m.frame_indices))
-            else:
-                arrays.append(decode_video(record.media[m.member], m.frame_indices))
-        except (ValueError, OSError) as exc:
-            raise FormatError(f"{where}, member {m.member}: video does not decode ({exc})") from None
-        metadata.append(VideoMetadata(total_num_frames=m.total_frames, fps=m.fps, width=m.width, height=m.height,
-                                      duration=m.duration, frames_indices=list(m.frame_indices)))
-    return arrays, metadata
-
-
-def check_video_grids(processed: torch.Tensor, stored: np.ndarray, videos: Sequence[MediaRef], where: str) -> None:
-    """:class:`FormatError` naming the first video whose processed grid differs from the stored one."""
-    grid = processed.numpy().astype(np.int64)
-    if not np.array_equal(grid, stored):
-        bad = next(i for i in range(len(videos)) if not np.array_equal(grid[i], stored[i]))
-        raise FormatError(f"{where}: {videos[bad].member} processes to grid {grid[bad].tolist()}, "
-                          f"stored {stored[bad].tolist()}")
-
-
-def open_stored_image(data: bytes, where: str):
-    """The decoded image (as stored: no EXIF rotation, the same pixels the grid was computed from)."""
-    from PIL import Image
-
-    from packtool.media.image import open_image
-
-    try:
-        image = open_image(data)
-        image.load()
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise FormatError(f"{where}: media does not decode ({type(exc).__name__}: {exc})") from None
-    return image
-
-
 def processor_for_output(path: str | Path, manifest: Mapping):
     """The processor a reader of the packed dataset at `path` uses for its media: its family's
     (:meth:`Family.reader_processor`: Qwen2-VL's image processor, Nemotron Omni's processors or the processor
     mode's model processor, built from the model folder copied into the output), or None."""
     family = family_of(manifest)
     return family.reader_processor(local_copy(location(path) / TOKENIZER_DIR) if family.reads_folder else None)
-
-
-def pad_frames(features: torch.Tensor, width: int) -> torch.Tensor:
-    """Audio features or their mask ``[clips, frames, ...]`` padded with zeros (False) to ``width`` frames, as the
-    feature extractor pads the shorter clips of one call."""
-    pad = features.new_zeros((features.shape[0], width - features.shape[1], *features.shape[2:]))
-    return torch.cat([features, pad], dim=1)
 
 
 def batch_to(batch: dict, device) -> dict:

@@ -27,8 +27,8 @@ import pyarrow.parquet as pq
 
 from packtool.errors import ConfigError, FormatError
 from packtool.format import Manifest, aligned_lengths, row_length
+from packtool.item import loads_media
 from packtool.packer.holdout import TRAIN, VAL
-from packtool.packer.item import loads_media
 from packtool.packer.ledger import read_ledger
 
 

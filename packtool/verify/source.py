@@ -20,10 +20,10 @@ import pyarrow.compute as pc
 
 from packtool.errors import FormatError, SourceError
 from packtool.format import KEPT, LEDGER, META, TOKENIZER_DIR, InfoJson, Manifest, PackRecord
+from packtool.item import MediaItem
 from packtool.packer.encoder import Encoded, get_encoder
 from packtool.packer.engine import Engine
 from packtool.packer.holdout import VAL
-from packtool.packer.item import MediaItem
 from packtool.packer.mixing import NOT_DRAWN
 from packtool.packer.sources import open_source
 from packtool.packer.sources.energon import ShardScan

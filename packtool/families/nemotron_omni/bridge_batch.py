@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import torch
 
-from packtool.runtime.megatron_batch import VisualInputs
+from packtool.readkit import VisualInputs
 
 
 def nemotron_inputs(batch: Mapping, temporal_patch_dim: int) -> dict:

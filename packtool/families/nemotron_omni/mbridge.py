@@ -38,8 +38,8 @@ from packtool.families.nemotron_omni.family import NemotronOmni
 from packtool.format import AUDIO_TAG, IMAGE_TAG, NEMOTRON_FAMILY, VIDEO_TAG, PackRecord
 
 if TYPE_CHECKING:
+    from packtool.item import Staged
     from packtool.media import AudioFacts, VideoFacts
-    from packtool.packer.item import Staged
     from packtool.settings import AudioCount, EncodeSettings
 
 #: The preset.

@@ -30,7 +30,7 @@ import torch
 from packtool.errors import FormatError
 from packtool.families.nemotron_omni.reader import CLIP_MEAN, CLIP_STD, _grids, _patches
 from packtool.format import PackRecord
-from packtool.runtime.read import pad_frames
+from packtool.readkit import pad_frames
 
 
 def canvas_patches(image: Any, canvas: int, patch: int) -> torch.Tensor:
@@ -79,7 +79,7 @@ def feature_extractor(mel_bins: int, rate: int) -> Any:
 
 def mbridge_media(record: PackRecord, entry: Mapping[str, Any], where: str, decode: bool) -> dict[str, Any]:
     """The pack's media inputs (module docstring); without ``decode`` only the stored grids and kinds."""
-    from packtool.runtime.read import open_stored_image
+    from packtool.readkit import open_stored_image
 
     refs = record.media_refs
     canvas, patch, step = int(entry["canvas"]), int(entry["patch_dim"]), int(entry["temporal_patch_size"])

@@ -32,8 +32,8 @@ from packtool.families.nemotron_omni.family import NemotronOmni
 from packtool.format import MediaRef
 
 if TYPE_CHECKING:
+    from packtool.item import Staged
     from packtool.media import AudioFacts, VideoFacts
-    from packtool.packer.item import Staged
     from packtool.settings import EncodeSettings
 
 

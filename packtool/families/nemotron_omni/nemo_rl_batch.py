@@ -17,7 +17,7 @@ from PIL import Image
 from packtool.errors import FormatError
 from packtool.families.nemotron_omni.reader import CLIP_MEAN, CLIP_STD
 from packtool.format import PackRecord
-from packtool.runtime.read import open_stored_image
+from packtool.readkit import open_stored_image
 
 
 def nemotron_inputs(record: PackRecord, manifest: Mapping, where: str,

@@ -41,7 +41,7 @@ from packtool.errors import FormatError
 from packtool.families.nemotron_omni.family import NemotronOmniSettings
 from packtool.format import MediaRef, PackRecord
 from packtool.media import AudioFacts, read_folder
-from packtool.runtime.read import pad_frames
+from packtool.readkit import pad_frames
 
 #: CLIP's mean and standard deviation: Megatron-Bridge's temporal path and NeMo-RL's Nemotron visual path normalize
 #: with these constants, not the model folder's.
@@ -149,7 +149,7 @@ def _grids(media: Sequence[MediaRef], where: str, width: int) -> torch.Tensor:
 
 def _images(record: PackRecord, p: NemotronOmniProcessors, where: str) -> dict:
     """Each segment's images in one processor call (their shared patch budget is the sample's)."""
-    from packtool.runtime.read import open_stored_image  # the reader's one image decoder
+    from packtool.readkit import open_stored_image  # the reader's one image decoder
 
     merge = round(1 / p.settings.downsample_ratio)
     values, grids = [], []

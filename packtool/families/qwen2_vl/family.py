@@ -25,7 +25,7 @@ from packtool.media.folder import read_folder
 from packtool.media.video import VideoFacts
 
 if TYPE_CHECKING:
-    from packtool.packer.item import MediaItem
+    from packtool.item import MediaItem
     from packtool.settings import EncodeSettings
 
 

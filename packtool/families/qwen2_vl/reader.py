@@ -18,7 +18,7 @@ import torch
 
 from packtool.errors import FormatError
 from packtool.format import PackRecord
-from packtool.runtime.read import check_video_grids, decode_planned_videos
+from packtool.readkit import check_video_grids, decode_planned_videos
 
 
 def qwen_image_processor(settings: Mapping):

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 def qwen3_vl_media(family: Qwen3VL, record: PackRecord, processor: Any, where: str, decode: bool) -> dict[str, Any]:
     """``image_grid_thw`` (+ ``pixel_values``) of the pack's images and ``video_grid_thw`` (+
     ``pixel_values_videos``) of its videos, each checked against the stored grids."""
-    from packtool.runtime.read import vision_media
+    from packtool.readkit import vision_media
 
     for m in record.media_refs:
         if m.kind not in ("image", "video"):
@@ -50,7 +50,7 @@ def qwen3_vl_media(family: Qwen3VL, record: PackRecord, processor: Any, where: s
         dim = 3 * rule.temporal_patch_size * rule.patch_size ** 2
         out["pixel_values_videos"] = torch.zeros((0, dim), dtype=torch.float32)
         return out
-    from packtool.runtime.read import check_video_grids, decode_planned_videos
+    from packtool.readkit import check_video_grids, decode_planned_videos
 
     arrays, metadata = decode_planned_videos(record, videos, where)
     proc = video_processor(rule.manifest(), family.video_config or {})

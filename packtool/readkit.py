@@ -1,0 +1,139 @@
+"""The reader kit: what every family's reader and the runtime's batches share, below both.
+
+It imports only the format (:mod:`packtool.format`), the media decoders (:mod:`packtool.media`) and the errors, so
+a family's reader (``packtool.families.*.reader``) stands on it and never on :mod:`packtool.runtime`, which stands
+on the families through its registry: the imports go one way, runtime -> families -> this kit.
+
+- :func:`vision_media`: the shared image/video fields of a reader batch, asked of a family's reader methods;
+- :func:`decode_planned_videos`, :func:`check_video_grids`: a video's planned frames, its processed grid checked;
+- :func:`open_stored_image`: a stored image decoded as its grid was computed;
+- :func:`pad_frames`: audio features padded to a batch's longest clip;
+- :class:`VisualInputs`: image and video tensors as Megatron-Bridge's VLM step takes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch
+
+from packtool.errors import FormatError
+from packtool.format import MediaRef, PackRecord
+
+
+def vision_media(family: Any, record: PackRecord, image_processor, where: str, images: bool) -> dict:
+    """The base layout (:attr:`Family.batch_keys`): image_grid_thw (+ pixel_values) for the pack's images and
+    video_grid_thw, second_per_grid_ts (+ pixel_values_videos) for its videos (where the family has a video
+    processor)."""
+    everything = record.media_refs
+    for m in everything:
+        if m.kind not in ("image", "video"):
+            raise FormatError(f"{where}: media kind {m.kind!r} (member {m.member}) is not supported by the reader "
+                              f"yet")
+    out = family.read_videos(record, where, images)
+    if any(m.kind == "video" for m in everything) and not out:
+        raise FormatError(f"{where}: the pack holds videos but the manifest describes no video processor")
+    media = [m for m in everything if m.kind == "image"]
+    stored = np.array([m.grid_thw for m in media], dtype=np.int64).reshape(-1, 3)
+    out["image_grid_thw"] = torch.from_numpy(stored)
+    if not images:
+        return out
+    proc = image_processor if image_processor is not None else family.reader_processor(None)
+    if proc is None:
+        if media:
+            raise ValueError(f"{where} has media but no image processor: pass the model's image_processor= "
+                             f"(dataset image rule: {family.name}) or images=False")
+        return out
+    if not media:
+        if hasattr(proc, "temporal_patch_size"):  # Qwen2-VL layout: [patches, C·t·p·p]
+            dim = 3 * proc.temporal_patch_size * proc.patch_size ** 2
+            out["pixel_values"] = torch.zeros((0, dim), dtype=torch.float32)
+        return out
+    pil = family.reader_images([open_stored_image(record.media[m.member], f"{where}, member {m.member}")
+                                for m in media])
+    try:
+        result = proc(images=pil, return_tensors="np")
+    except (ValueError, TypeError, OSError) as exc:
+        raise FormatError(f"{where}: the image processor refuses its media ({type(exc).__name__}: {exc})") from None
+    if "image_grid_thw" in result:
+        grid = np.asarray(result["image_grid_thw"], dtype=np.int64)
+        if not np.array_equal(grid, stored):
+            bad = next(i for i in range(len(media)) if not np.array_equal(grid[i], stored[i]))
+            raise FormatError(f"{where}: {media[bad].member} processes to grid {grid[bad].tolist()}, "
+                              f"stored {stored[bad].tolist()}")
+    out["pixel_values"] = torch.from_numpy(np.ascontiguousarray(result["pixel_values"], dtype=np.float32))
+    return out
+
+
+def decode_planned_videos(record: PackRecord, videos: Sequence[MediaRef], where: str) -> tuple[list, list]:
+    """The planned frames of each of ``videos`` (``(T, H, W, 3)`` arrays, only those frames decoded) and their
+    transformers ``VideoMetadata``; :class:`FormatError` naming the member for a video that does not decode."""
+    from transformers.video_utils import VideoMetadata
+
+    from packtool.media import decode_frames, decode_video
+
+    arrays, metadata = [], []
+    for m in videos:
+        try:
+            if m.frames:
+                arrays.append(decode_frames([record.media[f] for f in m.frames], m.frame_indices))
+            else:
+                arrays.append(decode_video(record.media[m.member], m.frame_indices))
+        except (ValueError, OSError) as exc:
+            raise FormatError(f"{where}, member {m.member}: video does not decode ({exc})") from None
+        metadata.append(VideoMetadata(total_num_frames=m.total_frames, fps=m.fps, width=m.width, height=m.height,
+                                      duration=m.duration, frames_indices=list(m.frame_indices)))
+    return arrays, metadata
+
+
+def check_video_grids(processed: torch.Tensor, stored: np.ndarray, videos: Sequence[MediaRef], where: str) -> None:
+    """:class:`FormatError` naming the first video whose processed grid differs from the stored one."""
+    grid = processed.numpy().astype(np.int64)
+    if not np.array_equal(grid, stored):
+        bad = next(i for i in range(len(videos)) if not np.array_equal(grid[i], stored[i]))
+        raise FormatError(f"{where}: {videos[bad].member} processes to grid {grid[bad].tolist()}, "
+                          f"stored {stored[bad].tolist()}")
+
+
+def open_stored_image(data: bytes, where: str):
+    """The decoded image (as stored: no EXIF rotation, the same pixels the grid was computed from)."""
+    from PIL import Image
+
+    from packtool.media.image import open_image
+
+    try:
+        image = open_image(data)
+        image.load()
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise FormatError(f"{where}: media does not decode ({type(exc).__name__}: {exc})") from None
+    return image
+
+
+def pad_frames(features: torch.Tensor, width: int) -> torch.Tensor:
+    """Audio features or their mask ``[clips, frames, ...]`` padded with zeros (False) to ``width`` frames, as the
+    feature extractor pads the shorter clips of one call."""
+    pad = features.new_zeros((features.shape[0], width - features.shape[1], *features.shape[2:]))
+    return torch.cat([features, pad], dim=1)
+
+
+@dataclass
+class VisualInputs:
+    """Image and video tensors of a batch, in the shape Megatron-Bridge's VLM step expects (the fields of its
+    `GenericVisualInputs` that packtool fills): every attribute a tensor or None (the step moves them one by one),
+    `normalized_for_model()` the model's keyword arguments."""
+
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    second_per_grid_ts: torch.Tensor | None = None
+
+    def normalized_for_model(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def to(self, device) -> VisualInputs:
+        return VisualInputs(**{f.name: None if getattr(self, f.name) is None
+                               else getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
