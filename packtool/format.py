@@ -663,6 +663,9 @@ MIXTURE_LEDGER_COLUMNS = ("dataset", "copy")
 #: The entry of every reader batch (``packtool.runtime.read.pack_to_batch``) that names the registered family whose
 #: trainer layouts the batch follows (``Family.batch_family``): layouts read it, never guess from the batch's keys.
 BATCH_FAMILY = "family"
+#: A reader batch's entry with the manifest's facts its trainer layouts need beside the tensors (media token ids, the
+#: image processor's merge size: :func:`packtool.readkit.layout_context`), so a layout takes the batch alone.
+BATCH_CONTEXT = "layout_context"
 
 
 # -- writing Energon's metadata ---------------------------------------------------------------------------------

@@ -8,12 +8,14 @@ on the families through its registry: the imports go one way, runtime -> familie
 - :func:`decode_planned_videos`, :func:`check_video_grids`: a video's planned frames, its processed grid checked;
 - :func:`open_stored_image`: a stored image decoded as its grid was computed;
 - :func:`pad_frames`: audio features padded to a batch's longest clip;
-- :class:`VisualInputs`: image and video tensors as Megatron-Bridge's VLM step takes them.
+- :class:`VisualInputs`: image and video tensors as Megatron-Bridge's VLM step takes them;
+- :func:`layout_context`: the token ids and sizes a trainer layout needs beside the tensors, which every reader
+  batch carries (``BATCH_CONTEXT``), and :func:`mm_token_type_ids`, :func:`text_positions` built from it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -22,6 +24,9 @@ import torch
 
 from packtool.errors import FormatError
 from packtool.format import MediaRef, PackRecord
+
+#: What :func:`layout_context` takes from a manifest (None where it has none).
+CONTEXT_KEYS = ("image_token_id", "video_token_id", "spatial_merge_size")
 
 
 def vision_media(family: Any, record: PackRecord, image_processor, where: str, images: bool) -> dict:
@@ -137,3 +142,29 @@ class VisualInputs:
     def to(self, device) -> VisualInputs:
         return VisualInputs(**{f.name: None if getattr(self, f.name) is None
                                else getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
+
+
+def layout_context(manifest: Mapping) -> dict[str, int | None]:
+    """The manifest's facts a trainer layout needs beside a batch's tensors: its image and video token ids and the
+    image processor's merge size (None where the manifest has none). Every reader batch carries them, so a layout
+    works on the batch alone."""
+    processor = manifest.get("image_processor") if hasattr(manifest, "get") else None
+    merge = processor.get("merge_size") if isinstance(processor, Mapping) else None
+    return {"image_token_id": manifest.get("image_token_id"), "video_token_id": manifest.get("video_token_id"),
+            "spatial_merge_size": None if merge is None else int(merge)}
+
+
+def mm_token_type_ids(input_ids: torch.Tensor, context: Mapping) -> torch.Tensor:
+    """transformers' Qwen-VL processors' ``mm_token_type_ids`` of ``input_ids`` (any shape): per token 0 text, 1 the
+    image token, 2 the video token of ``context`` (:func:`layout_context`, or a manifest); int32."""
+    kinds = torch.zeros_like(input_ids, dtype=torch.int32)
+    if context.get("image_token_id") is not None:
+        kinds += (input_ids == context["image_token_id"]).int()
+    if context.get("video_token_id") is not None:
+        kinds += 2 * (input_ids == context["video_token_id"]).int()
+    return kinds
+
+
+def text_positions(row: Mapping, context: Mapping, tokens_per_second: int | None) -> torch.Tensor:
+    """The Hugging Face layout of text-only families: the row's per-segment positions as they are."""
+    return row["position_ids"]

@@ -113,6 +113,13 @@ def test_qwen25vl_images_and_videos_packed_equals_alone(video_pack):  # noqa: F8
     tps = model.config.vision_config.tokens_per_second
     row = hf_batch(batch, manifest, tokens_per_second=tps)
     assert row["position_ids"].shape == (4, 1, row["input_ids"].shape[1])
+    # The reader batch alone is enough: it carries its family and the token ids its layout needs.
+    alone_row = hf_batch(batch, tokens_per_second=tps)
+    assert set(alone_row) == set(row) and all(torch.equal(alone_row[k], row[k]) for k in row
+                                              if isinstance(row[k], torch.Tensor))
+    stripped = {k: v for k, v in batch.items() if k != "layout_context"}  # control: an older reader's batch
+    with pytest.raises(ValueError, match="carries no layout context"):
+        hf_batch(stripped, tokens_per_second=tps)
     assert {"pixel_values", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"} <= set(row)
     ids, cu = row["input_ids"], row["cu_seq_lens_q"].tolist()
     ip = [0] + row["image_grid_thw"].prod(-1).cumsum(0).tolist()

@@ -324,6 +324,7 @@ def test_hugging_face_batch_packed_equals_each_segment_alone(qwen3_run):
     assert check_model(model).name == "qwen3_vl"
     row = hf_batch(batch, manifest)
     assert row["position_ids"].shape == (4, 1, row["input_ids"].shape[1]) and "second_per_grid_ts" not in row
+    assert torch.equal(hf_batch(batch)["position_ids"], row["position_ids"])  # the reader batch alone suffices
     cu = row["cu_seq_lens_q"].tolist()
     ip = [0] + (row["image_grid_thw"].prod(-1).cumsum(0).tolist() if "image_grid_thw" in row else [])
     vp = [0] + (row["video_grid_thw"].prod(-1).cumsum(0).tolist() if "video_grid_thw" in row else [])

@@ -63,7 +63,7 @@ from packtool.families.nemotron_omni import NEMOTRON_OMNI_LAYOUTS, NemotronOmni 
 from packtool.families.processor import ProcessorMode
 from packtool.families.qwen2_vl import QWEN2_VL_LAYOUTS, Qwen2VL
 from packtool.families.qwen3_vl import QWEN3_VL_LAYOUTS, Qwen3VL
-from packtool.families.spec import REGISTRY, FamilySpec, TrainerLayouts, register, spec_named
+from packtool.families.spec import HF_TEXT, REGISTRY, FamilySpec, TrainerLayouts, register, spec_named
 from packtool.format import BATCH_FAMILY
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ register(FamilySpec("nemotron_omni", NemotronOmni, NEMOTRON_OMNI_LAYOUTS))
 register(FamilySpec("qwen3_vl", Qwen3VL, QWEN3_VL_LAYOUTS))
 register(FamilySpec("fixed", FixedCount))
 register(FamilySpec("qwen2_vl", Qwen2VL, QWEN2_VL_LAYOUTS))
-register(FamilySpec("none", NoMedia))
+register(FamilySpec("none", NoMedia, TrainerLayouts(hugging_face=HF_TEXT)))
 
 #: The families a model folder is matched against, in order (the registry's).
 FAMILIES: tuple[type[Family], ...] = tuple(spec.family for spec in REGISTRY.values())

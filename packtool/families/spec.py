@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 
 #: Megatron-Bridge's shared layout: the base Qwen-VL ``visual_inputs``.
 BRIDGE_VISION = "packtool.runtime.megatron_batch:vision_fields"
+#: The Hugging Face layout of text-only packs: the reader's per-segment positions.
+HF_TEXT = "packtool.readkit:text_positions"
+#: The media keys of Qwen-VL models' forward.
+QWEN_VL_MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,16 @@ class TrainerLayouts:
     nemo_rl_recipe: str | None = None
     #: Whether NeMo-RL's batch carries ``mm_token_type_ids`` (its Qwen2-VL processor's).
     nemo_rl_token_types: bool = False
+    #: The Hugging Face packed row's ``position_ids``: ``(row, context, tokens_per_second) -> tensor``
+    #: (:func:`packtool.runtime.hf.hf_batch`; ``context``: the batch's :func:`packtool.readkit.layout_context`); None:
+    #: the family's packs get no Hugging Face row (refused in one line).
+    hugging_face: str | None = None
+    #: transformers ``model_type`` values of the models this family's packs are made for (``check_model`` and the
+    #: pairing check match a model by them); none: text-only models (any without a vision or audio tower).
+    hugging_face_model_types: tuple[str, ...] = ()
+    #: The media keys the Hugging Face model takes (those of media a row has are passed on, with
+    #: ``mm_token_type_ids``); none: a text model.
+    hugging_face_media_keys: tuple[str, ...] = ()
 
     def function(self, trainer: str) -> Callable[..., Any] | None:
         """The function a field names, imported (None where the field is None)."""

@@ -29,73 +29,53 @@ import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from packtool.errors import FormatError
-from packtool.format import BATCH_FAMILY
+from packtool.format import BATCH_CONTEXT, BATCH_FAMILY
+from packtool.readkit import layout_context, mm_token_type_ids
 from packtool.runtime.read import IGNORE_INDEX
-from packtool.runtime.registry import family_named
+from packtool.runtime.registry import registered
 
 #: Attention implementations that keep packed segments apart (see the module docstring).
 SEGMENT_SAFE_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
-MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 @dataclass(frozen=True)
 class HFFamily:
-    """How one model family takes a packed row: which model types it covers and its position ids."""
+    """How one registered family's packs become a Hugging Face packed row: its registered Hugging Face layout
+    (:class:`packtool.families.spec.TrainerLayouts`: the model types it covers, its position ids, the media keys its
+    models take)."""
 
     name: str
     model_types: tuple[str, ...]
-    #: (batch restricted to real tokens, manifest, tokens_per_second) -> position_ids.
-    positions: Callable[[dict, Any, int | None], torch.Tensor]
+    #: (batch restricted to real tokens, layout context, tokens_per_second) -> position_ids.
+    positions: Callable[[dict, Mapping, int | None], torch.Tensor]
     #: The media keys the family's model takes (those of media a row has are passed on), and with them
     #: ``mm_token_type_ids``; none: a text model.
     media_keys: tuple[str, ...] = ()
 
 
-def _text_positions(row: dict, manifest, tokens_per_second) -> torch.Tensor:
-    return row["position_ids"]
+def _hf_families() -> dict[str, HFFamily]:
+    """Every registered family that has a Hugging Face layout, by name (the registry's order)."""
+    out = {}
+    for name, spec in registered().items():
+        layouts = spec.layouts
+        positions = layouts.function("hugging_face")
+        if positions is not None:
+            out[name] = HFFamily(name, layouts.hugging_face_model_types, positions, layouts.hugging_face_media_keys)
+    return out
 
 
-def _qwen2_vl_positions(row: dict, manifest, tokens_per_second) -> torch.Tensor:
-    image_id = _manifest_get(manifest, "image_token_id")
-    video_id = _manifest_get(manifest, "video_token_id")
-    if image_id is None:
-        raise ValueError("packtool: error: the qwen2_vl hook needs the manifest's image_token_id (pass manifest=)")
-    videos = row.get("video_grid_thw")
-    if videos is not None and len(videos) and tokens_per_second is None:
-        raise ValueError("packtool: error: the batch has videos but no tokens_per_second (the model config's "
-                         "vision_config.tokens_per_second); pass tokens_per_second=")
-    rope = family_named("qwen2_vl").position_ids(
-        row["input_ids"], row["cu"], row.get("image_grid_thw"), image_token_id=image_id, video_grid_thw=videos,
-        second_per_grid_ts=row.get("second_per_grid_ts"), video_token_id=video_id,
-        tokens_per_second=tokens_per_second or 0)
-    return torch.cat([row["position_ids"][None], rope])
-
-
-def _qwen3_vl_positions(row: dict, manifest, tokens_per_second) -> torch.Tensor:
-    image_id = _manifest_get(manifest, "image_token_id")
-    processor = _manifest_get(manifest, "image_processor") or {}
-    if image_id is None or "merge_size" not in processor:
-        raise ValueError("packtool: error: the qwen3_vl hook needs the manifest (pass manifest=)")
-    rope = family_named("qwen3_vl").position_ids(
-        row["input_ids"], row["cu"], row.get("image_grid_thw"), row.get("video_grid_thw"), image_token_id=image_id,
-        video_token_id=_manifest_get(manifest, "video_token_id"), spatial_merge_size=int(processor["merge_size"]))
-    return torch.cat([row["position_ids"][None], rope])
-
-
-#: Family name -> hook. ``none``: text-only models; ``qwen2_vl``: Qwen2-VL and Qwen2.5-VL; ``qwen3_vl``: Qwen3-VL
-#: (its videos' times are text in the tokens: no ``second_per_grid_ts``).
-FAMILIES: dict[str, HFFamily] = {
-    "none": HFFamily("none", (), _text_positions),
-    "qwen2_vl": HFFamily("qwen2_vl", ("qwen2_vl", "qwen2_5_vl"), _qwen2_vl_positions, MEDIA_KEYS),
-    "qwen3_vl": HFFamily("qwen3_vl", ("qwen3_vl", "qwen3_vl_moe"), _qwen3_vl_positions,
-                         tuple(k for k in MEDIA_KEYS if k != "second_per_grid_ts")),
-}
+def hf_family(name: str) -> HFFamily:
+    """The Hugging Face layout of the family called ``name``; a family without one is refused in one line."""
+    families = _hf_families()
+    if name not in families:
+        raise ValueError(f"packtool: error: packs made for image processor {name!r} have no Hugging Face hook "
+                         f"(supported: text-only, {', '.join(n for n in families if n != 'none')})")
+    return families[name]
 
 
 def _manifest_get(manifest, key: str):
@@ -104,39 +84,28 @@ def _manifest_get(manifest, key: str):
     return manifest.get(key) if isinstance(manifest, Mapping) else getattr(manifest, key, None)
 
 
-def mm_token_type_ids(input_ids: torch.Tensor, manifest) -> torch.Tensor:
-    """transformers' Qwen2-VL / Qwen2.5-VL processor's ``mm_token_type_ids`` of ``input_ids`` (any shape): per token
-    0 text, 1 the manifest's image token, 2 its video token; int32, the shape of ``input_ids``."""
-    image_id = _manifest_get(manifest, "image_token_id")
-    video_id = _manifest_get(manifest, "video_token_id")
-    kinds = torch.zeros_like(input_ids, dtype=torch.int32)
-    if image_id is not None:
-        kinds += (input_ids == image_id).int()
-    if video_id is not None:
-        kinds += 2 * (input_ids == video_id).int()
-    return kinds
-
-
 def family_of_model(model) -> HFFamily:
-    """The hook of a transformers model (or config): ``qwen2_vl`` for Qwen2-VL/2.5-VL, ``qwen3_vl`` for Qwen3-VL,
-    ``none`` for a model without a vision or audio tower; any other family is refused in one line."""
+    """The Hugging Face layout of a transformers model (or config): the registered family whose layout names its
+    ``model_type``; the text-only one for a model without a vision or audio tower; any other is refused in one
+    line."""
     config = getattr(model, "config", model)
     model_type = getattr(config, "model_type", "?")
-    for family in FAMILIES.values():
+    families = _hf_families()
+    for family in families.values():
         if model_type in family.model_types:
             return family
     if not getattr(config, "is_encoder_decoder", False) and not any(
             hasattr(config, k) for k in ("vision_config", "audio_config", "text_config")):
-        return FAMILIES["none"]
+        return families["none"]
     raise ValueError(f"packtool: error: model type {model_type!r} has no packed-row hook "
                      f"(supported: text-only models, "
-                     f"{', '.join(t for f in FAMILIES.values() for t in f.model_types)})")
+                     f"{', '.join(t for f in families.values() for t in f.model_types)})")
 
 
 def family_of_batch(batch: Mapping, manifest=None) -> HFFamily:
-    """The hook of the family the manifest names, else the one the reader wrote into the batch (``family``); a
-    family without a hook is refused in one line. Nothing is guessed from the batch's keys: a batch that names no
-    family, without a manifest, is refused too."""
+    """The Hugging Face layout of the family the manifest names, else the one the reader wrote into the batch
+    (``family``); a family without one is refused in one line. Nothing is guessed from the batch's keys: a batch
+    that names no family, without a manifest, is refused too."""
     if manifest is not None:
         processor = _manifest_get(manifest, "image_processor")
         kind = processor.get("family", processor.get("type")) if isinstance(processor, Mapping) else None
@@ -146,10 +115,7 @@ def family_of_batch(batch: Mapping, manifest=None) -> HFFamily:
     else:
         raise ValueError("packtool: error: the batch names no family (its 'family' entry, written by packtool's "
                          "reader); pass the manifest or family=")
-    if name not in FAMILIES:
-        raise ValueError(f"packtool: error: packs made for image processor {name!r} have no Hugging Face hook "
-                         f"(supported: text-only, {', '.join(n for n in FAMILIES if n != 'none')})")
-    return FAMILIES[name]
+    return hf_family(name)
 
 
 def check_pairing(manifest, config, where: str = "the packs", model: str = "the model") -> None:
@@ -209,17 +175,22 @@ def model_tokens_per_second(folder: str | Path) -> int | None:
 def hf_batch(batch: Mapping, manifest=None, *, tokens_per_second: int | None = None,
              family: str | None = None) -> dict:
     """One reader batch (:func:`packtool.runtime.read.pack_to_batch`) as a padding-free packed row for a Hugging
-    Face model's ``forward`` (see the module docstring). ``family``: a :data:`FAMILIES` name; by default the family
+    Face model's ``forward`` (see the module docstring). ``family``: a registered family's name; by default the family
     the manifest names, else the one the batch names (:func:`family_of_batch`)."""
-    if family is not None and family not in FAMILIES:
-        raise ValueError(f"packtool: error: unknown family {family!r} (known: {', '.join(FAMILIES)})")
+    families = _hf_families()
+    if family is not None and family not in families:
+        raise ValueError(f"packtool: error: unknown family {family!r} (known: {', '.join(families)})")
     named = batch.get(BATCH_FAMILY)
-    if manifest is not None and named in FAMILIES:
+    if manifest is not None and named in families:
         made = family_of_batch({}, manifest).name
         if made != named:
             raise ValueError(f"packtool: error: the batch is of family {named}, the manifest given was written for "
                              f"{made}: pass the manifest of the output the batch was read from")
-    hook = FAMILIES[family] if family is not None else family_of_batch(batch, manifest)
+    hook = families[family] if family is not None else family_of_batch(batch, manifest)
+    context = layout_context(manifest) if manifest is not None else batch.get(BATCH_CONTEXT)
+    if context is None:
+        raise ValueError("packtool: error: the batch carries no layout context (a batch of an older packtool "
+                         "reader); pass the output's manifest")
     tokens = batch["tokens"][0]
     real = ~batch["padding_mask"][0]
     shifted = batch["labels"][0]
@@ -231,16 +202,16 @@ def hf_batch(batch: Mapping, manifest=None, *, tokens_per_second: int | None = N
     cu = batch["cu_seqlens_unpadded"].to(torch.int32)
     row: dict = {"input_ids": tokens[real][None], "labels": labels[real][None],
                  "position_ids": batch["position_ids"][0][real][None], "cu": cu}
-    for key in MEDIA_KEYS:
+    for key in hook.media_keys:
         if key in batch:
             row[key] = batch[key]
-    position_ids = hook.positions(row, manifest, tokens_per_second)
+    position_ids = hook.positions(row, context, tokens_per_second)
     seqlens = cu.diff()
     out = {"input_ids": row["input_ids"], "labels": row["labels"], "position_ids": position_ids,
            "cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(),
            "max_length_q": int(seqlens.max()), "max_length_k": int(seqlens.max())}
     if hook.media_keys:
-        out["mm_token_type_ids"] = mm_token_type_ids(row["input_ids"], manifest)
+        out["mm_token_type_ids"] = mm_token_type_ids(row["input_ids"], context)
         has = {"image": len(row.get("image_grid_thw", ())) > 0, "video": len(row.get("video_grid_thw", ())) > 0}
         for key in hook.media_keys:  # only the kinds the row has media of: empty media tensors crash the model
             if key in row and has["video" if "video" in key or key == "second_per_grid_ts" else "image"]:
@@ -270,7 +241,9 @@ def concat_hf_batches(rows: Sequence[Mapping]) -> dict:
     for key in ("mm_token_type_ids",):
         if key in rows[0]:
             out[key] = torch.cat([r[key] for r in rows], dim=-1)
-    for key in MEDIA_KEYS:
+    token_keys = {"input_ids", "labels", "position_ids", "mm_token_type_ids", *VARLEN_KEYS}
+    media = dict.fromkeys(k for r in rows for k in r if k not in token_keys)  # in order of first appearance
+    for key in media:
         parts = [r[key] for r in rows if key in r]
         if parts:
             out[key] = torch.cat(parts)

@@ -27,6 +27,7 @@ from megatron.energon.epathlib import EPath
 from megatron.energon.errors import FatalSampleError
 
 from packtool.format import (
+    BATCH_CONTEXT,
     BATCH_FAMILY,
     MANIFEST,
     TOKENIZER_DIR,
@@ -66,8 +67,8 @@ def pad_row(row: dict, length: int, pad_token_id: int) -> dict:
 def collate_packs(rows: list[dict], pad_token_id: int) -> dict:
     """Batch one-pack rows. One row is returned as is; several are stacked `[B, L]` (labels padded with -100,
     never 0) with `cu_seqlens_unpadded`, `cu_seqlens_padded`, `max_seqlen`, `keys` describing
-    `tokens.reshape(1, -1)`;
-    `pack_key` becomes a list, media tensors are concatenated in row order; `family` is the rows' one family."""
+    `tokens.reshape(1, -1)`; `pack_key` becomes a list, media tensors are concatenated in row order; `family` and
+    `layout_context` are the rows' one value."""
     if len(rows) == 1:
         return rows[0]
     length = max(r["tokens"].shape[1] for r in rows)
@@ -83,6 +84,11 @@ def collate_packs(rows: list[dict], pad_token_id: int) -> dict:
     if len(kinds) > 1:
         raise ValueError(f"rows of different families ({', '.join(sorted(map(str, kinds)))}) cannot share a batch")
     out[BATCH_FAMILY] = kinds.pop()
+    contexts = [r[BATCH_CONTEXT] for r in rows if BATCH_CONTEXT in r]
+    if contexts:
+        if any(c != contexts[0] for c in contexts):
+            raise ValueError("rows of outputs with other media token ids cannot share a batch")
+        out[BATCH_CONTEXT] = contexts[0]
     if any("dataset_index" in r for r in rows):  # a mixture's: one per segment, in `keys` order
         out["dataset_index"] = torch.cat([r["dataset_index"] for r in rows])
     for key in MEDIA_KEYS:  # rows of a text-only dataset (blending) have none

@@ -49,7 +49,7 @@ from megatron.energon.errors import FatalSampleError
 
 from packtool.errors import FormatError
 from packtool.format import Manifest, PackRecord
-from packtool.runtime.hf import mm_token_type_ids
+from packtool.readkit import mm_token_type_ids
 from packtool.runtime.loader import PackSample, _manifest, _reader_processor, cook_pack
 from packtool.runtime.read import open_pack, pack_to_batch
 from packtool.runtime.registry import Family, family_class_of, family_of, spec_of

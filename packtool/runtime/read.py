@@ -36,6 +36,7 @@ import torch
 
 from packtool.errors import FormatError
 from packtool.format import (
+    BATCH_CONTEXT,
     BATCH_FAMILY,
     TOKENIZER_DIR,
     PackRecord,
@@ -47,6 +48,7 @@ from packtool.format import (
     span_problems,
     split_shard_paths,
 )
+from packtool.readkit import layout_context
 from packtool.runtime.registry import Family, family_of
 from packtool.shards import iter_records
 from packtool.storage import local_copy, location
@@ -119,8 +121,10 @@ def pack_to_batch(
     cu_seqlens_padded (int32 `[S + 1]`), max_seqlen (int), image_grid_thw (int64 `[n, 3]`, when the dataset has an
     image processor or the pack has media), pixel_values (when also `images`: float32 `[Σpatches, C·t·p·p]` for
     Qwen2-VL, else what the given processor returns), keys (segment source keys), pack_key, and for a mixture's
-    pack dataset_index (int64 `[S]`, see :func:`dataset_index`), and family (the registered family whose
-    trainer layouts the batch follows, :meth:`Family.batch_family`: what the layouts read, never the keys).
+    pack dataset_index (int64 `[S]`, see :func:`dataset_index`), family (the registered family whose
+    trainer layouts the batch follows, :meth:`Family.batch_family`: what the layouts read, never the keys) and
+    layout_context (the manifest's media token ids and merge size, :func:`packtool.readkit.layout_context`: what
+    the layouts need beside the tensors, so the batch alone is enough).
     """
     if pad_to not in PAD_TO:
         raise ValueError(f"pad_to must be one of {PAD_TO}, got {pad_to!r}")
@@ -173,6 +177,7 @@ def pack_to_batch(
     family = family_of(manifest)
     batch.update(_media(record, family, cu, where, images, image_processor))
     batch[BATCH_FAMILY] = family.batch_family()
+    batch[BATCH_CONTEXT] = layout_context(manifest)
     return batch
 
 

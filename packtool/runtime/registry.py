@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from packtool.families import Family, FamilySpec, from_manifest, named, of_batch, owner, spec_named
+from packtool.families import REGISTRY, Family, FamilySpec, from_manifest, named, of_batch, owner, spec_named
 
-__all__ = ["Family", "FamilySpec", "family_class_of", "family_named", "family_of", "family_of_batch", "spec_of",
-           "spec_of_batch"]
+__all__ = ["Family", "FamilySpec", "family_class_of", "family_named", "family_of", "family_of_batch", "registered",
+           "spec_of", "spec_of_batch"]
 
 
 def family_of(manifest: Mapping) -> Family:
@@ -52,3 +52,9 @@ def spec_of(name: str) -> FamilySpec:
 def spec_of_batch(batch: Mapping[str, Any]) -> FamilySpec:
     """The registration of the family a reader batch names (:func:`packtool.families.of_batch`)."""
     return spec_named(of_batch(batch).name)
+
+
+def registered() -> Mapping[str, FamilySpec]:
+    """Every registered family's registration, by name, in the registry's order (its trainer layouts: what a
+    trainer's path looks up instead of a family list of its own)."""
+    return REGISTRY

@@ -19,11 +19,14 @@ from packtool.families.qwen2_vl.family import (
     fetch_image_resize,
     qwen_resize,
 )
-from packtool.families.spec import TrainerLayouts
+from packtool.families.spec import QWEN_VL_MEDIA_KEYS, TrainerLayouts
 
 #: Qwen2-VL's trainer layouts: Megatron-Bridge's shared Qwen-VL ``visual_inputs``, NeMo-RL's reader media fields
-#: with ``mm_token_type_ids``.
-QWEN2_VL_LAYOUTS = TrainerLayouts(nemo_rl_token_types=True)
+#: with ``mm_token_type_ids``, Hugging Face rows with the per-segment 3-D rope (Qwen2-VL and Qwen2.5-VL models).
+QWEN2_VL_LAYOUTS = TrainerLayouts(nemo_rl_token_types=True,
+                                  hugging_face="packtool.families.qwen2_vl.reader:hf_positions",
+                                  hugging_face_model_types=("qwen2_vl", "qwen2_5_vl"),
+                                  hugging_face_media_keys=QWEN_VL_MEDIA_KEYS)
 
 __all__ = ["FETCH_IMAGE_TOKENS", "FETCH_VIDEO_TOKENS", "FETCH_VIDEO_TOTAL_TOKENS", "QWEN2_VL_IMAGE_PROCESSORS",
            "QWEN2_VL_LAYOUTS", "QWEN2_VL_MODEL_TYPES", "QWEN2_VL_PROCESSORS", "QWEN2_VL_VIDEO_PROCESSORS", "ImageRule",

@@ -209,3 +209,22 @@ def mrope_position_ids(
             kind = "video" if queued == video_token_id else "image"
             raise ValueError(f"more {kind} grids than {kind}s in the tokens")
     return torch.from_numpy(out)[:, None, :].to(tokens.device)
+
+
+def hf_positions(row: dict, context: Mapping, tokens_per_second: int | None) -> torch.Tensor:
+    """The Hugging Face layout's ``position_ids`` ``[4, 1, T]`` of a packed row (real tokens only: ``input_ids``,
+    ``cu``, ``position_ids``, media grids): row 0 the per-segment text positions, then the per-segment 3-D rope
+    (:func:`mrope_position_ids`); ``context``: the batch's token ids (:func:`packtool.readkit.layout_context`)."""
+    image_id = context.get("image_token_id")
+    if image_id is None:
+        raise ValueError("packtool: error: the Qwen2-VL layout needs the packs' image_token_id (a packtool reader "
+                         "batch carries it)")
+    videos = row.get("video_grid_thw")
+    if videos is not None and len(videos) and tokens_per_second is None:
+        raise ValueError("packtool: error: the batch has videos but no tokens_per_second (the model config's "
+                         "vision_config.tokens_per_second); pass tokens_per_second=")
+    rope = mrope_position_ids(
+        row["input_ids"], row["cu"], row.get("image_grid_thw"), image_token_id=image_id, video_grid_thw=videos,
+        second_per_grid_ts=row.get("second_per_grid_ts"), video_token_id=context.get("video_token_id"),
+        tokens_per_second=tokens_per_second or 0)
+    return torch.cat([row["position_ids"][None], rope])

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 from packtool.families.qwen3_vl.family import Qwen3VL
 from packtool.families.qwen3_vl.rule import Qwen3VLVideoPlan, Qwen3VLVideoRule
-from packtool.families.spec import TrainerLayouts
+from packtool.families.spec import QWEN_VL_MEDIA_KEYS, TrainerLayouts
 
-#: Qwen3-VL's trainer layouts: no Megatron-Bridge batch (its step's rope spans the whole row).
+#: Qwen3-VL's trainer layouts: no Megatron-Bridge batch (its step's rope spans the whole row); Hugging Face rows.
 QWEN3_VL_LAYOUTS = TrainerLayouts(megatron_bridge_refused=(
     "a Qwen3-VL reader batch has no Megatron-Bridge batch: Megatron-Bridge's qwen3_vl_step treats each batch row "
     "as one sequence (it ignores a batch's cu_seqlens and computes the rope over the whole row), so packtool gives "
     "Qwen3-VL packs no Megatron-Bridge batch; use its in-batch packing (pack_sequences_in_batch) on unpacked data, "
-    "or read the packs with the per-segment rope (packtool.families.qwen3_vl.reader.position_ids)"))
+    "or read the packs with the per-segment rope (packtool.families.qwen3_vl.reader.position_ids)"),
+    # Hugging Face rows: its per-segment rope; its videos carry no second_per_grid_ts (their times are text)
+    hugging_face="packtool.families.qwen3_vl.reader:hf_positions",
+    hugging_face_model_types=("qwen3_vl", "qwen3_vl_moe"),
+    hugging_face_media_keys=tuple(k for k in QWEN_VL_MEDIA_KEYS if k != "second_per_grid_ts"))
 
 __all__ = ["QWEN3_VL_LAYOUTS", "Qwen3VL", "Qwen3VLVideoPlan", "Qwen3VLVideoRule"]

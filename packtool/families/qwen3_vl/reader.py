@@ -108,3 +108,17 @@ def batch_position_ids(batch: Mapping[str, Any], manifest: Mapping[str, Any]) ->
     return position_ids(batch["tokens"], batch["cu_seqlens_padded"], batch.get("image_grid_thw"),
                         batch.get("video_grid_thw"), image_token_id=int(manifest["image_token_id"]),
                         video_token_id=manifest.get("video_token_id"), spatial_merge_size=merge)
+
+
+def hf_positions(row: dict, context: Mapping, tokens_per_second: int | None) -> torch.Tensor:
+    """The Hugging Face layout's ``position_ids`` ``[4, 1, T]`` of a packed row: row 0 the per-segment text
+    positions, then Qwen3-VL's per-segment rope (:func:`position_ids`; its videos' times are text in the tokens, so
+    ``tokens_per_second`` is not used)."""
+    image_id, merge = context.get("image_token_id"), context.get("spatial_merge_size")
+    if image_id is None or merge is None:
+        raise ValueError("packtool: error: the Qwen3-VL layout needs the packs' image_token_id and merge size (a "
+                         "packtool reader batch carries them)")
+    rope = position_ids(row["input_ids"], row["cu"], row.get("image_grid_thw"), row.get("video_grid_thw"),
+                        image_token_id=image_id, video_token_id=context.get("video_token_id"),
+                        spatial_merge_size=int(merge))
+    return torch.cat([row["position_ids"][None], rope])
