@@ -25,6 +25,7 @@ varlen keywords. :func:`check_model` refuses other attention implementations and
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,8 +59,10 @@ class HFFamily:
     media_keys: tuple[str, ...] = ()
 
 
+@functools.cache
 def _hf_families() -> dict[str, HFFamily]:
-    """Every registered family that has a Hugging Face layout, by name (the registry's order)."""
+    """Every registered family that has a Hugging Face layout, by name (the registry's order); built once, not per
+    batch (the registry is complete once imported)."""
     out = {}
     for name, spec in registered().items():
         layouts = spec.layouts
