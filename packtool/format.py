@@ -163,8 +163,6 @@ def shard_path(split: str, number: int) -> str:
 
 
 # -- media placeholders --------------------------------------------------------------------------------------
-#: ``image_processor.family`` of a manifest whose packs were made for a Nemotron Omni model folder.
-NEMOTRON_FAMILY = "nemotron_omni"
 
 
 def span_problems(key: str, text: np.ndarray, media: list[MediaRef], ids: Mapping[str, int | None]) -> list[str]:

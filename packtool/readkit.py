@@ -53,8 +53,8 @@ def vision_media(family: Any, record: PackRecord, image_processor, where: str, i
                              f"(dataset image rule: {family.name}) or images=False")
         return out
     if not media:
-        if hasattr(proc, "temporal_patch_size"):  # Qwen2-VL layout: [patches, C·t·p·p]
-            dim = 3 * proc.temporal_patch_size * proc.patch_size ** 2
+        dim = family.image_patch_dim(proc)  # a layout of patch rows: an empty [0, dim] beside no images
+        if dim is not None:
             out["pixel_values"] = torch.zeros((0, dim), dtype=torch.float32)
         return out
     pil = family.reader_images([open_stored_image(record.media[m.member], f"{where}, member {m.member}")

@@ -178,12 +178,15 @@ def test_verify_the_reader_and_the_loaders_take_the_family_the_manifest_names():
     with pytest.raises(ValueError, match="no family is called 'qwen9'"):
         families.of_batch({"family": "qwen9"})
     root = Path(__file__).resolve().parents[1] / "packtool"
-    branch = re.compile(r"is_nemotron|processor_family|NEMOTRON_FAMILY|\.get\(\"family\"\)|image_grid_hw\" in")
+    branch = re.compile(r"is_nemotron|processor_family|NEMOTRON_FAMILY|\.get\(\"family\"\)|image_grid_hw\" in|"
+                        r"hasattr\([a-z_]+, \"temporal_patch_size\"\)|\"nemo-rl-nemotron-omni\"|nemotron6|"
+                        r"\"second_per_grid_ts\", \"sound_length\"|\"qwen2_vl\"|\"qwen3_vl\"")
     readers = ["runtime/read.py", "runtime/loader.py", "runtime/megatron_batch.py", "runtime/nemo_rl.py",
-               "verify/packs.py", "verify/source.py", "packer/encoder.py"]
+               "runtime/hf.py", "readkit.py", "format.py", "verify/packs.py", "verify/source.py", "packer/encoder.py"]
     assert [f for f in readers if branch.search((root / f).read_text())] == []
-    # The control: the family's own module names it.
+    # The controls: the families' own modules name them.
     assert branch.search((root / "families/nemotron_omni/family.py").read_text())
+    assert branch.search((root / "families/nemotron_omni/nemo_rl.py").read_text())
 
 
 def _qwen3_vl_folders(demo_dir, tmp_path) -> dict[str, Path]:

@@ -950,15 +950,18 @@ def test_nemotron_preset_thinking_trace_format(nemotron_folder, tmp_path):
         EncodeSettings(tokenizer=str(nemotron_folder), pack_size=4096, thinking_trace_format="ultra")
     with pytest.raises(ConfigError, match="thinking_trace_format"):
         EncodeSettings(**settings, thinking_trace_format="compact")  # type: ignore[arg-type]
-    manifest = {"settings": {"preset": "nemo-rl-nemotron-omni", "thinking_trace_format": "ultra"}}
+    nemotron = {"image_processor": {"family": "nemotron_omni"}}  # what owns a manifest for the family
+    manifest = {**nemotron, "settings": {"preset": "nemo-rl-nemotron-omni", "thinking_trace_format": "ultra"}}
     nemo_rl.check_thinking_trace_format(manifest, "ultra")
     nemo_rl.check_thinking_trace_format(manifest, None)
     with pytest.raises(FormatError, match="--thinking-trace-format normalized"):
         nemo_rl.check_thinking_trace_format(manifest, "normalized")
     with pytest.raises(FormatError, match="--thinking-trace-format ultra"):
-        nemo_rl.check_thinking_trace_format({"settings": {"preset": "nemo-rl-nemotron-omni"}}, "ultra")
+        nemo_rl.check_thinking_trace_format({**nemotron, "settings": {"preset": "nemo-rl-nemotron-omni"}}, "ultra")
     with pytest.raises(FormatError, match="without --preset"):
         nemo_rl.check_thinking_trace_format({"settings": {}}, "normalized")
+    with pytest.raises(FormatError, match="without --preset nemo-rl-nemotron-omni"):  # the family's, another preset
+        nemo_rl.check_thinking_trace_format({**nemotron, "settings": {}}, "normalized")
     with pytest.raises(ValueError, match="prompt_format"):
         loaded_encoder_class()(**nemo_rl_encoder_kwargs(max_sequence_length=2048,
                                                         options={"prompt_format": "nemotron5"}))

@@ -364,15 +364,13 @@ class Family(ABC):
 
     def reader_images(self, images: list[Any]) -> list[Any]:
         """A pack's decoded images as the family's trainer hands them to the base layout's image processor: as the
-        convention decodes them (:func:`~packtool.families.conventions.trainer_image`), then resized first where
-        the manifest's image settings say so (``prefit_*``: Megatron-Bridge's Qwen-VL path)."""
-        pil = [trainer_image(image, self.convention) for image in images]
-        entry = self.manifest_entries()["image_processor"]
-        if entry is not None and entry.get("prefit_factor"):
-            from packtool.families.qwen2_vl.reader import prefit_image  # the image rule the settings are
+        convention decodes them (:func:`~packtool.families.conventions.trainer_image`)."""
+        return [trainer_image(image, self.convention) for image in images]
 
-            pil = [prefit_image(image, entry) for image in pil]
-        return pil
+    def image_patch_dim(self, processor: Any) -> int | None:
+        """The width of a patch row of ``processor``'s ``pixel_values`` where the family lays images out as patch
+        rows (a pack without images then gets an empty ``[0, dim]`` tensor); None: it gets no ``pixel_values``."""
+        return None
 
     def read_media(self, record: PackRecord, processor: Any, where: str, decode: bool) -> dict[str, Any]:
         """The reader batch's media fields of a pack record (:class:`packtool.format.PackRecord`, its spans already

@@ -15,10 +15,12 @@ import numpy as np
 
 from packtool.errors import SampleError
 from packtool.families.nemo_rl_rules import assistant_text
-from packtool.format import MEDIA_TAGS, NEMOTRON_FAMILY, TAG_PATTERN, tag_kinds
+from packtool.format import MEDIA_TAGS, TAG_PATTERN, tag_kinds
 
 #: The preset of NeMo-RL's Nemotron Omni conventions.
 NEMO_RL_NEMOTRON = "nemo-rl-nemotron-omni"
+#: The Nemotron Omni family's name (its packs' ``image_processor.family``), which its conventions are registered for.
+NEMOTRON_FAMILY = "nemotron_omni"
 
 if TYPE_CHECKING:
     from packtool.settings import EncodeSettings

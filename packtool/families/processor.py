@@ -229,6 +229,12 @@ class ProcessorMode(Family):
         """The model folder copy's own processor (None without a folder)."""
         return None if folder is None else load_processor(str(folder))
 
+    def image_patch_dim(self, processor: Any) -> int | None:
+        """A model processor's patch rows where it lays images out so (one with a temporal patch: ``[patches,
+        C·t·p·p]``); None for any other."""
+        temporal = getattr(processor, "temporal_patch_size", None)
+        return None if temporal is None else 3 * temporal * processor.patch_size ** 2
+
     def read_media(self, record: PackRecord, processor: Any, where: str, decode: bool) -> dict[str, Any]:
         """Each item through the model processor's own sub-processor (:func:`processor_media`); a caller that
         passed an image processor alone (not a whole model processor) has its images go through it as before."""

@@ -47,6 +47,11 @@ class TrainerLayouts:
     #: ``(manifest, given, fields, processors) -> None``; None: any such option is refused (the packs were made for
     #: a model folder those options do not describe).
     nemo_rl_recipe: str | None = None
+    #: Checks a NeMo-RL recipe's ``thinking_trace_format`` against the packs' replies: ``(manifest, value) -> None``;
+    #: None: the family's packs render no thinking traces, and the option is refused.
+    nemo_rl_prompt: str | None = None
+    #: The NeMo-RL ``prompt_format`` values the family's packs are laid out in (a recipe's other value is refused).
+    nemo_rl_prompt_formats: tuple[str, ...] = ()
     #: Whether NeMo-RL's batch carries ``mm_token_type_ids`` (its Qwen2-VL processor's).
     nemo_rl_token_types: bool = False
     #: The Hugging Face packed row's ``position_ids``: ``(row, context, tokens_per_second) -> tensor``

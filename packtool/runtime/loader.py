@@ -39,7 +39,7 @@ from packtool.format import (
 from packtool.readkit import pad_frames
 from packtool.runtime.megatron_batch import megatron_bridge_batch
 from packtool.runtime.read import IGNORE_INDEX, PAD_TO, ROW_KEYS, pack_to_batch, processor_for_output
-from packtool.runtime.registry import family_of
+from packtool.runtime.registry import family_of, registered
 from packtool.shards import iter_records, record_offsets
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def collate_packs(rows: list[dict], pad_token_id: int) -> dict:
         out[BATCH_CONTEXT] = contexts[0]
     if any("dataset_index" in r for r in rows):  # a mixture's: one per segment, in `keys` order
         out["dataset_index"] = torch.cat([r["dataset_index"] for r in rows])
-    for key in MEDIA_KEYS:  # rows of a text-only dataset (blending) have none
+    for key in stacked_media_keys():  # rows of a text-only dataset (blending) have none
         if any(key in r for r in rows):
             out[key] = torch.cat([r[key] for r in rows if key in r])
     for key in ("input_features", "input_features_mask"):  # audio clips: padded to the longest of the batch
@@ -103,9 +103,19 @@ def collate_packs(rows: list[dict], pad_token_id: int) -> dict:
     return out
 
 
-#: Media tensors of reader rows that stack along their first dimension.
-MEDIA_KEYS = ("image_grid_thw", "pixel_values", "image_grid_hw", "pixel_values_videos", "video_grid_thw",
-              "second_per_grid_ts", "sound_length", "num_image_tiles")
+#: Media fields of reader rows that the batch builds otherwise: clips padded to the batch's longest, a list.
+UNSTACKED_MEDIA_KEYS = frozenset({"input_features", "input_features_mask", "media_kinds"})
+
+
+@functools.cache
+def stacked_media_keys() -> tuple[str, ...]:
+    """Media tensors of reader rows that stack along their first dimension: every registered family's reader
+    fields (:attr:`Family.batch_keys`, its convention variants' included), in registration order."""
+    keys: dict[str, None] = {}
+    for spec in registered().values():
+        for cls in (spec.family, *spec.family.variants.values()):
+            keys.update(dict.fromkeys(k for k in cls.batch_keys if k not in UNSTACKED_MEDIA_KEYS))
+    return tuple(keys)
 
 
 class PackDataset(torch.utils.data.IterableDataset):

@@ -52,11 +52,8 @@ from packtool.format import Manifest, PackRecord
 from packtool.readkit import mm_token_type_ids
 from packtool.runtime.loader import PackSample, _manifest, _reader_processor, cook_pack
 from packtool.runtime.read import open_pack, pack_to_batch
-from packtool.runtime.registry import Family, family_class_of, family_of, spec_of
+from packtool.runtime.registry import Family, family_class_of, family_of, registered, spec_of
 
-#: The media keys of a Qwen2-VL-style reader batch that NeMo-RL's ``hf_multimodal`` adapter carries (the
-#: transformers processor's own names).
-QWEN_MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 #: Options of NeMo-RL's own SFT encoders (``nemotron_multimodal``'s keyword arguments) that a recipe may pass. Each
 #: is honoured or refused in one line, never accepted and ignored:
 #:
@@ -131,23 +128,23 @@ def check_packed_recipe_options(manifest: Mapping, options: Mapping[str, Any], p
         check(manifest, options, PACKED_RECIPE_OPTIONS, processors)
 
 
-#: The prompt format packtool's ``nemo-rl-nemotron-omni`` preset renders (NeMo-RL's ``prompt_format``).
-NEMOTRON_PROMPT_FORMAT = "nemotron6-moe"
+def prompt_formats() -> frozenset[str]:
+    """The NeMo-RL ``prompt_format`` values some registered family's packs are laid out in
+    (``TrainerLayouts.nemo_rl_prompt_formats``)."""
+    return frozenset(f for spec in registered().values() for f in spec.layouts.nemo_rl_prompt_formats)
 
 
 def check_thinking_trace_format(manifest: Mapping, recipe_value: str | None) -> None:
-    """Refuse a recipe's ``thinking_trace_format`` other than the one the packs' replies were rendered with
-    (``--thinking-trace-format`` under ``--preset nemo-rl-nemotron-omni``; ``normalized`` unless recorded)."""
+    """Refuse a recipe's ``thinking_trace_format`` other than the one the packs' replies were rendered with (the
+    packs' family's ``TrainerLayouts.nemo_rl_prompt`` check; a family without one renders no traces)."""
     if recipe_value is None:
         return
-    settings = manifest.get("settings", {})
-    if settings.get("preset") != "nemo-rl-nemotron-omni":
-        raise FormatError(f"the recipe sets thinking_trace_format {recipe_value!r}, but the packs were made without "
-                          f"--preset nemo-rl-nemotron-omni, which renders the traces")
-    packed = settings.get("thinking_trace_format", "normalized")
-    if recipe_value != packed:
-        raise FormatError(f"the recipe sets thinking_trace_format {recipe_value!r}, the packs were made with "
-                          f"{packed!r}: pack again with --thinking-trace-format {recipe_value}")
+    owner = family_class_of(manifest)
+    check = spec_of(owner.name).layouts.function("nemo_rl_prompt") if owner is not Family else None
+    if check is None:
+        raise FormatError(f"the recipe sets thinking_trace_format {recipe_value!r}, but the packs were made "
+                          f"without --preset of a NeMo-RL convention that renders the traces")
+    check(manifest, recipe_value)
 
 
 @dataclass(frozen=True)
@@ -207,7 +204,8 @@ def nemo_rl_row(members: Mapping[str, Any], manifest: Mapping, *, multiple: int 
 def _media(members: Mapping[str, Any], record: PackRecord, manifest: Mapping, family: Family, where: str,
            images: bool, image_processor, source: str) -> dict[str, list[torch.Tensor]]:
     """The family's NeMo-RL media inputs (its registered ``TrainerLayouts.nemo_rl_media``), else the reader's media
-    fields, one tensor per pack."""
+    fields (the family's :attr:`~packtool.families.base.Family.batch_keys`, the transformers processor's names that
+    NeMo-RL's ``hf_multimodal`` adapter carries), one tensor per pack."""
     if not images or not record.media_refs:
         return {}
     own = spec_of(family.batch_family()).layouts.function("nemo_rl_media")
@@ -215,7 +213,7 @@ def _media(members: Mapping[str, Any], record: PackRecord, manifest: Mapping, fa
         return own(family, record, image_processor, where)
     batch = pack_to_batch(members, manifest, pad_to="segments", images=True, image_processor=image_processor,
                           source=source)
-    return {key: [batch[key]] for key in QWEN_MEDIA_KEYS if _present(batch.get(key))}
+    return {key: [batch[key]] for key in family.batch_keys if _present(batch.get(key))}
 
 
 def _present(value: Any) -> bool:
@@ -417,9 +415,9 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
                 raise ValueError(f"sequence_length_pad_multiple {sequence_length_pad_multiple} and sequence_multiple "
                                  f"{sequence_multiple} differ: give one")
         prompt_format = recipe_options.get("prompt_format")
-        if prompt_format is not None and prompt_format != NEMOTRON_PROMPT_FORMAT:
-            raise ValueError(f"prompt_format {prompt_format!r}: packtool's Nemotron Omni packs are laid out in "
-                             f"{NEMOTRON_PROMPT_FORMAT!r}")
+        if prompt_format is not None and prompt_format not in prompt_formats():
+            raise ValueError(f"prompt_format {prompt_format!r}: packtool's packs are laid out in "
+                             f"{', '.join(map(repr, sorted(prompt_formats())))}")
         self.thinking_trace_format: str | None = recipe_options.get("thinking_trace_format")
         if sequence_multiple is not None and sequence_multiple < 1:
             raise ValueError(f"sequence_multiple must be >= 1, got {sequence_multiple}")

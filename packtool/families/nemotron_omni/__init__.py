@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from packtool.families.nemotron_omni.family import NemotronOmni, NemotronOmniSettings
 from packtool.families.nemotron_omni.mbridge import MBridgeNemotronOmni
-from packtool.families.nemotron_omni.nemo_rl import NemoRLNemotronOmni
+from packtool.families.nemotron_omni.nemo_rl import NEMO_RL_PROMPT_FORMAT, NemoRLNemotronOmni
 from packtool.families.spec import TrainerLayouts
 
 _HERE = "packtool.families.nemotron_omni"
@@ -20,6 +20,8 @@ NEMOTRON_OMNI_LAYOUTS = TrainerLayouts(
     nemo_rl_media=f"{_HERE}.nemo_rl_batch:family_inputs",
     nemo_rl_patch_dim=f"{_HERE}.nemo_rl_batch:patch_dim",
     nemo_rl_recipe=f"{_HERE}.reader:check_recipe_options",
+    nemo_rl_prompt=f"{_HERE}.nemo_rl:check_thinking_trace_format",
+    nemo_rl_prompt_formats=(NEMO_RL_PROMPT_FORMAT,),
 )
 
 __all__ = ["NEMOTRON_OMNI_LAYOUTS", "MBridgeNemotronOmni", "NemoRLNemotronOmni", "NemotronOmni",

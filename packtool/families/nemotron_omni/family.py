@@ -29,8 +29,8 @@ import numpy as np
 
 from packtool.errors import ConfigError, SampleError
 from packtool.families.base import ExpandsInText, ItemPlan, MediaTokens, knows_exactly, manifest_tokens
-from packtool.families.conventions import TRANSFORMERS, Convention
-from packtool.format import NEMOTRON_FAMILY, PackRecord
+from packtool.families.conventions import NEMOTRON_FAMILY, TRANSFORMERS, Convention
+from packtool.format import PackRecord
 from packtool.media.audio import AudioFacts, resampled_length
 from packtool.media.folder import read_folder, stated_names
 from packtool.media.video import VideoFacts

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 from packtool.errors import ConfigError, SampleError
 from packtool.families.base import ItemPlan
-from packtool.families.conventions import Convention, register_convention
+from packtool.families.conventions import NEMOTRON_FAMILY, Convention, register_convention
 from packtool.families.nemotron_omni.family import NemotronOmni
-from packtool.format import AUDIO_TAG, IMAGE_TAG, NEMOTRON_FAMILY, VIDEO_TAG, PackRecord
+from packtool.format import AUDIO_TAG, IMAGE_TAG, VIDEO_TAG, PackRecord
 
 if TYPE_CHECKING:
     from packtool.item import Staged

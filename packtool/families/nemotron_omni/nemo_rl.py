@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from packtool.errors import ConfigError, SampleError
+from packtool.errors import ConfigError, FormatError, SampleError
 from packtool.families.base import ItemPlan, NoRule
 from packtool.families.conventions import NEMO_RL_NEMOTRON, Convention
 from packtool.families.nemo_rl_rules import (
@@ -35,6 +35,23 @@ if TYPE_CHECKING:
     from packtool.item import Staged
     from packtool.media import AudioFacts, VideoFacts
     from packtool.settings import EncodeSettings
+
+
+#: The prompt format the ``nemo-rl-nemotron-omni`` preset renders (NeMo-RL's ``prompt_format``).
+NEMO_RL_PROMPT_FORMAT = "nemotron6-moe"
+
+
+def check_thinking_trace_format(manifest: Mapping, recipe_value: str) -> None:
+    """Refuse a recipe's ``thinking_trace_format`` other than the one the packs' replies were rendered with
+    (``--thinking-trace-format`` under ``--preset nemo-rl-nemotron-omni``; ``normalized`` unless recorded)."""
+    settings = manifest.get("settings", {})
+    if settings.get("preset") != NEMO_RL_NEMOTRON:
+        raise FormatError(f"the recipe sets thinking_trace_format {recipe_value!r}, but the packs were made without "
+                          f"--preset {NEMO_RL_NEMOTRON}, which renders the traces")
+    packed = settings.get("thinking_trace_format", "normalized")
+    if recipe_value != packed:
+        raise FormatError(f"the recipe sets thinking_trace_format {recipe_value!r}, the packs were made with "
+                          f"{packed!r}: pack again with --thinking-trace-format {recipe_value}")
 
 
 class NemoRLNemotronOmni(NemotronOmni):

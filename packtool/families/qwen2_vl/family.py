@@ -531,6 +531,21 @@ class Qwen2VL(Family):
 
         return qwen_image_processor(self.image.manifest())
 
+    def reader_images(self, images: list[Any]) -> list[Any]:
+        """As the convention decodes them, then resized first where the image settings say so (``prefit_*``:
+        Megatron-Bridge's Qwen-VL path, :func:`.reader.prefit_image`)."""
+        pil = super().reader_images(images)
+        if not self.image.prefit_factor:
+            return pil
+        from packtool.families.qwen2_vl.reader import prefit_image
+
+        entry = self.image.manifest()
+        return [prefit_image(image, entry) for image in pil]
+
+    def image_patch_dim(self, processor: Any) -> int | None:
+        """Qwen2-VL's patch rows: ``[patches, C·t·p·p]``."""
+        return 3 * processor.temporal_patch_size * processor.patch_size ** 2
+
     def video_entry(self) -> Mapping[str, Any] | None:
         return self.manifest_entries()["video_processor"]
 

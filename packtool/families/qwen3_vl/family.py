@@ -142,6 +142,10 @@ class Qwen3VL(ExpandsInText):
     batch_keys: ClassVar[tuple[str, ...]] = ("image_grid_thw", "pixel_values", "video_grid_thw",
                                              "pixel_values_videos")
 
+    def image_patch_dim(self, processor: Any) -> int | None:
+        """Qwen3-VL's patch rows, as Qwen2-VL's: ``[patches, C·t·p·p]``."""
+        return 3 * processor.temporal_patch_size * processor.patch_size ** 2
+
     def reader_processor(self, folder: Path | None = None) -> Any:
         """transformers' Qwen2-VL image processor (PIL backend) with the manifest's image settings (Qwen3-VL's)."""
         from packtool.families.qwen2_vl.reader import qwen_image_processor
