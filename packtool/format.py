@@ -263,16 +263,21 @@ class Segment:
     dataset: str | None = None
     #: Which copy of the sample this is, when a mixture takes it more than once (0: the first).
     copy: int = 0
+    #: The sample's loss weight (its ``loss_weight``, times its mixture dataset's): a number >= 0, default 1. The
+    #: reader's ``loss_weights`` give each target token of the segment this weight under the chosen loss mode.
+    loss_weight: float = 1.0
 
     def to_json(self) -> dict[str, Any]:
-        """``asdict(self)``, without its generic walk over every field (a pack holds many segments); ``dataset``
-        and ``copy`` only when set (outputs of one dataset keep their bytes)."""
+        """``asdict(self)``, without its generic walk over every field (a pack holds many segments); ``dataset``,
+        ``copy`` and ``loss_weight`` only when set (outputs that set none keep their bytes)."""
         out = {"key": self.key, "split": self.split, "shard": self.shard, "truncated": self.truncated,
                "media": [asdict(m) for m in self.media]}
         if self.dataset is not None:
             out["dataset"] = self.dataset
         if self.copy:
             out["copy"] = self.copy
+        if self.loss_weight != 1.0:
+            out["loss_weight"] = self.loss_weight
         return out
 
     @classmethod
@@ -280,8 +285,12 @@ class Segment:
         try:
             media = [MediaRef(**{f.name: m[f.name] for f in fields(MediaRef) if f.name in m}) for m in d["media"]]
             dataset = d.get("dataset")
+            weight = d.get("loss_weight", 1.0)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0 \
+                    or weight == float("inf"):
+                raise TypeError(f"loss_weight {weight!r} is not a finite number >= 0")
             return cls(str(d["key"]), str(d["split"]), str(d["shard"]), bool(d["truncated"]), media,
-                       None if dataset is None else str(dataset), int(d.get("copy", 0)))
+                       None if dataset is None else str(dataset), int(d.get("copy", 0)), float(weight))
         except (KeyError, TypeError) as exc:
             raise FormatError(f"malformed segment {str(d)[:80]!r}: {type(exc).__name__}: {exc}") from None
 
@@ -587,6 +596,10 @@ class Manifest(Mapping[str, Any]):
     #: name and every choice it made), which readers take instead of looking the name up again; None without a
     #: preset (and in manifests of older packtool versions: then the preset's name in ``settings`` is looked up).
     convention: dict | None = None
+    #: Where some sample's loss weight is not 1: ``{"min": w, "max": w, "whole": bool}`` over the packed samples
+    #: (``whole``: every weight a whole number, which a trainer counting its normalizer in integers takes exactly);
+    #: None where every weight is 1.
+    loss_weights: dict | None = None
 
     @classmethod
     def read(cls, root: str | Path) -> Manifest:
@@ -609,7 +622,8 @@ class Manifest(Mapping[str, Any]):
 
     def to_bytes(self) -> bytes:
         data = asdict(self)
-        for name in ("run_config", "mixture", "convention"):  # written only when set (other outputs keep their bytes)
+        # written only when set (other outputs keep their bytes)
+        for name in ("run_config", "mixture", "convention", "loss_weights"):
             if data[name] is None:
                 del data[name]
         return json.dumps(data, indent=1).encode()
@@ -658,6 +672,9 @@ LEDGER_SCHEMA = pa.schema([
 #: A mixture's ledger adds the sample's dataset (its name in the manifest's ``mixture``) and its copy number: one
 #: row per copy its dataset's proportion took (``copy`` 0 for the first; a sample not kept has one row).
 MIXTURE_LEDGER_COLUMNS = ("dataset", "copy")
+#: The ledger of an output where some sample's loss weight is not 1 adds it (float64, last): the sample's own
+#: ``loss_weight`` times its mixture dataset's.
+WEIGHT_LEDGER_COLUMN = "loss_weight"
 #: The entry of every reader batch (``packtool.runtime.read.pack_to_batch``) that names the registered family whose
 #: trainer layouts the batch follows (``Family.batch_family``): layouts read it, never guess from the batch's keys.
 BATCH_FAMILY = "family"

@@ -45,13 +45,16 @@ class SegmentRow(NamedTuple):
     tokens: int
     #: The encoded media items (:func:`~packtool.item.loads_media`).
     media: str
+    #: The sample's loss weight (its own, times its dataset's factor in a mixture).
+    loss_weight: float
     #: A mixture's: the dataset's index among its names, and the sample's copy number (0 for one dataset).
     dataset: int = 0
     copy: int = 0
 
 
 #: The segments table's columns, in :class:`SegmentRow` order.
-SEGMENT_COLUMNS = ("pack", "src", "row", "key", "shard", "truncated", "tok_offset", "tokens", "media")
+SEGMENT_COLUMNS = ("pack", "src", "row", "key", "shard", "truncated", "tok_offset", "tokens", "media",
+                   "loss_weight")
 #: A mixture's segment columns besides those: the dataset's index and the sample's copy number.
 MIXTURE_COLUMNS = ("dataset", "copy")
 #: Estimated bytes of a record besides its token arrays and media: headers, json, padding.
@@ -279,6 +282,6 @@ def assemble_record(key: str, split: str, group: list[SegmentRow], sources: _Sou
                                   f"from those encoded (sha256 {digest[:12]}, encoded {m.sha256[:12]}); run "
                                   f"the same command again to encode them anew")
             refs.append(media_ref(m, member, names, len(data), digest))
-        segs.append(Segment(sample_key, split, shard, bool(truncated), refs, dataset, copy))
+        segs.append(Segment(sample_key, split, shard, bool(truncated), refs, dataset, copy, float(row.loss_weight)))
     return PackRecord(key, np.concatenate(toks), np.concatenate(tgts), np.asarray(seqlens, dtype=np.int32),
                       pack_size, align, segs, media, __version__)

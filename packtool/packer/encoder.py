@@ -45,7 +45,7 @@ from packtool.packer.chatshape import ShapeRenderer
 from packtool.packer.sources import Conversation, RawSample
 from packtool.packer.sources.formats import input_format
 from packtool.packer.sources.safepickle import load_bytes_list, video_frames
-from packtool.packer.sources.sample import MEDIA_TAGS, TAG_PATTERN, Media, tag_kinds
+from packtool.packer.sources.sample import MEDIA_TAGS, TAG_PATTERN, Media, loss_weight, tag_kinds
 from packtool.packer.tokenizing import Tokenizing, Tokens
 from packtool.settings import EncodeSettings
 
@@ -77,6 +77,8 @@ class Encoded:
     #: first target token, and ``[start, end, placeholder tokens]`` of every media item's span.
     first_target: int = -1
     source_media: tuple[tuple[int, int, int], ...] = ()
+    #: The sample's loss weight (:func:`~packtool.packer.sources.sample.loss_weight`; 1 unless it gives one).
+    loss_weight: float = 1.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,6 +104,7 @@ class _Rendered:
     spans: list[tuple[int, int]]
     media: list[Staged]
     note: str
+    loss_weight: float = 1.0
 
 
 def check_tokenizer_dir(tokenizer_dir: str | Path) -> None:
@@ -425,6 +428,7 @@ class Encoder:
             with self._guard(raw, strict, staged):
                 if raw.problem:
                     raise SampleError(raw.problem)
+                weight = loss_weight(raw.parts)
                 conv = self.conversation(raw)
                 self._check_conversation(conv)
                 self.family.check_media([m.kind for m in conv.media])
@@ -435,7 +439,7 @@ class Encoder:
                     continue
                 text, spans = self.target_spans(conv.messages)
                 text, spans, media = self.family.expand_text(text, spans, media)
-                staged.append(_Rendered(raw, text, spans, media, self._convention_note(conv)))
+                staged.append(_Rendered(raw, text, spans, media, self._convention_note(conv), weight))
         texts = [self._bounded(s.text) for s in staged if isinstance(s, _Rendered)]
         batch = iter(zip(texts, self._tokenize(texts)))
         out: list[Encoded] = []
@@ -455,6 +459,8 @@ class Encoder:
                 done = self._finish(s.raw, encoding, len(tokenized), s.spans, s.media, cut=len(tokenized) < len(s.text))
                 if s.note and done.status in ("packed", "truncated"):
                     done = replace(done, reason="; ".join(r for r in (done.reason, s.note) if r))
+                if s.loss_weight != 1.0:
+                    done = replace(done, loss_weight=s.loss_weight)
                 out.append(done)
         return out
 

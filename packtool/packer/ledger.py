@@ -7,13 +7,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from packtool.commit import commit_path
 from packtool.errors import FormatError
-from packtool.format import LEDGER, LEDGER_SCHEMA, STATUSES, pack_keys
+from packtool.format import LEDGER, LEDGER_SCHEMA, STATUSES, WEIGHT_LEDGER_COLUMN, pack_keys
 from packtool.packer.mixing import NOT_DRAWN
 from packtool.storage import location, read_parquet
 
@@ -32,9 +33,10 @@ def read_ledger(path: str | Path, columns: list[str] | None = None) -> pa.Table:
         raise FormatError(f"{file} is not a packtool ledger ({reason})") from None
 
 
-def ledger_table(split: str, plan: SplitPlan, datasets: tuple[str, ...] = ()) -> pa.Table:
+def ledger_table(split: str, plan: SplitPlan, datasets: tuple[str, ...] = (), weighted: bool = False) -> pa.Table:
     """The ledger rows of one planned split (pack keys computed by Arrow: no Python string per row); a
-    mixture's (``datasets``: its names) add :data:`~packtool.format.MIXTURE_LEDGER_COLUMNS`, a row per copy."""
+    mixture's (``datasets``: its names) add :data:`~packtool.format.MIXTURE_LEDGER_COLUMNS`, a row per copy;
+    ``weighted`` adds :data:`~packtool.format.WEIGHT_LEDGER_COLUMN`."""
     t, n = plan.table, plan.table.num_rows
     pack_col = pack_keys(split, plan.pack)
     table = pa.table({
@@ -43,10 +45,31 @@ def ledger_table(split: str, plan: SplitPlan, datasets: tuple[str, ...] = ()) ->
         "targets": t.column("targets"), "images": t.column("images"), "image_tokens": t.column("image_tokens"),
         "pack": pack_col, "source_tokens": t.column("source_tokens"),
     }, schema=LEDGER_SCHEMA)
-    if not datasets:
-        return table
-    names = pa.array(datasets, pa.string())
-    return table.append_column("dataset", names.take(t.column("dataset"))).append_column("copy", t.column("copy"))
+    if datasets:
+        names = pa.array(datasets, pa.string())
+        table = table.append_column("dataset", names.take(t.column("dataset"))).append_column("copy",
+                                                                                            t.column("copy"))
+    if weighted:
+        table = table.append_column(WEIGHT_LEDGER_COLUMN, t.column("loss_weight"))
+    return table
+
+
+def weight_summary(plans: Mapping[str, SplitPlan]) -> dict | None:
+    """The manifest's ``loss_weights``: the packed samples' smallest and largest weight and whether every weight is
+    a whole number; None where every weight is 1."""
+    if not is_weighted(plans):
+        return None
+    weights = np.concatenate([p.table.column("loss_weight").to_numpy()[p.pack >= 0] for p in plans.values()])
+    if not weights.size:
+        return {"min": 1.0, "max": 1.0, "whole": True}
+    return {"min": float(weights.min()), "max": float(weights.max()),
+            "whole": bool(np.all(weights == np.round(weights)))}
+
+
+def is_weighted(plans: Mapping[str, SplitPlan]) -> bool:
+    """Whether some sample of the plans has a loss weight other than 1."""
+    return any(not pc.all(pc.equal(p.table.column("loss_weight"), 1.0)).as_py() for p in plans.values()
+               if p.table.num_rows)
 
 
 def write_ledger(output: Path, plans: Mapping[str, SplitPlan], datasets: tuple[str, ...] = ()) -> tuple[dict, dict]:
@@ -54,8 +77,9 @@ def write_ledger(output: Path, plans: Mapping[str, SplitPlan], datasets: tuple[s
     tables: list[pa.Table] = []
     counts: dict[str, dict[str, int]] = {}
     packs: dict[str, int] = {}
+    weighted = is_weighted(plans)
     for split, plan in plans.items():
-        tables.append(ledger_table(split, plan, datasets))
+        tables.append(ledger_table(split, plan, datasets, weighted))
         statuses = {v["values"]: v["counts"] for v in pc.value_counts(plan.table.column("status")).to_pylist()}
         counts[split] = {"samples": plan.table.num_rows, **{s: statuses.get(s, 0) for s in STATUSES}}
         if datasets:  # a mixture's samples its repetitions left out (dropped, and no failure)

@@ -22,6 +22,19 @@ def with_datasets(table: pa.Table, dataset_of: dict[str, str], names: list[str])
     return table.append_column("dataset", pa.array(ds)).append_column("copy", pa.array(np.zeros(len(ds), np.int32)))
 
 
+def dataset_loss_weights(table: pa.Table, entries: list[MixtureEntry], names: list[str]) -> pa.Table:
+    """``table`` (with ``dataset``) with each row's ``loss_weight`` times its dataset's factor
+    (``packtool: {loss_weight: F}`` of its entry; the table itself where every factor is 1)."""
+    factors = {names.index(e.name): e.loss_weight for e in entries if e.loss_weight != 1.0}
+    if not factors:
+        return table
+    scale = np.ones(len(names), np.float64)
+    for i, f in factors.items():
+        scale[i] = f
+    weights = table.column("loss_weight").to_numpy() * scale[table.column("dataset").to_numpy()]
+    return table.set_column(table.schema.get_field_index("loss_weight"), "loss_weight", pa.array(weights))
+
+
 def repetitions(table: pa.Table, entries: list[MixtureEntry], names: list[str]) -> dict[int, float]:
     """How many times each dataset's kept samples are taken (dataset index -> r). ``blend_epochized``: the
     declared repetitions. ``blend``: one pass of ``N = max_i(n_i / w_i)`` samples (weights normalized), dataset

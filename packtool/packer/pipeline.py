@@ -41,8 +41,8 @@ from packtool.format import (
 from packtool.packer.assemble import MIXTURE_COLUMNS, SEGMENT_COLUMNS, WriteTask, write_part, write_shard
 from packtool.packer.engine import Engine
 from packtool.packer.holdout import TRAIN, VAL, held_out
-from packtool.packer.ledger import write_ledger
-from packtool.packer.mixing import repeat, repetitions, with_datasets
+from packtool.packer.ledger import weight_summary, write_ledger
+from packtool.packer.mixing import dataset_loss_weights, repeat, repetitions, with_datasets
 from packtool.packer.output import OutputDir, check_paths
 from packtool.packer.sources import SourceDataset, open_source
 from packtool.packer.sources.energon import ScanTask, ShardLayout, scan_layout
@@ -182,6 +182,9 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
         names = src.mixture.names() if src.mixture is not None else []
         if names:  # each row's dataset, for the hold-out per dataset, the proportions and the segments
             tables = {split: with_datasets(t, src.dataset_of, names) for split, t in tables.items()}
+            entries = src.mixture.splits if src.mixture is not None else {}
+            tables = {split: dataset_loss_weights(t, entries.get(split, []), names)
+                      for split, t in tables.items()}
         if settings.holdout is not None:  # the validation split: some of train's encoded samples, its stores shared
             groups = tables[TRAIN].column("dataset").to_numpy() if names else None
             val = held_out(tables[TRAIN], settings.holdout, settings.plan.seed, groups)
@@ -212,6 +215,7 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
                              out_shards, counts, packs, run.dry_run, facts)
         if src.mixture is not None:
             manifest.mixture = {**src.mixture.describe(), "repetitions": reps}
+        manifest.loss_weights = weight_summary(plans)
         if isinstance(src, FileDataset) and src.source is not None and manifest.run_config is not None:
             manifest.run_config.update(recorded_source(src.source))
         commit_bytes(output / MANIFEST, manifest.to_bytes())

@@ -50,6 +50,7 @@ ENCODED_SCHEMA = pa.schema([
     ("key", pa.string()), ("shard", pa.string()), ("status", pa.string()), ("reason", pa.string()),
     ("tokens", pa.int32()), ("source_tokens", pa.int32()), ("targets", pa.int32()), ("images", pa.int32()),
     ("image_tokens", pa.int32()), ("truncated", pa.bool_()), ("tok_offset", pa.int64()), ("media", pa.string()),
+    ("loss_weight", pa.float64()),
 ])
 
 
@@ -97,7 +98,8 @@ def is_whole(folder: Path) -> bool:
     their headers promise."""
     folder = location(folder)
     try:
-        rows = read_parquet(folder / "samples.parquet", columns=["status", "tokens"])
+        # (a store of a packtool that read no loss weights lacks the column: encoded again)
+        rows = read_parquet(folder / "samples.parquet", columns=["status", "tokens", "loss_weight"])
         if parquet_file(folder / SOURCE_FACTS).metadata.num_rows != rows.num_rows:
             return False
         kept = pc.is_in(rows.column("status"), value_set=pa.array(list(KEPT)))
@@ -336,13 +338,13 @@ def _row(e: Encoded, offset: int) -> dict:
             "targets": int(np.count_nonzero(e.targets)) if keep else 0, "images": len(e.media) if keep else 0,
             "image_tokens": sum(m.tokens for m in e.media) if keep else 0,
             "truncated": e.status == "truncated", "tok_offset": offset if keep else -1,
-            "media": dumps_media(e.media) if keep else "[]"}
+            "media": dumps_media(e.media) if keep else "[]", "loss_weight": e.loss_weight}
 
 
 def _error_row(key: str, shard: str, reason: str) -> dict:
     return {"key": key, "shard": shard, "status": "error", "reason": stable_reason(reason), "tokens": 0,
             "source_tokens": 0, "targets": 0, "images": 0, "image_tokens": 0, "truncated": False, "tok_offset": -1,
-            "media": "[]"}
+            "media": "[]", "loss_weight": 1.0}
 
 
 def status_counts(table: pa.Table) -> dict[str, int]:

@@ -37,7 +37,11 @@ if TYPE_CHECKING:
     from packtool.packer.sources.energon import SourceDataset
 
 #: The keys a dataset reference may have (the others are refused by name).
-_REFERENCE_KEYS = {"path", "split_part", "subflavors", "weight", "repetitions", "shuffle_over_epochs_multiplier"}
+_REFERENCE_KEYS = {"path", "split_part", "subflavors", "weight", "repetitions", "shuffle_over_epochs_multiplier",
+                   "packtool"}
+#: The keys of a reference's ``packtool:`` mapping (packtool's own options for the entry, which Energon never
+#: reads): ``loss_weight``, a factor (>= 0) on the loss weight of each of its samples.
+PACKTOOL_KEYS = frozenset({"loss_weight"})
 _UNSUPPORTED = {"join": "joined datasets", "subset": "subsets", "aux": "auxiliary datasets",
                 "dataset_config": "another dataset.yaml", "split_config": "another split.yaml"}
 
@@ -54,6 +58,9 @@ class MixtureEntry:
     #: ``blend_epochized`` repetitions (multiplied through nested metadatasets), or None under ``blend``.
     repetitions: float | None = None
     subflavors: dict = field(default_factory=dict)
+    #: The factor on each sample's loss weight (``packtool: {loss_weight: F}``, multiplied through nested
+    #: metadatasets); 1 by default.
+    loss_weight: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,8 @@ class Mixture:
     def describe(self) -> dict:
         """The mixture as plain values (manifest and output fingerprint)."""
         return {"path": str(self.path), "datasets": self.names(),
-                "splits": {s: [{k: v for k, v in asdict(e).items() if k != "root" and v not in (None, {})}
+                "splits": {s: [{k: v for k, v in asdict(e).items() if k != "root" and v not in (None, {})
+                                and not (k == "loss_weight" and v == 1.0)}
                                for e in entries] for s, entries in self.splits.items()}}
 
     def digest(self) -> str:
@@ -182,6 +190,8 @@ def _reference(top: Path, base: Path, split: str, item: dict, mode: str | None, 
     if not isinstance(part, str):
         raise SourceError(f"{where}: split_part must be a split name, not {part!r}")
     subflavors = item.get("subflavors") or {}
+    own = _packtool_options(item.get("packtool"), where)
+    factor_w = own.get("loss_weight", 1.0)
     if target.is_file() and target.suffix.lower() in (".yaml", ".yml"):  # a nested metadataset
         if target in seen:
             raise SourceError(f"{where}: {target} includes itself")
@@ -189,15 +199,31 @@ def _reference(top: Path, base: Path, split: str, item: dict, mode: str | None, 
         if part not in inner:
             raise SourceError(f"{where}: {target} has no split {part!r} (it has {', '.join(inner)})")
         entries = _split_entries(top, target.parent, part, inner[part], scale=factor, seen=(*seen, target))
-        return [MixtureEntry(e.name, e.root, e.split_part, e.weight, e.repetitions, {**subflavors, **e.subflavors})
-                for e in entries]
+        return [MixtureEntry(e.name, e.root, e.split_part, e.weight, e.repetitions, {**subflavors, **e.subflavors},
+                             e.loss_weight * factor_w) for e in entries]
     if not target.is_dir():
         raise SourceError(f"{where}: dataset {item['path']} does not exist (under {base})")
     name = Path(os.path.relpath(target, top.parent)).as_posix()
     if part != split:
         name = f"{name}:{part}"
     return [MixtureEntry(name, target, part, factor if mode == "blend" else None,
-                         factor if mode != "blend" else None, dict(subflavors))]
+                         factor if mode != "blend" else None, dict(subflavors), factor_w)]
+
+
+def _packtool_options(options: Any, where: str) -> dict[str, float]:
+    """A reference's ``packtool:`` mapping checked (:data:`PACKTOOL_KEYS`); empty where it has none."""
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise SourceError(f"{where}: packtool: must be a mapping of packtool's options, not {options!r}")
+    unknown = sorted(set(options) - PACKTOOL_KEYS)
+    if unknown:
+        known = ", ".join(sorted(PACKTOOL_KEYS))
+        raise SourceError(f"{where}: unknown packtool option {unknown[0]!r} (known: {known})")
+    value = options.get("loss_weight", 1.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise SourceError(f"{where}: packtool: loss_weight must be a finite number >= 0, not {value!r}")
+    return {"loss_weight": float(value)} if "loss_weight" in options else {}
 
 
 def open_mixture(path: str | Path, splits: list[str] | None = None) -> SourceDataset:

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from packtool.errors import SampleError
 from packtool.format import AUDIO_TAG, IMAGE_TAG, MEDIA_TAGS, TAG_PATTERN, VIDEO_TAG, MediaKind, tag_kinds
 
-__all__ = ["AUDIO_TAG", "IMAGE_TAG", "MEDIA_TAGS", "TAG_PATTERN", "VIDEO_TAG", "Conversation", "Media", "MediaKind",
-           "SampleError", "json_member", "tag_kinds"]
+__all__ = ["AUDIO_TAG", "IMAGE_TAG", "LOSS_WEIGHT", "MEDIA_TAGS", "TAG_PATTERN", "VIDEO_TAG", "Conversation", "Media",
+           "MediaKind", "SampleError", "json_member", "loss_weight", "tag_kinds"]
+
+#: The field of a sample's JSON (a JSON/JSONL record's key, a Parquet/Arrow column, a field of an Energon
+#: sample's JSON part) that gives its loss weight: a number >= 0, 1 where absent or null.
+LOSS_WEIGHT = "loss_weight"
+_LOSS_WEIGHT_BYTES = f'"{LOSS_WEIGHT}"'.encode()
 
 
 @dataclass(frozen=True)
@@ -61,3 +67,22 @@ def json_member(name: str, data: bytes) -> Any:
         raise SampleError(f"invalid json in {name!r}: {exc}") from None
     except RecursionError:
         raise SampleError(f"invalid json in {name!r}: nested too deeply to parse") from None
+
+
+def loss_weight(parts: dict[str, bytes]) -> float:
+    """A raw sample's loss weight (:data:`LOSS_WEIGHT` in its JSON part, ``json`` or the first part ending in
+    ``json``): 1 where the sample has none; a value that is not a finite number >= 0 (a string, a bool, NaN, a
+    negative number) is the sample's :class:`SampleError`. The JSON is parsed only where the field's name is in
+    its bytes."""
+    name = "json" if "json" in parts else next((p for p in sorted(parts) if p.endswith("json")), None)
+    if name is None or _LOSS_WEIGHT_BYTES not in parts[name]:
+        return 1.0
+    doc = json_member(name, parts[name])
+    value = doc.get(LOSS_WEIGHT) if isinstance(doc, dict) else None
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SampleError(f"{LOSS_WEIGHT} {value!r} is not a number")
+    if not math.isfinite(value) or value < 0:
+        raise SampleError(f"{LOSS_WEIGHT} {value!r} is not a finite number >= 0")
+    return float(value)
