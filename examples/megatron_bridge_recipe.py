@@ -25,9 +25,13 @@ What changes against a stock Megatron-Bridge VLM recipe, and why:
 - `cfg.train.global_batch_size` (packs per step) and `cfg.train.train_iters` from the samples per pack and the
   packs of OUTPUT's `train` split, read from its manifest (`--samples-per-step`, `--epochs`).
 - `cfg.model.context_parallel_size`: 1 for Qwen2.5-VL (refused otherwise); for other models the packs'
-  alignment must be a multiple of 2·cp (checked). Under CP > 1, `cfg.model.calculate_per_token_loss = True` and
-  `cfg.ddp.average_in_collective = False`, what Megatron-Bridge asserts for its own SFT datasets (a rank whose
-  tokens are all masked would give NaN).
+  alignment must be a multiple of 2·cp (checked).
+- `cfg.model.calculate_per_token_loss = True` and `cfg.ddp.average_in_collective = False` at every CP: Megatron-Core
+  then divides the step's summed loss by the sum of `loss_mask` over all micro-batches and data-parallel ranks.
+  Without it each micro-batch (one pack) is averaged on its own, so every pack weighs the same and a sample's weight
+  depends on what it was packed with. The batches' `loss_mask` carries packtool's `loss_weights`: choose the loss
+  mode with the task encoder's `loss_mode=` (`token`: the per-token mean, the default; `sample`: the per-sample
+  mean; `square`). Megatron-Bridge asserts the same under CP > 1 for its own SFT datasets.
 - FP8 (`--fp8`): the row length must be a multiple of 16 (checked; pack with such a `--pack-size`).
 - forward step: `vlm_step.forward_step` (VLMs), `gpt_step.forward_step` (LLMs); both read the THD keys.
 
@@ -97,7 +101,7 @@ def schedule(output: str | Path, *, samples_per_step: int, epochs: float = 1.0, 
 
 
 def dataset_config(output: str, seq_length: int, *, do_validation: bool, num_workers: int = 2,
-                   shuffle_buffer_size: int = 100) -> Any:
+                   shuffle_buffer_size: int = 100, loss_mode: str = "token") -> Any:
     """A Megatron-Bridge dataset config loading OUTPUT through packtool's `MegatronBridgeTaskEncoder`, registered
     with Megatron-Bridge's dataset registry (`megatron.bridge.data.utils`)."""
     from megatron.bridge.data import utils as mb_data
@@ -116,6 +120,8 @@ def dataset_config(output: str, seq_length: int, *, do_validation: bool, num_wor
         #: stages get the THD boundaries) and its validation (micro batch 1); nothing packs the packs again.
         enable_offline_packing: bool = True
         offline_packing_specs: Any = None
+        #: How each target token weighs in the step (packtool's loss modes: token, sample, square).
+        loss_mode: str = "token"
 
     def build(num_samples: list[int], config: PacktoolDatasetConfig, tokenizer: Any = None,
               pg_collection: Any = None) -> tuple[Any, Any, None]:
@@ -130,7 +136,8 @@ def dataset_config(output: str, seq_length: int, *, do_validation: bool, num_wor
             path=config.path, tokenizer=context.tokenizer, seq_length=config.seq_length,
             micro_batch_size=config.micro_batch_size, num_workers=config.num_workers, pin_memory=config.pin_memory,
             shuffle_buffer_size=config.shuffle_buffer_size, max_samples_per_sequence=None,
-            task_encoder=MegatronBridgeTaskEncoder(), validation_task_encoder=MegatronBridgeTaskEncoder(),
+            task_encoder=MegatronBridgeTaskEncoder(loss_mode=config.loss_mode),
+            validation_task_encoder=MegatronBridgeTaskEncoder(loss_mode=config.loss_mode),
             packing_buffer_size=None, pg_collection=context.pg_collection,
         )
         train = iter(module.train_dataloader()) if context.train_samples > 0 else None
@@ -139,20 +146,22 @@ def dataset_config(output: str, seq_length: int, *, do_validation: bool, num_wor
     mb_data._REGISTRY[PacktoolDatasetConfig] = build
     return PacktoolDatasetConfig(path=output, seq_length=seq_length, num_workers=num_workers,
                                  shuffle_buffer_size=shuffle_buffer_size, do_validation=do_validation,
-                                 offline_packing_specs=PackedSequenceSpecs(packed_sequence_size=seq_length))
+                                 offline_packing_specs=PackedSequenceSpecs(packed_sequence_size=seq_length),
+                                 loss_mode=loss_mode)
 
 
 def configure(cfg, output: str, *, context_parallel: int = 1, samples_per_step: int | None = None,
-              epochs: float = 1.0, fp8: bool = False):
+              epochs: float = 1.0, fp8: bool = False, loss_mode: str = "token"):
     """Point a Megatron-Bridge `ConfigContainer` (e.g. a stock VLM SFT recipe) at a packtool OUTPUT."""
     tp, sp = cfg.model.tensor_model_parallel_size, bool(cfg.model.sequence_parallel)
     packed = packed_settings(output, context_parallel=context_parallel, tensor_parallel=tp, sequence_parallel=sp,
                              fp8=fp8)
     cfg.model.seq_length = packed["seq_length"]
     cfg.model.context_parallel_size = context_parallel
-    if context_parallel > 1:  # what Megatron-Bridge asserts for its own SFT datasets under CP
-        cfg.model.calculate_per_token_loss = True
-        cfg.ddp.average_in_collective = False
+    # At every CP: the step divides by the global sum of the batches' loss_mask (packtool's loss_weights), so a
+    # sample weighs as its loss mode says whatever it was packed with (at CP > 1 Megatron-Bridge asserts it too).
+    cfg.model.calculate_per_token_loss = True
+    cfg.ddp.average_in_collective = False
     cfg.train.micro_batch_size = packed["micro_batch_size"]
     if samples_per_step is not None:
         model_parallel = tp * context_parallel * cfg.model.pipeline_model_parallel_size
@@ -160,7 +169,7 @@ def configure(cfg, output: str, *, context_parallel: int = 1, samples_per_step: 
         steps = schedule(output, samples_per_step=samples_per_step, epochs=epochs,
                          data_parallel=max(1, world // model_parallel))
         cfg.train.global_batch_size, cfg.train.train_iters = steps["global_batch_size"], steps["train_iters"]
-    cfg.dataset = dataset_config(output, packed["seq_length"], do_validation=packed["has_val"])
+    cfg.dataset = dataset_config(output, packed["seq_length"], do_validation=packed["has_val"], loss_mode=loss_mode)
     if not packed["has_val"]:
         cfg.validation.eval_iters = 0
     return cfg
@@ -174,6 +183,8 @@ def main() -> None:
                         help="source samples per optimizer step (the global batch size in packs follows)")
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--fp8", action="store_true", help="check the row length suits FP8 (a multiple of 16)")
+    parser.add_argument("--loss-mode", choices=("token", "sample", "square"), default="token",
+                        help="how each target token weighs in the step (sample: the per-sample mean)")
     args = parser.parse_args()
 
     from megatron.bridge.recipes.qwen_vl.qwen25_vl import qwen25_vl_3b_sft_config
@@ -181,7 +192,8 @@ def main() -> None:
     from megatron.bridge.training.vlm_step import forward_step
 
     cfg = configure(qwen25_vl_3b_sft_config(), args.output, context_parallel=args.context_parallel,
-                    samples_per_step=args.samples_per_step, epochs=args.epochs, fp8=args.fp8)
+                    samples_per_step=args.samples_per_step, epochs=args.epochs, fp8=args.fp8,
+                    loss_mode=args.loss_mode)
     finetune(config=cfg, forward_step_func=forward_step)
 
 

@@ -97,6 +97,7 @@ def main() -> None:
     try:
         runtime_config_update(cfg)
         result["validated"] = True
+        result["per_token_loss"] = [bool(cfg.model.calculate_per_token_loss), bool(cfg.ddp.average_in_collective)]
     except (ValueError, AssertionError) as exc:
         result["validated"], result["error"] = False, str(exc).splitlines()[0]
     result["middle_stages_get_boundaries"] = {

@@ -63,6 +63,7 @@ def test_the_recipe_passes_megatron_bridges_validation(packed_and_model):
         got = _validate(output, model, "--pp", pp)
         assert got["validated"], got
         assert got["micro_batch_size"] == 1 and got["seq_length"] == 128, got
+        assert got["per_token_loss"] == [True, False], got  # at CP 1 too: packs weigh as the loss mode says
         assert got["middle_stages_get_boundaries"] == {"gpt_step": True, "nemotron_omni_step": True}, got
     in_batch = _validate(output, model, "--declare", "in-batch")
     assert not in_batch["validated"] and "micro_batch_size should be greater than 1" in in_batch["error"], in_batch

@@ -35,8 +35,9 @@ import torch
 
 from packtool.errors import FormatError
 from packtool.format import BATCH_CONTEXT, BATCH_FAMILY
+from packtool.lossweights import check_loss_mode
 from packtool.readkit import layout_context, mm_token_type_ids
-from packtool.runtime.read import IGNORE_INDEX
+from packtool.runtime.read import IGNORE_INDEX, LOSS_MODE
 from packtool.runtime.registry import registered
 
 #: Attention implementations that keep packed segments apart (see the module docstring).
@@ -176,10 +177,13 @@ def model_tokens_per_second(folder: str | Path) -> int | None:
 
 
 def hf_batch(batch: Mapping, manifest=None, *, tokens_per_second: int | None = None,
-             family: str | None = None) -> dict:
+             family: str | None = None, loss_mode: str | None = None) -> dict:
     """One reader batch (:func:`packtool.runtime.read.pack_to_batch`) as a padding-free packed row for a Hugging
     Face model's ``forward`` (see the module docstring). ``family``: a registered family's name; by default the family
-    the manifest names, else the one the batch names (:func:`family_of_batch`)."""
+    the manifest names, else the one the batch names (:func:`family_of_batch`). ``loss_mode``: add
+    ``loss_weights`` (float32 ``[1, T]``, the weight of each ``labels`` position, 0 where it is -100) and
+    ``loss_weight_sum`` (float64 ``[1]``) under that mode (:mod:`packtool.lossweights`; the batch's own weights
+    where it was read under that mode), for :func:`packed_lm_loss`; None: neither (the model's own loss)."""
     families = _hf_families()
     if family is not None and family not in families:
         raise ValueError(f"packtool: error: unknown family {family!r} (known: {', '.join(families)})")
@@ -203,6 +207,7 @@ def hf_batch(batch: Mapping, manifest=None, *, tokens_per_second: int | None = N
     if not torch.equal(labels[1:][shifted[:-1] != IGNORE_INDEX], shifted[:-1][shifted[:-1] != IGNORE_INDEX]):
         raise FormatError(f"pack {batch.get('pack_key', '?')}: labels are not the next tokens (not a reader batch)")
     cu = batch["cu_seqlens_unpadded"].to(torch.int32)
+    weighted = _weights_unshifted(batch, loss_mode)
     row: dict = {"input_ids": tokens[real][None], "labels": labels[real][None],
                  "position_ids": batch["position_ids"][0][real][None], "cu": cu}
     for key in hook.media_keys:
@@ -213,6 +218,8 @@ def hf_batch(batch: Mapping, manifest=None, *, tokens_per_second: int | None = N
     out = {"input_ids": row["input_ids"], "labels": row["labels"], "position_ids": position_ids,
            "cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(),
            "max_length_q": int(seqlens.max()), "max_length_k": int(seqlens.max())}
+    if weighted is not None:
+        out["loss_weights"], out["loss_weight_sum"] = weighted[0][real][None], weighted[1]
     if hook.media_keys:
         out["mm_token_type_ids"] = mm_token_type_ids(row["input_ids"], context)
         has = {"image": len(row.get("image_grid_thw", ())) > 0, "video": len(row.get("video_grid_thw", ())) > 0}
@@ -220,6 +227,33 @@ def hf_batch(batch: Mapping, manifest=None, *, tokens_per_second: int | None = N
             if key in row and has["video" if "video" in key or key == "second_per_grid_ts" else "image"]:
                 out[key] = row[key]
     return out
+
+
+def _weights_unshifted(batch: Mapping, loss_mode: str | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The batch's per-position weights moved onto the unshifted labels (the weight of the reader's label at
+    ``t - 1`` belongs to token ``t``), under ``loss_mode``; None without a mode."""
+    if loss_mode is None:
+        return None
+    check_loss_mode(loss_mode)
+    if batch.get(LOSS_MODE, "token") != loss_mode:
+        raise ValueError(f"packtool: error: the batch was read with loss_mode {batch.get(LOSS_MODE, 'token')!r}, "
+                         f"not {loss_mode!r}: read it with loss_mode={loss_mode!r}")
+    shifted = batch["loss_weights"][0]
+    weights = torch.zeros_like(shifted)
+    weights[1:] = shifted[:-1]
+    return weights, batch["loss_weight_sum"].reshape(1).double()
+
+
+def packed_lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_weights: torch.Tensor) -> torch.Tensor:
+    """The weighted sum of a packed row's next-token losses: ``Σ_t w_t · CE(logits[t - 1], labels[t])`` over the
+    row's unshifted ``labels`` (-100: no target) and :func:`hf_batch`'s ``loss_weights``. Divide the sum over a
+    global batch (every micro-batch of the step, every process) by the sum of its rows' ``loss_weight_sum``: the
+    step is then the mode's weighted mean exactly (``token`` with no weights: the per-token mean)."""
+    logits = logits[..., :-1, :].reshape(-1, logits.shape[-1])
+    target = labels[..., 1:].reshape(-1)
+    weights = loss_weights[..., 1:].reshape(-1).to(logits.dtype)
+    losses = torch.nn.functional.cross_entropy(logits, target.clamp(min=0), reduction="none")
+    return (losses * weights * (target != IGNORE_INDEX)).sum()
 
 
 def concat_hf_batches(rows: Sequence[Mapping]) -> dict:
@@ -241,10 +275,13 @@ def concat_hf_batches(rows: Sequence[Mapping]) -> dict:
     cu = torch.cat(cus)
     longest = max(int(r["max_length_q"]) for r in rows)
     out.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=longest, max_length_k=longest)
-    for key in ("mm_token_type_ids",):
+    for key in ("mm_token_type_ids", "loss_weights"):
         if key in rows[0]:
             out[key] = torch.cat([r[key] for r in rows], dim=-1)
-    token_keys = {"input_ids", "labels", "position_ids", "mm_token_type_ids", *VARLEN_KEYS}
+    if "loss_weight_sum" in rows[0]:
+        out["loss_weight_sum"] = torch.cat([r["loss_weight_sum"] for r in rows]).sum().reshape(1)
+    token_keys = {"input_ids", "labels", "position_ids", "mm_token_type_ids", "loss_weights", "loss_weight_sum",
+                  *VARLEN_KEYS}
     media = dict.fromkeys(k for r in rows for k in r if k not in token_keys)  # in order of first appearance
     for key in media:
         parts = [r[key] for r in rows if key in r]
@@ -260,11 +297,12 @@ class HFPackDataset(torch.utils.data.Dataset):
     config (``model_folder``, else the output's copy of the tokenizer folder) where it has one."""
 
     def __init__(self, path: str | Path, split: str = "train", *, model_folder: str | Path | None = None,
-                 tokens_per_second: int | None = None, family: str | None = None):
+                 tokens_per_second: int | None = None, family: str | None = None, loss_mode: str | None = None):
         from packtool.format import TOKENIZER_DIR, load_manifest, split_shard_paths
         from packtool.shards import record_offsets
 
         self.path, self.split, self.family = Path(path), split, family
+        self.loss_mode = None if loss_mode is None else check_loss_mode(loss_mode)
         self.manifest = load_manifest(path)
         if family is None:
             family_of_batch({}, self.manifest)  # packs of a family without a hook are refused here, in one line
@@ -297,8 +335,9 @@ class HFPackDataset(torch.utils.data.Dataset):
             self._processor = processor_for_output(self.path, self.manifest)
         key, members = next(iter_records(shard, [number]))
         batch = pack_to_batch({**members, "__key__": key}, self.manifest, pad_to="segments",
-                              image_processor=self._processor, source=str(shard))
-        return hf_batch(batch, self.manifest, tokens_per_second=self.tokens_per_second, family=self.family)
+                              image_processor=self._processor, source=str(shard), loss_mode=self.loss_mode or "token")
+        return hf_batch(batch, self.manifest, tokens_per_second=self.tokens_per_second, family=self.family,
+                        loss_mode=self.loss_mode)
 
 
 class HFPackCollator:
@@ -309,8 +348,12 @@ class HFPackCollator:
     With ``packs`` (an :class:`HFPackDataset`), items may be ``{"pack": i}`` (:meth:`HFPackDataset.index_dataset`,
     the ``datasets.Dataset`` TRL's SFTTrainer requires): the collator reads pack ``i`` itself."""
 
-    def __init__(self, packs: HFPackDataset | None = None):
+    def __init__(self, packs: HFPackDataset | None = None, *, loss_mode: str | None = None):
         self.packs = packs
+        self.loss_mode = None if loss_mode is None else check_loss_mode(loss_mode)
+        if packs is not None and loss_mode is not None and packs.loss_mode != loss_mode:
+            raise ValueError(f"packtool: error: the collator's loss_mode {loss_mode!r} is not its packs' "
+                             f"({packs.loss_mode!r}): give the HFPackDataset the same loss_mode")
 
     def __call__(self, rows: Iterable[Mapping]) -> dict:
         resolved = []
@@ -320,5 +363,8 @@ class HFPackCollator:
                     raise ValueError("packtool: error: a collated item is neither a packed row nor {'pack': i} "
                                      "of an HFPackCollator given its HFPackDataset")
                 row = self.packs[int(row["pack"])]
+            if self.loss_mode is not None and "loss_weights" not in row:
+                raise ValueError(f"packtool: error: the collator's loss_mode is {self.loss_mode!r} but a row carries "
+                                 f"no loss_weights: read the packs with loss_mode={self.loss_mode!r}")
             resolved.append(row)
         return concat_hf_batches(resolved)

@@ -36,9 +36,18 @@ from packtool.format import (
     load_manifest,
     split_shard_paths,
 )
+from packtool.lossweights import check_loss_mode
 from packtool.readkit import pad_frames
 from packtool.runtime.megatron_batch import megatron_bridge_batch
-from packtool.runtime.read import IGNORE_INDEX, PAD_TO, ROW_KEYS, pack_to_batch, processor_for_output
+from packtool.runtime.read import (
+    IGNORE_INDEX,
+    LOSS_MODE,
+    PAD_TO,
+    ROW_KEYS,
+    WHOLE_WEIGHTS,
+    pack_to_batch,
+    processor_for_output,
+)
 from packtool.runtime.registry import family_of, registered
 from packtool.shards import iter_records, record_offsets
 
@@ -53,7 +62,8 @@ def pad_row(row: dict, length: int, pad_token_id: int) -> dict:
     if extra == 0:
         return row
     last = row["position_ids"][0, -1]
-    fill = {"tokens": pad_token_id, "labels": IGNORE_INDEX, "loss_mask": 0.0, "padding_mask": True}
+    fill = {"tokens": pad_token_id, "labels": IGNORE_INDEX, "loss_mask": 0.0, "loss_weights": 0.0,
+            "padding_mask": True}
     out = dict(row)
     for key, value in fill.items():
         out[key] = torch.cat([row[key], row[key].new_full((1, extra), value)], dim=1)
@@ -80,6 +90,13 @@ def collate_packs(rows: list[dict], pad_token_id: int) -> dict:
     out["max_seqlen"] = max(r["max_seqlen"] for r in rows)
     out["keys"] = [k for r in rows for k in r["keys"]]
     out["pack_key"] = [r["pack_key"] for r in rows]
+    out["loss_weight_sum"] = torch.cat([r["loss_weight_sum"] for r in rows])
+    out["num_samples"] = torch.cat([r["num_samples"] for r in rows])
+    modes = {r[LOSS_MODE] for r in rows}
+    if len(modes) > 1:
+        raise ValueError(f"rows of different loss modes ({', '.join(sorted(modes))}) cannot share a batch")
+    out[LOSS_MODE] = modes.pop()
+    out[WHOLE_WEIGHTS] = all(r.get(WHOLE_WEIGHTS, True) for r in rows)
     kinds = {r.get(BATCH_FAMILY) for r in rows}
     if len(kinds) > 1:
         raise ValueError(f"rows of different families ({', '.join(sorted(map(str, kinds)))}) cannot share a batch")
@@ -129,12 +146,13 @@ class PackDataset(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, path, split: str = "train", *, seed: int = 0, shuffle: bool = True, rank: int = 0,
-                 world_size: int = 1, pad_to: str = "pack", images: bool = True, image_processor=None):
+                 world_size: int = 1, pad_to: str = "pack", images: bool = True, image_processor=None,
+                 loss_mode: str = "token"):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
         self.path, self.split, self.seed, self.shuffle = path, split, seed, shuffle
         self.rank, self.world_size, self.pad_to, self.images = rank, world_size, pad_to, images
-        self.image_processor = image_processor
+        self.image_processor, self.loss_mode = image_processor, check_loss_mode(loss_mode)
         self.manifest = load_manifest(path)
         self.shards = split_shard_paths(path, split)
         counts = [len(record_offsets(s)) - 1 for s in self.shards]
@@ -171,7 +189,7 @@ class PackDataset(torch.utils.data.IterableDataset):
         for shard, index in mine:
             key, members = next(iter_records(self.shards[shard], iter([index])))
             yield pack_to_batch({**members, "__key__": key}, self.manifest, pad_to=self.pad_to, images=self.images,
-                                image_processor=processor, source=str(self.shards[shard]))
+                                image_processor=processor, source=str(self.shards[shard]), loss_mode=self.loss_mode)
 
 
 def _manifest(dataset_path: str) -> Manifest:
@@ -235,9 +253,9 @@ def cook_pack(sample: dict) -> PackSample:
 
 class PackTaskEncoder(DefaultTaskEncoder):
     """Energon task encoder for packtool datasets: batches equal `read_packs`' (see `collate_packs` for B > 1).
-    `pad_to`, `images`, `image_processor` as in `packtool.runtime.read.pack_to_batch`; `on_error`: a pack that fails to
-    read stops the loader (`"raise"`, an Energon `FatalSampleError` carrying packtool's message) or is skipped
-    with a logged warning and running count (`"skip"`; `skipped` counts them in this process).
+    `pad_to`, `images`, `image_processor`, `loss_mode` as in `packtool.runtime.read.pack_to_batch`; `on_error`: a
+    pack that fails to read stops the loader (`"raise"`, an Energon `FatalSampleError` carrying packtool's message)
+    or is skipped with a logged warning and running count (`"skip"`; `skipped` counts them in this process).
 
     `get_train_dataset(OUTPUT, task_encoder=PackTaskEncoder(), batch_size=1, ...)`; works in metadatasets too
     (each sample finds its own dataset's manifest). Media are decoded in the loader workers. For Megatron-Bridge
@@ -248,8 +266,9 @@ class PackTaskEncoder(DefaultTaskEncoder):
     decoder = None  # raw bytes: the packs hold npy/json/original media, decoded by pack_to_batch
 
     def __init__(self, *, pad_to: str = "pack", images: bool = True, image_processor=None,
-                 on_error: OnError = "raise"):
+                 on_error: OnError = "raise", loss_mode: str = "token"):
         super().__init__()
+        self.loss_mode = check_loss_mode(loss_mode)
         if pad_to not in PAD_TO:
             raise ValueError(f"pad_to must be one of {PAD_TO}, got {pad_to!r}")
         if on_error not in ("raise", "skip"):
@@ -267,7 +286,8 @@ class PackTaskEncoder(DefaultTaskEncoder):
             if processor is None and self.images:
                 processor = _reader_processor(str(info.dataset_path))
             batch = pack_to_batch({**sample.members, "__key__": sample.__key__}, manifest, pad_to=self.pad_to,
-                                  images=self.images, image_processor=processor, source=where)
+                                  images=self.images, image_processor=processor, source=where,
+                                  loss_mode=self.loss_mode)
         except Exception as exc:
             self._failed(exc, where, sample.__key__)
         return PackRow.derive_from(sample, batch=batch)

@@ -7,7 +7,7 @@ THD `PackedSeqParams` for a Megatron-Core model called directly.
 | key | dtype, shape | from the reader batch |
 |---|---|---|
 | `tokens`, `labels`, `position_ids` | int64 `[1, ΣL]` | same (`B > 1` rows of `collate_packs` flattened) |
-| `loss_mask` | float32 `[1, ΣL]` | same |
+| `loss_mask` | float32 `[1, ΣL]` | `loss_weights` (the target mask under `token` without weights; see below) |
 | `padding_mask` | bool `[1, ΣL]` | same (True on padding; `gpt_step` hands it to MoE routing) |
 | `cu_seqlens_q`, `cu_seqlens_kv` | int32 `[S + 1]` | `cu_seqlens_unpadded` (real boundaries) |
 | `cu_seqlens_q_padded`, `cu_seqlens_kv_padded` | int32 `[S + 1]` | `cu_seqlens_padded` (`[-1]` = row length) |
@@ -59,7 +59,7 @@ from collections.abc import Mapping
 import torch
 
 from packtool.readkit import VisualInputs
-from packtool.runtime.read import ROW_KEYS
+from packtool.runtime.read import LOSS_MODE, ROW_KEYS, WHOLE_WEIGHTS
 from packtool.runtime.registry import spec_of_batch
 
 #: Keys Megatron-Bridge's steps keep on the host (`.cpu()`); every other tensor goes to the GPU.
@@ -71,7 +71,8 @@ def megatron_bridge_batch(batch: dict, *, temporal_patch_dim: int = 2) -> dict:
     media fields as the batch's family lays them out: its registered `TrainerLayouts.megatron_bridge`).
     `temporal_patch_dim`: frames per video tubelet of the model (`Family.temporal_patch_dim`; a Nemotron Omni
     model's processor's `video_temporal_patch_dim`, unused by the Qwen-VL layout)."""
-    out = {key: batch[key].reshape(1, -1) for key in ROW_KEYS}
+    out = {key: batch[key].reshape(1, -1) for key in ROW_KEYS if key != "loss_weights"}
+    out["loss_mask"] = megatron_loss_mask(batch)
     length = out["tokens"].shape[1]
     cu = batch["cu_seqlens_unpadded"].to(torch.int32)
     cu_padded = batch["cu_seqlens_padded"].to(torch.int32)
@@ -91,6 +92,36 @@ def megatron_bridge_batch(batch: dict, *, temporal_patch_dim: int = 2) -> dict:
         total_tokens=length, attention_mask=None, keys=batch["keys"], pack_key=batch["pack_key"],
     )
     return out
+
+
+#: The factor on a ``sample`` / ``square`` batch's weights in Megatron-Bridge's ``loss_mask`` (see
+#: :func:`megatron_loss_mask`), and on a ``token`` batch's of an output with fractional weights.
+MEGATRON_WEIGHT_SCALE = 2 ** 16
+MEGATRON_TOKEN_SCALE = 2 ** 8
+
+
+def megatron_loss_mask(batch: Mapping) -> torch.Tensor:
+    """The ``loss_mask`` Megatron-Bridge's loss multiplies each token's loss by: the reader batch's
+    ``loss_weights`` (float32 ``[1, ΣL]``).
+
+    With ``calculate_per_token_loss``, Megatron-Core divides the step's summed loss by the sum of every
+    micro-batch's ``loss_mask``, counted as a whole number (``masked_next_token_loss`` truncates it to an int). Under
+    ``token`` with whole-number weights (the target mask where none is given) the count is exact and the weights
+    go as they are. Otherwise they are fractions: they are scaled by :data:`MEGATRON_WEIGHT_SCALE`
+    (``sample``, ``square``) or :data:`MEGATRON_TOKEN_SCALE` (``token``), and by ``1 + 0.5 / T`` (``T`` the
+    micro-batch's scaled sum), so that the truncated count is the nearest whole number to ``T``: the step is then
+    the weighted mean to within ``0.5 / T`` (below 1e-5 for a micro-batch of one sample of weight 1). The scale
+    cancels in the step; the count stays in int32 for up to 32,767 samples of weight 1 per global batch
+    (``sample``) or 8.3M weighted target tokens (``token`` with fractional weights)."""
+    weights = batch["loss_weights"].reshape(1, -1)
+    mode = batch.get(LOSS_MODE, "token")
+    if mode == "token" and batch.get(WHOLE_WEIGHTS, True):
+        return weights.float()
+    scale = MEGATRON_TOKEN_SCALE if mode == "token" else MEGATRON_WEIGHT_SCALE
+    total = float(batch["loss_weight_sum"].double().sum()) * scale
+    if total <= 0:
+        return weights.float()
+    return (weights.double() * (scale * (1 + 0.5 / total))).float()
 
 
 def vision_fields(batch: Mapping, temporal_patch_dim: int = 2) -> dict:

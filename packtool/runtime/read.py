@@ -48,6 +48,7 @@ from packtool.format import (
     span_problems,
     split_shard_paths,
 )
+from packtool.lossweights import check_loss_mode, token_scale
 from packtool.readkit import layout_context
 from packtool.runtime.registry import Family, family_of
 from packtool.shards import iter_records
@@ -56,7 +57,18 @@ from packtool.storage import local_copy, location
 IGNORE_INDEX = -100
 PAD_TO = ("pack", "segments")
 #: Batch fields shaped `[1, L]` (one value per token of the row).
-ROW_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "padding_mask")
+ROW_KEYS = ("tokens", "labels", "loss_mask", "loss_weights", "position_ids", "padding_mask")
+#: A reader batch's entry naming its loss mode (:data:`packtool.lossweights.LOSS_MODES`).
+LOSS_MODE = "loss_mode"
+#: A reader batch's entry saying whether every sample weight of its output is a whole number (the manifest's
+#: ``loss_weights.whole``; True where no weight is given).
+WHOLE_WEIGHTS = "whole_weights"
+
+
+def whole_weights(manifest: Mapping) -> bool:
+    """Whether every loss weight of the output is a whole number (True where the manifest records none)."""
+    summary = manifest.get("loss_weights") if hasattr(manifest, "get") else None
+    return bool(summary.get("whole", True)) if isinstance(summary, Mapping) else True
 
 
 def image_processor_from_manifest(manifest: Mapping):
@@ -104,6 +116,7 @@ def pack_to_batch(
     images: bool = True,
     image_processor=None,
     source: str = "",
+    loss_mode: str = "token",
 ) -> dict:
     """One pack record -> one micro-batch row.
 
@@ -116,18 +129,25 @@ def pack_to_batch(
         image_processor: a Hugging Face image processor to use instead of the one the manifest describes
             (required for media of fixed-count datasets, whose model processor the manifest cannot name).
         source: where the record came from (shard path), named in errors.
+        loss_mode: how each target token weighs in the step (:mod:`packtool.lossweights`): "token" (each target
+            token its sample's weight), "sample" (each sample's targets sum to its weight), "square".
 
-    Returns: tokens, labels, loss_mask, position_ids, padding_mask (`[1, L]`), cu_seqlens_unpadded,
+    Returns: tokens, labels, loss_mask, loss_weights (float32, the weight of each label position under `loss_mode`,
+    0 where the label is -100), position_ids, padding_mask (`[1, L]`), loss_weight_sum (float64 `[1]`: the row's
+    weights summed, what a trainer adds up over the global batch to divide by), num_samples (int64 `[1]`),
+    loss_mode (str), cu_seqlens_unpadded,
     cu_seqlens_padded (int32 `[S + 1]`), max_seqlen (int), image_grid_thw (int64 `[n, 3]`, when the dataset has an
     image processor or the pack has media), pixel_values (when also `images`: float32 `[Σpatches, C·t·p·p]` for
     Qwen2-VL, else what the given processor returns), keys (segment source keys), pack_key, and for a mixture's
-    pack dataset_index (int64 `[S]`, see :func:`dataset_index`), family (the registered family whose
+    pack dataset_index (int64 `[S]`, see :func:`dataset_index`), whole_weights (bool: every weight of the output a
+    whole number), family (the registered family whose
     trainer layouts the batch follows, :meth:`Family.batch_family`: what the layouts read, never the keys) and
     layout_context (the manifest's media token ids and merge size, :func:`packtool.readkit.layout_context`: what
     the layouts need beside the tensors, so the batch alone is enough).
     """
     if pad_to not in PAD_TO:
         raise ValueError(f"pad_to must be one of {PAD_TO}, got {pad_to!r}")
+    check_loss_mode(loss_mode)
     record, where = open_pack(members, source)
     tokens, targets = record.tokens, record.targets
     seqlens = record.seqlens.astype(np.int64)
@@ -160,11 +180,16 @@ def pack_to_batch(
     padding_mask[dest] = False
     padded_lengths = np.diff(cu_padded)
     position_ids = np.arange(length) - np.repeat(cu_padded[:-1], padded_lengths)
+    counts = np.bincount(seg_of[predictors], minlength=len(seqlens))
+    scale = token_scale(np.array([s.loss_weight for s in segments], np.float64), counts, loss_mode)
+    weights = np.zeros(length, dtype=np.float32)
+    weights[dest[predictors]] = scale[seg_of[predictors]]
 
     batch = {
         "tokens": torch.from_numpy(row_tokens)[None],
         "labels": torch.from_numpy(labels)[None],
         "loss_mask": torch.from_numpy(labels != IGNORE_INDEX).float()[None],
+        "loss_weights": torch.from_numpy(weights)[None],
         "position_ids": torch.from_numpy(position_ids)[None],
         "cu_seqlens_unpadded": torch.from_numpy(cu.astype(np.int32)),
         "cu_seqlens_padded": torch.from_numpy(cu_padded.astype(np.int32)),
@@ -172,6 +197,10 @@ def pack_to_batch(
         "padding_mask": torch.from_numpy(padding_mask)[None],
         "keys": [s.key for s in segments],
         "pack_key": record.key,
+        "loss_weight_sum": torch.tensor([float((scale * counts).sum())], dtype=torch.float64),
+        "num_samples": torch.tensor([len(segments)], dtype=torch.int64),
+        LOSS_MODE: loss_mode,
+        WHOLE_WEIGHTS: whole_weights(manifest),
     }
     batch.update(dataset_index(record, manifest, where))
     family = family_of(manifest)
@@ -236,8 +265,11 @@ def read_packs(
     images: bool = True,
     device=None,
     image_processor=None,
+    loss_mode: str = "token",
 ) -> Iterator[dict]:
-    """Batches of a packed dataset's split, one per pack, in on-disk order (deterministic). See `pack_to_batch`."""
+    """Batches of a packed dataset's split, one per pack, in on-disk order (deterministic). See `pack_to_batch`
+    (``loss_mode``: how each target token weighs in the step)."""
+    check_loss_mode(loss_mode)
     manifest = load_manifest(path)
     processor = image_processor
     if processor is None and images:
@@ -245,7 +277,7 @@ def read_packs(
     for shard in split_shard_paths(path, split):
         for key, members in iter_records(shard):
             batch = pack_to_batch({**members, "__key__": key}, manifest, pad_to=pad_to, images=images,
-                                  image_processor=processor, source=str(shard))
+                                  image_processor=processor, source=str(shard), loss_mode=loss_mode)
             yield batch if device is None else batch_to(batch, device)
 
 

@@ -1,0 +1,225 @@
+"""The step weighs samples as the user chose: a ``loss_weight`` per sample in every source (and a factor per mixture
+dataset), recorded per segment and in the ledger; reader batches carry ``loss_weights`` under a ``loss_mode``
+(``token``, ``sample``, ``square``), and a global batch of packs trained with them has the gradient of the same
+samples trained unpacked, one per row (a tiny random text model in float64; Megatron-Bridge's own loss in
+``test_mbridge_loss.py``). Controls: the per-pack mean (what a trainer averaging per micro-batch computes) and the
+other mode differ."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+
+import lossgrad as lg
+from mediafixture import write_source
+from packtool.format import KEPT, Manifest, Segment
+from packtool.lossweights import LOSS_MODES, sample_totals, token_scale
+from packtool.packer.ledger import read_ledger
+from packtool.packer.pipeline import pack
+from packtool.packer.sources.files import resolve_source
+from packtool.runtime.hf import concat_hf_batches, hf_batch, packed_lm_loss
+from packtool.runtime.loader import collate_packs
+from packtool.runtime.read import read_packs
+from packtool.settings import EncodeSettings, PackSettings
+
+
+def _settings(demo_dir: Path, pack_size: int = lg.PACK_SIZE) -> PackSettings:
+    return PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=pack_size))
+
+
+def _tree(out: Path) -> dict[str, str]:
+    return {p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out.rglob("*")) if p.is_file() and ".packtool" not in p.parts}
+
+
+@pytest.fixture(scope="module")
+def weighted(demo_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("weighted")
+    out = root / "out"
+    pack(resolve_source(lg.write_conversations(root / "chats.jsonl")), out, _settings(demo_dir), workers=1,
+         progress=False)
+    return out
+
+
+def _weight_of(key: str) -> float:
+    return float(lg.WEIGHTS[int(key.split(":")[0])])
+
+
+def test_weights_are_recorded_per_segment_and_in_the_ledger(weighted):
+    ledger = read_ledger(weighted).to_pylist()
+    assert [r["loss_weight"] for r in ledger] == [float(w) for w in lg.WEIGHTS]
+    assert all(r["status"] in KEPT for r in ledger)  # weight 0 is allowed: packed, trains nothing
+    sizes = []
+    for batch in read_packs(weighted):
+        sizes.append(len(batch["keys"]))
+    assert len(sizes) >= 4 and min(sizes) <= 2 and max(sizes) >= 6  # packs of few and of many samples
+
+
+def test_unweighted_output_keeps_its_bytes(demo_dir, tmp_path):
+    """No weight given (or every weight 1): no loss_weight in the records and none in the ledger."""
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "ones").mkdir()
+    plain = lg.write_conversations(tmp_path / "plain" / "chats.jsonl", weights=False)
+    ones = tmp_path / "ones" / "chats.jsonl"
+    ones.write_text("".join(json.dumps({**json.loads(line), "loss_weight": 1}) + "\n"
+                            for line in plain.read_text().splitlines()))
+    pack(resolve_source(plain), tmp_path / "a", _settings(demo_dir), workers=1, progress=False)
+    pack(resolve_source(ones), tmp_path / "b", _settings(demo_dir), workers=1, progress=False)
+    assert "loss_weight" not in read_ledger(tmp_path / "a").column_names
+    a, b = _tree(tmp_path / "a"), _tree(tmp_path / "b")
+    shards = [k for k in a if k.endswith(".tar")]
+    assert shards and all(a[k] == b[k] for k in shards)
+    batch = next(read_packs(tmp_path / "a"))
+    assert torch.equal(batch["loss_weights"], batch["loss_mask"])  # token mode, no weights: the target mask
+
+
+@pytest.mark.parametrize("value, reason", [(-1, "not a finite number >= 0"), ("2", "is not a number"),
+                                           (True, "is not a number"), ([1], "is not a number")])
+def test_a_bad_weight_is_that_samples_error(demo_dir, tmp_path, value, reason):
+    path = tmp_path / "bad.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "there"}]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "loss_weight": value}) + "\n")
+    pack(resolve_source(path), tmp_path / "out", _settings(demo_dir), workers=1, progress=False)
+    rows = read_ledger(tmp_path / "out").to_pylist()
+    assert rows[0]["status"] == "packed"
+    assert rows[1]["status"] == "error" and reason in rows[1]["reason"] and "loss_weight" in rows[1]["reason"]
+
+
+def test_nan_weight_in_a_parquet_column_and_weights_in_energon_json(demo_dir, tmp_path):
+    msgs = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a " * (i + 1)}] for i in range(3)]
+    pq.write_table(pa.table({"messages": msgs, "loss_weight": [2.0, float("nan"), None]}), tmp_path / "t.parquet")
+    pack(resolve_source(tmp_path / "t.parquet"), tmp_path / "pq", _settings(demo_dir), workers=1, progress=False)
+    rows = read_ledger(tmp_path / "pq").to_pylist()
+    assert [r["status"] for r in rows] == ["packed", "error", "packed"]
+    assert rows[0]["loss_weight"] == 2.0 and rows[2]["loss_weight"] == 1.0 and "nan" in rows[1]["reason"]
+    samples = {f"s{i}": {"json": json.dumps({"conversations": [{"from": "human", "value": f"q{i}"},
+                                                                {"from": "gpt", "value": "yes " * (i + 1)}],
+                                             "loss_weight": 0.5 * i}).encode()} for i in range(3)}
+    source = write_source(tmp_path / "energon", samples)
+    pack(source, tmp_path / "en", _settings(demo_dir), workers=1, progress=False)
+    assert [r["loss_weight"] for r in read_ledger(tmp_path / "en").to_pylist()] == [0.0, 0.5, 1.0]
+
+
+def test_a_mixture_dataset_factor_multiplies_its_samples_weights(demo_dir, tmp_path):
+    samples = {f"s{i}": {"json": json.dumps({"conversations": [{"from": "human", "value": f"q{i}"},
+                                                                {"from": "gpt", "value": "yes " * (i + 1)}],
+                                             "loss_weight": 1.0 + i}).encode()} for i in range(2)}
+    write_source(tmp_path / "a", samples)
+    write_source(tmp_path / "b", {f"t{k}": v for k, v in samples.items()})
+    mix = {"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {"train": {"blend_epochized": [
+        {"path": "a"}, {"path": "b", "packtool": {"loss_weight": 3}}]}}}
+    (tmp_path / "mix.yaml").write_text(yaml.safe_dump(mix))
+    pack(tmp_path / "mix.yaml", tmp_path / "out", _settings(demo_dir), workers=1, progress=False)
+    rows = read_ledger(tmp_path / "out").to_pylist()
+    assert {(r["dataset"], r["key"]): r["loss_weight"] for r in rows} == {
+        ("a", "s0"): 1.0, ("a", "s1"): 2.0, ("b", "ts0"): 3.0, ("b", "ts1"): 6.0}
+    assert Manifest.read(tmp_path / "out").mixture["splits"]["train"][1]["loss_weight"] == 3.0
+    mix["splits"]["train"]["blend_epochized"][1]["packtool"] = {"loss_weight": -1}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(mix))
+    with pytest.raises(Exception, match="loss_weight must be a finite number >= 0"):
+        pack(tmp_path / "bad.yaml", tmp_path / "bad", _settings(demo_dir), workers=1, progress=False)
+    mix["splits"]["train"]["blend_epochized"][1]["packtool"] = {"group": "x", "lr": 1}
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(mix))
+    with pytest.raises(Exception, match="unknown packtool option 'group'"):
+        pack(tmp_path / "bad.yaml", tmp_path / "bad", _settings(demo_dir), workers=1, progress=False)
+
+
+def test_segment_json_refuses_a_bad_weight():
+    base = {"key": "k", "split": "train", "shard": "s", "truncated": False, "media": []}
+    assert Segment.from_json({**base, "loss_weight": 2}).loss_weight == 2.0
+    assert "loss_weight" not in Segment.from_json(base).to_json()
+    for bad in (-1, "x", float("nan"), float("inf")):
+        with pytest.raises(Exception, match="loss_weight"):
+            Segment.from_json({**base, "loss_weight": bad})
+
+
+@pytest.mark.parametrize("mode", LOSS_MODES)
+def test_each_samples_weights_sum_as_its_mode_says(weighted, mode):
+    for batch in read_packs(weighted, loss_mode=mode):
+        weights = batch["loss_weights"][0].double()
+        assert torch.all(weights[batch["labels"][0] == -100] == 0)
+        cu = batch["cu_seqlens_padded"].tolist()
+        w = np.array([_weight_of(k) for k in batch["keys"]])
+        n = np.array([int((batch["labels"][0, lo:hi] != -100).sum()) for lo, hi in zip(cu[:-1], cu[1:])])
+        sums = np.array([float(weights[lo:hi].sum()) for lo, hi in zip(cu[:-1], cu[1:])])
+        np.testing.assert_allclose(sums, sample_totals(w, n, mode), rtol=1e-6)
+        assert batch["loss_weight_sum"].item() == pytest.approx(float(sample_totals(w, n, mode).sum()), rel=1e-12)
+        assert batch["num_samples"].item() == len(w) and batch["loss_mode"] == mode
+    assert token_scale(np.array([2.0]), np.array([0]), "sample").tolist() == [0.0]
+
+
+def test_collate_keeps_the_weights_and_refuses_mixed_modes(weighted):
+    a, b = list(read_packs(weighted, loss_mode="sample"))[:2]
+    both = collate_packs([a, b], 0)
+    assert both["loss_weights"].shape == both["tokens"].shape
+    assert torch.equal(both["loss_weight_sum"], torch.cat([a["loss_weight_sum"], b["loss_weight_sum"]]))
+    c = next(read_packs(weighted, loss_mode="token"))
+    with pytest.raises(ValueError, match="different loss modes"):
+        collate_packs([a, c], 0)
+    with pytest.raises(ValueError, match="loss_mode must be one of"):
+        next(read_packs(weighted, loss_mode="mean"))
+
+
+def _global_batch(weighted, mode: str) -> list[list[list[dict]]]:
+    """The packs as 2 data-parallel ranks x 2 or more micro-batches of one pack."""
+    packs = list(read_packs(weighted, loss_mode=mode))
+    assert len(packs) >= 4
+    return [[[p] for p in packs[0::2]], [[p] for p in packs[1::2]]]
+
+
+def _packed_hf_gradient(model, ranks, mode: str) -> torch.Tensor:
+    """Each rank sums ``packed_lm_loss`` over its micro-batches; the step divides by the weights summed over every
+    micro-batch of every rank (what the trainer all-reduces); ranks' gradients are summed."""
+    rows = {id(b): hf_batch(b, loss_mode=mode) for rank in ranks for micro in rank for b in micro}
+    total = sum(float(rows[id(b)]["loss_weight_sum"]) for rank in ranks for micro in rank for b in micro)
+    grads = []
+    for rank in ranks:
+        loss = torch.zeros((), dtype=torch.float64)
+        for micro in rank:
+            row = concat_hf_batches([rows[id(b)] for b in micro])
+            positions = row["position_ids"]  # a Qwen-VL output's [text; t; h; w] rows: a text model takes the first
+            positions = positions[0] if positions.dim() == 3 else positions
+            logits = model(input_ids=row["input_ids"], position_ids=positions).logits
+            loss = loss + packed_lm_loss(logits, row["labels"], row["loss_weights"]) / total
+        grads.append(lg.gradient(model, loss))
+    return torch.stack(grads).sum(0)
+
+
+def _per_pack_mean_gradient(model, ranks) -> torch.Tensor:
+    """The control: each micro-batch's own per-token mean, averaged (a trainer normalizing per micro-batch)."""
+    micros = [m for rank in ranks for m in rank]
+    loss = torch.zeros((), dtype=torch.float64)
+    for micro in micros:
+        b = micro[0]
+        losses = lg.shifted_token_losses(model, b["tokens"], b["position_ids"], b["labels"])
+        loss = loss + (losses * b["loss_mask"]).sum() / b["loss_mask"].sum() / len(micros)
+    return lg.gradient(model, loss)
+
+
+def test_packed_gradient_equals_unpacked_under_every_mode(weighted, demo_dir):
+    from transformers import AutoTokenizer
+
+    model = lg.tiny_model(len(AutoTokenizer.from_pretrained(str(demo_dir / "tokenizer"))))
+    found = {}
+    for mode in LOSS_MODES:
+        ranks = _global_batch(weighted, mode)
+        packs = [b for rank in ranks for micro in rank for b in micro]
+        weights = [_weight_of(k) for b in packs for k in b["keys"]]
+        want = lg.gradient(model, lg.unpacked_loss(model, packs, weights, mode))
+        got = _packed_hf_gradient(model, ranks, mode)
+        found[mode] = (want, got)
+        assert lg.relative(got, want) <= 1e-5, mode
+    # Controls that must differ: the per-pack mean (against both), and token against sample.
+    control = _per_pack_mean_gradient(model, _global_batch(weighted, "token"))
+    assert lg.relative(control, found["sample"][0]) > 1e-2
+    assert lg.relative(control, found["token"][0]) > 1e-2
+    assert lg.relative(found["token"][0], found["sample"][0]) > 1e-2
+    assert lg.relative(found["square"][0], found["sample"][0]) > 1e-3
