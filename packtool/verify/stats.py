@@ -126,12 +126,55 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
             entry["dp_imbalance"] = float(dp_imbalance(pack, lengths, groups))
             natural = np.argsort(_first_index(pack, n_packs), kind="stable")
             entry["dp_imbalance_unbalanced_order"] = float(dp_imbalance(pack, lengths, groups, order=natural))
+        entry["step_weights"] = step_weights(path, split)
         mixture = _manifest(path).get("mixture") if path.is_dir() else None
         if isinstance(mixture, dict) and split in mixture.get("repetitions", {}):
             entry["datasets"] = per_dataset(path, split, mixture, st)
             entry["packs_sharing_a_sample"] = packs_sharing_a_sample(path, split)
         splits[split] = entry
     return report
+
+
+def step_weights(path: Path, split: str) -> dict | None:
+    """How the split's packed samples weigh in the step: per dataset of a mixture (and overall) the share of
+    samples, of target tokens and of gradient weight under the ``token`` and ``sample`` loss modes (each sample's
+    ``loss_weight``); and, for a trainer that keeps the per-pack mean (each pack one micro-batch, averaged on its
+    own), each sample's weight relative to ``sample``'s: min, median, max. None without packed samples."""
+    wanted = ["split", "pack", "targets", "loss_weight", "dataset"]
+    columns = [c for c in wanted if c in _ledger_names(path)]
+    t = read_ledger(path, columns)
+    t = t.filter(pc.and_(pc.equal(t.column("split"), split), pc.is_valid(t.column("pack"))))
+    if not t.num_rows:
+        return None
+    n = t.column("targets").to_numpy().astype(np.float64)
+    w = t.column("loss_weight").to_numpy() if "loss_weight" in columns else np.ones(t.num_rows)
+    datasets = t.column("dataset").to_pylist() if "dataset" in columns else [None] * t.num_rows
+    pack = pack_numbers(t.column("pack"))
+    token, sample = w * n, w.copy()
+    per_pack = np.bincount(pack, weights=token)
+    packs = int(pack.max()) + 1
+    mean = np.divide(token, per_pack[pack], out=np.zeros_like(token), where=per_pack[pack] > 0) / packs
+    chosen = sample / (sample.sum() or 1)
+    ratio = np.divide(mean, chosen, out=np.zeros_like(mean), where=chosen > 0)[chosen > 0]
+
+    def shares(mask: np.ndarray) -> dict:
+        return {"samples": float(mask.mean()), "targets": float(n[mask].sum() / (n.sum() or 1)),
+                "token": float(token[mask].sum() / (token.sum() or 1)),
+                "sample": float(sample[mask].sum() / (sample.sum() or 1))}
+
+    rows = [{"dataset": name, **shares(np.asarray([d == name for d in datasets]))}
+            for name in dict.fromkeys(datasets) if name is not None]
+    return {"weighted": "loss_weight" in columns, "datasets": rows,
+            "per_pack_mean": {"min": float(ratio.min()), "median": float(np.median(ratio)),
+                              "max": float(ratio.max())} if ratio.size else None}
+
+
+def _ledger_names(path: Path) -> list[str]:
+    from packtool.format import LEDGER
+    from packtool.storage import parquet_file
+
+    p = location(path)
+    return list(parquet_file(p / LEDGER if p.is_dir() else p).schema_arrow.names)
 
 
 def packs_sharing_a_sample(path: Path, split: str) -> int:
@@ -292,6 +335,15 @@ def format_report(report: dict) -> str:
                              f"apart)")
             lines.append(f"  copies together: {e.get('packs_sharing_a_sample', 0)} packs hold a sample more than "
                          f"once")
+        sw = e.get("step_weights")
+        if sw and sw["per_pack_mean"]:
+            r = sw["per_pack_mean"]
+            lines.append(f"  step weights     a per-pack mean weighs a sample {r['min']:.2f}x to {r['max']:.2f}x "
+                         f"(median {r['median']:.2f}x) its per-sample weight")
+            lines.append("                   (per-token normalization with loss_mode token or sample: exact)")
+            for d in sw["datasets"]:
+                lines.append(f"  {d['dataset'][:24]:<24} gradient share: token {d['token']:.2%}, sample "
+                             f"{d['sample']:.2%} (samples {d['samples']:.2%}, target tokens {d['targets']:.2%})")
         if "dp_imbalance" in e:
             lines.append(f"  DP imbalance     {e['dp_imbalance']:.4f} over groups of {e['dp_group']} "
                          f"(natural order {e['dp_imbalance_unbalanced_order']:.4f})")
