@@ -21,6 +21,11 @@ positions restarting per segment, varlen keywords, media); the collator concaten
 attention keep them apart) and turns the model's cache off (Qwen2.5-VL's text config keeps it on otherwise, and with
 a cache transformers attends across segments). The loss is summed over target tokens and divided by the target
 tokens of the global batch (Trainer's `num_items_in_batch`), as an unpacked run of the same samples would.
+
+`--loss-mode token|sample|square` trains under a packtool loss mode (sample weights from the sources' `loss_weight`,
+per-sample or square averaging): the rows carry `loss_weights` and the trainer is SFTTrainer with
+`packtool.runtime.hf.PackedLossTrainer` mixed in, which divides by the weights summed over the global batch (every
+accumulated micro-batch, every process), so the step is the same samples' unpacked weighted mean exactly.
 """
 
 from __future__ import annotations
@@ -42,18 +47,21 @@ def sft_config(run_dir: str | Path, *, max_steps: int, packs_per_step: int = 1, 
                      save_strategy="no", use_cpu=use_cpu, dataloader_num_workers=0, **overrides)
 
 
-def build_trainer(packs: str | Path, model, processing_class, run_dir: str | Path, **config):
-    """An SFTTrainer over OUTPUT's train split with packtool's dataset and collator."""
+def build_trainer(packs: str | Path, model, processing_class, run_dir: str | Path, *, loss_mode: str | None = None,
+                  **config):
+    """An SFTTrainer over OUTPUT's train split with packtool's dataset and collator (``loss_mode``: with
+    ``PackedLossTrainer`` mixed in, see the module docstring)."""
     from trl import SFTTrainer
 
-    from packtool.runtime.hf import HFPackCollator, HFPackDataset, check_model
+    from packtool.runtime.hf import HFPackCollator, HFPackDataset, PackedLossTrainer, check_model
 
     folder = getattr(processing_class, "name_or_path", None)
-    dataset = HFPackDataset(packs, "train", model_folder=folder or None)
+    dataset = HFPackDataset(packs, "train", model_folder=folder or None, loss_mode=loss_mode)
     check_model(model, dataset)  # segments kept apart, the cache off, and packs made for this model
+    trainer_class = SFTTrainer if loss_mode is None else type("PackedSFTTrainer", (PackedLossTrainer, SFTTrainer), {})
     # SFTTrainer takes a `datasets.Dataset` only: items `{"pack": i}`, each read by the collator.
-    return SFTTrainer(model=model, args=sft_config(run_dir, **config), train_dataset=dataset.index_dataset(),
-                      data_collator=HFPackCollator(dataset), processing_class=processing_class)
+    return trainer_class(model=model, args=sft_config(run_dir, **config), train_dataset=dataset.index_dataset(),
+                         data_collator=HFPackCollator(dataset, loss_mode=loss_mode), processing_class=processing_class)
 
 
 def main(argv: list[str] | None = None):
@@ -67,6 +75,8 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--attn", default="sdpa", help="eager, sdpa, flash_attention_2 or flash_attention_3")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU (fp32)")
+    parser.add_argument("--loss-mode", choices=("token", "sample", "square"), default=None,
+                        help="weigh the step by a packtool loss mode (default: Trainer's per-token mean)")
     args = parser.parse_args(argv)
 
     from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, PretrainedConfig
@@ -82,7 +92,7 @@ def main(argv: list[str] | None = None):
         processing_class = AutoTokenizer.from_pretrained(args.model)
     trainer = build_trainer(args.packs, model, processing_class, args.run_dir, max_steps=args.max_steps,
                             packs_per_step=args.packs_per_step, learning_rate=args.learning_rate,
-                            use_cpu=args.cpu)
+                            use_cpu=args.cpu, loss_mode=args.loss_mode)
     result = trainer.train()
     print(f"{result.global_step} steps, training loss {result.training_loss:.4f}")
     return trainer

@@ -186,8 +186,10 @@ def test_collator_loss_counts_target_tokens(tmp_path):
     assert abs(out.loss.item() - summed.item() / (2 * n)) <= 1e-5 * out.loss.item()
 
 
-def test_trl_sft_example_steps(tmp_path):
-    """examples/trl_sft.py's trainer (TRL's SFTTrainer, its preparation and packing off) takes two steps."""
+@pytest.mark.parametrize("loss_mode", [None, "sample"])
+def test_trl_sft_example_steps(tmp_path, loss_mode):
+    """examples/trl_sft.py's trainer (TRL's SFTTrainer, its preparation and packing off) takes two steps; with a
+    loss mode, as SFTTrainer with PackedLossTrainer (its step's gradient: tests/test_loss_weights.py)."""
     pytest.importorskip("trl")
     from transformers import PreTrainedTokenizerFast
 
@@ -199,7 +201,10 @@ def test_trl_sft_example_steps(tmp_path):
     model.config.use_cache = True
     before = [p.detach().clone() for p in model.parameters()]
     trainer = trl_sft.build_trainer(tmp_path / "packs", model, tokenizer, tmp_path / "run", max_steps=2,
-                                    packs_per_step=2, learning_rate=1e-2, use_cpu=True)
+                                    packs_per_step=2, learning_rate=1e-2, use_cpu=True, loss_mode=loss_mode)
+    from packtool.runtime.hf import PackedLossTrainer
+
+    assert isinstance(trainer, PackedLossTrainer) == (loss_mode is not None)
     assert model.config.use_cache is False
     assert len(trainer.train_dataset) == 3 and trainer.train_dataset[0] == {"pack": 0}  # not re-prepared by TRL
     result = trainer.train()

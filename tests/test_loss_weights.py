@@ -223,3 +223,122 @@ def test_packed_gradient_equals_unpacked_under_every_mode(weighted, demo_dir):
     assert lg.relative(control, found["token"][0]) > 1e-2
     assert lg.relative(found["token"][0], found["sample"][0]) > 1e-2
     assert lg.relative(found["square"][0], found["sample"][0]) > 1e-3
+
+
+def test_stats_shows_the_step_weights(weighted, demo_dir, tmp_path):
+    """``stats`` gives the per-pack mean's spread against the per-sample weight (wide on packs of 1 to 8 samples
+    of very different lengths), and per mixture dataset the shares of samples, targets and gradient weight."""
+    from packtool.verify.stats import compute, format_report
+
+    report = compute(weighted)
+    sw = report["splits"]["train"]["step_weights"]
+    assert sw["weighted"] and sw["datasets"] == []
+    spread = sw["per_pack_mean"]
+    assert spread["min"] < 0.5 < 2.0 < spread["max"]  # a control: equal per-pack weights would give 1, 1, 1
+    assert "a per-pack mean weighs a sample" in format_report(report)
+    # The spread recomputed from the reader's own batches: each pack weighs 1/packs, each of its targets its weight
+    # over the pack's weight sum (a per-micro-batch mean with loss_mode token's weights as the mask).
+    packs = list(read_packs(weighted, loss_mode="token"))
+    w = np.array([_weight_of(k) for b in packs for k in b["keys"]])
+    mean = np.concatenate([sample_totals(np.array([_weight_of(k) for k in b["keys"]]), _targets(b), "token")
+                           / max(float(b["loss_weight_sum"].sum()), 1e-300) / len(packs) for b in packs])
+    ratio = mean[w > 0] / (w[w > 0] / w.sum())
+    assert spread["min"] == pytest.approx(ratio.min()) and spread["max"] == pytest.approx(ratio.max())
+    assert spread["median"] == pytest.approx(np.median(ratio))
+
+    # A mixture: per dataset shares that sum to 1; the dataset of factor 3 takes 3x its share of samples.
+    def chats(prefix: str, words: int) -> dict:
+        return {f"{prefix}{i}": {"json": json.dumps({"conversations": [
+            {"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "yes " * (words + i)}]}).encode()}
+            for i in range(6)}
+
+    write_source(tmp_path / "a", chats("a", 2))
+    write_source(tmp_path / "b", chats("b", 40))
+    mix = {"__module__": "megatron.energon", "__class__": "MetadatasetV2", "splits": {"train": {"blend_epochized": [
+        {"path": "a"}, {"path": "b", "packtool": {"loss_weight": 3}}]}}}
+    (tmp_path / "mix.yaml").write_text(yaml.safe_dump(mix))
+    pack(tmp_path / "mix.yaml", tmp_path / "out", _settings(demo_dir), workers=1, progress=False)
+    report = compute(tmp_path / "out")
+    rows = {d["dataset"]: d for d in report["splits"]["train"]["step_weights"]["datasets"]}
+    assert set(rows) == {"a", "b"}
+    for key in ("samples", "targets", "token", "sample"):
+        assert rows["a"][key] + rows["b"][key] == pytest.approx(1.0)
+    assert rows["a"]["samples"] == pytest.approx(0.5) and rows["b"]["sample"] == pytest.approx(0.75)
+    assert rows["b"]["targets"] > 0.8 and rows["b"]["token"] > rows["b"]["targets"]  # long replies, then x3
+    assert "gradient share: token" in format_report(report)
+
+
+def _targets(batch: dict) -> np.ndarray:
+    cu = batch["cu_seqlens_padded"].tolist()
+    return np.array([int((batch["labels"][0, lo:hi] != -100).sum()) for lo, hi in zip(cu[:-1], cu[1:])])
+
+
+def _reference(weighted, demo_dir, mode: str) -> torch.Tensor:
+    """The unpacked step on the samples of the output's first packs (one sample a row)."""
+    from transformers import AutoTokenizer
+
+    from hf_step import STEP_PACKS
+
+    model = lg.tiny_model(len(AutoTokenizer.from_pretrained(str(demo_dir / "tokenizer"))))
+    packs = list(read_packs(weighted, loss_mode=mode))[:STEP_PACKS]
+    weights = [_weight_of(k) for b in packs for k in b["keys"]]
+    return lg.gradient(model, lg.unpacked_loss(model, packs, weights, mode))
+
+
+@pytest.mark.parametrize("mode", LOSS_MODES)
+def test_trainer_step_equals_unpacked(weighted, demo_dir, tmp_path, mode):
+    """transformers' Trainer with PackedLossTrainer, 2 micro-batches of 2 packs accumulated: its applied gradient is
+    the unpacked one. Control: the unpacked token step differs from the sample one."""
+    from hf_step import step_gradient
+
+    want = _reference(weighted, demo_dir, mode)
+    got = step_gradient(weighted, demo_dir / "tokenizer", mode, accumulation=2, per_device=2, run_dir=tmp_path)
+    assert lg.relative(got, want) <= 1e-5
+    if mode == "sample":
+        assert lg.relative(_reference(weighted, demo_dir, "token"), want) > 1e-2
+
+
+def test_sft_trainer_step_equals_unpacked_and_refuses_rows_without_weights(weighted, demo_dir, tmp_path):
+    """TRL's SFTTrainer with the mixin, the example's settings, 1 pack a micro-batch x 4 accumulated."""
+    pytest.importorskip("trl")
+    from hf_step import step_gradient
+
+    got = step_gradient(weighted, demo_dir / "tokenizer", "sample", accumulation=4, per_device=1,
+                        run_dir=tmp_path, sft=True)
+    assert lg.relative(got, _reference(weighted, demo_dir, "sample")) <= 1e-5
+    from packtool.runtime.hf import PackedLossTrainer
+
+    class Bare(PackedLossTrainer):
+        pass
+
+    with pytest.raises(ValueError, match="carries no loss_weights"):
+        Bare.compute_loss(Bare.__new__(Bare), None, hf_batch(next(read_packs(weighted)), None))
+
+
+def test_two_processes_step_equals_unpacked(weighted, demo_dir, tmp_path):
+    """2 processes (torch.distributed on CPU, gloo) x 2 accumulated micro-batches of one pack: the weight sum is
+    gathered across processes and DDP's average undone, so each process applies the unpacked gradient."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    script = Path(__file__).with_name("hf_step.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for mode in ("sample", "token"):
+        out = tmp_path / mode
+        out.mkdir()
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                              "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(script),
+                              str(weighted), str(demo_dir / "tokenizer"), mode, "2", str(out)],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        grads = [torch.load(out / f"grad{r}.pt") for r in (0, 1)]
+        want = _reference(weighted, demo_dir, mode)
+        assert torch.equal(grads[0], grads[1])
+        assert lg.relative(grads[0], want) <= 1e-5, mode

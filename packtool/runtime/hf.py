@@ -368,3 +368,73 @@ class HFPackCollator:
                                  f"no loss_weights: read the packs with loss_mode={self.loss_mode!r}")
             resolved.append(row)
         return concat_hf_batches(resolved)
+
+
+#: Keys of a weighted row the model's ``forward`` does not take.
+WEIGHT_KEYS = ("loss_weights", "loss_weight_sum", "num_samples")
+
+
+class PackedLossTrainer:
+    """A mixin for transformers' ``Trainer`` (or TRL's ``SFTTrainer``), listed first, that makes the optimizer step
+    the loss mode's weighted mean over the whole global batch, exactly as the same samples trained unpacked::
+
+        class PackedSFTTrainer(PackedLossTrainer, SFTTrainer): ...
+
+        data = HFPackDataset(OUTPUT, loss_mode="sample")
+        trainer = PackedSFTTrainer(..., train_dataset=data.index_dataset(), data_collator=HFPackCollator(data))
+
+    Each micro-batch's loss is :func:`packed_lm_loss` divided by the sum of ``loss_weight_sum`` over every
+    micro-batch of the step (gradient accumulation) and every process (all-gathered: Trainer's
+    ``num_items_in_batch`` becomes that sum), times the process count (DDP averages the processes' gradients).
+    ``token`` with no weights is then the per-token mean over the global batch, as Trainer's own loss gives.
+
+    A ``compute_loss_func`` cannot do this: Trainer hands it the outputs and the labels only, never the batch's
+    per-token weights. The rows must carry ``loss_weights`` (read with ``loss_mode=``); tensor, context and
+    sequence parallelism and ``DataParallel`` are refused (each would count the weights more than once)."""
+
+    #: The loss is already the step's share: Trainer must not divide it by the accumulation steps again.
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # What older Trainers read instead of loss_is_scaled_for_ga (the same: scaled, counted per step).
+        self.model_accepts_loss_kwargs = True
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        if not batch_samples:
+            return None
+        missing = [b for b in batch_samples if "loss_weights" not in b]
+        if missing:
+            raise ValueError("packtool: error: PackedLossTrainer's batches carry no loss_weights: give "
+                             "HFPackDataset and HFPackCollator a loss_mode ('token', 'sample' or 'square')")
+        args, accelerator = self.args, self.accelerator  # type: ignore[attr-defined]
+        parallel = {"tensor": self.get_tp_size(), "context": self.get_cp_size(),  # type: ignore[attr-defined]
+                    "sequence": self.get_sp_size()}  # type: ignore[attr-defined]
+        if args.n_gpu > 1 or any(size > 1 for size in parallel.values()):
+            raise ValueError("packtool: error: PackedLossTrainer takes data parallelism only (one device per "
+                             f"process; n_gpu {args.n_gpu}, parallel sizes {parallel})")
+        total = sum(b["loss_weight_sum"].double().sum() for b in batch_samples).to(device).reshape(1)
+        if args.world_size > 1:
+            total = accelerator.gather(total).sum()
+        return total.reshape(())
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        if "loss_weights" not in inputs:
+            raise ValueError("packtool: error: PackedLossTrainer's batch carries no loss_weights: give "
+                             "HFPackDataset and HFPackCollator a loss_mode ('token', 'sample' or 'square')")
+        labels, weights = inputs.pop("labels"), inputs.pop("loss_weights")
+        local = inputs["loss_weight_sum"].double().sum()
+        for key in WEIGHT_KEYS:
+            inputs.pop(key, None)
+        outputs = model(**inputs)
+        logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+        loss = packed_lm_loss(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits,
+                              labels, weights)
+        if num_items_in_batch is None:  # evaluation without a count: this batch's own weighted mean
+            loss = loss / local.clamp(min=1e-300).to(loss.dtype)
+        else:
+            total = torch.as_tensor(num_items_in_batch, device=loss.device).to(loss.dtype)
+            loss = torch.where(total > 0, loss / total.clamp(min=1e-300), loss * 0)
+            loss = loss * self.accelerator.num_processes  # type: ignore[attr-defined]
+        return (loss, outputs) if return_outputs else loss
