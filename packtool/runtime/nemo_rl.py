@@ -9,8 +9,12 @@ come from packtool, packed offline and globally, and :class:`PacktoolSFTTaskEnco
   option when the pack's alignment is a multiple of it); rows padded with the pad id to the longest row of the batch;
 * ``input_lengths`` int32 ``[B]``: each row's length with its samples' padding (not the batch padding);
 * ``token_mask`` float32 ``[B, L]``: 1 on each target token (the token a position predicts is the next one), never on
-  the first token of a sample nor on padding;
-* ``sample_mask`` float32 ``[B]``: 1 where the row has a target;
+  the first token of a sample nor on padding; under the encoder's ``loss_mode`` option (``sample``, ``square``, or
+  sample weights given) each target token's loss weight instead (:mod:`packtool.lossweights`). NeMo-RL's
+  ``NLLLoss`` multiplies each token's log-probability by ``token_mask`` and divides by ``global_valid_toks``, the
+  sum of ``token_mask`` over the global batch (all micro-batches, all data-parallel ranks): the step is then the
+  same samples' unpacked weighted mean under that mode;
+* ``sample_mask`` float32 ``[B]``: 1 where the row has a target (of weight above 0);
 * ``cu_seqlens`` / ``cu_seqlens_padded``: per pack, int32 ``[S + 1]`` cumulative sums of the real and of the padded
   sample lengths (NeMo-RL's ``PackedTensor`` of them when NeMo-RL is importable, else a list);
 * ``source_ids``: per pack, the source keys of its samples;
@@ -49,6 +53,7 @@ from megatron.energon.errors import FatalSampleError
 
 from packtool.errors import FormatError
 from packtool.format import Manifest, PackRecord
+from packtool.lossweights import check_loss_mode, token_scale
 from packtool.readkit import mm_token_type_ids
 from packtool.runtime.loader import PackSample, _manifest, _reader_processor, cook_pack
 from packtool.runtime.read import open_pack, pack_to_batch
@@ -166,13 +171,16 @@ class NemoRLRow:
 
 
 def nemo_rl_row(members: Mapping[str, Any], manifest: Mapping, *, multiple: int | None = None, images: bool = True,
-                image_processor=None, source: str = "") -> NemoRLRow:
+                image_processor=None, source: str = "", loss_mode: str = "token") -> NemoRLRow:
     """One pack record (``{part: bytes, "__key__": key}``) as a row of NeMo-RL's packed batch.
 
     ``multiple``: pad each sample to this multiple (NeMo-RL's ``make_sequence_length_divisible_by``); default the
     pack's alignment. The pack's alignment must be a multiple of it, so the row still fits the pack size.
     ``images=False`` leaves the media out; ``image_processor`` as in :func:`packtool.runtime.read.pack_to_batch`.
+    ``loss_mode``: ``token_mask`` holds each target token's weight under it (the target mask under ``token``
+    without sample weights).
     """
+    check_loss_mode(loss_mode)
     record, where = open_pack(members, source)
     step = record.align if multiple is None else multiple
     if step < 1 or record.align % step:
@@ -190,6 +198,11 @@ def nemo_rl_row(members: Mapping[str, Any], manifest: Mapping, *, multiple: int 
     mask = np.zeros(len(ids), dtype=np.float32)
     mask[dest] = record.targets
     mask[row_starts[:-1]] = 0.0  # prepare_packed_sft_batch: a sample's first token is never a target
+    weights = np.array([s.loss_weight for s in record.segments], np.float64)
+    if loss_mode != "token" or (weights != 1.0).any():
+        row_seg = np.repeat(np.arange(len(lengths)), padded)
+        counts = np.bincount(row_seg, weights=mask, minlength=len(lengths))
+        mask = (mask * token_scale(weights, counts, loss_mode)[row_seg]).astype(np.float32)
     family = family_of(manifest)
     media = _media(members, record, manifest, family, where, images, image_processor, source)
     input_ids = torch.from_numpy(ids)
@@ -365,7 +378,8 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
     alignment (set it to the policy's ``make_sequence_length_divisible_by``; the pack's alignment must be a
     multiple of it); ``images`` (default true) decodes the media; ``pack_layout`` (:data:`PACK_LAYOUTS`, default
     ``capacity``: NeMo-RL's current batch, every row padded to the capacity, ``max_total_sequence_length``; ``samples``:
-    its earlier one). The options of NeMo-RL's own encoders that a recipe may pass (:data:`RECIPE_OPTIONS`) are
+    its earlier one); ``loss_mode`` (``token``, default, ``sample`` or ``square``: what ``token_mask`` weighs, see
+    the module docstring). The options of NeMo-RL's own encoders that a recipe may pass (:data:`RECIPE_OPTIONS`) are
     compared with the packs' settings or refused unless at the value the packs fixed; any other is an error.
     NeMo-RL's own keyword arguments: ``adapter`` gives ``max_sequence_length``; ``cooker_functions`` must be
     packtool's cooker (or none); ``sequence_length_pad_multiple`` (>1) is taken as ``sequence_multiple`` when that
@@ -381,7 +395,7 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
     def __init__(self, *, adapter: Any = None, cooker_functions: Sequence[Any] = (), include_source_ids: bool = True,
                  packer: Any = None, tokenizer: Any = None, sequence_length_pad_multiple: int = 1,
                  only_unmask_final: bool = False, sequence_multiple: int | None = None, images: bool = True,
-                 pack_layout: str = "capacity", **recipe_options: Any) -> None:
+                 pack_layout: str = "capacity", loss_mode: str = "token", **recipe_options: Any) -> None:
         if packer is not None or recipe_options.get("packing_hooks") is not None:
             raise ValueError("packtool packs are made offline: remove data.energon.task_encoder.packing")
         recipe_options.pop("packing_hooks", None)
@@ -423,7 +437,7 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
             raise ValueError(f"sequence_multiple must be >= 1, got {sequence_multiple}")
         if pack_layout not in PACK_LAYOUTS:
             raise ValueError(f"pack_layout must be one of {list(PACK_LAYOUTS)}, got {pack_layout!r}")
-        self.pack_layout = pack_layout
+        self.pack_layout, self.loss_mode = pack_layout, check_loss_mode(loss_mode)
         self.max_sequence_length = getattr(adapter, "max_sequence_length", None)
         self.include_source_ids, self.tokenizer = include_source_ids, tokenizer
         self.sequence_multiple, self.images = sequence_multiple, images
@@ -442,7 +456,7 @@ class PacktoolSFTTaskEncoder(_BaseEncoder):
             check_packed_recipe_options(manifest, self.recipe_options, processors)
             row = nemo_rl_row({**sample.members, "__key__": sample.__key__}, manifest,
                               multiple=self.sequence_multiple, images=self.images, image_processor=processors,
-                              source=where)
+                              source=where, loss_mode=self.loss_mode)
             if self.max_sequence_length is not None and len(row.input_ids) > self.max_sequence_length:
                 raise FormatError(f"{where}: pack {row.pack_key} lays out {len(row.input_ids)} tokens, more than "
                                   f"NeMo-RL's max_total_sequence_length {self.max_sequence_length}: pack with "
