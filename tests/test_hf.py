@@ -104,26 +104,13 @@ def test_check_model_refuses_and_turns_cache_off():
             check_model(type("M", (), {"config": config})())
 
 
-def test_qwen25vl_images_and_videos_packed_equals_alone(video_pack):  # noqa: F811
-    manifest, batch, vocab = video_pack
-    image_id, video_id = manifest.image_token_id, manifest.video_token_id
-    model = tiny_qwen(vocab, image_id, video_id, manifest.vision_start_token_id, manifest.vision_end_token_id)
-    assert model.config.text_config.use_cache is True  # transformers' default, turned off by check_model
-    assert check_model(model).name == "qwen2_vl" and model.config.text_config.use_cache is False
-    tps = model.config.vision_config.tokens_per_second
-    row = hf_batch(batch, manifest, tokens_per_second=tps)
-    assert row["position_ids"].shape == (4, 1, row["input_ids"].shape[1])
-    # The reader batch alone is enough: it carries its family and the token ids its layout needs.
-    alone_row = hf_batch(batch, tokens_per_second=tps)
-    assert set(alone_row) == set(row) and all(torch.equal(alone_row[k], row[k]) for k in row
-                                              if isinstance(row[k], torch.Tensor))
-    stripped = {k: v for k, v in batch.items() if k != "layout_context"}  # control: an older reader's batch
-    with pytest.raises(ValueError, match="carries no layout context"):
-        hf_batch(stripped, tokens_per_second=tps)
-    assert {"pixel_values", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"} <= set(row)
+def qwen_segments_alone(row: dict, image_id: int, video_id: int) -> list[tuple[dict, torch.Tensor]]:
+    """Each segment of a Qwen2-VL ``hf_batch`` row alone: its own inputs (tokens, token types, its media's pixels
+    and grids; the model computes its positions) and its unshifted labels, in row order."""
     ids, cu = row["input_ids"], row["cu_seq_lens_q"].tolist()
-    ip = [0] + row["image_grid_thw"].prod(-1).cumsum(0).tolist()
-    vp = [0] + row["video_grid_thw"].prod(-1).cumsum(0).tolist()
+    grids = {kind: row.get(f"{kind}_grid_thw", torch.zeros((0, 3), dtype=torch.long)) for kind in ("image", "video")}
+    ip = [0] + grids["image"].prod(-1).cumsum(0).tolist()
+    vp = [0] + grids["video"].prod(-1).cumsum(0).tolist()
     images = videos = 0
     alone = []
     for lo, hi in zip(cu[:-1], cu[1:]):
@@ -141,7 +128,28 @@ def test_qwen25vl_images_and_videos_packed_equals_alone(video_pack):  # noqa: F8
                           second_per_grid_ts=row["second_per_grid_ts"][videos:videos + nv])
         images, videos = images + ni, videos + nv
         alone.append((inputs, row["labels"][:, lo:hi].clone()))
-    assert images == len(row["image_grid_thw"]) and videos == len(row["video_grid_thw"])
+    assert images == len(grids["image"]) and videos == len(grids["video"])
+    return alone
+
+
+def test_qwen25vl_images_and_videos_packed_equals_alone(video_pack):  # noqa: F811
+    manifest, batch, vocab = video_pack
+    image_id, video_id = manifest.image_token_id, manifest.video_token_id
+    model = tiny_qwen(vocab, image_id, video_id, manifest.vision_start_token_id, manifest.vision_end_token_id)
+    assert model.config.text_config.use_cache is True  # transformers' default, turned off by check_model
+    assert check_model(model).name == "qwen2_vl" and model.config.text_config.use_cache is False
+    tps = model.config.vision_config.tokens_per_second
+    row = hf_batch(batch, manifest, tokens_per_second=tps)
+    assert row["position_ids"].shape == (4, 1, row["input_ids"].shape[1])
+    # The reader batch alone is enough: it carries its family and the token ids its layout needs.
+    alone_row = hf_batch(batch, tokens_per_second=tps)
+    assert set(alone_row) == set(row) and all(torch.equal(alone_row[k], row[k]) for k in row
+                                              if isinstance(row[k], torch.Tensor))
+    stripped = {k: v for k, v in batch.items() if k != "layout_context"}  # control: an older reader's batch
+    with pytest.raises(ValueError, match="carries no layout context"):
+        hf_batch(stripped, tokens_per_second=tps)
+    assert {"pixel_values", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"} <= set(row)
+    alone = qwen_segments_alone(row, image_id, video_id)
     assert sum(1 for a, _ in alone if "video_grid_thw" in a) >= 2
     loss = check_packed_equals_alone(model, row, alone)
     # Control: the reader's shifted labels fed as they are.

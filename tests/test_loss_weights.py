@@ -25,7 +25,7 @@ from packtool.lossweights import LOSS_MODES, sample_totals, token_scale
 from packtool.packer.ledger import read_ledger
 from packtool.packer.pipeline import pack
 from packtool.packer.sources.files import resolve_source
-from packtool.runtime.hf import concat_hf_batches, hf_batch, packed_lm_loss
+from packtool.runtime.hf import check_model, concat_hf_batches, hf_batch, packed_lm_loss
 from packtool.runtime.loader import collate_packs
 from packtool.runtime.read import read_packs
 from packtool.settings import EncodeSettings, PackSettings
@@ -342,3 +342,85 @@ def test_two_processes_step_equals_unpacked(weighted, demo_dir, tmp_path):
         want = _reference(weighted, demo_dir, mode)
         assert torch.equal(grads[0], grads[1])
         assert lg.relative(grads[0], want) <= 1e-5, mode
+
+
+@pytest.fixture(scope="module")
+def weighted_images(tmp_path_factory):
+    """Conversations with 0 to 2 images, replies of very different lengths and loss weights, packed for the demo
+    Qwen2.5-VL folder into several packs: (output, weights by key, manifest, vocabulary size)."""
+    from tokenizers import Tokenizer
+
+    import demo
+    import mediafixture as mf
+    from packtool.format import load_manifest
+    from test_media_pack import chat
+
+    root = tmp_path_factory.mktemp("weighted-images")
+    folder = demo.build_tokenizer(root / "model")
+    samples, weights = {}, {}
+    for i, (n_images, words, w) in enumerate([(1, 3, 1.0), (2, 60, 2.5), (0, 1, 0.5), (1, 25, 3.0), (0, 40, 1.0),
+                                              (2, 2, 0.0), (1, 12, 1.5), (0, 80, 1.0), (1, 5, 4.0)]):
+        key = f"s{i}"
+        user = "<image>\n" * n_images + f"question {i}"
+        samples[key] = {"json": chat(user, reply=" ".join(["yes"] * words), loss_weight=w)}
+        samples[key].update({f"{j}.png": mf.make_image(56 + 28 * j, 56, seed=i * 3 + j) for j in range(n_images)})
+        weights[key] = w
+    write_source(root / "src", samples)
+    pack(root / "src", root / "out", PackSettings(EncodeSettings(tokenizer=str(folder), pack_size=256)), workers=1,
+         progress=False)
+    vocab = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
+    return root / "out", weights, load_manifest(root / "out"), vocab
+
+
+def test_qwen25vl_gradient_equals_unpacked_under_every_mode(weighted_images):
+    """A tiny random Qwen2.5-VL in float64 (vision tower included): the packed step over every pack of the output
+    (each pack a micro-batch, ``packed_lm_loss`` over the weights' global sum) has the gradient of the same samples
+    run alone with their own images under each loss mode. Control: the per-pack mean differs."""
+    from packtool.runtime.hf import WEIGHT_KEYS
+    from test_hf import qwen_segments_alone
+    from test_parity import tiny_qwen
+
+    out, weights, manifest, vocab = weighted_images
+    model = tiny_qwen(vocab, manifest.image_token_id, manifest.video_token_id, manifest.vision_start_token_id,
+                      manifest.vision_end_token_id).double()
+    check_model(model)  # the cache off: with it, packed segments attend across each other
+    found = {}
+    for mode in LOSS_MODES:
+        rows = [hf_batch(b, loss_mode=mode) for b in read_packs(out, loss_mode=mode)]
+        assert len(rows) >= 3 and any("pixel_values" in r for r in rows)
+        total = sum(float(r["loss_weight_sum"].sum()) for r in rows)
+        packed = torch.zeros((), dtype=torch.float64)
+        num, den, seen = torch.zeros((), dtype=torch.float64), 0.0, []
+        per_pack = torch.zeros((), dtype=torch.float64)
+        for b, r in zip(read_packs(out, loss_mode=mode), rows):
+            inputs = {k: (v.double() if k.startswith("pixel_values") else v) for k, v in r.items()
+                      if k not in ("labels", "keys", "pack_key", *WEIGHT_KEYS) and isinstance(v, torch.Tensor)}
+            logits = model(**inputs).logits
+            packed = packed + packed_lm_loss(logits, r["labels"], r["loss_weights"]) / total
+            per_pack = per_pack + packed_lm_loss(logits, r["labels"], (r["labels"] != -100).double()) \
+                / (r["labels"][:, 1:] != -100).sum() / len(rows)
+            alone = qwen_segments_alone(r, manifest.image_token_id, manifest.video_token_id)
+            assert len(alone) == len(b["keys"])
+            for (seg, labels), key in zip(alone, b["keys"]):
+                seen.append(key)
+                seg = {k: (v.double() if k.startswith("pixel_values") else v) for k, v in seg.items()}
+                seg_logits = model(**seg).logits[0, :-1]
+                target = labels[0, 1:]
+                n = int((target != -100).sum())
+                if n == 0:
+                    continue
+                losses = torch.nn.functional.cross_entropy(seg_logits, target, ignore_index=-100, reduction="sum")
+                w = weights[key]
+                scale = {"token": w, "sample": w / n, "square": w / np.sqrt(n)}[mode]
+                num, den = num + scale * losses, den + scale * n
+        assert sorted(seen) == sorted(weights)
+        want = lg.gradient(model, num / den, retain=True)
+        got = lg.gradient(model, packed, retain=mode == "token")
+        print(mode, lg.relative(got, want))
+        assert lg.relative(got, want) <= 1e-5, mode
+        found[mode] = want
+        if mode == "token":
+            control = lg.relative(lg.gradient(model, per_pack), found["token"])
+            print("control: per-pack mean against token", control)
+            assert control > 1e-2
+    assert lg.relative(found["token"], found["sample"]) > 1e-2
