@@ -300,3 +300,47 @@ def test_the_trainers_take_the_mixed_output_as_one_dataset(epochized):
     joined = collate_packs(rows, manifest.pad_token_id)
     assert joined["dataset_index"].tolist() == [i for r in rows for i in r["dataset_index"].tolist()]
     assert len(joined["keys"]) == joined["dataset_index"].shape[0]
+
+
+def test_an_entry_added_in_the_middle_encodes_that_entry_only(datasets, demo_dir, tmp_path):
+    """Encode stores are named by the shard they encode, not by its position in the mixture: adding an entry in
+    the middle encodes its shards only (the others' stores are the same files), reordering encodes nothing, and
+    removing an entry deletes its stores; each output equals a fresh pack of its mixture."""
+    import pyarrow.parquet as pq
+
+    def stores(out: Path) -> dict[str, tuple[int, int, int]]:
+        """Each range store: (inode, mtime_ns, samples) of its samples.parquet."""
+        found = {}
+        for f in sorted((out / ".packtool" / "encode").glob("*/*/*/samples.parquet")):
+            st = f.stat()
+            found[f.parent.relative_to(out).as_posix()] = (st.st_ino, st.st_mtime_ns, pq.read_metadata(f).num_rows)
+        return found
+
+    def mix(*names: str) -> Path:
+        return _write(tmp_path, "grow.yaml", {"train": {"blend_epochized": [{"path": str(datasets / n)}
+                                                                            for n in names]}})
+
+    settings = _settings(demo_dir, splits=("train",))
+    out = tmp_path / "out"
+    pack(mix("text", "long"), out, settings, workers=1, progress=False)
+    before = stores(out)
+    pack(mix("text", "images", "long"), out, settings, workers=1, progress=False, overwrite=True)
+    after = stores(out)
+    new = {k: v for k, v in after.items() if before.get(k) != v}
+    assert {k: after[k] for k in before} == before  # text's and long's stores: the very same files
+    assert new and all("images_shards_" in k for k in new)  # the added entry's shards, and only those
+    encoded = sum(v[2] for v in new.values())
+    fresh = tmp_path / "fresh"
+    pack(mix("text", "images", "long"), fresh, settings, workers=1, progress=False)
+    assert encoded == Manifest.read(fresh).counts["train"]["samples"] - sum(v[2] for v in before.values())
+    assert {k: v for k, v in _tree(out).items() if ".packtool" not in k} == \
+        {k: v for k, v in _tree(fresh).items() if ".packtool" not in k}
+    # Reordered: nothing encoded again. Removed: its stores go, and the output is the first one again.
+    pack(mix("long", "images", "text"), out, settings, workers=1, progress=False, overwrite=True)
+    assert stores(out) == after
+    pack(mix("text", "long"), out, settings, workers=1, progress=False, overwrite=True)
+    assert stores(out) == before
+    first = tmp_path / "first"
+    pack(mix("text", "long"), first, settings, workers=1, progress=False)
+    assert {k: v for k, v in _tree(out).items() if ".packtool" not in k} == \
+        {k: v for k, v in _tree(first).items() if ".packtool" not in k}

@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,6 +26,7 @@ import demo
 import objstore
 from packtool import storage
 from packtool.format import MANIFEST
+from packtool.packer.output import store_name
 from packtool.packer.pipeline import pack
 from packtool.packer.store import SourceStamp
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
@@ -108,8 +110,9 @@ main()
 
 #: (key pattern, N, before/after), in pipeline order: each kill hits a run that resumes the previous one.
 KILL_POINTS = [
-    (r"encode/train/000001/000000/tokens\.npy$", 1, "after"),  # an encode folder half put: no source.json
-    (r"encode/train/000003/000000/source\.json$", 1, "after"),
+    # an encode folder half put: no source.json
+    (r"encode/train/shards_train-0001\.tar-[0-9a-f]{10}/000000/tokens\.npy$", 1, "after"),
+    (r"encode/train/shards_train-0003\.tar-[0-9a-f]{10}/000000/source\.json$", 1, "after"),
     (r"train/pack-000000\.tar\.idx$", 1, "after"),  # the write phase: an index without its tar
     (r"train/pack-000002\.tar$", 1, "after"),
     (r"ledger\.parquet$", 1, "after"),
@@ -313,10 +316,11 @@ def test_killed_after_encoding_then_a_source_object_changed_packs_the_new_object
     shutil.copytree(data, local)
     source = store.upload_tree(local, "datasets/killed-edited")
     out = store.url("out/killed-edited")
-    killed = cli("-c", KILLER, r"encode/train/000000/000000/source\.json$", "1", "after",
+    first = store_name("shards/train-0000.tar")
+    killed = cli("-c", KILLER, rf"encode/train/{re.escape(first)}/000000/source\.json$", "1", "after",
                  *pack_args(case, source, out))
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    assert storage.ObjectPath(f"{out}/.packtool/encode/train/000000/000000/source.json").is_file()
+    assert storage.ObjectPath(f"{out}/.packtool/encode/train/{first}/000000/source.json").is_file()
     shard = local / "shards/train-0000.tar"
     shard.write_bytes(edited(shard.read_bytes()))
     storage.ObjectPath(f"{source}/shards/train-0000.tar").upload(shard)

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 import packtool
 from packtool.cli import app
+from packtool.packer.output import store_name
 from test_trust import cli, dataset, mount, pack_args, sample, tree  # noqa: F401 (mount: a fixture)
 
 RUNNER = CliRunner()
@@ -214,7 +215,8 @@ def test_a_model_folder_without_an_image_rule_stops_the_run_early(tok, tmp_path)
     text = result.output.strip()
     assert "\n" not in text and "stopped early: 20 samples of shards/a.tar failed for the same reason" in text, text
     assert "preprocessor_config.json" in text
-    assert not (out / "ledger.parquet").exists() and not (out / ".packtool/encode/train/000001").exists()
+    assert not (out / "ledger.parquet").exists()
+    assert not (out / ".packtool/encode/train" / store_name("shards/b.tar")).exists()
     # control: with the rule off, the whole run happens and fails the error rate at the end
     late = run(*pack_args(src, tmp_path / "late", no_rule, "--max-same-failures", "0"))
     assert late.exit_code == 3 and "error rate 100.00%" in late.output, late.output

@@ -110,8 +110,9 @@ main()
 KILL_POINTS = [
     (r"encode\.json$", 1, "before", r"\.packtool/\.encode\.json\.tmp-"),
     (r"output\.json$", 1, "before", r"\.packtool/\.output\.json\.tmp-"),
-    (r"encode/train/000001/000000$", 1, "before", r"encode/train/000001/\.000000\.tmp-"),
-    (r"encode/train/000003/000000$", 1, "after", None),
+    (r"encode/train/shards_train-0001\.tar-[0-9a-f]{10}/000000$", 1, "before",
+     r"encode/train/shards_train-0001\.tar-[0-9a-f]{10}/\.000000\.tmp-"),
+    (r"encode/train/shards_train-0003\.tar-[0-9a-f]{10}/000000$", 1, "after", None),
     (r"train/pack-000001\.tar$", 1, "before", r"train/\.pack-000001\.tar\.tmp-"),
     (r"train/pack-000003\.tar\.idx$", 1, "after", None),
     (r"ledger\.parquet$", 1, "before", r"^\.ledger\.parquet\.tmp-"),
@@ -167,7 +168,7 @@ def test_process_group_killed_during_encode_then_resumed(resume_case, tmp_path):
     encoded = out / ".packtool" / "encode" / "train"
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:
-        if len([p for p in encoded.glob("0*") if not TEMPORARY.search(p.name)]) >= 2:
+        if len([p for p in encoded.glob("shards_*") if not TEMPORARY.search(p.name)]) >= 2:
             break
         time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)

@@ -226,13 +226,16 @@ class OutputDir:
                                                                    sort_keys=True).encode())
         self.replacing = False
 
-    def encode_dir(self, split: str, shard: int, part: int) -> Path:
-        """Encode store of range ``part`` of source shard number ``shard`` of ``split``."""
-        return self.path / ENCODE / split / f"{shard:06d}" / f"{part:06d}"
+    def encode_dir(self, split: str, shard: str, part: int) -> Path:
+        """Encode store of range ``part`` of source shard ``shard`` of ``split``: named by the shard
+        (:func:`store_name`), never by its position, so that a mixture entry added, removed or moved leaves the
+        other entries' stores in place."""
+        return self.path / ENCODE / split / store_name(shard) / f"{part:06d}"
 
-    def drop_stale_encodings(self, stamps: dict[str, SourceStamp]) -> bool:
+    def drop_stale_encodings(self, stamps: dict[str, SourceStamp], shards: dict[str, list[str]]) -> bool:
         """Delete the encode stores of every source shard that has changed since it was encoded (all its
-        ranges: the new content may cut into other ranges); returns whether there were any."""
+        ranges: the new content may cut into other ranges); returns whether there were any. The stores of shards
+        the source no longer has in a split (a mixture entry removed) are deleted too."""
         stale = set()
         for stamp_file in (self.path / ENCODE).glob("*/*/*/source.json"):
             recorded = _read_json(stamp_file)
@@ -240,12 +243,23 @@ class OutputDir:
                 recorded.pop("range", None)  # which samples of the shard: checked by the encode task itself
             if recorded is None or recorded != asdict(stamps.get(recorded.get("shard", ""), _NO_STAMP)):
                 stale.add(stamp_file.parent.parent)
-        for folder in sorted(stale):
+        wanted = {(split, store_name(shard)) for split, names in shards.items() for shard in names}
+        folders = {f.parent.parent for name in ("source.json", "samples.parquet")
+                   for f in (self.path / ENCODE).glob(f"*/*/*/{name}")}
+        gone = {f for f in folders if (f.parent.name, f.name) not in wanted} - stale
+        for folder in sorted(stale | gone):
             remove_tree(folder)
         return bool(stale)
 
 
 _NO_STAMP = SourceStamp("", -1, -1, -1, "")
+
+
+def store_name(shard: str) -> str:
+    """The encode store folder of a source shard: its name made a file name, and a digest of it (two names that
+    read alike stay apart): ``shards/train-0001.tar`` -> ``shards_train-0001.tar-<10 hex digits>``."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", shard).strip("._")[-80:]
+    return f"{readable}-{hashlib.sha256(shard.encode()).hexdigest()[:10]}"
 
 
 def lock_file(output: Path) -> Path:

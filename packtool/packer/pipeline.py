@@ -171,7 +171,7 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
     facts = engine.map(model_facts, [FactsTask(settings.encode, src.dataset_yaml)], progress=False)[0]
     with OutputDir(output, fingerprints, overwrite=run.overwrite) as out:
         stamps = _stamps(engine, src, run)
-        if out.drop_stale_encodings(stamps):
+        if out.drop_stale_encodings(stamps, src.splits):
             out.clear_output()  # a source shard changed since it was encoded: every plan is stale
         done = None if out.replacing else _finished(output, run)
         if done is not None:
@@ -278,26 +278,26 @@ def _missing(output: Path, manifest: Manifest) -> list[str]:
 def _encode(engine: Engine, out: OutputDir, src: SourceDataset, settings: PackSettings, run: RunOptions,
             stamps: dict[str, SourceStamp]) -> dict[str, list[Path]]:
     """Walk every shard's headers, then encode its ranges; returns each split's range stores in order."""
-    shards = [(split, i, shard) for split, names in src.splits.items() for i, shard in enumerate(names)]
+    shards = [(split, shard) for split, names in src.splits.items() for shard in names]
     files = src.chunks if isinstance(src, FileDataset) else {}
     if files:  # a chunk's records are its samples, one after another
         layouts = [ShardLayout(shard, tuple(range(files[shard].count)), frozenset(), frozenset())
-                   for _, _, shard in shards]
+                   for _, shard in shards]
     else:
-        layouts = engine.map(scan_layout, [ScanTask(src.root, shard, src.excluded_samples) for _, _, shard in shards],
-                             desc="scan", unit="shard", progress=run.progress, names=[shard for _, _, shard in shards])
+        layouts = engine.map(scan_layout, [ScanTask(src.root, shard, src.excluded_samples) for _, shard in shards],
+                             desc="scan", unit="shard", progress=run.progress, names=[shard for _, shard in shards])
     tasks: list[EncodeTask] = []
     names: list[str] = []
     enc_dirs: dict[str, list[Path]] = {split: [] for split in src.splits}
     # An upper bound of the run's samples (a lost tail adds an error row per shard), so stopping early on it is
     # certain to fail a rate limit.
     total = sum(max(len(layout.starts), src.shard_counts.get(shard) or 0) + 1
-                for (_, _, shard), layout in zip(shards, layouts))
+                for (_, shard), layout in zip(shards, layouts))
     limits = FailureLimits(run.max_failures_in_a_row, run.max_same_failures, total,
                            tuple((status, limit) for status, limit in run.limits().items() if status != "truncated"))
-    for (split, i, shard), layout in zip(shards, layouts):
+    for (split, shard), layout in zip(shards, layouts):
         for k, span in enumerate(shard_ranges(layout)):
-            store = out.encode_dir(split, i, k)
+            store = out.encode_dir(split, shard, k)
             enc_dirs[split].append(store)
             tasks.append(EncodeTask(str(src.root), layout, span, src.excluded_samples, settings.encode,
                                     src.yaml_of(shard), src.shard_counts.get(shard), stamps[shard], run.strict,

@@ -1,5 +1,7 @@
 """The encode stage's store: one folder per range of a source shard, under
-``OUTPUT/.packtool/encode/<split>/<shard number>/<range number>``.
+``OUTPUT/.packtool/encode/<split>/<shard's store name>/<range number>`` (the name from the shard's own name,
+:func:`~packtool.packer.output.store_name`, so adding, removing or reordering a mixture's entries keeps every
+other entry's stores).
 
 A shard is cut into ranges of consecutive samples (:class:`~packtool.packer.sources.energon.SampleRange`, from a walk
 over its headers) so that tasks are even and a task's memory does not grow with its shard. ``encode_range`` (one

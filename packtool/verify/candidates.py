@@ -59,8 +59,29 @@ class Outcome:
 
 
 def store_dirs(output: Path, split: str) -> list[Path]:
-    """The split's encode ranges in the order a run reads them."""
-    return sorted(p.parent for p in (output / ".packtool" / "encode" / split).glob("*/*/samples.parquet"))
+    """The split's encode ranges in the order a run reads them: shards as the ledger lists them (stores are named
+    by shard, not by position), each shard's ranges in order."""
+    found = sorted(p.parent for p in (output / ".packtool" / "encode" / split).glob("*/*/samples.parquet"))
+    try:
+        shards = read_ledger(output, ["shard"]).column("shard").to_pylist()
+    except (OSError, FormatError, KeyError, ValueError):
+        return found
+    order = {shard: i for i, shard in reversed(list(enumerate(shards)))}
+
+    def position(store: Path) -> tuple[int, str]:
+        recorded = _read_source(store / "source.json")
+        return order.get(recorded, len(order)), store.name
+
+    return sorted(found, key=position)
+
+
+def _read_source(path: Path) -> str | None:
+    """The source shard an encode range records (None where it records none)."""
+    try:
+        shard = json.loads(path.read_text()).get("shard")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return shard if isinstance(shard, str) else None
 
 
 def _stores_of(output: Path, split: str) -> tuple[list[Path], set[tuple[str, str]] | None]:
