@@ -246,14 +246,17 @@ def pack(
         pool = _one_line(lambda: stack.enter_context(pack_engine(opened.root, settings.encode, options)))
 
         result = _one_line(lambda: run_pack(src, out, settings, options, started_engine=pool))
-    from packtool.verify.stats import compute
+    from packtool.verify.stats import compute, mixture_lines
 
-    fills = compute(result.output)["splits"]
+    report = compute(result.output)
+    fills = report["splits"]
     for name, c in result.counts.items():
         f = fills.get(name, {})
         typer.echo(f"{name}: {c['samples']} samples -> {result.packs.get(name, 0)} packs "
                    f"(L1 bound {f.get('l1_bound', 0)}, fill {f.get('fill', 0.0):.4f}; packed {c['packed']}, "
                    f"truncated {c['truncated']}, dropped {c['dropped']}, error {c['error']})")
+        for line in mixture_lines(f, report["pack_size"]):  # a mixture: each dataset against its declared share
+            typer.echo(line)
     if result.seconds:
         typer.echo("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in result.seconds.items()))
     typer.echo(f"wrote {result.output}" + (" (dry run: ledger only)" if options.dry_run else ""))

@@ -22,6 +22,45 @@ def with_datasets(table: pa.Table, dataset_of: dict[str, str], names: list[str])
     return table.append_column("dataset", pa.array(ds)).append_column("copy", pa.array(np.zeros(len(ds), np.int32)))
 
 
+#: The encoded table's column of a packing group's index (added only where a split has groups).
+GROUP_COLUMN = "group"
+
+
+def with_groups(table: pa.Table, entries: list[MixtureEntry], names: list[str]) -> pa.Table:
+    """``table`` (with ``dataset``) with :data:`GROUP_COLUMN`: each row's packing group (its index in the split's
+    groups, in order of first appearance); the table itself where the split has no groups."""
+    groups: list[str] = []
+    of = np.zeros(len(names), np.int32)
+    for e in entries:
+        if e.group is None:
+            return table
+        if e.group not in groups:
+            groups.append(e.group)
+        of[names.index(e.name)] = groups.index(e.group)
+    if not groups:
+        return table
+    return table.append_column(GROUP_COLUMN, pa.array(of[table.column("dataset").to_numpy()]))
+
+
+def all_failed(table: pa.Table, names: list[str]) -> tuple[str, int, str] | None:
+    """The first dataset of a mixture's split (``table`` with ``dataset``) that has samples and none that
+    encoded (each an error row): its name, its sample count and its most common reason; None if there is none."""
+    ds = table.column("dataset").to_numpy()
+    error = pc.equal(table.column("status"), "error").to_numpy(zero_copy_only=False)
+    for i in first_seen(ds):
+        rows = ds == i
+        if error[rows].all():
+            reasons = Counter(r for r, bad in zip(table.column("reason").to_pylist(), rows.tolist()) if bad)
+            return names[i], int(rows.sum()), reasons.most_common(1)[0][0] or ""
+    return None
+
+
+def first_seen(values: np.ndarray) -> list[int]:
+    """The distinct values in order of first appearance."""
+    _, first = np.unique(values, return_index=True)
+    return [int(values[i]) for i in np.sort(first)]
+
+
 def dataset_loss_weights(table: pa.Table, entries: list[MixtureEntry], names: list[str]) -> pa.Table:
     """``table`` (with ``dataset``) with each row's ``loss_weight`` times its dataset's factor
     (``packtool: {loss_weight: F}`` of its entry; the table itself where every factor is 1)."""

@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from packtool import __version__
 from packtool.commit import commit_bytes, temporary_name
 from packtool.config import recorded_config
-from packtool.errors import ConfigError, FormatError
+from packtool.errors import ConfigError, FormatError, SourceError
 from packtool.families.conventions import Convention
 from packtool.format import (
     FORMAT_VERSION,
@@ -42,7 +42,7 @@ from packtool.packer.assemble import MIXTURE_COLUMNS, SEGMENT_COLUMNS, WriteTask
 from packtool.packer.engine import Engine
 from packtool.packer.holdout import TRAIN, VAL, held_out
 from packtool.packer.ledger import weight_summary, write_ledger
-from packtool.packer.mixing import dataset_loss_weights, repeat, repetitions, with_datasets
+from packtool.packer.mixing import all_failed, dataset_loss_weights, repeat, repetitions, with_datasets, with_groups
 from packtool.packer.output import OutputDir, check_paths
 from packtool.packer.sources import SourceDataset, open_source
 from packtool.packer.sources.energon import ScanTask, ShardLayout, scan_layout
@@ -108,7 +108,10 @@ def pack(source: str | Path | FileSource, output: str | Path, settings: PackSett
     output = resolved(output)
     src = check_inputs(source, output, settings)
     source = src.root
-    fingerprints = settings.fingerprints(source, tokenizer_fingerprint(settings.encode.tokenizer))
+    # A mixture is known by its file (its datasets' common folder changes as entries come and go; each shard's
+    # own stamp says whether its encoding still holds).
+    fingerprints = settings.fingerprints(src.mixture.path if src.mixture is not None else source,
+                                         tokenizer_fingerprint(settings.encode.tokenizer))
     if src.mixture is not None:  # the declared proportions decide the output: other weights are another output
         fingerprints["output"]["mixture"] = json.loads(json.dumps(src.mixture.describe()))
     # The engine is up (Ray reached) and the model folder proven by a worker before OUTPUT is touched; the OUTPUT
@@ -141,6 +144,9 @@ def check_inputs(source: str | Path | FileSource, output: str | Path, settings: 
     source, output = resolved(source), resolved(output)
     src = open_source(source, list(settings.splits) or None)
     check_paths(source, output, location(settings.encode.tokenizer))
+    for entries in (src.mixture.splits.values() if src.mixture is not None else ()):
+        for e in entries:  # every dataset of a mixture lies outside OUTPUT, and OUTPUT outside it
+            check_paths(e.root, output)
     for split in src.splits:
         try:
             check_split_name(split)
@@ -183,8 +189,15 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
         if names:  # each row's dataset, for the hold-out per dataset, the proportions and the segments
             tables = {split: with_datasets(t, src.dataset_of, names) for split, t in tables.items()}
             entries = src.mixture.splits if src.mixture is not None else {}
-            tables = {split: dataset_loss_weights(t, entries.get(split, []), names)
-                      for split, t in tables.items()}
+            for split, t in tables.items():
+                failed = all_failed(t, names)
+                if failed is not None and src.mixture is not None:
+                    name, n, reason = failed
+                    raise SourceError(f"{src.mixture.path}: split {split!r}, dataset {name}: all {n} of its samples "
+                                      f"failed (first reason: {reason}); see `packtool failures {output}`, fix the "
+                                      f"entry or remove it")
+            tables = {split: with_groups(dataset_loss_weights(t, entries.get(split, []), names),
+                                         entries.get(split, []), names) for split, t in tables.items()}
         if settings.holdout is not None:  # the validation split: some of train's encoded samples, its stores shared
             groups = tables[TRAIN].column("dataset").to_numpy() if names else None
             val = held_out(tables[TRAIN], settings.holdout, settings.plan.seed, groups)
@@ -203,7 +216,7 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
         out.make_room()  # the output this run replaces goes only now, when its replacement is ready to write
         out_shards = {split: [shard_path(split, k) for k in range(plan.n_shards)] for split, plan in plans.items()}
         indexes = {} if run.dry_run else _write(engine, source, output, settings, run, plans, out_shards, enc_dirs,
-                                                stamps, src.chunks if isinstance(src, FileDataset) else {},
+                                                stamps, src.chunks,
                                                 tuple(names))
         clock.lap("write")
         counts, packs = write_ledger(output, plans, tuple(names))
@@ -226,14 +239,16 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
 def _stamps(engine: Engine, src: SourceDataset, run: RunOptions) -> dict[str, SourceStamp]:
     """Each source shard's stamp. A file source's chunks are stamped by the workers (each record's bytes and
     each media file's stat, see :mod:`packtool.packer.sources.files`); ``src.chunks`` then hold their records'
-    stamps, which the write stage checks each record against."""
-    if not isinstance(src, FileDataset):
-        return {s: SourceStamp.of(src.root, s, src.metadata_of(s)) for shards in src.splits.values() for s in shards}
+    stamps, which the write stage checks each record against. A mixture has both kinds."""
+    stamps = {s: SourceStamp.of(src.root, s, src.metadata_of(s)) for shards in src.splits.values() for s in shards
+              if s not in src.chunks}
     names = list(src.chunks)
-    stamped = engine.map(stamp_chunk, [src.chunks[n] for n in names], desc="stamp", unit="chunk",
-                         progress=run.progress, names=names)
-    src.chunks.update(zip(names, stamped))
-    return {n: SourceStamp(n, c.count, 0, 0, chunk_digest(c)) for n, c in src.chunks.items()}
+    if names:
+        stamped = engine.map(stamp_chunk, [src.chunks[n] for n in names], desc="stamp", unit="chunk",
+                             progress=run.progress, names=names)
+        src.chunks.update(zip(names, stamped))
+    stamps.update({n: SourceStamp(n, c.count, 0, 0, chunk_digest(c)) for n, c in src.chunks.items()})
+    return stamps
 
 
 def over_limits(counts: dict, run: RunOptions) -> list[tuple[str, int, int, float]]:
@@ -279,13 +294,14 @@ def _encode(engine: Engine, out: OutputDir, src: SourceDataset, settings: PackSe
             stamps: dict[str, SourceStamp]) -> dict[str, list[Path]]:
     """Walk every shard's headers, then encode its ranges; returns each split's range stores in order."""
     shards = [(split, shard) for split, names in src.splits.items() for shard in names]
-    files = src.chunks if isinstance(src, FileDataset) else {}
-    if files:  # a chunk's records are its samples, one after another
-        layouts = [ShardLayout(shard, tuple(range(files[shard].count)), frozenset(), frozenset())
-                   for _, shard in shards]
-    else:
-        layouts = engine.map(scan_layout, [ScanTask(src.root, shard, src.excluded_samples) for _, shard in shards],
-                             desc="scan", unit="shard", progress=run.progress, names=[shard for _, shard in shards])
+    files = src.chunks
+    # A chunk's records are its samples, one after another; a shard's are found by a walk over its headers.
+    tars = [shard for _, shard in shards if shard not in files]
+    scans = [ScanTask(src.root, shard, src.excluded_samples) for shard in tars]
+    scanned = dict(zip(tars, engine.map(scan_layout, scans, desc="scan", unit="shard", progress=run.progress,
+                                        names=tars))) if tars else {}
+    layouts = [scanned[shard] if shard not in files else
+               ShardLayout(shard, tuple(range(files[shard].count)), frozenset(), frozenset()) for _, shard in shards]
     tasks: list[EncodeTask] = []
     names: list[str] = []
     enc_dirs: dict[str, list[Path]] = {split: [] for split in src.splits}
@@ -327,7 +343,7 @@ def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, r
         for k in range(plan.n_shards):
             segments = table.take(rows[bounds[k]:bounds[k + 1]])
             with_media = segments.filter(pc.not_equal(segments.column("media"), "[]")) if files else segments
-            chunks = {s: files[s] for s in with_media.column("shard").unique().to_pylist()} if files else {}
+            chunks = {s: files[s] for s in with_media.column("shard").unique().to_pylist() if s in files}
             shards.append(WriteTask(str(output / out_shards[split][k]), split, str(source),
                                     [str(d) for d in enc_dirs[split]], split_stamps, segments,
                                     settings.encode.pack_size, settings.encode.align, chunks, datasets))

@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 from packtool.format import KEPT, aligned_lengths, row_length
 from packtool.packer.algorithms import balance_dp, pack_lengths
 from packtool.packer.assemble import estimate_pack_bytes, media_bytes_of
-from packtool.packer.mixing import copy_samples, separate_copies
+from packtool.packer.mixing import GROUP_COLUMN, copy_samples, first_seen, separate_copies
 from packtool.packer.store import ENCODED_SCHEMA
 from packtool.settings import PackSettings, ShardSize
 from packtool.storage import location, read_parquet
@@ -66,20 +66,36 @@ def plan_split(split: str, table: pa.Table, settings: PackSettings) -> SplitPlan
     image_tokens = table.column("image_tokens").to_numpy()[keep].astype(np.int64)
     enc, plan = settings.encode, settings.plan
     copied = "copy" in table.column_names and bool((table.column("copy").to_numpy()[keep] > 0).any())
-    samples = ident = None
+    ident = None
     if copied:  # a mixture's copies: the planner keeps copies of one sample apart
         sub = table.take(pa.array(keep))
         ident = [f"{a}\0{b}" for a, b in zip(sub.column("shard").to_pylist(), sub.column("key").to_pylist())]
-        samples = copy_samples(ident)
-    ids = pack_lengths(
-        lengths, enc.pack_size, algorithm=plan.algorithm, align=enc.align, max_segments=plan.max_segments,
-        images=images, max_images=enc.max_images, image_tokens=image_tokens, max_image_tokens=enc.max_image_tokens,
-        seed=plan.seed, balanced_delta=plan.balanced_delta, samples=samples,
-    )
-    if ident is not None:  # what the plan still put together is moved apart where a move or a trade can
-        ids = separate_copies(ids, ident, aligned_lengths(lengths, enc.align), row_length(enc.pack_size, enc.align),
-                              [(np.ones_like(lengths), plan.max_segments), (images, enc.max_images),
-                               (image_tokens, enc.max_image_tokens)])
+
+    def pack_part(part: np.ndarray) -> np.ndarray:
+        """Pack ids of the kept rows ``part`` (positions in ``keep``), planned on their own."""
+        ln, im, it = lengths[part], images[part], image_tokens[part]
+        who = None if ident is None else [ident[i] for i in part.tolist()]
+        ids = pack_lengths(
+            ln, enc.pack_size, algorithm=plan.algorithm, align=enc.align, max_segments=plan.max_segments,
+            images=im, max_images=enc.max_images, image_tokens=it, max_image_tokens=enc.max_image_tokens,
+            seed=plan.seed, balanced_delta=plan.balanced_delta, samples=None if who is None else copy_samples(who),
+        )
+        if who is not None:  # what the plan still put together is moved apart where a move or a trade can
+            ids = separate_copies(ids, who, aligned_lengths(ln, enc.align), row_length(enc.pack_size, enc.align),
+                                  [(np.ones_like(ln), plan.max_segments), (im, enc.max_images),
+                                   (it, enc.max_image_tokens)])
+        return np.asarray(ids, np.int64)
+
+    if GROUP_COLUMN in table.column_names:  # packing groups: each planned globally on its own, packs never shared
+        group = table.column(GROUP_COLUMN).to_numpy()[keep]
+        ids = np.empty(keep.size, np.int64)
+        first = 0
+        for g in first_seen(group):
+            part = np.flatnonzero(group == g)
+            ids[part] = pack_part(part) + first
+            first = int(ids[part].max()) + 1
+    else:
+        ids = pack_part(np.arange(keep.size))
     n_packs = int(ids.max()) + 1
     if plan.balance_dp and plan.balance_dp > 1:
         order = np.asarray(balance_dp(ids, lengths, plan.balance_dp, align=enc.align, seed=plan.seed), np.int64)

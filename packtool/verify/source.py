@@ -27,7 +27,7 @@ from packtool.packer.holdout import VAL
 from packtool.packer.mixing import NOT_DRAWN
 from packtool.packer.sources import open_source
 from packtool.packer.sources.energon import ShardScan
-from packtool.packer.sources.files import FileChunk, FileDataset, FileSource, open_files
+from packtool.packer.sources.files import FileChunk, FileSource, open_files
 from packtool.packer.sources.safepickle import load_bytes_list, video_frames
 from packtool.packer.store import UNREADABLE, ChunkScan
 from packtool.settings import EncodeSettings, recorded_settings
@@ -60,7 +60,7 @@ def check_against_source(out: Path, source: Path | FileSource, manifest: Manifes
     except SourceError as exc:
         return [f"source: {exc}"]
     shards = [s for ss in src.splits.values() for s in ss]
-    chunks = src.chunks if isinstance(src, FileDataset) else {}
+    chunks = src.chunks
     tasks = [SourceShardCheck(str(out), str(src.root), shard, src.excluded_samples, src.yaml_of(shard),
                               src.shard_counts.get(shard), manifest, chunks.get(shard)) for shard in shards]
     problems = [p for found in engine.map(check_source_shard, tasks, desc="verify source", unit="shard",

@@ -131,6 +131,9 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
         if isinstance(mixture, dict) and split in mixture.get("repetitions", {}):
             entry["datasets"] = per_dataset(path, split, mixture, st)
             entry["packs_sharing_a_sample"] = packs_sharing_a_sample(path, split)
+            grouping = per_group(path, split, mixture, st)
+            if grouping is not None:
+                entry["groups"], entry["one_plan_packs"] = grouping
         splits[split] = entry
     return report
 
@@ -192,35 +195,18 @@ def per_dataset(path: Path, split: str, mixture: dict, st: dict) -> list[dict]:
     """A mixture's split per dataset: samples taken (copies counted), tokens, their shares against the declared
     share of samples, and the fill each dataset would have packed apart (the same planner, its samples alone),
     with the mixture's joint fill to compare."""
-    from packtool.packer.algorithms import pack_lengths
-
-    t = read_ledger(path, ["split", "status", "reason", "tokens", "images", "image_tokens", "dataset", "copy",
-                           "shard", "key"])
-    t = t.filter(pc.equal(t.column("split"), split))
-    from packtool.packer.mixing import copy_samples
-
-    # copies kept apart, as the joint plan keeps them
-    samples = copy_samples([f"{a}\0{b}" for a, b in zip(t.column("shard").to_pylist(), t.column("key").to_pylist())])
-    size, align = int(st["pack_size"]), int(st["align"])
-    kept = pc.is_in(t.column("status"), value_set=pa.array(list(KEPT))).to_numpy(zero_copy_only=False)
-    names = t.column("dataset").to_pylist()
-    first = t.column("copy").to_numpy() == 0
-    not_drawn = np.asarray([r is not None and r.startswith(NOT_DRAWN) for r in t.column("reason").to_pylist()])
-    lengths = t.column("tokens").to_numpy().astype(np.int64)
-    images, image_tokens = t.column("images").to_numpy(), t.column("image_tokens").to_numpy()
+    t = _MixtureRows(path, split, st)
+    size = t.size
+    first = t.table.column("copy").to_numpy() == 0
+    not_drawn = np.asarray([r is not None and r.startswith(NOT_DRAWN) for r in t.table.column("reason").to_pylist()])
     declared = {e["name"]: e for e in mixture["splits"].get(split, [])}
     rows = []
     for name in declared:
-        mine = np.asarray([n == name for n in names])
-        k = kept & mine
-        pool = int((mine & first & (kept | not_drawn)).sum())  # the dataset's usable samples, once each
-        ids = pack_lengths(lengths[k], size, algorithm=st.get("algorithm", "auto"), align=align,
-                           max_segments=st.get("max_segments"), images=images[k], max_images=st.get("max_images"),
-                           image_tokens=image_tokens[k], max_image_tokens=st.get("max_image_tokens"),
-                           seed=int(st.get("seed", 0)), samples=samples[k] if (samples[k] >= 0).any() else None) \
-            if k.any() else np.zeros(0, np.int64)
+        mine = np.asarray([n == name for n in t.names])
+        k = t.kept & mine
+        pool = int((mine & first & (t.kept | not_drawn)).sum())  # the dataset's usable samples, once each
         rows.append({"dataset": name, "samples": int(k.sum()), "distinct": int((k & first).sum()), "pool": pool,
-                     "tokens": int(lengths[k].sum()), "packs_apart": int(ids.max()) + 1 if ids.size else 0,
+                     "tokens": int(t.lengths[k].sum()), "packs_apart": t.packs(k),
                      "weight": declared[name].get("weight"), "repetitions": declared[name].get("repetitions")})
     total_samples = sum(r["samples"] for r in rows) or 1
     total_tokens = sum(r["tokens"] for r in rows) or 1
@@ -308,6 +294,87 @@ def decide(path: str | Path, sizes: list[int], *, dp: int | None = None, micro_b
     return out
 
 
+class _MixtureRows:
+    """A mixture's split from its ledger, planned again on any subset of its kept rows (copies kept apart, as
+    the run's plan keeps them)."""
+
+    def __init__(self, path: Path, split: str, st: dict):
+        from packtool.packer.mixing import copy_samples
+
+        t = read_ledger(path, ["split", "status", "reason", "tokens", "images", "image_tokens", "dataset", "copy",
+                               "shard", "key", "pack"])
+        self.table = t = t.filter(pc.equal(t.column("split"), split))
+        self.st, self.size, self.align = st, int(st["pack_size"]), int(st["align"])
+        self.samples = copy_samples([f"{a}\0{b}" for a, b in zip(t.column("shard").to_pylist(),
+                                                                 t.column("key").to_pylist())])
+        self.kept = pc.is_in(t.column("status"), value_set=pa.array(list(KEPT))).to_numpy(zero_copy_only=False)
+        self.names = t.column("dataset").to_pylist()
+        self.lengths = t.column("tokens").to_numpy().astype(np.int64)
+        self.images, self.image_tokens = t.column("images").to_numpy(), t.column("image_tokens").to_numpy()
+
+    def packs(self, rows: np.ndarray) -> int:
+        """The packs the run's planner makes of ``rows`` (a mask of kept rows) alone."""
+        from packtool.packer.algorithms import pack_lengths
+
+        if not rows.any():
+            return 0
+        st, samples = self.st, self.samples[rows]
+        ids = pack_lengths(self.lengths[rows], self.size, algorithm=st.get("algorithm", "auto"), align=self.align,
+                           max_segments=st.get("max_segments"), images=self.images[rows],
+                           max_images=st.get("max_images"), image_tokens=self.image_tokens[rows],
+                           max_image_tokens=st.get("max_image_tokens"), seed=int(st.get("seed", 0)),
+                           samples=samples if (samples >= 0).any() else None)
+        return int(ids.max()) + 1
+
+
+def per_group(path: Path, split: str, mixture: dict, st: dict) -> tuple[list[dict], int] | None:
+    """A mixture's packing groups in a split: each group's datasets, samples, tokens, packs and fill, and the
+    packs one plan of the whole split would take (what grouping costs); None where the split has no groups."""
+    entries = mixture["splits"].get(split, [])
+    group_of = {e["name"]: e["group"] for e in entries if e.get("group") is not None}
+    if not group_of:
+        return None
+    t = _MixtureRows(path, split, st)
+    pack = t.table.column("pack").to_numpy(zero_copy_only=False)
+    rows = []
+    for group in dict.fromkeys(group_of.values()):
+        mine = t.kept & np.asarray([group_of.get(n) == group for n in t.names])
+        packs = int(np.unique(pack[mine]).size)
+        tokens = int(t.lengths[mine].sum())
+        rows.append({"group": group, "datasets": [n for n, g in group_of.items() if g == group],
+                     "samples": int(mine.sum()), "tokens": tokens, "packs": packs,
+                     "fill": tokens / (packs * t.size) if packs else 0.0})
+    return rows, t.packs(t.kept)
+
+
+def mixture_lines(e: dict, pack_size: int) -> list[str]:
+    """A mixture split's lines of the report (``e``: the split's entry): per dataset its samples, tokens and
+    shares against the declared one, what packing apart would take, and per packing group its fill."""
+    lines: list[str] = []
+    if e.get("datasets"):
+        apart = sum(d["packs_apart"] for d in e["datasets"])
+        lines.append(f"  {'dataset':<24}{'samples':>9}{'distinct':>9}{'tokens':>11}{'declared':>10}"
+                     f"{'samples%':>10}{'tokens%':>9}{'fill apart':>11}")
+        for d in e["datasets"]:
+            lines.append(f"  {d['dataset'][:24]:<24}{d['samples']:>9}{d['distinct']:>9}{d['tokens']:>11}"
+                         f"{d['declared_share']:>10.2%}{d['sample_share']:>10.2%}{d['token_share']:>9.2%}"
+                         f"{d['fill_apart']:>11.4f}")
+        if apart:
+            lines.append(f"  packed apart: {apart} packs, fill {e['tokens'] / (apart * pack_size):.4f}; "
+                         f"jointly: {e['packs']} packs, fill {e['fill']:.4f} ({apart - e['packs']:+d} packs "
+                         f"apart)")
+        lines.append(f"  copies together: {e.get('packs_sharing_a_sample', 0)} packs hold a sample more than "
+                     f"once")
+    if e.get("groups"):
+        for g in e["groups"]:
+            lines.append(f"  group {g['group']:<18}{g['samples']:>9} samples{g['packs']:>8} packs  fill "
+                         f"{g['fill']:.4f}  ({', '.join(g['datasets'])})")
+        one = e["one_plan_packs"]
+        lines.append(f"  grouping costs {e['packs'] - one:+d} packs against one plan of the split ({one} packs, "
+                     f"fill {e['tokens'] / (one * pack_size) if one else 0.0:.4f})")
+    return lines
+
+
 def format_report(report: dict) -> str:
     lines = [f"pack size {report['pack_size']}, align {report['align']}, algorithm {report['algorithm']}"]
     for split, e in report["splits"].items():
@@ -321,20 +388,7 @@ def format_report(report: dict) -> str:
             "  segments/pack    mean {mean:.2f}  min {min}  max {max}".format(**e["segments_per_pack"]),
             "  images/pack      mean {mean:.2f}  min {min}  max {max}".format(**e["images_per_pack"]),
         ]
-        if e.get("datasets"):
-            apart = sum(d["packs_apart"] for d in e["datasets"])
-            lines.append(f"  {'dataset':<24}{'samples':>9}{'distinct':>9}{'tokens':>11}{'declared':>10}"
-                         f"{'samples%':>10}{'tokens%':>9}{'fill apart':>11}")
-            for d in e["datasets"]:
-                lines.append(f"  {d['dataset'][:24]:<24}{d['samples']:>9}{d['distinct']:>9}{d['tokens']:>11}"
-                             f"{d['declared_share']:>10.2%}{d['sample_share']:>10.2%}{d['token_share']:>9.2%}"
-                             f"{d['fill_apart']:>11.4f}")
-            if apart:
-                lines.append(f"  packed apart: {apart} packs, fill {e['tokens'] / (apart * report['pack_size']):.4f}; "
-                             f"jointly: {e['packs']} packs, fill {e['fill']:.4f} ({apart - e['packs']:+d} packs "
-                             f"apart)")
-            lines.append(f"  copies together: {e.get('packs_sharing_a_sample', 0)} packs hold a sample more than "
-                         f"once")
+        lines += mixture_lines(e, report["pack_size"])
         sw = e.get("step_weights")
         if sw and sw["per_pack_mean"]:
             r = sw["per_pack_mean"]

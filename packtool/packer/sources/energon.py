@@ -60,6 +60,9 @@ class SourceDataset:
     #: With a mixture: each shard's dataset name, and each dataset's ``dataset.yaml`` and metadata digest.
     dataset_of: dict[str, str] = field(default_factory=dict)
     parts: dict[str, tuple[dict, str]] = field(default_factory=dict)
+    #: Source shards that are chunks of a file source (:class:`~packtool.packer.sources.files.FileChunk`), by
+    #: name: a file source's every shard, some of a mixture's.
+    chunks: dict[str, Any] = field(default_factory=dict)
 
     def yaml_of(self, shard: str) -> dict:
         """The parsed ``dataset.yaml`` that says how ``shard``'s samples are read."""

@@ -36,7 +36,7 @@ import json
 import os
 import stat
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -924,9 +924,11 @@ def _chunks_of_file(kind: SourceKind, path: Path, label: str, first: int, media_
     return chunks
 
 
-def open_files(src: FileSource, splits: list[str] | None = None) -> Any:
+def open_files(src: FileSource, splits: list[str] | None = None, *, label: str | None = None) -> Any:
     """The :class:`~packtool.packer.sources.energon.SourceDataset` of a file source: its chunks as shards,
-    records found by streaming (nothing is parsed or read beyond their boundaries)."""
+    records found by streaming (nothing is parsed or read beyond their boundaries). Chunks are named by their
+    file (relative to the source folder) and first record; ``label`` (a mixture's entry name) stands for the
+    source: a file's chunks are then ``<label>@<record>``, a folder's ``<label>/<file>@<record>``."""
     chosen = list(src.splits) if not splits else splits
     unknown = [s for s in chosen if s not in src.splits]
     if unknown:
@@ -939,8 +941,10 @@ def open_files(src: FileSource, splits: list[str] | None = None) -> Any:
         first = 0
         names: list[str] = []
         for path in src.splits[split]:
-            label = str(path.relative_to(base)) if base is not None else path.name
-            for chunk in _chunks_of_file(src.kind, path, label, first, media_dir, src.absolute_media_paths):
+            name = Path(path.relative_to(base)).as_posix() if base is not None else path.name
+            if label is not None:
+                name = f"{label}/{name}" if base is not None else label
+            for chunk in _chunks_of_file(src.kind, path, name, first, media_dir, src.absolute_media_paths):
                 chunks[chunk.shard] = chunk
                 names.append(chunk.shard)
                 first += chunk.count
@@ -956,7 +960,6 @@ def open_files(src: FileSource, splits: list[str] | None = None) -> Any:
 class FileDataset(SourceDataset):
     """A file source opened: its chunks stand for shards (``splits`` names them)."""
 
-    chunks: dict[str, FileChunk] = field(default_factory=dict)
     source: FileSource | None = None
 
 
@@ -973,6 +976,9 @@ def resolve_source(source: str | Path, *, media_dir: str | Path | None = None,
         return location(source)
     src = detect(source, media_dir, absolute_media_paths=absolute_media_paths)
     if src is None:
+        if media_dir is not None and is_mixture(source):
+            raise SourceError(f"{source} is a mixture: give each JSON/Parquet entry its media folder in the file "
+                              f"(packtool: {{media_dir: FOLDER}}), not media_dir")
         if media_dir is not None:
             raise SourceError(f"{source} is an Energon dataset: its media are members, a media folder does not "
                               f"apply (media_dir)")

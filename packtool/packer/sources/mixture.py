@@ -1,5 +1,7 @@
-"""A mixture of Energon datasets, as an Energon metadataset (``MetadatasetV2``) declares it: one SOURCE packed with
-one global plan per split, each dataset's samples in its declared proportion.
+"""A mixture, as an Energon metadataset (``MetadatasetV2``) declares it: one SOURCE packed with one global plan
+per split, each dataset's samples in its declared proportion. A dataset (an entry) is an Energon dataset or
+anything else packtool reads as a SOURCE (a JSON/JSONL/Parquet/Arrow file, a folder of them, a ``save_to_disk``
+folder), read in place.
 
 Read by packtool's own parser (no Energon object is built, no dataset is opened twice). What a split may hold:
 
@@ -12,6 +14,15 @@ Read by packtool's own parser (no Energon object is built, no dataset is opened 
   dataset i contributes ``N * w_i / W``, i.e. its samples ``N w_i / (W n_i)`` times (at least once);
 - a reference's ``path`` may name another metadataset YAML: its datasets come in with their repetitions
   multiplied by the reference's (``blend_epochized``), or their weights scaled to the reference's (``blend``).
+
+A reference's ``packtool:`` mapping holds packtool's own options for it (Energon never reads them):
+``loss_weight`` (a factor on each of its samples' loss weights, multiplied through nested metadatasets),
+``group`` (a packing group: packs never hold samples of two groups; a nested metadataset's group is its
+datasets'; within a split either every dataset has a group or none has), and for a file entry ``media_dir`` (the
+folder its relative media paths are read from, relative to the file naming it; default the entry's own folder) and
+``absolute_media_paths``. A file entry is taken whole when it has one split and names no ``split_part``; one
+with several (a ``dataset_dict.json`` folder, ``train``/``val`` files) gives the split named ``split_part``
+(default the mixture's split).
 
 A split mixing ``blend`` and ``blend_epochized`` (Energon refuses it too), ``join``, ``subset``, ``aux``,
 ``dataset_config`` and ``split_config`` are refused, each with one line. Every dataset is named by its folder
@@ -26,22 +37,25 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from packtool.errors import FormatError, SourceError
-from packtool.format import read_mapping
+from packtool.format import META, read_mapping
 
 if TYPE_CHECKING:
     from packtool.packer.sources.energon import SourceDataset
+    from packtool.packer.sources.files import FileSource
 
 #: The keys a dataset reference may have (the others are refused by name).
 _REFERENCE_KEYS = {"path", "split_part", "subflavors", "weight", "repetitions", "shuffle_over_epochs_multiplier",
                    "packtool"}
 #: The keys of a reference's ``packtool:`` mapping (packtool's own options for the entry, which Energon never
-#: reads): ``loss_weight``, a factor (>= 0) on the loss weight of each of its samples.
-PACKTOOL_KEYS = frozenset({"loss_weight"})
+#: reads; see the module docstring).
+PACKTOOL_KEYS = frozenset({"loss_weight", "group", "media_dir", "absolute_media_paths"})
+#: Those only a file entry (not an Energon dataset, whose media are members) takes.
+FILE_KEYS = frozenset({"media_dir", "absolute_media_paths"})
 _UNSUPPORTED = {"join": "joined datasets", "subset": "subsets", "aux": "auxiliary datasets",
                 "dataset_config": "another dataset.yaml", "split_config": "another split.yaml"}
 
@@ -61,6 +75,15 @@ class MixtureEntry:
     #: The factor on each sample's loss weight (``packtool: {loss_weight: F}``, multiplied through nested
     #: metadatasets); 1 by default.
     loss_weight: float = 1.0
+    #: The packing group (``packtool: {group: NAME}``), or None.
+    group: str | None = None
+    #: ``energon``, or the kind of a file entry (``json``, ``parquet``, ``arrow``).
+    kind: str = "energon"
+    #: A file entry's media folder (relative to the mixture file's folder) and absolute-path rule.
+    media_dir: str | None = None
+    absolute_media_paths: bool = False
+    #: A file entry's source, as packtool reads it alone (its chosen split only).
+    source: FileSource | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -77,15 +100,33 @@ class Mixture:
             out += [e.name for e in entries if e.name not in out]
         return out
 
+    def groups(self, split: str) -> list[str]:
+        """The split's packing groups, in order of first appearance (empty: one plan)."""
+        out: list[str] = []
+        for e in self.splits.get(split, []):
+            if e.group is not None and e.group not in out:
+                out.append(e.group)
+        return out
+
     def describe(self) -> dict:
-        """The mixture as plain values (manifest and output fingerprint)."""
+        """The mixture as plain values (manifest and output fingerprint): each entry's fields that are not their
+        defaults."""
         return {"path": str(self.path), "datasets": self.names(),
-                "splits": {s: [{k: v for k, v in asdict(e).items() if k != "root" and v not in (None, {})
-                                and not (k == "loss_weight" and v == 1.0)}
-                               for e in entries] for s, entries in self.splits.items()}}
+                "splits": {s: [_described(e) for e in entries] for s, entries in self.splits.items()}}
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.describe(), sort_keys=True).encode()).hexdigest()
+
+
+_KEEP = object()  # a field always described (name, split_part)
+#: What an entry's field is unless the mixture says otherwise (such fields are not described).
+_DEFAULTS: dict[str, Any] = {"weight": None, "repetitions": None, "subflavors": {}, "loss_weight": 1.0, "group": None,
+             "kind": "energon", "media_dir": None, "absolute_media_paths": False}
+
+
+def _described(e: MixtureEntry) -> dict:
+    return {f.name: getattr(e, f.name) for f in fields(e)
+            if f.name not in ("root", "source") and getattr(e, f.name) != _DEFAULTS.get(f.name, _KEEP)}
 
 
 def is_mixture(path: str | Path) -> bool:
@@ -109,6 +150,12 @@ def read_mixture(path: str | Path) -> Mixture:
         if dup is not None:
             raise SourceError(f"{path}: split {split!r} names dataset {dup[0]} twice; give it once, with its "
                               f"weight or repetitions")
+        grouped = next((e for e in entries if e.group is not None), None)
+        loose = next((e for e in entries if e.group is None), None)
+        if grouped is not None and loose is not None:
+            raise SourceError(f"{path}: split {split!r}, dataset {loose.name} has no packing group while "
+                              f"{grouped.name} has group {grouped.group!r}; give every dataset of the split a "
+                              f"group (packtool: {{group: NAME}}), or none")
         splits[split] = entries
     return Mixture(path, splits)
 
@@ -192,25 +239,68 @@ def _reference(top: Path, base: Path, split: str, item: dict, mode: str | None, 
     subflavors = item.get("subflavors") or {}
     own = _packtool_options(item.get("packtool"), where)
     factor_w = own.get("loss_weight", 1.0)
+    group = own.get("group")
     if target.is_file() and target.suffix.lower() in (".yaml", ".yml"):  # a nested metadataset
         if target in seen:
             raise SourceError(f"{where}: {target} includes itself")
+        if set(own) & FILE_KEYS:
+            raise SourceError(f"{where}: packtool: {sorted(set(own) & FILE_KEYS)[0]} applies to one file entry, "
+                              f"not to the metadataset {item['path']}; set it on its entries")
         inner = _read(target)
         if part not in inner:
             raise SourceError(f"{where}: {target} has no split {part!r} (it has {', '.join(inner)})")
         entries = _split_entries(top, target.parent, part, inner[part], scale=factor, seen=(*seen, target))
-        return [MixtureEntry(e.name, e.root, e.split_part, e.weight, e.repetitions, {**subflavors, **e.subflavors},
-                             e.loss_weight * factor_w) for e in entries]
-    if not target.is_dir():
+        twice = next((e for e in entries if group is not None and e.group not in (None, group)), None)
+        if twice is not None:
+            raise SourceError(f"{where}: {item['path']} has group {group!r}, and its dataset {twice.name} group "
+                              f"{twice.group!r}; set the group in one place")
+        return [replace(e, subflavors={**subflavors, **e.subflavors}, loss_weight=e.loss_weight * factor_w,
+                        group=e.group if e.group is not None else group) for e in entries]
+    if not target.exists():
         raise SourceError(f"{where}: dataset {item['path']} does not exist (under {base})")
     name = Path(os.path.relpath(target, top.parent)).as_posix()
+    weight, reps = (factor, None) if mode == "blend" else (None, factor)
+    if not (target / META).is_dir():
+        return [_file_entry(top, base, split, item, name, target, own, where, weight, reps, factor_w, group)]
+    if set(own) & FILE_KEYS:
+        raise SourceError(f"{where}: dataset {item['path']} is an Energon dataset (its media are its members): "
+                          f"packtool: {sorted(set(own) & FILE_KEYS)[0]} is for JSON/Parquet/Arrow entries")
     if part != split:
         name = f"{name}:{part}"
-    return [MixtureEntry(name, target, part, factor if mode == "blend" else None,
-                         factor if mode != "blend" else None, dict(subflavors), factor_w)]
+    return [MixtureEntry(name, target, part, weight, reps, dict(subflavors), factor_w, group)]
 
 
-def _packtool_options(options: Any, where: str) -> dict[str, float]:
+def _file_entry(top: Path, base: Path, split: str, item: dict, name: str, target: Path, own: dict, where: str,
+                weight: float | None, reps: float | None, factor_w: float, group: str | None) -> MixtureEntry:
+    """A dataset reference naming a file source (:func:`~packtool.packer.sources.files.detect`)."""
+    from packtool.packer.sources.files import detect
+
+    if item.get("subflavors"):
+        raise SourceError(f"{where}: dataset {item['path']} is not an Energon dataset: subflavors apply to Energon "
+                          f"datasets only")
+    media = own.get("media_dir")
+    media_path = (base / media).resolve() if isinstance(media, str) else None
+    try:
+        found = detect(target, media_path, absolute_media_paths=bool(own.get("absolute_media_paths")))
+    except SourceError as exc:
+        raise SourceError(f"{where}, dataset {item['path']}: {exc}") from None
+    assert found is not None  # an Energon folder is read above
+    if "split_part" in item or len(found.splits) > 1:
+        part = item.get("split_part", split)
+        if part not in found.splits:
+            raise SourceError(f"{where}, dataset {item['path']}: it has no split {part!r} (it has "
+                              f"{', '.join(found.splits)}); name one with split_part")
+        if part != split:
+            name = f"{name}:{part}"
+    else:  # one split: the entry whole
+        part = next(iter(found.splits))
+    chosen = replace(found, splits={part: found.splits[part]})
+    media_dir = None if media_path is None else Path(os.path.relpath(media_path, top.parent)).as_posix()
+    return MixtureEntry(name, target, part, weight, reps, {}, factor_w, group, found.kind, media_dir,
+                        found.absolute_media_paths, chosen)
+
+
+def _packtool_options(options: Any, where: str) -> dict[str, Any]:
     """A reference's ``packtool:`` mapping checked (:data:`PACKTOOL_KEYS`); empty where it has none."""
     if options is None:
         return {}
@@ -223,37 +313,59 @@ def _packtool_options(options: Any, where: str) -> dict[str, float]:
     value = options.get("loss_weight", 1.0)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise SourceError(f"{where}: packtool: loss_weight must be a finite number >= 0, not {value!r}")
-    return {"loss_weight": float(value)} if "loss_weight" in options else {}
+    out: dict[str, Any] = {"loss_weight": float(value)} if "loss_weight" in options else {}
+    if "group" in options:
+        group = options["group"]
+        if not isinstance(group, (str, int)) or isinstance(group, bool) or not str(group).strip():
+            raise SourceError(f"{where}: packtool: group must be a name, not {group!r}")
+        out["group"] = str(group)
+    if "media_dir" in options:
+        if not isinstance(options["media_dir"], str) or not options["media_dir"]:
+            raise SourceError(f"{where}: packtool: media_dir must be a folder path, not {options['media_dir']!r}")
+        out["media_dir"] = options["media_dir"]
+    if "absolute_media_paths" in options:
+        if not isinstance(options["absolute_media_paths"], bool):
+            raise SourceError(f"{where}: packtool: absolute_media_paths must be true or false, not "
+                              f"{options['absolute_media_paths']!r}")
+        out["absolute_media_paths"] = options["absolute_media_paths"]
+    return out
 
 
 def open_mixture(path: str | Path, splits: list[str] | None = None) -> SourceDataset:
-    """The metadataset at ``path`` opened as one source: each dataset opened as Energon's metadata says, its
-    shards named relative to the datasets' common folder (the source's root)."""
+    """The metadataset at ``path`` opened as one source: each Energon dataset opened as its metadata says, its
+    shards named relative to the Energon datasets' common folder (the source's root); each file entry opened as
+    it is alone, its chunks named by the entry."""
     from packtool.packer.sources.energon import SourceDataset, open_source
+    from packtool.packer.sources.files import FileChunk, open_files
 
     mixture = read_mixture(path)
     chosen = list(mixture.splits) if not splits else splits
     unknown = [s for s in chosen if s not in mixture.splits]
     if unknown:
         raise SourceError(f"unknown split {unknown[0]!r}; {mixture.path} has {', '.join(mixture.splits)}")
+
     def entry(split: str, e: MixtureEntry) -> SourceDataset:
         try:
+            if e.source is not None:
+                return open_files(e.source, [e.split_part], label=e.name)
             return open_source(e.root, [e.split_part])
         except SourceError as exc:  # the entry and the file it comes from, before what went wrong
             raise SourceError(f"{mixture.path}: split {split!r}, dataset {e.name} ({e.root}): {exc}") from None
 
     opened = {(s, e.name): entry(s, e) for s in chosen for e in mixture.splits[s]}
-    root = Path(os.path.commonpath([str(e.root) for s in chosen for e in mixture.splits[s]]))
+    tars = [str(e.root) for s in chosen for e in mixture.splits[s] if e.source is None]
+    root = Path(os.path.commonpath(tars)) if tars else mixture.path.parent
     shards: dict[str, list[str]] = {}
     dataset_of: dict[str, str] = {}
     parts: dict[str, tuple[dict, str]] = {}
     excluded: set[str] = set()
     counts: dict[str, int] = {}
+    chunks: dict[str, FileChunk] = {}
     for split in chosen:
         shards[split] = []
         for e in mixture.splits[split]:
             src = opened[(split, e.name)]
-            prefix = Path(os.path.relpath(e.root, root)).as_posix()
+            prefix = "." if e.source is not None else Path(os.path.relpath(e.root, root)).as_posix()
             for shard in src.splits[e.split_part]:
                 name = shard if prefix == "." else f"{prefix}/{shard}"
                 if name in dataset_of:
@@ -265,8 +377,11 @@ def open_mixture(path: str | Path, splits: list[str] | None = None) -> SourceDat
                 if shard in src.shard_counts:
                     counts[name] = src.shard_counts[shard]
             excluded |= {x if prefix == "." else f"{prefix}/{x}" for x in src.excluded_samples}
-            parts[e.name] = (src.dataset_yaml, src.metadata)
+            chunks.update(src.chunks)
+            metadata = src.metadata if e.source is None else hashlib.sha256(
+                json.dumps(e.source.describe(), sort_keys=True).encode()).hexdigest()
+            parts[e.name] = (src.dataset_yaml, metadata)
     digest = hashlib.sha256("".join(f"{n}\0{m}\0" for n, (_, m) in sorted(parts.items())).encode()).hexdigest()
-    first_yaml = next(iter(parts.values()))[0] if parts else {}
+    first_yaml = next((y for y, _ in parts.values() if y), {})
     return SourceDataset(root, shards, frozenset(excluded), first_yaml, counts, digest, mixture=mixture,
-                         dataset_of=dataset_of, parts=parts)
+                         dataset_of=dataset_of, parts=parts, chunks=chunks)
