@@ -149,6 +149,13 @@ def test_each_entry_packs_as_it_does_alone_in_its_proportion(mixed, alone):
     assert by_entry["chat.jsonl"] != {k: v for k, v in by_entry["disk"].items() if k in by_entry["chat.jsonl"]}
     assert Manifest.read(mixed).mixture["repetitions"]["train"] == {"energon": 1.0, "chat.jsonl": 2.0,
                                                                     "cells": 1.5, "disk": 0.5}
+    # stats per entry: samples with copies and target tokens, each against the whole.
+    report = {d["dataset"]: d for d in compute(mixed)["splits"]["train"]["datasets"]}
+    packed = ledger[ledger.status.isin(KEPT)]
+    for name, d in report.items():
+        assert d["samples"] == int((packed.dataset == name).sum())
+        assert d["targets"] == int(packed[packed.dataset == name].targets.sum()) > 0
+    assert sum(d["target_share"] for d in report.values()) == pytest.approx(1.0)
 
 
 def test_media_come_from_each_entry_and_verify_passes(mixed, sources):

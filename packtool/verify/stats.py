@@ -207,13 +207,16 @@ def per_dataset(path: Path, split: str, mixture: dict, st: dict) -> list[dict]:
         pool = int((mine & first & (t.kept | not_drawn)).sum())  # the dataset's usable samples, once each
         rows.append({"dataset": name, "samples": int(k.sum()), "distinct": int((k & first).sum()), "pool": pool,
                      "tokens": int(t.lengths[k].sum()), "packs_apart": t.packs(k),
+                     "targets": int(t.targets[k].sum()) if t.targets is not None else None,
                      "weight": declared[name].get("weight"), "repetitions": declared[name].get("repetitions")})
     total_samples = sum(r["samples"] for r in rows) or 1
     total_tokens = sum(r["tokens"] for r in rows) or 1
+    total_targets = sum(r["targets"] or 0 for r in rows) or 1
     weighted = [r["repetitions"] * r["pool"] for r in rows if r["repetitions"] is not None]
     for r in rows:
         r["sample_share"] = r["samples"] / total_samples
         r["token_share"] = r["tokens"] / total_tokens
+        r["target_share"] = r["targets"] / total_targets if r["targets"] is not None else None
         r["declared_share"] = r["weight"] if r["weight"] is not None else (
             r["repetitions"] * r["pool"] / (sum(weighted) or 1))
         r["fill_apart"] = r["tokens"] / (r["packs_apart"] * size) if r["packs_apart"] else 0.0
@@ -301,8 +304,9 @@ class _MixtureRows:
     def __init__(self, path: Path, split: str, st: dict):
         from packtool.packer.mixing import copy_samples
 
-        t = read_ledger(path, ["split", "status", "reason", "tokens", "images", "image_tokens", "dataset", "copy",
-                               "shard", "key", "pack"])
+        wanted = ["split", "status", "reason", "tokens", "images", "image_tokens", "dataset", "copy", "shard", "key",
+                  "pack", "targets"]
+        t = read_ledger(path, [c for c in wanted if c in _ledger_names(path)])
         self.table = t = t.filter(pc.equal(t.column("split"), split))
         self.st, self.size, self.align = st, int(st["pack_size"]), int(st["align"])
         self.samples = copy_samples([f"{a}\0{b}" for a, b in zip(t.column("shard").to_pylist(),
@@ -310,6 +314,7 @@ class _MixtureRows:
         self.kept = pc.is_in(t.column("status"), value_set=pa.array(list(KEPT))).to_numpy(zero_copy_only=False)
         self.names = t.column("dataset").to_pylist()
         self.lengths = t.column("tokens").to_numpy().astype(np.int64)
+        self.targets = t.column("targets").to_numpy().astype(np.int64) if "targets" in t.column_names else None
         self.images, self.image_tokens = t.column("images").to_numpy(), t.column("image_tokens").to_numpy()
 
     def packs(self, rows: np.ndarray) -> int:
@@ -354,11 +359,13 @@ def mixture_lines(e: dict, pack_size: int) -> list[str]:
     if e.get("datasets"):
         apart = sum(d["packs_apart"] for d in e["datasets"])
         lines.append(f"  {'dataset':<24}{'samples':>9}{'distinct':>9}{'tokens':>11}{'declared':>10}"
-                     f"{'samples%':>10}{'tokens%':>9}{'fill apart':>11}")
+                     f"{'samples%':>10}{'tokens%':>9}{'fill apart':>11}{'targets':>11}{'targets%':>9}")
         for d in e["datasets"]:
+            targets = (f"{d['targets']:>11}{d['target_share']:>9.2%}" if d.get("targets") is not None
+                       else f"{'-':>11}{'-':>9}")
             lines.append(f"  {d['dataset'][:24]:<24}{d['samples']:>9}{d['distinct']:>9}{d['tokens']:>11}"
                          f"{d['declared_share']:>10.2%}{d['sample_share']:>10.2%}{d['token_share']:>9.2%}"
-                         f"{d['fill_apart']:>11.4f}")
+                         f"{d['fill_apart']:>11.4f}{targets}")
         if apart:
             lines.append(f"  packed apart: {apart} packs, fill {e['tokens'] / (apart * pack_size):.4f}; "
                          f"jointly: {e['packs']} packs, fill {e['fill']:.4f} ({apart - e['packs']:+d} packs "
