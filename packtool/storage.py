@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import fnmatch
 import glob
+import importlib.abc
+import importlib.util
 import io
 import json
 import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -420,15 +423,49 @@ def commit_remote(path: ObjectPath) -> Iterator[Path]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+class _NoPandas(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds pandas and refuses to load it (see :func:`arrow_without_pandas`)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        return importlib.util.spec_from_loader(name, self) if name == "pandas" else None
+
+    def create_module(self, spec: Any) -> None:
+        return None
+
+    def exec_module(self, module: Any) -> None:
+        raise ImportError("pandas is not loaded in packtool's own processes (packtool.storage.arrow_without_pandas)")
+
+
+_NO_PANDAS = _NoPandas()
+
+
+def arrow_without_pandas() -> None:
+    """Keep pandas out of this process (where none is imported yet). pyarrow imports pandas on the first array it
+    makes from numpy or a list, to check for pandas objects (and tries again on each list while it cannot): 0.4 s
+    of every packtool process, for a library packtool never uses. For packtool's own processes only (the command
+    line, the pack workers); :func:`allow_pandas` undoes it before user code is imported (a custom adapter)."""
+    if "pandas" not in sys.modules and _NO_PANDAS not in sys.meta_path:
+        sys.meta_path.insert(0, _NO_PANDAS)
+
+
+def allow_pandas() -> None:
+    """Let pandas be imported again (a user's module may need it)."""
+    if _NO_PANDAS in sys.meta_path:
+        sys.meta_path.remove(_NO_PANDAS)
+
+
 def read_parquet(loc: Any, columns: list[str] | None = None, **options: Any) -> Any:
     """A Parquet file or object as an Arrow table (only ``columns``, when given; ``options`` as for
-    :func:`pyarrow.parquet.read_table`)."""
+    :func:`pyarrow.parquet.read_table`). Without options the file is read as one file: ``read_table`` builds a
+    dataset, whose module imports pandas (0.4 s of a run's start-up, for nothing a run uses)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if isinstance(loc, ObjectPath):
-        return pq.read_table(pa.BufferReader(loc.read_bytes()), columns=columns, **options)
-    return pq.read_table(loc, columns=columns, **options)
+    source = pa.BufferReader(loc.read_bytes()) if isinstance(loc, ObjectPath) else loc
+    if options:
+        return pq.read_table(source, columns=columns, **options)
+    with pq.ParquetFile(source) as f:
+        return f.read(columns=columns)
 
 
 def parquet_file(loc: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -162,6 +163,31 @@ def test_light_imports():
             "print(sorted(m for m in ('torch', 'transformers', 'packtool.packer.encoder') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
+
+
+def _pandas_loaded(importtime: str) -> bool:
+    """Whether ``-X importtime`` output shows pandas loaded (its submodules; a refused import loads none)."""
+    return any(re.search(r"\|\s+pandas\.", line) for line in importtime.splitlines())
+
+
+def test_a_pack_run_never_loads_pandas(demo_dir, tmp_path):
+    """pyarrow loads pandas (0.4 s) on its first array from Python values; pack's parent and its workers keep it
+    out. Control: the same array made in a plain process loads it."""
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "packtool", "pack", str(demo_dir / "dataset"),
+                        str(tmp_path / "out"), "--tokenizer", str(demo_dir / "tokenizer"), "--pack-size", "2048",
+                        "--workers", "2", "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "| packtool.packer.encoder" in p.stderr  # the workers' imports are in the output too
+    assert not _pandas_loaded(p.stderr)
+    control = subprocess.run([sys.executable, "-X", "importtime", "-c", "import pyarrow as pa; pa.array(['x'])"],
+                             capture_output=True, text=True, timeout=120)
+    assert _pandas_loaded(control.stderr)
+    # A user's module may import it: after allow_pandas it loads.
+    code = ("from packtool.storage import allow_pandas, arrow_without_pandas\n"
+            "arrow_without_pandas()\ntry:\n    import pandas\nexcept ImportError:\n    print('refused')\n"
+            "allow_pandas()\nimport pandas\nprint('loaded')")
+    both = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert both.stdout.split() == ["refused", "loaded"], both.stdout + both.stderr
 
 
 def test_mistyped_option_or_command_is_one_line_naming_the_nearest():

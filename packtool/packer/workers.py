@@ -45,8 +45,13 @@ def warm(settings: EncodeSettings, source: str, decoder_threads: int = 0) -> Non
     """Build this worker's encoder as it starts (the workers' start-ups overlap). A model folder or source that
     does not open is left to the run to report, as its own error. ``decoder_threads`` is what this worker's video
     decode checks use (:func:`packtool.media.video.set_decoder_threads`)."""
-    from packtool.media.video import set_decoder_threads
+    import multiprocessing
 
+    from packtool.media.video import set_decoder_threads
+    from packtool.storage import arrow_without_pandas
+
+    if multiprocessing.parent_process() is not None:  # a pool worker: packtool's own process
+        arrow_without_pandas()
     set_decoder_threads(decoder_threads)
     try:
         from packtool.packer.encoder import get_encoder

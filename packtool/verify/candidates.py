@@ -23,13 +23,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from packtool.errors import ConfigError, FormatError
 from packtool.format import Manifest, aligned_lengths, row_length
 from packtool.item import loads_media
 from packtool.packer.holdout import TRAIN, VAL
 from packtool.packer.ledger import read_ledger
+from packtool.storage import read_parquet
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def load_rows(output: Path, split: str, ledger: Any) -> SourceRows:
     error, length, first, exact, media = [], [], [], [], []
     if dirs:
         for d in dirs:
-            t = pq.read_table(d / "samples.parquet", columns=["status", "source_tokens", "media", "shard", "key"])
+            t = read_parquet(d / "samples.parquet", columns=["status", "source_tokens", "media", "shard", "key"])
             mine = None if only is None else pa.array([(s, k) in only for s, k in zip(
                 t.column("shard").to_pylist(), t.column("key").to_pylist())], pa.bool_())
             t = t if mine is None else t.filter(mine)
@@ -113,7 +113,7 @@ def load_rows(output: Path, split: str, ledger: Any) -> SourceRows:
             length += t.column("source_tokens").to_pylist()
             facts = d / "source_facts.parquet"
             if facts.exists():
-                f = pq.read_table(facts)
+                f = read_parquet(facts)
                 f = f if mine is None else f.filter(mine)
                 first += f.column("first_target").to_pylist()
                 exact += f.column("length_known").to_pylist()

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from packtool.errors import ConfigError, user_code
 from packtool.packer.sources.conversation import member_kind, parse_turns, place_media
 from packtool.packer.sources.sample import Conversation, Media, SampleError
+from packtool.storage import allow_pandas
 
 
 def load_function(spec: str) -> Callable:
@@ -25,6 +26,7 @@ def load_function(spec: str) -> Callable:
     if not module or not name:
         raise ConfigError(f"adapter must be module:function, not {spec!r}")
     try:
+        allow_pandas()  # the user's module may use it
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"cannot load adapter {spec!r}: {exc}") from None
