@@ -14,6 +14,7 @@ complete (:func:`commit_remote`). The scratch folder is ``PACKTOOL_SCRATCH``, el
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import glob
 import importlib.abc
@@ -462,6 +463,8 @@ def read_parquet(loc: Any, columns: list[str] | None = None, **options: Any) -> 
     import pyarrow.parquet as pq
 
     source = pa.BufferReader(loc.read_bytes()) if isinstance(loc, ObjectPath) else loc
+    if not isinstance(loc, ObjectPath) and not os.path.exists(loc):  # the error read_table gives
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(loc))
     if options:
         return pq.read_table(source, columns=columns, **options)
     with pq.ParquetFile(source) as f:

@@ -126,9 +126,9 @@ def test_a_mixture_dataset_factor_multiplies_its_samples_weights(demo_dir, tmp_p
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(mix))
     with pytest.raises(Exception, match="loss_weight must be a finite number >= 0"):
         pack(tmp_path / "bad.yaml", tmp_path / "bad", _settings(demo_dir), workers=1, progress=False)
-    mix["splits"]["train"]["blend_epochized"][1]["packtool"] = {"group": "x", "lr": 1}
+    mix["splits"]["train"]["blend_epochized"][1]["packtool"] = {"loss_weight": 2, "lr": 1}
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(mix))
-    with pytest.raises(Exception, match="unknown packtool option 'group'"):
+    with pytest.raises(Exception, match="unknown packtool option 'lr'"):
         pack(tmp_path / "bad.yaml", tmp_path / "bad", _settings(demo_dir), workers=1, progress=False)
 
 
