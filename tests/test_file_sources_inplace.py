@@ -248,3 +248,40 @@ def test_many_large_images_bounded_memory_nothing_written_outside_output(demo_di
     assert big < small + 40 * len(blob), (small, big)  # 180 more images (720 MB) cost under 10 of them
     assert big < 1.5 * 2**30
     assert written <= 0.05 * 200 * len(blob), written
+
+
+def test_media_in_cells_are_read_in_one_pass_per_chunk(demo_dir, pics, tmp_path, monkeypatch):
+    """The write stage reads a Parquet chunk's image cells for a batch of packs in one pass over its rows (a
+    row group has no random access: read record by record, each read decoded the group from its start); the
+    packs are those of the JSONL with the same images, and an image changed after encoding still stops the run."""
+    from packtool.packer.sources import files
+
+    n = 40
+    recs = [record(i) for i in range(n)]
+    (tmp_path / "r.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+    reference = tokens(run(tmp_path / "r.jsonl", tmp_path / "o-ref", demo_dir / "tokenizer", pics))
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    table = pa.table({"messages": pa.array([r["messages"] for r in recs], pa.list_(message)),
+                      "images": pa.array([[(pics / r["images"][0]).read_bytes()] for r in recs],
+                                         pa.list_(pa.binary()))})
+    pq.write_table(table, tmp_path / "cells.parquet")
+    passes = []
+    real = files._table_batches
+
+    def counted(path, kind, lo, hi, size=16):
+        passes.append(hi - lo)
+        yield from real(path, kind, lo, hi, size)
+
+    monkeypatch.setattr(files, "_table_batches", counted)
+    out = run(tmp_path / "cells.parquet", tmp_path / "o-cells", demo_dir / "tokenizer")
+    assert tokens(out) == reference
+    reads = [span for span in passes if span < n]  # the stamp and encode passes read the whole chunk
+    assert len(reads) <= 2 and not any(span == 1 for span in passes), passes  # never one record at a time
+    # The chunk's own reads: records one by one take a pass each, together one pass.
+    chunk = next(iter(files.open_files(detect(tmp_path / "cells.parquet")).chunks.values()))
+    passes.clear()
+    for i in range(5):
+        chunk.media_of({i: set()})
+    assert len(passes) == 5
+    passes.clear()
+    assert sorted(chunk.media_of({i: set() for i in range(5)})) == list(range(5)) and len(passes) == 1

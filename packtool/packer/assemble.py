@@ -92,6 +92,11 @@ class _Sources:
         self.remote = any(is_remote(d) for d in enc_dirs[:1]) or is_remote(root)
         #: Media bytes fetched ahead by :meth:`prefetch`, by (shard, offset, size).
         self.fetched: dict[tuple[str, int, int], bytes] = {}
+        #: Media of table chunks' records (Parquet/Arrow cells) read ahead by :meth:`prefetch`, by (shard, record
+        #: index in its chunk, member).
+        self.cells: dict[tuple[str, int, str], bytes] = {}
+        #: Whether :meth:`prefetch` has anything to do (an object store, or media in table cells).
+        self.reads_ahead = self.remote or any(c.kind != "json" for c in self.chunks.values())
 
     def tokens(self, src: int) -> tuple[NpyReader, NpyReader]:
         if src not in self.arrays:
@@ -103,6 +108,9 @@ class _Sources:
         """Fetch what a batch of segment rows needs from an object store with concurrent ranged requests: the
         token spans (few requests: see :meth:`NpyReader.prefetch`) and the media items' bytes, up to
         :data:`PREFETCH_MEDIA_BYTES` (the rest is read when used)."""
+        self._prefetch_cells(batch)
+        if not self.remote:
+            return
         src, offset, length = (batch.column(c).to_numpy() for c in ("src", "tok_offset", "tokens"))
         for s in np.unique(src).tolist():
             mine = src == s
@@ -129,6 +137,27 @@ class _Sources:
                 for (o, n), data in zip(reads, path.path.read_ranges(reads)):
                     self.fetched[(shard, o, n)] = data
 
+    def _prefetch_cells(self, batch: pa.RecordBatch) -> None:
+        """Read the media a batch of segment rows needs from table chunks (Parquet/Arrow cells), each chunk in one
+        pass, up to :data:`PREFETCH_MEDIA_BYTES` (the rest is read when used)."""
+        self.cells.clear()
+        wanted: dict[str, dict[int, set[str]]] = {}
+        total = 0
+        for shard, key, media_json in zip(*(batch.column(c).to_pylist() for c in ("shard", "key", "media"))):
+            chunk = self.chunks.get(shard)
+            if chunk is None or chunk.kind == "json" or media_json == "[]":
+                continue
+            for m in loads_media(media_json):
+                size = sum(n for _, _, n in m.frames) if m.frames else m.size
+                if total + size <= PREFETCH_MEDIA_BYTES:
+                    wanted.setdefault(shard, {}).setdefault(int(key.split(":", 1)[0]) - chunk.first, set()).update(
+                        {part for part, _, _ in m.frames} if m.frames else {m.part})
+                    total += size
+        for shard, records in wanted.items():
+            for i, members in self.chunks[shard].media_of(records).items():
+                for member, data in members.items():
+                    self.cells[(shard, i, member)] = data
+
     def media(self, shard: str, m: MediaItem, key: str = "") -> bytes:
         """The bytes of one media item (of a frame list: see :meth:`frames`) of sample ``key``."""
         data = self._read(shard, m.part, m.offset, m.size, key)
@@ -138,7 +167,11 @@ class _Sources:
         """The bytes of one source member."""
         chunk = self.chunks.get(shard)
         if chunk is not None:  # read in place: the record's file (or cell), checked against its stamp
-            data = chunk.media_bytes(int(key.split(":", 1)[0]) - chunk.first, part)[offset:offset + size]
+            index = int(key.split(":", 1)[0]) - chunk.first
+            data = self.cells.get((shard, index, part))
+            if data is None:
+                data = chunk.media_bytes(index, part)
+            data = data[offset:offset + size]
             if len(data) != size:
                 raise SourceError(f"{shard}: media {part} of record {key} changed after it was encoded; run the "
                                   f"same command again to encode it anew")
@@ -231,7 +264,7 @@ def _records(split: str, segments: pa.Table, sources: _Sources, pack_size: int, 
 
     def rows() -> Iterator[SegmentRow]:  # a batch of rows at a time as Python values
         for batch in segments.to_batches(max_chunksize=1024):
-            if sources.remote:
+            if sources.reads_ahead:
                 sources.prefetch(batch)
             yield from itertools.starmap(SegmentRow, zip(*(batch.column(c).to_pylist() for c in columns)))
 

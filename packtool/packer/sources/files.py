@@ -771,17 +771,33 @@ class FileChunk:
     def media_bytes(self, index: int, member: str) -> bytes:
         """The bytes of member ``member`` of record ``index``, read now from the user's file or cell; the record
         must still match its stamp."""
-        (i, record), = list(self.records(index, index + 1))
+        return self.media_of({index: {member}})[index][member]
+
+    def media_of(self, wanted: dict[int, set[str]]) -> dict[int, dict[str, bytes]]:
+        """The bytes of members ``wanted[i]`` of records ``i``, read in one pass over the records they span (a
+        table's rows are decoded once, not from their row group's start for each), each record checked against
+        its stamp."""
+        out: dict[int, dict[str, bytes]] = {}
+        if not wanted:
+            return out
         folder = self.folder()
-        if self.stamps and record_stamp(record, folder) != self.stamps[i]:
-            raise SourceError(f"record {self.first + i} of {self.path} (or a media file it names) changed after it "
-                              f"was encoded; run the same command again to encode it anew")
-        try:
-            resolved = resolve(record, folder)
-            source = dict(resolved.members)[member]
-            return folder.read(source.path, source.stamp) if isinstance(source, MediaFile) else source
-        except (RecordProblem, KeyError) as exc:
-            raise SourceError(f"record {self.first + i} of {self.path}: {member}: {exc}") from None
+        for i, record in self.records(min(wanted), max(wanted) + 1):
+            if i not in wanted:
+                continue
+            if self.stamps and record_stamp(record, folder) != self.stamps[i]:
+                raise SourceError(f"record {self.first + i} of {self.path} (or a media file it names) changed after "
+                                  f"it was encoded; run the same command again to encode it anew")
+            member = ""
+            try:
+                members = dict(resolve(record, folder).members)
+                out[i] = {}
+                for member in sorted(wanted[i]):
+                    source = members[member]
+                    out[i][member] = folder.read(source.path, source.stamp) if isinstance(source, MediaFile) \
+                        else source
+            except (RecordProblem, KeyError) as exc:
+                raise SourceError(f"record {self.first + i} of {self.path}: {member}: {exc}") from None
+        return out
 
 
 def _media_columns(schema: Any) -> dict[str, str]:
