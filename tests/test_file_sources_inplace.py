@@ -285,3 +285,26 @@ def test_media_in_cells_are_read_in_one_pass_per_chunk(demo_dir, pics, tmp_path,
     assert len(passes) == 5
     passes.clear()
     assert sorted(chunk.media_of({i: set() for i in range(5)})) == list(range(5)) and len(passes) == 1
+
+
+def test_a_row_group_is_decoded_once_per_stage_not_once_per_chunk(demo_dir, pics, tmp_path, monkeypatch):
+    """A Parquet file of one row group cut into chunks: each stage reads on through the group from where its last
+    chunk stopped (a fresh read decodes it from its start). Control: without the open streams, a read per chunk
+    and stage."""
+    from packtool.packer.sources import files
+
+    monkeypatch.setattr(files, "RECORDS_PER_CHUNK", 8)
+    recs = [record(i) for i in range(40)]  # 5 chunks
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    pq.write_table(pa.table({"messages": pa.array([r["messages"] for r in recs], pa.list_(message)),
+                             "images": pa.array([[(pics / r["images"][0]).read_bytes()] for r in recs],
+                                                pa.list_(pa.binary()))}), tmp_path / "one.parquet")
+    opened = []
+    real = files._open_group
+    monkeypatch.setattr(files, "_open_group", lambda *a: opened.append(a) or real(*a))
+    first = tokens(run(tmp_path / "one.parquet", tmp_path / "o1", demo_dir / "tokenizer"))
+    assert len(first) == 40 and len(opened) <= 3, len(opened)  # stamp, encode, write: a pass each
+    opened.clear()
+    monkeypatch.setattr(files, "_STREAMS", 0)
+    assert tokens(run(tmp_path / "one.parquet", tmp_path / "o2", demo_dir / "tokenizer")) == first
+    assert len(opened) >= 10

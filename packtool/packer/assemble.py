@@ -153,8 +153,8 @@ class _Sources:
                     wanted.setdefault(shard, {}).setdefault(int(key.split(":", 1)[0]) - chunk.first, set()).update(
                         {part for part, _, _ in m.frames} if m.frames else {m.part})
                     total += size
-        for shard, records in wanted.items():
-            for i, members in self.chunks[shard].media_of(records).items():
+        for shard in sorted(wanted, key=lambda s: (self.chunks[s].path, self.chunks[s].first)):  # on through a file
+            for i, members in self.chunks[shard].media_of(wanted[shard]).items():
                 for member, data in members.items():
                     self.cells[(shard, i, member)] = data
 

@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import stat
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
@@ -830,14 +831,12 @@ def _table_batches(path: Path, kind: SourceKind, lo: int, hi: int, size: int = 1
         for g in range(meta.num_row_groups):
             n = meta.row_group(g).num_rows
             if start < hi and lo < start + n:
-                offset = start
-                for batch in pf.iter_batches(batch_size=size, row_groups=[g]):
-                    if offset + batch.num_rows > lo:
-                        _remember(version, offset, batch, hi - lo == 1)
-                        yield offset, batch
-                    offset += batch.num_rows
-                    if offset >= hi:
-                        return
+                stream = _stream(version, g, lo, size, partial(_open_group, path, g, start, size))
+                for offset, batch in stream.serve(lo, hi):
+                    _remember(version, offset, batch, hi - lo == 1)
+                    yield offset, batch
+                if stream.next >= hi:
+                    return
             start += n
         return
     offset = 0
@@ -851,6 +850,58 @@ def _table_batches(path: Path, kind: SourceKind, lo: int, hi: int, size: int = 1
                     _remember(version, offset + k, piece, hi - lo == 1)
                     yield offset + k, piece
         offset += batch.num_rows
+
+
+class _GroupStream:
+    """Batches of one Parquet row group, read on from where the last request stopped: a task reads its chunks in
+    order, so each worker decodes a group about once, not once per chunk (Parquet has no random access inside a
+    group: each fresh read decodes the group from its start)."""
+
+    def __init__(self, batches: Iterator[Any], start: int):
+        self.batches, self.next = batches, start
+        #: The last batch read and its first row (a chunk may end inside it).
+        self.batch: Any = None
+        self.batch_start = start
+
+    def serves(self, lo: int) -> bool:
+        """Whether rows from ``lo`` on are still ahead (or in the last batch)."""
+        return self.next <= lo or (self.batch is not None and self.batch_start <= lo)
+
+    def serve(self, lo: int, hi: int) -> Iterator[tuple[int, Any]]:
+        if self.batch is not None and self.batch_start <= lo < self.next:
+            yield self.batch_start, self.batch
+        while self.next < hi:
+            batch = next(self.batches, None)
+            if batch is None:
+                return
+            self.batch, self.batch_start = batch, self.next
+            self.next += batch.num_rows
+            if self.next > lo:
+                yield self.batch_start, batch
+
+
+def _open_group(path: Path, group: int, start: int, size: int) -> _GroupStream:
+    import pyarrow.parquet as pq
+
+    return _GroupStream(pq.ParquetFile(path).iter_batches(batch_size=size, row_groups=[group]), start)
+
+
+#: Open row-group streams of this thread, by (file version, row group, batch size); a few at most.
+_local = threading.local()
+_STREAMS = 4
+
+
+def _stream(version: str, group: int, lo: int, size: int, start: Callable[[], _GroupStream]) -> _GroupStream:
+    """The open stream of a row group that still has row ``lo`` ahead, or a new one from the group's start."""
+    streams: dict[tuple[str, int, int], _GroupStream] = _local.__dict__.setdefault("streams", {})
+    key = (version, group, size)
+    stream = streams.pop(key, None)
+    if stream is None or not stream.serves(lo):
+        stream = start()
+    streams[key] = stream  # the most recent last
+    while len(streams) > _STREAMS:
+        del streams[next(iter(streams))]
+    return stream
 
 
 def _remember(version: str, start: int, batch: Any, wanted: bool) -> None:
