@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import pytest
 import packfixture as fx
 from mediafixture import make_image
 from packtool.packer.pipeline import pack
+from packtool.packer.sources import files
 from packtool.packer.sources.files import detect, json_spans, resolve_source
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
@@ -119,6 +121,70 @@ def test_json_arrays_are_streamed(demo_dir, pics, tmp_path):
     rows = ledger(run(tmp_path / "c.json", tmp_path / "o-c", demo_dir / "tokenizer", pics))
     assert [rows[f"{i:09d}"][0] for i in range(8)] == ["packed"] * 2 + ["error"] * 2 + ["packed"] * 4
     assert "not valid JSON" in rows["000000002"][1] and "nested too deep" in rows["000000003"][1]
+
+
+def _walked_spans(path: Path, data_key: bool) -> list[tuple[int, int]]:
+    """Reference: the element spans of a JSON array by the byte walk alone (depth, strings, escapes)."""
+    scanner, inner, start, out = files._Scanner(), 2 if data_key else 1, None, []
+    keys, in_array = files._DataKey(), False
+    with open(path, "rb") as f:
+        for offset, c, depth in scanner.events(path):
+            if data_key and not in_array and depth == 1:
+                if keys.opens_data_array(f, scanner.in_string, offset, c):
+                    in_array, start = True, offset + 1
+                continue
+            if not data_key and depth == 0 and c == 0x5B and not in_array:
+                in_array, start = True, offset + 1
+                continue
+            if not in_array or depth != inner:
+                continue
+            if c in (0x2C, 0x5D) and start is not None:
+                if c == 0x2C or files._nonblank(f, start, offset):
+                    out.append((start, offset))
+                start = offset + 1
+                if c == 0x5D:
+                    return out
+    if in_array and start is not None:
+        end = path.stat().st_size
+        with open(path, "rb") as f:
+            if files._nonblank(f, start, end):
+                out.append((start, end))
+    return out
+
+
+def test_json_array_spans_equal_the_byte_walk(tmp_path, monkeypatch):
+    """Elements found by the JSON decoder a buffer at a time give the spans the byte walk gives, on arrays of
+    plain and broken elements (unclosed strings, stray brackets, Python literals, deep nesting, blanks, a file
+    cut short, non-ASCII text) with buffers that cut elements anywhere; both ways are taken."""
+    rng = random.Random(7)
+    plain = [json.dumps({"messages": [{"role": "user", "content": 'a "[{,}]" \\ é 中'}]}), "12", "-1.5e3", '"s,]"',
+             "true", "null", "[1, [2, {}]]", '{"a": "\u005d"}', '{"t": "tab\there"}']
+    broken = ["{'a': 1}", '{"a": tru}', '{"a": "open', "{]", "}", "1 2", "", "  ", "NaN", "[" * 3000 + "]" * 3000,
+              '{"a": 1}}', "é"]
+    walks = []
+    real_walk = files._walk_element
+    monkeypatch.setattr(files, "_walk_element", lambda *a: walks.append(a) or real_walk(*a))
+    decoded = 0
+    for case in range(300):
+        monkeypatch.setattr(files, "_BLOCK", rng.choice([7, 16, 64, 1 << 20]))
+        elements = [rng.choice(plain if rng.random() < 0.7 else broken) for _ in range(rng.randint(0, 12))]
+        seps = [rng.choice([",", " , ", ",\n  ", ",,"]) for _ in elements]
+        body = "".join(e + s for e, s in zip(elements, seps))[: -1 or None]
+        data_key = case % 3 == 0
+        text = ('{"x": "data", "data": [' + body + "]}") if data_key else ("[" + body + "]")
+        if case % 7 == 0:
+            text = text[: rng.randint(1, len(text))]  # cut short
+        path = tmp_path / f"{case}.json"
+        path.write_bytes(text.encode("utf-8"))
+        before = len(walks)
+        assert list(files._array_spans(path, data_key)) == _walked_spans(path, data_key), text
+        decoded += len(_walked_spans(path, data_key)) - (len(walks) - before)
+    assert walks and decoded > len(walks)
+    monkeypatch.setattr(files, "_BLOCK", 1 << 20)  # plain elements in one buffer: the walk is never taken
+    path = tmp_path / "plain.json"
+    path.write_text("[" + ",\n".join(plain * 50) + "]")
+    before = len(walks)
+    assert len(list(files._array_spans(path, False))) == len(plain) * 50 and len(walks) == before
 
 
 def test_media_column_layouts(demo_dir, pics, tmp_path):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 import threading
 from collections.abc import Callable, Iterator
@@ -227,13 +228,14 @@ class _Scanner:
         self.in_string = False
         self.escape = False
 
-    def events(self, path: Path) -> Iterator[tuple[int, int, int]]:
+    def events(self, path: Path, start: int = 0, block_size: int = _BLOCK) -> Iterator[tuple[int, int, int]]:
         """``(offset, byte, depth before it)`` of each structural byte outside strings, and of each string's
-        opening and closing quote."""
-        offset = 0
+        opening and closing quote, from byte ``start`` on."""
+        offset = start
         with open(path, "rb") as f:
+            f.seek(start)
             while True:
-                block = f.read(_BLOCK)
+                block = f.read(block_size)
                 if not block:
                     return
                 i, n = 0, len(block)
@@ -296,33 +298,88 @@ class _DataKey:
 
 def _array_spans(path: Path, data_key: bool) -> Iterator[tuple[int, int]]:
     """Element spans of the top-level array (``data_key``: of the array that is the top-level object's
-    ``"data"`` value)."""
+    ``"data"`` value): each from just after the comma or bracket before it to the comma or bracket after it.
+
+    An element that is plain JSON is found by Python's JSON decoder, a buffer at a time (the bytes read as
+    Latin-1, one character a byte, so offsets are the file's); one that is not (broken, nested too deep, cut by
+    the buffer's end) by the byte walk of :class:`_Scanner` from its start, which defines what an element is."""
+    start = _array_open(path, data_key)
+    if start is None:
+        return
+    inner, size = (2 if data_key else 1), os.stat(path).st_size
+    decoder = json.JSONDecoder(strict=False)  # control characters in strings: the record's own parse judges them
+    with open(path, "rb") as f:
+        buf_at, buf = start, ""
+        while True:
+            if start >= buf_at + len(buf):
+                f.seek(start)
+                buf_at, buf = start, f.read(_BLOCK).decode("latin-1")
+            found = _decoded_element(decoder, buf, start - buf_at)
+            if found is not None:
+                end, closing, blank = found
+                if not blank or closing == ",":
+                    yield start, buf_at + end
+                if closing == "]":
+                    return
+                start = buf_at + end + 1
+                continue
+            walked = _walk_element(path, start, inner)
+            if walked is None:  # cut short: what is left is one last (broken) record
+                if _nonblank(f, start, size):
+                    yield start, size
+                return
+            end, c = walked
+            if c == 0x2C or _nonblank(f, start, end):
+                yield start, end
+            if c == 0x5D:
+                return
+            start = end + 1
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def _decoded_element(decoder: json.JSONDecoder, buf: str, pos: int) -> tuple[int, str, bool] | None:
+    """The element of ``buf`` from ``pos`` if it is plain JSON followed by a comma or the closing bracket, all in
+    ``buf``: ``(index of that comma or bracket, it, whether the element is blank)``; None otherwise."""
+    j = _WS.match(buf, pos).end()  # type: ignore[union-attr]
+    if j >= len(buf):
+        return None
+    if buf[j] in ",]":
+        return j, buf[j], True
+    try:
+        k = decoder.raw_decode(buf, j)[1]
+    except (ValueError, RecursionError):
+        return None
+    m = _WS.match(buf, k).end()  # type: ignore[union-attr]
+    if m >= len(buf) or buf[m] not in ",]":
+        return None
+    return m, buf[m], False
+
+
+def _walk_element(path: Path, start: int, inner: int) -> tuple[int, int] | None:
+    """Where the element starting at ``start`` (at array depth ``inner``) ends, by the byte walk: the offset and
+    byte of the comma or bracket after it, or None when the file ends first."""
     scanner = _Scanner()
-    inner = 2 if data_key else 1
-    start: int | None = None
-    keys, in_array = _DataKey(), False
+    scanner.depth = inner
+    for offset, c, depth in scanner.events(path, start, 1 << 16):
+        if depth == inner and c in (0x2C, 0x5D):
+            return offset, c
+    return None
+
+
+def _array_open(path: Path, data_key: bool) -> int | None:
+    """The offset just after the bracket that opens the array of records, or None where there is none."""
+    scanner = _Scanner()
+    keys = _DataKey()
     with open(path, "rb") as f:
         for offset, c, depth in scanner.events(path):
-            if data_key and not in_array and depth == 1:
-                if keys.opens_data_array(f, scanner.in_string, offset, c):
-                    in_array, start = True, offset + 1
-                continue
-            if not data_key and depth == 0 and c == 0x5B:
-                in_array, start = True, offset + 1
-                continue
-            if not in_array or depth != inner:
-                continue
-            if c in (0x2C, 0x5D) and start is not None:
-                if c == 0x2C or _nonblank(f, start, offset):
-                    yield start, offset
-                start = offset + 1
-                if c == 0x5D:
-                    return
-    if in_array and start is not None:  # cut short: what is left is one last (broken) record
-        end = os.stat(path).st_size
-        with open(path, "rb") as f:
-            if _nonblank(f, start, end):
-                yield start, end
+            if data_key:
+                if depth == 1 and keys.opens_data_array(f, scanner.in_string, offset, c):
+                    return offset + 1
+            elif depth == 0 and c == 0x5B:
+                return offset + 1
+    return None
 
 
 def _nonblank(f: Any, start: int, end: int) -> bool:
@@ -371,17 +428,19 @@ class Record:
     problem: str | None = None
     blobs: dict[str, bytes] | None = None
     text: bytes = b""
+    #: ``text`` is the record's JSON text (not a table row's digest).
+    is_json: bool = False
 
 
 def json_record(text: bytes, where: Callable[[], str]) -> Record:
     """A record from its JSON text; text that does not parse (bad UTF-8, a cut surrogate, nesting too deep) is a
     record with a problem (``where()`` names the record in it)."""
     try:
-        return Record(json.loads(text), text=text)
+        return Record(json.loads(text), text=text, is_json=True)
     except RecursionError:
-        return Record(problem=f"{where()} is JSON nested too deep to parse", text=text)
+        return Record(problem=f"{where()} is JSON nested too deep to parse", text=text, is_json=True)
     except ValueError as exc:
-        return Record(problem=f"{where()} is not valid JSON: {exc}", text=text)
+        return Record(problem=f"{where()} is not valid JSON: {exc}", text=text, is_json=True)
 
 
 #: Column layouts of a media column a row value may come in, by what pyarrow gives for it.
@@ -615,13 +674,16 @@ def resolve(record: Record, folder: MediaFolder) -> Resolved:
     """The members of a record's sample, its media located (not read); raises :class:`RecordProblem`."""
     if record.problem is not None:
         raise RecordProblem(record.problem)
-    try:
-        doc = json.loads(json.dumps(record.doc))  # a private copy to rename references in
-    except (TypeError, ValueError) as exc:
-        raise RecordProblem(f"the record cannot be held as JSON ({exc})") from None
+    doc, refs = record.doc, _media_refs(record.doc)
+    if refs:
+        try:
+            doc = json.loads(json.dumps(doc))  # a private copy to rename references in
+        except (TypeError, ValueError) as exc:
+            raise RecordProblem(f"the record cannot be held as JSON ({exc})") from None
+        refs = _media_refs(doc)
     names: dict[str, str] = {}
     members: list[tuple[str, bytes | MediaFile]] = []
-    for container, key, _kind in _media_refs(doc):
+    for container, key, _kind in refs:
         ref = container[key]
         if ref.startswith("data:"):
             continue  # inline data: the conversation adapter refuses it with its own reason
@@ -645,8 +707,27 @@ def resolve(record: Record, folder: MediaFolder) -> Resolved:
     return Resolved(text, members)
 
 
+#: What the text of every JSON record that names a media item holds: a media key or content-part type (each holds
+#: one of these words), or an escape that could spell one.
+_MEDIA_WORDS = (b"image", b"video", b"audio", b"\\u")
+
+
+def names_no_media(text: bytes) -> bool:
+    """Whether a JSON record's text can name no media item (so its stamp is its bytes alone, found unparsed)."""
+    return not any(word in text for word in _MEDIA_WORDS)
+
+
+def text_stamp(text: bytes, folder: MediaFolder) -> str:
+    """The stamp of a JSON record whose text names no media item (:func:`names_no_media`)."""
+    h = hashlib.sha256(text)
+    h.update(repr(folder.stamp).encode())
+    return h.hexdigest()[:32]
+
+
 def record_stamp(record: Record, folder: MediaFolder) -> str:
     """A record's stamp: its bytes, and each media file it names as it is now (see the module doc)."""
+    if record.is_json and names_no_media(record.text):
+        return text_stamp(record.text, folder)
     h = hashlib.sha256(record.text)
     h.update(repr(folder.stamp).encode())
     try:
@@ -693,19 +774,24 @@ class FileChunk:
         """``(index in the chunk, record)`` of records ``first`` to ``stop``, streamed."""
         stop = self.count if stop is None else min(stop, self.count)
         if self.kind == "json":
-            name = Path(self.path).name
-            jsonl = Path(self.path).suffix.lower() == ".jsonl"
-            with open(self.path, "rb") as f:
-                for i in range(first, stop):
-                    f.seek(self.starts[i])
-                    text = f.read(self.ends[i] - self.starts[i])
-                    yield i, json_record(text, partial(self._where, i, name, jsonl))
+            for i, text in enumerate(self.texts(first, stop), first):
+                yield i, json_record(text, partial(self.where, i))
             return
         yield from self._rows(first, stop)
 
-    def _where(self, i: int, name: str, jsonl: bool) -> str:
+    def texts(self, first: int = 0, stop: int | None = None) -> Iterator[bytes]:
+        """The JSON text of records ``first`` to ``stop`` of a JSON chunk, unparsed."""
+        stop = self.count if stop is None else min(stop, self.count)
+        with open(self.path, "rb") as f:
+            for i in range(first, stop):
+                f.seek(self.starts[i])
+                yield f.read(self.ends[i] - self.starts[i])
+
+    def where(self, i: int) -> str:
         """How an error names record ``i`` (found only then: counting lines reads the file up to it)."""
-        return f"line {self._line(i)} of {name}" if jsonl else f"record {self.first + i} of {name}"
+        name = Path(self.path).name
+        return f"line {self._line(i)} of {name}" if Path(self.path).suffix.lower() == ".jsonl" \
+            else f"record {self.first + i} of {name}"
 
     def _line(self, i: int) -> int:
         with open(self.path, "rb") as f:
@@ -927,7 +1013,13 @@ def _arrow_reader(path: Path) -> Any:
 def stamp_chunk(chunk: FileChunk) -> FileChunk:
     """The chunk with each record's stamp (a task: workers stamp chunks in parallel)."""
     folder = chunk.folder()
-    return replace(chunk, stamps=tuple(record_stamp(r, folder) for _, r in chunk.records()))
+    if chunk.kind != "json":
+        return replace(chunk, stamps=tuple(record_stamp(r, folder) for _, r in chunk.records()))
+    stamps = []
+    for i, text in enumerate(chunk.texts()):  # parsed only where the text could name media
+        stamps.append(text_stamp(text, folder) if names_no_media(text) else
+                      record_stamp(json_record(text, partial(chunk.where, i)), folder))
+    return replace(chunk, stamps=tuple(stamps))
 
 
 def chunk_digest(chunk: FileChunk) -> str:
