@@ -187,6 +187,29 @@ def test_json_array_spans_equal_the_byte_walk(tmp_path, monkeypatch):
     assert len(list(files._array_spans(path, False))) == len(plain) * 50 and len(walks) == before
 
 
+def test_a_stamp_read_unparsed_still_covers_media_named_by_an_escaped_key(pics, tmp_path):
+    """A JSON record's stamp is taken from its bytes unparsed only where its text can name no media; a record
+    naming its image through an escaped key (``"\\u0069mages"``) is parsed, so replacing the image changes its
+    stamp. Control: a text-only record's stamp is its bytes' alone and ignores the folder's files."""
+    escaped = b'{"messages": [{"role": "user", "content": "q"}], "\\u0069mages": ["0.png"]}'
+    plain = b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}'
+    assert json.loads(escaped)["images"] == ["0.png"]
+    (tmp_path / "r.jsonl").write_bytes(escaped + b"\n" + plain + b"\n")
+    source = detect(tmp_path / "r.jsonl", pics)
+    assert source is not None
+    chunk = next(iter(files.open_files(source).chunks.values()))
+
+    def stamps() -> tuple[str, ...]:
+        return files.stamp_chunk(chunk).stamps
+
+    before = stamps()
+    assert not files.names_no_media(escaped) and files.names_no_media(plain)
+    (pics / "0.png").write_bytes((pics / "1.png").read_bytes())  # the image replaced (other size)
+    after = stamps()
+    assert after[0] != before[0] and after[1] == before[1]
+    assert before[1] == files.text_stamp(plain + b"\n", chunk.folder())  # a JSONL record: its line
+
+
 def test_media_column_layouts(demo_dir, pics, tmp_path):
     """Every layout of a media column ``datasets``/pyarrow write gives the tokens of the JSONL with paths; a
     column that cannot be read is an error row naming it, never a sample packed without its media."""
