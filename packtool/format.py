@@ -27,7 +27,7 @@ import json
 import re
 import sqlite3
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
@@ -704,7 +704,7 @@ def energon_dataset_yaml() -> dict:
 
 
 def write_energon_metadata(out: Path, splits: dict[str, list[str]],
-                           indexes: Mapping[str, list[IndexedRecord]], energon_version: str) -> None:
+                           indexes: Mapping[str, Sequence[IndexedRecord]], energon_version: str) -> None:
     """Write ``dataset.yaml``, ``split.yaml``, ``.info.json``/``.info.yaml``, ``index.sqlite`` and ``index.uuid``.
 
     ``splits`` maps split -> shard paths (relative to ``out``); ``indexes`` maps shard path -> its records. The
@@ -725,7 +725,7 @@ def write_energon_metadata(out: Path, splits: dict[str, list[str]],
     commit_bytes(meta / "index.uuid", str(digest).encode())
 
 
-def _write_sqlite_index(path: Path, shards: list[list[IndexedRecord]]) -> None:
+def _write_sqlite_index(path: Path, shards: list[Sequence[IndexedRecord]]) -> None:
     """Energon's ``index.sqlite`` schema (``samples``, ``sample_parts``; ``tar_file_id`` = shard position),
     written here rather than with Energon's ``SqliteIndexWriter``: importing Energon imports torch, 240 MB more in
     the packing process for a 20-line writer."""

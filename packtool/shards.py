@@ -11,9 +11,9 @@ import io
 import os
 import shutil
 import tarfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, overload
 
 import numpy as np
 
@@ -53,7 +53,84 @@ _BETWEEN, _AFTER_SIZE, _REST = _TEMPLATE[100:124], _TEMPLATE[136:148], _TEMPLATE
 _REST_SUM = 8 * 32 + sum(_REST)
 
 
-def write_tar(path: Path, records: Iterable[tuple[str, list[tuple[str, bytes]]]]) -> list[IndexedRecord]:
+class ShardIndex(Sequence[IndexedRecord]):
+    """Every record of a shard (:class:`IndexedRecord` each, in order), held as a few arrays: a write task returns
+    its shard's index to the command's process, which keeps every shard's until it writes ``index.sqlite`` (a
+    record object per pack would be ~1 KB a pack there)."""
+
+    def __init__(self, records: Iterable[IndexedRecord] = ()):
+        keys: list[str] = []
+        offsets: list[int] = []
+        sizes: list[int] = []
+        names: dict[str, int] = {}
+        first = [0]
+        part_name: list[int] = []
+        part_offset: list[int] = []
+        part_size: list[int] = []
+        for r in records:
+            keys.append(r.key)
+            offsets.append(r.offset)
+            sizes.append(r.size)
+            for name, offset, size in r.parts:
+                part_name.append(names.setdefault(name, len(names)))
+                part_offset.append(offset)
+                part_size.append(size)
+            first.append(len(part_name))
+        self._keys = "\0".join(keys)  # a tar member's name holds no NUL
+        self._count = len(keys)
+        self._names = tuple(names)
+        self._offsets, self._sizes = np.asarray(offsets, np.int64), np.asarray(sizes, np.int64)
+        self._first = np.asarray(first, np.int64)
+        self._part_name = np.asarray(part_name, np.int32)
+        self._part_offset, self._part_size = np.asarray(part_offset, np.int64), np.asarray(part_size, np.int64)
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, i: int) -> IndexedRecord: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[IndexedRecord]: ...
+
+    def __getitem__(self, i: int | slice) -> IndexedRecord | list[IndexedRecord]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self._count))]
+        if not -self._count <= i < self._count:
+            raise IndexError(i)
+        return self._records(i % self._count, i % self._count + 1)[0]
+
+    def __iter__(self) -> Iterator[IndexedRecord]:
+        step = 4096
+        for a in range(0, self._count, step):
+            yield from self._records(a, min(a + step, self._count))
+
+    def _records(self, a: int, b: int) -> list[IndexedRecord]:
+        keys = self.keys()[a:b]
+        lo, hi = int(self._first[a]), int(self._first[b])
+        names = [self._names[n] for n in self._part_name[lo:hi].tolist()]
+        offsets, sizes = self._part_offset[lo:hi].tolist(), self._part_size[lo:hi].tolist()
+        parts = list(zip(names, offsets, sizes))
+        first = (self._first[a:b + 1] - lo).tolist()
+        return [IndexedRecord(key, offset, size, tuple(parts[first[k]:first[k + 1]]))
+                for k, (key, offset, size) in enumerate(zip(keys, self._offsets[a:b].tolist(),
+                                                            self._sizes[a:b].tolist()))]
+
+    def keys(self) -> list[str]:
+        return self._keys.split("\0") if self._count else []
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ShardIndex({list(self)!r})"
+
+
+def write_tar(path: Path, records: Iterable[tuple[str, list[tuple[str, bytes]]]]) -> ShardIndex:
     """Write records ``(key, [(part, bytes), ...])`` as an uncompressed USTAR tar plus its ``.tar.idx``.
 
     Headers carry mtime 0, uid/gid 0, mode 0644, so equal input gives equal bytes. ``.tar.idx`` holds each
@@ -69,7 +146,7 @@ def write_tar(path: Path, records: Iterable[tuple[str, list[tuple[str, bytes]]]]
     return index
 
 
-def write_records(f: BinaryIO, records: Iterable[tuple[str, list[tuple[str, bytes]]]]) -> list[IndexedRecord]:
+def write_records(f: BinaryIO, records: Iterable[tuple[str, list[tuple[str, bytes]]]]) -> ShardIndex:
     """Write records as tar members (no end-of-archive marker) to ``f``; their index, offsets from where ``f``
     was. A tar's bytes are its records' bytes in order, so a shard may be written as parts and joined."""
     index: list[IndexedRecord] = []
@@ -85,10 +162,10 @@ def write_records(f: BinaryIO, records: Iterable[tuple[str, list[tuple[str, byte
             placed.append((part, pos + len(head), len(data)))
             pos += len(head) + len(data) + pad
         index.append(IndexedRecord(key, start, pos - start, tuple(placed)))
-    return index
+    return ShardIndex(index)
 
 
-def join_tar(path: Path, parts: list[tuple[Path, list[IndexedRecord]]]) -> list[IndexedRecord]:
+def join_tar(path: Path, parts: list[tuple[Path, Sequence[IndexedRecord]]]) -> ShardIndex:
     """Commit the tar (and ``.tar.idx``) made of ``parts`` (files of :func:`write_records`, with their indexes)
     in order: the bytes :func:`write_tar` writes for all their records. The first part becomes the tar (only the
     others are copied, kernel-side where the OS can); the parts are removed."""
@@ -110,7 +187,7 @@ def join_tar(path: Path, parts: list[tuple[Path, list[IndexedRecord]]]) -> list[
         _commit_idx(path, index)
     for part, _ in parts[1:]:
         part.unlink()
-    return index
+    return ShardIndex(index)
 
 
 #: copy_file_range errors that mean "not here" (an old kernel, a filesystem without it): copy in user space.
@@ -140,7 +217,7 @@ def _append(src: Path, dst: BinaryIO) -> None:
     dst.seek(0, os.SEEK_END)
 
 
-def _commit_idx(path: Path, index: list[IndexedRecord]) -> None:
+def _commit_idx(path: Path, index: Sequence[IndexedRecord]) -> None:
     end = index[-1].offset + index[-1].size if index else 0
     commit_bytes(idx_path(path), np.asarray([r.offset for r in index] + [end], dtype=np.uint64).tobytes())
 
@@ -166,14 +243,14 @@ def _grouped(tar: tarfile.TarFile) -> Iterator[tuple[str, list[tuple[str, tarfil
         yield key, group
 
 
-def index_tar(path: Path) -> list[IndexedRecord]:
+def index_tar(path: Path) -> ShardIndex:
     """The record index of a tar, from its headers (data is not read)."""
     with open_read(location(path), readahead=_HEADER_READAHEAD) as f, tarfile.open(fileobj=f, mode="r:") as tar:
-        return [IndexedRecord(key, group[0][1].offset,
+        return ShardIndex(IndexedRecord(key, group[0][1].offset,
                               group[-1][1].offset_data + group[-1][1].size + (-group[-1][1].size % BLOCK)
                               - group[0][1].offset,
                               tuple((part, m.offset_data, m.size) for part, m in group))
-                for key, group in _grouped(tar)]
+                          for key, group in _grouped(tar))
 
 
 def record_offsets(shard: str | Path) -> np.ndarray:

@@ -108,3 +108,81 @@ def test_npy_bytes_equal_np_save():
     assert np.array_equal(load_npy(npy_bytes(np.arange(5, dtype=np.int32)), np.int32, "x"), np.arange(5))
     with pytest.raises(ValueError):
         npy_bytes(np.zeros((2, 2), np.int32))
+
+
+def test_shard_index_is_its_records():
+    """A shard's index held as arrays reads back as the records it was made of (every access the metadata
+    writers and ``verify`` use), pickles to itself, and holds a record in a fraction of a record object's
+    memory (the command's process keeps every shard's index until it writes ``index.sqlite``)."""
+    import pickle
+    import random
+    import tracemalloc
+
+    from packtool.format import IndexedRecord
+    from packtool.shards import ShardIndex
+
+    rng = random.Random(0)
+    records = []
+    for i in range(5000):
+        parts = tuple((rng.choice(["tokens.npy", "targets.npy", "json", f"img{i % 3}.jpg"]), rng.randrange(1 << 40),
+                       rng.randrange(1 << 20)) for _ in range(rng.randint(0, 6)))
+        records.append(IndexedRecord(f"train-{i:09d}", rng.randrange(1 << 40), rng.randrange(1 << 30), parts))
+    index = ShardIndex(records)
+    assert len(index) == len(records) and list(index) == records and index == records
+    assert index[0] == records[0] and index[-1] == records[-1] and index[17:20] == records[17:20]
+    assert pickle.loads(pickle.dumps(index)) == index and ShardIndex() == [] and list(ShardIndex()) == []
+    assert index != records[:-1] and index != records[:-1] + [records[0]]
+    with pytest.raises(IndexError):
+        index[len(records)]
+    blob = pickle.dumps(records)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        kept = ShardIndex(pickle.loads(blob))
+        compact = tracemalloc.get_traced_memory()[0] - before
+        objects_before = tracemalloc.get_traced_memory()[0]
+        as_objects = pickle.loads(blob)
+        objects = tracemalloc.get_traced_memory()[0] - objects_before
+    finally:
+        tracemalloc.stop()
+    assert len(kept) == len(as_objects)
+    assert compact * 4 < objects, (compact, objects)
+
+
+def test_write_tasks_carry_their_rows_by_file(demo_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """A write task names its rows of the plan (a file in OUTPUT's work folder, removed once the shards are
+    written): the command's process hands each worker a few names, not a table, whatever the rows."""
+    import pickle
+
+    import pyarrow.parquet as pq
+
+    from packtool.packer import assemble
+    from packtool.settings import PlanSettings
+
+    rows: list[int] = []
+    real = assemble.read_parquet
+
+    def reading(loc, *args, **kwargs):
+        table = real(loc, *args, **kwargs)
+        if "/.packtool/write/" in str(loc):
+            rows.append(table.num_rows)
+        return table
+
+    tasks: list = []
+    write_shard = pipeline.write_shard
+
+    def keep(task):
+        tasks.append(task)
+        return write_shard(task)
+
+    monkeypatch.setattr(assemble, "read_parquet", reading)
+    monkeypatch.setattr(pipeline, "write_shard", keep)
+    settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048),
+                            PlanSettings(shard_size="8"), splits=("train",))
+    pack(demo_dir / "dataset", tmp_path / "out", settings, workers=1, progress=False)
+    status = pq.read_table(tmp_path / "out" / "ledger.parquet", columns=["status"]).column("status").to_pylist()
+    assert len(tasks) > 2 and len(rows) == len(tasks) and all(isinstance(t.segments, str) for t in tasks)
+    assert sum(rows) == sum(s in ("packed", "truncated") for s in status) and len(set(rows)) > 1
+    sizes = [len(pickle.dumps(t)) for t in tasks]
+    assert max(sizes) - min(sizes) < 256, sizes  # a task's size does not follow its rows
+    assert not (tmp_path / "out" / ".packtool" / "write").exists()

@@ -20,13 +20,13 @@ import pyarrow as pa
 from packtool import __version__
 from packtool.commit import naming
 from packtool.errors import SourceError
-from packtool.format import IndexedRecord, MediaRef, PackRecord, Segment, pack_key, sha256
+from packtool.format import MediaRef, PackRecord, Segment, pack_key, sha256
 from packtool.item import MediaItem, loads_media
 from packtool.packer.sources.safepickle import load_bytes_list, video_frames
 from packtool.packer.store import NpyReader, SourceStamp
-from packtool.shards import idx_path, index_tar, write_records, write_tar
+from packtool.shards import ShardIndex, idx_path, index_tar, write_records, write_tar
 from packtool.storage import RangedReader as _ObjectReader
-from packtool.storage import is_remote, location, open_read
+from packtool.storage import is_remote, location, open_read, read_parquet
 
 
 #: Columns of a write task's segment table (``pack`` first), sorted by pack, then source order.
@@ -220,8 +220,9 @@ class WriteTask:
     root: str
     enc_dirs: list[str]
     stamps: dict[str, SourceStamp]
-    #: The packs' segments (:data:`SEGMENT_COLUMNS`), in pack order.
-    segments: pa.Table
+    #: The Parquet file (in OUTPUT's work folder) of the packs' segments (:data:`SEGMENT_COLUMNS`), in pack
+    #: order: a task is a few names, whatever its rows (the command's process keeps none of them).
+    segments: str
     pack_size: int
     align: int
     #: The file source chunks its segments come from (:class:`~packtool.packer.sources.files.FileChunk`), by name.
@@ -230,7 +231,7 @@ class WriteTask:
     datasets: tuple[str, ...] = ()
 
 
-def write_shard(task: WriteTask) -> list[IndexedRecord]:
+def write_shard(task: WriteTask) -> ShardIndex:
     """Write the packs of one output shard. Returns the shard's record index; a shard already committed is
     indexed, not rewritten."""
     path = location(task.path)
@@ -238,23 +239,27 @@ def write_shard(task: WriteTask) -> list[IndexedRecord]:
         return index_tar(path)
     sources = _Sources(location(task.root), task.enc_dirs, task.stamps, task.files)
     try:
-        return write_tar(path, _records(task.split, task.segments, sources, task.pack_size, task.align,
+        return write_tar(path, _records(task.split, _segments(task), sources, task.pack_size, task.align,
                                         task.datasets))
     finally:
         sources.close()
 
 
-def write_part(task: WriteTask) -> list[IndexedRecord]:
+def write_part(task: WriteTask) -> ShardIndex:
     """Write some consecutive packs of an output shard as a part file (see :func:`~packtool.shards.join_tar`):
     how the packs of one shard are written by several workers. Returns the part's index."""
     Path(task.path).parent.mkdir(parents=True, exist_ok=True)
     sources = _Sources(Path(task.root), task.enc_dirs, task.stamps, task.files)
     try:
         with naming(task.path), open(task.path, "wb") as f:
-            return write_records(f, _records(task.split, task.segments, sources, task.pack_size, task.align,
+            return write_records(f, _records(task.split, _segments(task), sources, task.pack_size, task.align,
                                              task.datasets))
     finally:
         sources.close()
+
+
+def _segments(task: WriteTask) -> pa.Table:
+    return read_parquet(location(task.segments))
 
 
 def _records(split: str, segments: pa.Table, sources: _Sources, pack_size: int, align: int,

@@ -35,6 +35,8 @@ from packtool.storage import ObjectPath, is_remote, location, physical, remove_t
 #: The work folder inside OUTPUT: lock, stamps, encode store.
 WORK = ".packtool"
 ENCODE = f"{WORK}/encode"
+#: Each write task's rows of the plan, while the shards are written (removed after).
+WRITE = f"{WORK}/write"
 
 
 #: Files packtool writes under ``.nv-meta`` (the manifest and Energon's metadata).

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from packtool import __version__
-from packtool.commit import commit_bytes, temporary_name
+from packtool.commit import commit_bytes, commit_path, temporary_name
 from packtool.config import recorded_config
 from packtool.errors import ConfigError, FormatError, SourceError
 from packtool.families.conventions import Convention
@@ -31,7 +31,6 @@ from packtool.format import (
     META,
     TOKENIZER_DIR,
     TOKENIZER_FILES,
-    IndexedRecord,
     Manifest,
     check_split_name,
     shard_path,
@@ -43,7 +42,7 @@ from packtool.packer.engine import Engine
 from packtool.packer.holdout import TRAIN, VAL, held_out
 from packtool.packer.ledger import weight_summary, write_ledger
 from packtool.packer.mixing import all_failed, dataset_loss_weights, repeat, repetitions, with_datasets, with_groups
-from packtool.packer.output import OutputDir, check_paths
+from packtool.packer.output import WRITE, OutputDir, check_paths
 from packtool.packer.sources import SourceDataset, open_source
 from packtool.packer.sources.energon import ScanTask, ShardLayout, scan_layout
 from packtool.packer.sources.files import (
@@ -64,8 +63,8 @@ from packtool.packer.store import (
 )
 from packtool.packer.workers import FactsTask, model_facts, pack_engine
 from packtool.settings import PackSettings, RunOptions
-from packtool.shards import idx_path, index_tar, join_tar
-from packtool.storage import is_remote, location, resolved
+from packtool.shards import ShardIndex, idx_path, index_tar, join_tar
+from packtool.storage import is_remote, location, remove_tree, resolved
 
 
 @dataclass
@@ -327,10 +326,16 @@ def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, r
            plans: dict[str, SplitPlan],
            out_shards: dict[str, list[str]], enc_dirs: dict[str, list[Path]],
            stamps: dict[str, SourceStamp], files: dict,
-           datasets: tuple[str, ...] = ()) -> dict[str, list[IndexedRecord]]:
-    """One task per output shard, each with a compact table of its own rows (no Python object per row); with
-    fewer shards than workers, each shard is written as parts by several tasks and joined (same bytes)."""
-    shards = []
+           datasets: tuple[str, ...] = ()) -> dict[str, ShardIndex]:
+    """One task per output shard, its rows of the plan in a file of OUTPUT's work folder (the command's process
+    holds one shard's rows at a time, and each task is a few names); with fewer shards than workers, each shard
+    is written as parts by several tasks and joined (same bytes). A shard already committed is indexed."""
+    work = output / WRITE
+    n_shards = sum(plan.n_shards for plan in plans.values())
+    # Parts are joined where the output is (a local file system): an object store only takes whole objects.
+    parts = 1 if not n_shards or n_shards >= engine.workers or is_remote(output) else engine.workers // n_shards
+    tasks: list[WriteTask] = []
+    pieces: list[list[Path]] = []  # with parts: each shard's part files, in order (none: already committed)
     for split, plan in plans.items():
         if not plan.n_shards:
             continue
@@ -340,45 +345,54 @@ def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, r
         table = plan.table.append_column("pack", pa.array(plan.pack)).select(
             list(SEGMENT_COLUMNS + (MIXTURE_COLUMNS if datasets else ())))
         split_stamps = {s: stamps[s] for s in src_shards(plan)}
-        for k in range(plan.n_shards):
-            segments = table.take(rows[bounds[k]:bounds[k + 1]])
-            with_media = segments.filter(pc.not_equal(segments.column("media"), "[]")) if files else segments
-            chunks = {s: files[s] for s in with_media.column("shard").unique().to_pylist() if s in files}
-            shards.append(WriteTask(str(output / out_shards[split][k]), split, str(source),
-                                    [str(d) for d in enc_dirs[split]], split_stamps, segments,
-                                    settings.encode.pack_size, settings.encode.align, chunks, datasets))
-    # Parts are joined where the output is (a local file system): an object store only takes whole objects.
-    if not shards or len(shards) >= engine.workers or is_remote(output):
-        written = engine.map(write_shard, shards, desc="write", unit="shard", progress=run.progress,
-                             names=[shard.path for shard in shards])
-    else:
-        written = _write_in_parts(engine, shards, engine.workers // len(shards), run.progress)
-    return dict(zip((s for names in out_shards.values() for s in names), written))  # tasks in this order
+        media_rows = np.flatnonzero(pc.not_equal(table.column("media"), "[]").to_numpy(zero_copy_only=False))
+        for k, name in enumerate(out_shards[split]):
+            mine = rows[bounds[k]:bounds[k + 1]]
+            with_media = table.column("shard").take(np.intersect1d(mine, media_rows)) if files else []
+            chunks = {s: files[s] for s in pc.unique(with_media).to_pylist() if s in files} if files else {}
+            task = WriteTask(str(output / name), split, str(source), [str(d) for d in enc_dirs[split]],
+                             split_stamps, "", settings.encode.pack_size, settings.encode.align, chunks, datasets)
+            if parts == 1:
+                tasks.append(replace(task, segments=_rows_file(work / f"{name}.parquet", table, mine)))
+                continue
+            path = output / name
+            pieces.append([])
+            if path.exists() and idx_path(path).exists():
+                continue
+            packs = plan.pack[mine]
+            cuts = np.searchsorted(packs, np.linspace(packs[0], packs[-1] + 1, parts + 1)[1:-1])
+            cut = [0, *cuts.tolist(), len(mine)]
+            for a, b in zip(cut, cut[1:]):
+                if a < b:
+                    part = temporary_name(path.with_name(f"{path.name}.part{len(pieces[-1])}"))
+                    pieces[-1].append(part)
+                    tasks.append(replace(task, path=str(part), segments=_rows_file(
+                        work / f"{name}.part{len(pieces[-1]) - 1}.parquet", table, mine[a:b])))
+    names = [f"{t.path} (a part of an output shard)" if parts > 1 else t.path for t in tasks]
+    written = engine.map(write_part if parts > 1 else write_shard, tasks, desc="write",
+                         unit="part" if parts > 1 else "shard", progress=run.progress, names=names)
+    if parts > 1:
+        indexes = iter(written)
+        shard_paths = [output / name for names_ in out_shards.values() for name in names_]
+        written = [join_tar(path, [(part, next(indexes)) for part in parts_of]) if parts_of else index_tar(path)
+                   for path, parts_of in zip(shard_paths, pieces)]
+    remove_tree(work)
+    return dict(zip((s for names_ in out_shards.values() for s in names_), written))  # tasks in this order
 
 
-def _write_in_parts(engine: Engine, shards: list[WriteTask], parts: int,
-                    progress: bool) -> list[list[IndexedRecord]]:
-    """Write each shard as ``parts`` part files of consecutive packs (a task each), then join them in order: the
-    workers a shard task alone would leave idle share its work. A shard already committed is indexed."""
-    tasks: list[WriteTask] = []
-    pieces: list[list[Path]] = []  # each shard's part files, in order (none: already committed)
-    for shard in shards:
-        path, segments = Path(shard.path), shard.segments
-        pieces.append([])
-        if path.exists() and idx_path(path).exists():
-            continue
-        packs = segments.column("pack").to_numpy()
-        cuts = np.searchsorted(packs, np.linspace(packs[0], packs[-1] + 1, parts + 1)[1:-1])
-        bounds = [0, *cuts.tolist(), segments.num_rows]
-        for a, b in zip(bounds, bounds[1:]):
-            if a < b:
-                part = temporary_name(path.with_name(f"{path.name}.part{len(pieces[-1])}"))
-                pieces[-1].append(part)
-                tasks.append(replace(shard, path=str(part), segments=segments.slice(a, b - a)))
-    indexes = iter(engine.map(write_part, tasks, desc="write", unit="part", progress=progress,
-                              names=[f"{t.path} (a part of an output shard)" for t in tasks]))
-    return [join_tar(Path(shard.path), [(part, next(indexes)) for part in parts_of]) if parts_of
-            else index_tar(Path(shard.path)) for shard, parts_of in zip(shards, pieces)]
+#: Rows of the plan copied at once into a write task's file.
+_ROWS_AT_ONCE = 1 << 16
+
+
+def _rows_file(path: Path, table: pa.Table, rows: np.ndarray) -> str:
+    """Commit rows ``rows`` of ``table`` (in that order) as ``path``, a slice at a time; returns its name for the
+    task."""
+    import pyarrow.parquet as pq
+
+    with commit_path(path) as tmp, pq.ParquetWriter(tmp, table.schema) as writer:
+        for a in range(0, len(rows), _ROWS_AT_ONCE):
+            writer.write_table(table.take(rows[a:a + _ROWS_AT_ONCE]), row_group_size=_ROWS_AT_ONCE)
+    return str(path)
 
 
 def src_shards(plan: SplitPlan) -> list[str]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import sqlite3
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -468,7 +469,7 @@ def check_shard(task: ShardCheck) -> ShardReport:
     return report
 
 
-def _check_idx(path: Path, shard: str, index: list) -> list[str]:
+def _check_idx(path: Path, shard: str, index: Sequence) -> list[str]:
     try:
         offsets = record_offsets(path)
     except FormatError:
@@ -479,7 +480,7 @@ def _check_idx(path: Path, shard: str, index: list) -> list[str]:
     return []
 
 
-def _check_sqlite(path: Path, shard: str, fid: int, index: list) -> list[str]:
+def _check_sqlite(path: Path, shard: str, fid: int, index: Sequence) -> list[str]:
     """The shard's rows of ``index.sqlite`` (``tar_file_id`` = its position in ``split.yaml``) against its tar."""
     if not path.is_file():
         return [f"{META}/index.sqlite: missing"]

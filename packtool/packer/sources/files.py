@@ -43,6 +43,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
 from packtool.errors import SourceError
 from packtool.format import META, record_position
 from packtool.packer.sources.energon import RawSample, SourceDataset
@@ -51,6 +53,8 @@ from packtool.storage import is_remote, location
 
 #: Records per chunk of a JSON/JSONL file (a Parquet chunk is a row group; an Arrow chunk this many rows).
 RECORDS_PER_CHUNK = 1000
+#: Bytes of a record's stamp (a truncated SHA-256).
+STAMP_BYTES = 16
 #: Record fields (and Arrow/Parquet columns) that name media, with their kind.
 MEDIA_FIELDS = {"image": "image", "images": "image", "video": "video", "videos": "video", "audio": "audio",
                 "audios": "audio"}
@@ -721,7 +725,7 @@ def text_stamp(text: bytes, folder: MediaFolder) -> str:
     """The stamp of a JSON record whose text names no media item (:func:`names_no_media`)."""
     h = hashlib.sha256(text)
     h.update(repr(folder.stamp).encode())
-    return h.hexdigest()[:32]
+    return h.hexdigest()[:2 * STAMP_BYTES]
 
 
 def record_stamp(record: Record, folder: MediaFolder) -> str:
@@ -734,19 +738,20 @@ def record_stamp(record: Record, folder: MediaFolder) -> str:
         resolved = resolve(record, folder)
     except RecordProblem as exc:
         h.update(b"problem\0" + str(exc).encode("utf-8", "replace"))
-        return h.hexdigest()[:32]
+        return h.hexdigest()[:2 * STAMP_BYTES]
     for name, source in resolved.members:
         if isinstance(source, MediaFile):
             h.update(f"{name}\0{source.path}\0{source.stamp!r}\0".encode("utf-8", "surrogatepass"))
-    return h.hexdigest()[:32]
+    return h.hexdigest()[:2 * STAMP_BYTES]
 
 
 # -- chunks ---------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class FileChunk:
-    """Consecutive records of one file: what the pipeline treats as a source shard."""
+    """Consecutive records of one file: what the pipeline treats as a source shard. Its per-record fields are
+    compact (arrays, one bytes object): the command's process holds every chunk of the run."""
 
     kind: SourceKind
     #: The file, and the chunk's name (the ledger's ``shard``: the file's name relative to the source, and the
@@ -756,16 +761,20 @@ class FileChunk:
     #: Position in its split of the chunk's first record (its key), and each record's place in the file: byte
     #: offsets of JSON records (``ends``: where each ends), row numbers of table rows.
     first: int
-    starts: tuple[int, ...]
-    ends: tuple[int, ...]
+    starts: np.ndarray
+    ends: np.ndarray
     media_dir: str
     absolute_media_paths: bool = False
-    #: Each record's stamp, and the folder's (set by :func:`stamp_chunk`).
-    stamps: tuple[str, ...] = ()
+    #: Each record's stamp (:data:`STAMP_BYTES` bytes each, one after another; set by :func:`stamp_chunk`).
+    stamps: bytes = b""
 
     @property
     def count(self) -> int:
         return len(self.starts)
+
+    def stamp(self, i: int) -> str:
+        """Record ``i``'s stamp, as :func:`record_stamp` gives it."""
+        return self.stamps[i * STAMP_BYTES:(i + 1) * STAMP_BYTES].hex()
 
     def folder(self) -> MediaFolder:
         return MediaFolder(Path(self.media_dir), self.absolute_media_paths)
@@ -783,9 +792,9 @@ class FileChunk:
         """The JSON text of records ``first`` to ``stop`` of a JSON chunk, unparsed."""
         stop = self.count if stop is None else min(stop, self.count)
         with open(self.path, "rb") as f:
-            for i in range(first, stop):
-                f.seek(self.starts[i])
-                yield f.read(self.ends[i] - self.starts[i])
+            for a, b in zip(self.starts[first:stop].tolist(), self.ends[first:stop].tolist()):
+                f.seek(a)
+                yield f.read(b - a)
 
     def where(self, i: int) -> str:
         """How an error names record ``i`` (found only then: counting lines reads the file up to it)."""
@@ -795,7 +804,7 @@ class FileChunk:
 
     def _line(self, i: int) -> int:
         with open(self.path, "rb") as f:
-            n, left = 1, self.starts[i]
+            n, left = 1, int(self.starts[i])
             while left > 0:
                 block = f.read(min(_BLOCK, left))
                 if not block:
@@ -809,7 +818,7 @@ class FileChunk:
 
         if first >= stop:
             return
-        lo, hi = self.starts[first], self.starts[stop - 1] + 1
+        lo, hi = int(self.starts[first]), int(self.starts[stop - 1]) + 1
         try:
             for offset, batch in _table_batches(Path(self.path), self.kind, lo, hi):
                 columns = _media_columns(batch.schema)
@@ -871,7 +880,7 @@ class FileChunk:
         for i, record in self.records(min(wanted), max(wanted) + 1):
             if i not in wanted:
                 continue
-            if self.stamps and record_stamp(record, folder) != self.stamps[i]:
+            if self.stamps and record_stamp(record, folder) != self.stamp(i):
                 raise SourceError(f"record {self.first + i} of {self.path} (or a media file it names) changed after "
                                   f"it was encoded; run the same command again to encode it anew")
             member = ""
@@ -1014,20 +1023,19 @@ def stamp_chunk(chunk: FileChunk) -> FileChunk:
     """The chunk with each record's stamp (a task: workers stamp chunks in parallel)."""
     folder = chunk.folder()
     if chunk.kind != "json":
-        return replace(chunk, stamps=tuple(record_stamp(r, folder) for _, r in chunk.records()))
+        return replace(chunk, stamps=b"".join(bytes.fromhex(record_stamp(r, folder)) for _, r in chunk.records()))
     stamps = []
     for i, text in enumerate(chunk.texts()):  # parsed only where the text could name media
-        stamps.append(text_stamp(text, folder) if names_no_media(text) else
-                      record_stamp(json_record(text, partial(chunk.where, i)), folder))
-    return replace(chunk, stamps=tuple(stamps))
+        stamps.append(bytes.fromhex(text_stamp(text, folder) if names_no_media(text) else
+                                    record_stamp(json_record(text, partial(chunk.where, i)), folder)))
+    return replace(chunk, stamps=b"".join(stamps))
 
 
 def chunk_digest(chunk: FileChunk) -> str:
     """A stamped chunk's stamp: the digest of its records' stamps and where they are."""
     h = hashlib.sha256(json.dumps([chunk.kind, chunk.path, chunk.first, chunk.media_dir,
                                    chunk.absolute_media_paths]).encode())
-    for s in chunk.stamps:
-        h.update(s.encode())
+    h.update(chunk.stamps.hex().encode())  # each record's stamp as hex, one after another
     return h.hexdigest()
 
 
@@ -1043,8 +1051,8 @@ def _chunks_of_file(kind: SourceKind, path: Path, label: str, first: int, media_
     def close(starts: list[int], ends: list[int]) -> None:
         nonlocal first, in_file
         if starts:
-            chunks.append(FileChunk(kind, str(path), f"{label}@{record_position(in_file)}", first, tuple(starts),
-                                    tuple(ends), media_dir, absolute))
+            chunks.append(FileChunk(kind, str(path), f"{label}@{record_position(in_file)}", first,
+                                    np.asarray(starts, np.int64), np.asarray(ends, np.int64), media_dir, absolute))
             first += len(starts)
             in_file += len(starts)
 
