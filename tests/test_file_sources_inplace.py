@@ -23,8 +23,9 @@ import pytest
 import packfixture as fx
 from mediafixture import make_image
 from packtool.packer.pipeline import pack
-from packtool.packer.sources import files
-from packtool.packer.sources.files import detect, json_spans, resolve_source
+from packtool.packer.sources import files, jsonfile, records, tables
+from packtool.packer.sources.files import detect, resolve_source
+from packtool.packer.sources.jsonfile import json_spans
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
 
 PACK_SIZE = 1024
@@ -125,8 +126,8 @@ def test_json_arrays_are_streamed(demo_dir, pics, tmp_path):
 
 def _walked_spans(path: Path, data_key: bool) -> list[tuple[int, int]]:
     """Reference: the element spans of a JSON array by the byte walk alone (depth, strings, escapes)."""
-    scanner, inner, start, out = files._Scanner(), 2 if data_key else 1, None, []
-    keys, in_array = files._DataKey(), False
+    scanner, inner, start, out = jsonfile._Scanner(), 2 if data_key else 1, None, []
+    keys, in_array = jsonfile._DataKey(), False
     with open(path, "rb") as f:
         for offset, c, depth in scanner.events(path):
             if data_key and not in_array and depth == 1:
@@ -139,7 +140,7 @@ def _walked_spans(path: Path, data_key: bool) -> list[tuple[int, int]]:
             if not in_array or depth != inner:
                 continue
             if c in (0x2C, 0x5D) and start is not None:
-                if c == 0x2C or files._nonblank(f, start, offset):
+                if c == 0x2C or jsonfile._nonblank(f, start, offset):
                     out.append((start, offset))
                 start = offset + 1
                 if c == 0x5D:
@@ -147,7 +148,7 @@ def _walked_spans(path: Path, data_key: bool) -> list[tuple[int, int]]:
     if in_array and start is not None:
         end = path.stat().st_size
         with open(path, "rb") as f:
-            if files._nonblank(f, start, end):
+            if jsonfile._nonblank(f, start, end):
                 out.append((start, end))
     return out
 
@@ -162,11 +163,11 @@ def test_json_array_spans_equal_the_byte_walk(tmp_path, monkeypatch):
     broken = ["{'a': 1}", '{"a": tru}', '{"a": "open', "{]", "}", "1 2", "", "  ", "NaN", "[" * 3000 + "]" * 3000,
               '{"a": 1}}', "é"]
     walks = []
-    real_walk = files._walk_element
-    monkeypatch.setattr(files, "_walk_element", lambda *a: walks.append(a) or real_walk(*a))
+    real_walk = jsonfile._walk_element
+    monkeypatch.setattr(jsonfile, "_walk_element", lambda *a: walks.append(a) or real_walk(*a))
     decoded = 0
     for case in range(300):
-        monkeypatch.setattr(files, "_BLOCK", rng.choice([7, 16, 64, 1 << 20]))
+        monkeypatch.setattr(jsonfile, "READ_BLOCK", rng.choice([7, 16, 64, 1 << 20]))
         elements = [rng.choice(plain if rng.random() < 0.7 else broken) for _ in range(rng.randint(0, 12))]
         seps = [rng.choice([",", " , ", ",\n  ", ",,"]) for _ in elements]
         body = "".join(e + s for e, s in zip(elements, seps))[: -1 or None]
@@ -177,14 +178,14 @@ def test_json_array_spans_equal_the_byte_walk(tmp_path, monkeypatch):
         path = tmp_path / f"{case}.json"
         path.write_bytes(text.encode("utf-8"))
         before = len(walks)
-        assert list(files._array_spans(path, data_key)) == _walked_spans(path, data_key), text
+        assert list(jsonfile._array_spans(path, data_key)) == _walked_spans(path, data_key), text
         decoded += len(_walked_spans(path, data_key)) - (len(walks) - before)
     assert walks and decoded > len(walks)
-    monkeypatch.setattr(files, "_BLOCK", 1 << 20)  # plain elements in one buffer: the walk is never taken
+    monkeypatch.setattr(jsonfile, "READ_BLOCK", 1 << 20)  # plain elements in one buffer: the walk is never taken
     path = tmp_path / "plain.json"
     path.write_text("[" + ",\n".join(plain * 50) + "]")
     before = len(walks)
-    assert len(list(files._array_spans(path, False))) == len(plain) * 50 and len(walks) == before
+    assert len(list(jsonfile._array_spans(path, False))) == len(plain) * 50 and len(walks) == before
 
 
 def test_a_stamp_read_unparsed_still_covers_media_named_by_an_escaped_key(pics, tmp_path):
@@ -204,11 +205,11 @@ def test_a_stamp_read_unparsed_still_covers_media_named_by_an_escaped_key(pics, 
         return [stamped.stamp(i) for i in range(stamped.count)]
 
     before = stamps()
-    assert not files.names_no_media(escaped) and files.names_no_media(plain)
+    assert not records.names_no_media(escaped) and records.names_no_media(plain)
     (pics / "0.png").write_bytes((pics / "1.png").read_bytes())  # the image replaced (other size)
     after = stamps()
     assert after[0] != before[0] and after[1] == before[1]
-    assert before[1] == files.text_stamp(plain + b"\n", chunk.folder())  # a JSONL record: its line
+    assert before[1] == records.text_stamp(plain + b"\n", chunk.folder())  # a JSONL record: its line
 
 
 def test_media_column_layouts(demo_dir, pics, tmp_path):
@@ -356,13 +357,13 @@ def test_media_in_cells_are_read_in_one_pass_per_chunk(demo_dir, pics, tmp_path,
                                          pa.list_(pa.binary()))})
     pq.write_table(table, tmp_path / "cells.parquet")
     passes = []
-    real = files._table_batches
+    real = files.table_batches
 
     def counted(path, kind, lo, hi, size=16):
         passes.append(hi - lo)
         yield from real(path, kind, lo, hi, size)
 
-    monkeypatch.setattr(files, "_table_batches", counted)
+    monkeypatch.setattr(files, "table_batches", counted)
     out = run(tmp_path / "cells.parquet", tmp_path / "o-cells", demo_dir / "tokenizer")
     assert tokens(out) == reference
     reads = [span for span in passes if span < n]  # the stamp and encode passes read the whole chunk
@@ -390,12 +391,12 @@ def test_a_row_group_is_decoded_once_per_stage_not_once_per_chunk(demo_dir, pics
                              "images": pa.array([[(pics / r["images"][0]).read_bytes()] for r in recs],
                                                 pa.list_(pa.binary()))}), tmp_path / "one.parquet")
     opened = []
-    real = files._open_group
-    monkeypatch.setattr(files, "_open_group", lambda *a: opened.append(a) or real(*a))
+    real = tables._open_group
+    monkeypatch.setattr(tables, "_open_group", lambda *a: opened.append(a) or real(*a))
     first = tokens(run(tmp_path / "one.parquet", tmp_path / "o1", demo_dir / "tokenizer"))
     assert len(first) == 40 and len(opened) <= 3, len(opened)  # stamp, encode, write: a pass each
     opened.clear()
-    monkeypatch.setattr(files, "_STREAMS", 0)
+    monkeypatch.setattr(tables, "_STREAMS", 0)
     assert tokens(run(tmp_path / "one.parquet", tmp_path / "o2", demo_dir / "tokenizer")) == first
     assert len(opened) >= 10
 
@@ -429,7 +430,7 @@ def test_a_chunk_holds_a_few_bytes_a_record(tmp_path):
         tracemalloc.stop()
     assert compact < 48 * n, compact
     assert objects > 3 * compact, (objects, compact)
-    assert len(stamped.stamps) == files.STAMP_BYTES * n
+    assert len(stamped.stamps) == records.STAMP_BYTES * n
     text = next(stamped.texts(7, 8))
-    assert stamped.stamp(7) == files.text_stamp(text, stamped.folder())  # each record's stamp is its own
+    assert stamped.stamp(7) == records.text_stamp(text, stamped.folder())  # each record's stamp is its own
     assert len(as_objects[2]) == n

@@ -33,11 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import re
-import stat
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -48,24 +44,30 @@ import numpy as np
 from packtool.errors import SourceError
 from packtool.format import META, record_position
 from packtool.packer.sources.energon import RawSample, SourceDataset
+from packtool.packer.sources.jsonfile import READ_BLOCK, json_spans, jsonl_spans
 from packtool.packer.sources.mixture import is_mixture
+from packtool.packer.sources.records import (
+    STAMP_BYTES,
+    MediaFile,
+    MediaFolder,
+    Record,
+    RecordProblem,
+    json_record,
+    media_columns,
+    names_no_media,
+    record_id,
+    record_stamp,
+    resolve,
+    row_record,
+    text_stamp,
+)
+from packtool.packer.sources.tables import arrow_reader, table_batches
 from packtool.storage import is_remote, location
 
 #: Records per chunk of a JSON/JSONL file (a Parquet chunk is a row group; an Arrow chunk this many rows).
 RECORDS_PER_CHUNK = 1000
-#: Bytes of a record's stamp (a truncated SHA-256).
-STAMP_BYTES = 16
-#: Record fields (and Arrow/Parquet columns) that name media, with their kind.
-MEDIA_FIELDS = {"image": "image", "images": "image", "video": "video", "videos": "video", "audio": "audio",
-                "audios": "audio"}
-#: Content-part types that name a media item (as :mod:`packtool.packer.sources.conversation` reads them).
-_PART_TYPES = {"image": "image", "image_url": "image", "video": "video", "video_url": "video", "audio": "audio",
-               "input_audio": "audio", "audio_url": "audio"}
 #: Split names, one mapping for every layout (Energon calls the validation split ``val``).
 SPLIT_NAMES = {"train": "train", "validation": "val", "val": "val", "valid": "val", "test": "test", "dev": "val"}
-#: Bytes read at once while streaming a JSON/JSONL file.
-_BLOCK = 1 << 20
-
 SourceKind = Literal["json", "arrow", "parquet"]
 
 
@@ -178,573 +180,6 @@ def _read_json_file(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-# -- streaming the records' spans -----------------------------------------------------------------------------
-
-
-def jsonl_spans(path: Path) -> Iterator[tuple[int, int]]:
-    """``(start, end)`` byte span of each non-blank line of a JSONL file, one line at a time."""
-    offset = 0
-    with open(path, "rb") as f:
-        for line in f:
-            if line.strip():
-                yield offset, offset + len(line)
-            offset += len(line)
-
-
-def json_spans(path: Path) -> Iterator[tuple[int, int]]:
-    """``(start, end)`` byte span of each element of a JSON array file (or of its ``"data"`` array), by a
-    streaming scan of its structure (strings, escapes, brackets; 1 MiB at a time: the file is never held). A
-    file whose top level is several values is read as JSONL. Raises :class:`SourceError` for a file that holds
-    no list of records."""
-    first = _first_byte(path)
-    if first == b"[":
-        yield from _array_spans(path, data_key=False)
-        return
-    if first != b"{":
-        raise SourceError(f"{path} holds no JSON list of records" + (" (it is empty)" if first is None else ""))
-    spans, end = _object_scan(path)
-    if end is None:
-        yield from jsonl_spans(path)  # several top-level objects: one record per line
-        return
-    if spans is None:
-        raise SourceError(f"{path} holds a JSON object; expected a list of records (or {{\"data\": [...]}})")
-    yield from spans
-
-
-def _first_byte(path: Path) -> bytes | None:
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(_BLOCK)
-            if not block:
-                return None
-            stripped = block.lstrip()
-            if stripped:
-                return stripped[:1]
-
-
-class _Scanner:
-    """A byte-level walk over JSON structure: depth, strings and escapes, with the offsets of commas and brackets
-    at a chosen depth. No recursion, so any nesting depth is walked (parsing an element is the record's own
-    business)."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.in_string = False
-        self.escape = False
-
-    def events(self, path: Path, start: int = 0, block_size: int = _BLOCK) -> Iterator[tuple[int, int, int]]:
-        """``(offset, byte, depth before it)`` of each structural byte outside strings, and of each string's
-        opening and closing quote, from byte ``start`` on."""
-        offset = start
-        with open(path, "rb") as f:
-            f.seek(start)
-            while True:
-                block = f.read(block_size)
-                if not block:
-                    return
-                i, n = 0, len(block)
-                while i < n:
-                    if self.in_string:
-                        if self.escape:
-                            self.escape = False
-                            i += 1
-                            continue
-                        q, b = block.find(b'"', i), block.find(b"\\", i)
-                        if b != -1 and (q == -1 or b < q):
-                            self.escape = True
-                            i = b + 1
-                            continue
-                        if q == -1:
-                            break
-                        self.in_string = False
-                        yield offset + q, 0x22, self.depth
-                        i = q + 1
-                        continue
-                    c = block[i]
-                    if c == 0x22:
-                        self.in_string = True
-                        yield offset + i, c, self.depth
-                    elif c in (0x5B, 0x7B):
-                        yield offset + i, c, self.depth
-                        self.depth += 1
-                    elif c in (0x5D, 0x7D):
-                        self.depth -= 1
-                        yield offset + i, c, self.depth + 1
-                    elif c in (0x2C, 0x3A):
-                        yield offset + i, c, self.depth
-                    i += 1
-                offset += n
-
-
-class _DataKey:
-    """Follows the keys of the top-level object while the scanner walks it (events at depth 1): says when the
-    value of its ``"data"`` key opens as an array. Keys longer than 16 bytes are never ``data``: not read."""
-
-    def __init__(self) -> None:
-        self.key_start, self.last_key, self.value_key = -1, b"", b""
-
-    def opens_data_array(self, f: Any, in_string: bool, offset: int, c: int) -> bool:
-        if c == 0x22:
-            if in_string:
-                self.key_start = offset
-            else:
-                length = offset - self.key_start - 1
-                f.seek(self.key_start + 1)
-                self.last_key = f.read(length) if length <= 16 else b""
-        elif c == 0x3A:
-            self.value_key = self.last_key
-        elif c == 0x2C:
-            self.value_key = b""
-        elif c == 0x5B and self.value_key == b"data":
-            return True
-        return False
-
-
-def _array_spans(path: Path, data_key: bool) -> Iterator[tuple[int, int]]:
-    """Element spans of the top-level array (``data_key``: of the array that is the top-level object's
-    ``"data"`` value): each from just after the comma or bracket before it to the comma or bracket after it.
-
-    An element that is plain JSON is found by Python's JSON decoder, a buffer at a time (the bytes read as
-    Latin-1, one character a byte, so offsets are the file's); one that is not (broken, nested too deep, cut by
-    the buffer's end) by the byte walk of :class:`_Scanner` from its start, which defines what an element is."""
-    start = _array_open(path, data_key)
-    if start is None:
-        return
-    inner, size = (2 if data_key else 1), os.stat(path).st_size
-    decoder = json.JSONDecoder(strict=False)  # control characters in strings: the record's own parse judges them
-    with open(path, "rb") as f:
-        buf_at, buf = start, ""
-        while True:
-            if start >= buf_at + len(buf):
-                f.seek(start)
-                buf_at, buf = start, f.read(_BLOCK).decode("latin-1")
-            found = _decoded_element(decoder, buf, start - buf_at)
-            if found is not None:
-                end, closing, blank = found
-                if not blank or closing == ",":
-                    yield start, buf_at + end
-                if closing == "]":
-                    return
-                start = buf_at + end + 1
-                continue
-            walked = _walk_element(path, start, inner)
-            if walked is None:  # cut short: what is left is one last (broken) record
-                if _nonblank(f, start, size):
-                    yield start, size
-                return
-            end, c = walked
-            if c == 0x2C or _nonblank(f, start, end):
-                yield start, end
-            if c == 0x5D:
-                return
-            start = end + 1
-
-
-_WS = re.compile(r"[ \t\n\r]*")
-
-
-def _decoded_element(decoder: json.JSONDecoder, buf: str, pos: int) -> tuple[int, str, bool] | None:
-    """The element of ``buf`` from ``pos`` if it is plain JSON followed by a comma or the closing bracket, all in
-    ``buf``: ``(index of that comma or bracket, it, whether the element is blank)``; None otherwise."""
-    j = _WS.match(buf, pos).end()  # type: ignore[union-attr]
-    if j >= len(buf):
-        return None
-    if buf[j] in ",]":
-        return j, buf[j], True
-    try:
-        k = decoder.raw_decode(buf, j)[1]
-    except (ValueError, RecursionError):
-        return None
-    m = _WS.match(buf, k).end()  # type: ignore[union-attr]
-    if m >= len(buf) or buf[m] not in ",]":
-        return None
-    return m, buf[m], False
-
-
-def _walk_element(path: Path, start: int, inner: int) -> tuple[int, int] | None:
-    """Where the element starting at ``start`` (at array depth ``inner``) ends, by the byte walk: the offset and
-    byte of the comma or bracket after it, or None when the file ends first."""
-    scanner = _Scanner()
-    scanner.depth = inner
-    for offset, c, depth in scanner.events(path, start, 1 << 16):
-        if depth == inner and c in (0x2C, 0x5D):
-            return offset, c
-    return None
-
-
-def _array_open(path: Path, data_key: bool) -> int | None:
-    """The offset just after the bracket that opens the array of records, or None where there is none."""
-    scanner = _Scanner()
-    keys = _DataKey()
-    with open(path, "rb") as f:
-        for offset, c, depth in scanner.events(path):
-            if data_key:
-                if depth == 1 and keys.opens_data_array(f, scanner.in_string, offset, c):
-                    return offset + 1
-            elif depth == 0 and c == 0x5B:
-                return offset + 1
-    return None
-
-
-def _nonblank(f: Any, start: int, end: int) -> bool:
-    f.seek(start)
-    while start < end:
-        block = f.read(min(_BLOCK, end - start))
-        if not block:
-            return False
-        if block.strip():
-            return True
-        start += len(block)
-    return False
-
-
-def _object_scan(path: Path) -> tuple[Iterator[tuple[int, int]] | None, int | None]:
-    """For a file starting with ``{``: ``(spans of its "data" array or None, end of the first top-level value)``;
-    the end is None when another value follows it (a JSONL file named ``.json``)."""
-    scanner = _Scanner()
-    end = None
-    has_data = False
-    keys = _DataKey()
-    with open(path, "rb") as f:
-        for offset, c, depth in scanner.events(path):
-            if end is not None:
-                return None, None  # a second top-level value
-            if depth == 1 and keys.opens_data_array(f, scanner.in_string, offset, c):
-                has_data = True
-            if c == 0x7D and scanner.depth == 0:  # the top-level object closes
-                end = offset + 1
-                tail_size = os.stat(path).st_size - end
-                if _nonblank(f, end, end + tail_size):
-                    return None, None
-    return (_array_spans(path, data_key=True) if has_data else None), end if end is not None else 0
-
-
-# -- records --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Record:
-    """One record of a file source: the document, or why it cannot be read; ``blobs`` holds media given as bytes
-    (Arrow/Parquet), keyed by the placeholder the document names them by; ``text`` its bytes as stored (a
-    JSON record's text), for its stamp."""
-
-    doc: Any = None
-    problem: str | None = None
-    blobs: dict[str, bytes] | None = None
-    text: bytes = b""
-    #: ``text`` is the record's JSON text (not a table row's digest).
-    is_json: bool = False
-
-
-def json_record(text: bytes, where: Callable[[], str]) -> Record:
-    """A record from its JSON text; text that does not parse (bad UTF-8, a cut surrogate, nesting too deep) is a
-    record with a problem (``where()`` names the record in it)."""
-    try:
-        return Record(json.loads(text), text=text, is_json=True)
-    except RecursionError:
-        return Record(problem=f"{where()} is JSON nested too deep to parse", text=text, is_json=True)
-    except ValueError as exc:
-        return Record(problem=f"{where()} is not valid JSON: {exc}", text=text, is_json=True)
-
-
-#: Column layouts of a media column a row value may come in, by what pyarrow gives for it.
-def _row_record(row: dict, columns: dict[str, str]) -> Record:
-    """A table row as a record: media columns' bytes become blobs named ``blob:<k>:<path>``. A media value that
-    is neither bytes, a path, a ``{"bytes", "path"}`` struct nor a list of them is the record's problem naming
-    the column, as is any other value JSON cannot hold."""
-    blobs: dict[str, bytes] = {}
-
-    def media(value: Any, column: str) -> Any:
-        if isinstance(value, (bytes, bytearray, memoryview)):
-            name = f"blob:{len(blobs)}:"
-            blobs[name] = bytes(value)
-            return name
-        if isinstance(value, dict) and ("bytes" in value or "path" in value):
-            data, path = value.get("bytes"), value.get("path")
-            if data is not None:
-                if not isinstance(data, (bytes, bytearray, memoryview)):
-                    raise _Unreadable(column, f"its 'bytes' is a {type(data).__name__}")
-                name = f"blob:{len(blobs)}:{path if isinstance(path, str) else ''}"
-                blobs[name] = bytes(data)
-                return name
-            if isinstance(path, str):
-                return path
-            raise _Unreadable(column, "a value has neither bytes nor a path")
-        if isinstance(value, (list, tuple)):
-            return [media(v, column) for v in value]
-        if value is None or isinstance(value, str):
-            return value
-        raise _Unreadable(column, f"a value is a {type(value).__name__}")
-
-    doc: dict[str, Any] = {}
-    try:
-        for k, v in row.items():
-            doc[k] = media(v, k) if k in columns else v
-    except _Unreadable as exc:
-        return Record(problem=f"media column {exc.column!r} cannot be read: {exc.why}")
-    bad = [k for k, v in doc.items() if not _jsonable(v)]
-    if bad:
-        return Record(problem=f"column {bad[0]!r} holds a value that is not text, a number or a list "
-                              f"({type(doc[bad[0]]).__name__}); name media columns image(s), video(s) or audio(s)")
-    text = json.dumps(doc, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode("utf-8",
-                                                                                            "surrogatepass")
-    h = hashlib.sha256(text)
-    for name in sorted(blobs):
-        h.update(name.encode("utf-8", "surrogatepass") + hashlib.sha256(blobs[name]).digest())
-    return Record(doc, blobs=blobs or None, text=h.digest())
-
-
-class _Unreadable(Exception):
-    def __init__(self, column: str, why: str):
-        super().__init__(why)
-        self.column, self.why = column, why
-
-
-def _jsonable(value: Any) -> bool:
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
-def record_id(doc: Any) -> str | None:
-    """The record's own ``id`` (a string or a number), printable and at most 80 characters, or None."""
-    if not isinstance(doc, dict):
-        return None
-    value = doc.get("id")
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        return None
-    text = str(value)
-    text = text.encode("unicode_escape").decode("ascii") if not text.isprintable() else text
-    return text[:80] or None
-
-
-# -- media references -----------------------------------------------------------------------------------------
-
-
-def _media_refs(doc: Any) -> list[tuple[Any, Any, str]]:
-    """Every place in ``doc`` that names a media item: ``(container, index or key, kind)``."""
-    out: list[tuple[Any, Any, str]] = []
-    if not isinstance(doc, dict):
-        return out
-
-    def leaves(container: Any, key: Any, kind: str) -> None:
-        value = container[key]
-        if isinstance(value, str):
-            out.append((container, key, kind))
-        elif isinstance(value, list):
-            for i in range(len(value)):
-                leaves(value, i, kind)
-
-    for key, kind in MEDIA_FIELDS.items():
-        if key in doc:
-            leaves(doc, key, kind)
-    turns = doc.get("conversations", doc.get("messages", doc.get("conversation")))
-    for turn in turns if isinstance(turns, list) else []:
-        content = turn.get("content") if isinstance(turn, dict) else None
-        for part in content if isinstance(content, list) else []:
-            part_kind = _PART_TYPES.get(str(part.get("type"))) if isinstance(part, dict) else None
-            if part_kind is None:
-                continue
-            value = part.get(part["type"])
-            if isinstance(value, dict):
-                key_name = next((k for k in ("url", "path") if isinstance(value.get(k), str)), None)
-                if key_name is not None:
-                    out.append((value, key_name, part_kind))
-            elif isinstance(value, str):
-                out.append((part, part["type"], part_kind))
-            else:
-                key_name = next((k for k in ("path", "url") if isinstance(part.get(k), str)), None)
-                if key_name is not None:
-                    out.append((part, key_name, part_kind))
-    return out
-
-
-#: Leading bytes of the media formats packtool reads, for media given as bytes without a name.
-_MAGIC = ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG", "png"), (b"GIF8", "gif"), (b"BM", "bmp"), (b"fLaC", "flac"),
-          (b"OggS", "ogg"), (b"ID3", "mp3"), (b"\x1aE\xdf\xa3", "mkv"))
-
-
-def _extension(name: str, data: bytes | None) -> str:
-    base = name.rsplit("/", 1)[-1]
-    if "." in base and base.rsplit(".", 1)[-1].isalnum() and base.rsplit(".", 1)[-1].isascii():
-        return base.rsplit(".", 1)[-1].lower()
-    if data is not None:
-        if data[:4] == b"RIFF" and data[8:12] in (b"WEBP", b"WAVE", b"AVI "):
-            return {b"WEBP": "webp", b"WAVE": "wav", b"AVI ": "avi"}[data[8:12]]
-        if data[4:8] == b"ftyp":
-            return "mp4"
-        for magic, ext in _MAGIC:
-            if data.startswith(magic):
-                return ext
-    return "bin"
-
-
-class RecordProblem(Exception):
-    """Why a record cannot be used (its error row)."""
-
-
-@dataclass(frozen=True)
-class MediaFile:
-    """A media file a record names, checked: its path, and its stamp when it was looked at."""
-
-    path: str
-    stamp: tuple
-
-
-def _file_stamp(st: os.stat_result) -> tuple:
-    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
-
-
-class MediaFolder:
-    """Where a source's relative media paths are read from, and the rules for reading them."""
-
-    def __init__(self, folder: Path, absolute: bool):
-        self.folder, self.absolute = folder, absolute
-        try:
-            self.real = os.path.realpath(folder, strict=True)
-            st = os.stat(self.real)
-            self.stamp: tuple = (self.real, st.st_ino, st.st_dev)
-        except OSError:
-            self.real, self.stamp = str(folder), ("missing", str(folder))
-
-    def locate(self, ref: str) -> tuple[str, tuple]:
-        """The file a reference names and its stamp (``("missing", why)`` where it cannot be stat'ed); raises
-        :class:`RecordProblem` for a reference that may not be read."""
-        short = ref[:80]
-        if "\x00" in ref or any(0xD800 <= ord(c) <= 0xDFFF for c in ref):
-            raise RecordProblem(f"media path {short!r} is not a file name (a NUL or a lone surrogate)")
-        if "://" in ref:
-            raise RecordProblem(f"media {short!r} is a URL; packtool reads local files only (download it into the "
-                                f"media folder)")
-        if os.path.isabs(ref):
-            if not self.absolute:
-                raise RecordProblem(f"media path {short!r} is absolute; absolute paths are read only with "
-                                    f"--absolute-media-paths (absolute_media_paths: true), else name files "
-                                    f"relative to the media folder {self.folder}")
-            path = ref
-        else:
-            if Path(os.path.normpath(ref)).parts[:1] == ("..",):
-                raise RecordProblem(f"media path {short!r} leaves the media folder {self.folder}")
-            path = os.path.join(self.folder, ref)
-        try:
-            st = os.stat(path)
-        except OSError as exc:
-            if isinstance(exc, FileNotFoundError):
-                return path, ("missing", f"media file {short!r} not found in {self.folder} ({exc.strerror})")
-            return path, ("missing", f"media file {path}: {exc.strerror or 'cannot be read'}")
-        if not os.path.isabs(ref):
-            real = os.path.realpath(path)
-            if not (real + os.sep).startswith(self.real.rstrip(os.sep) + os.sep):
-                raise RecordProblem(f"media path {short!r} is a link to {real}, outside the media folder "
-                                    f"{self.folder}")
-        if not stat.S_ISREG(st.st_mode):
-            what = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
-                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
-                    else "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file")
-            raise RecordProblem(f"media path {short!r} is {what}; only regular files are read as media")
-        return path, _file_stamp(st)
-
-    def read(self, path: str, stamp: tuple) -> bytes:
-        """The bytes of a located file, which must still be the regular file stamped (never blocks on a FIFO
-        put in its place)."""
-        if stamp[0] == "missing":
-            raise RecordProblem(stamp[1])
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        except OSError as exc:
-            raise RecordProblem(f"media file {path}: {exc.strerror or 'cannot be read'}") from None
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or _file_stamp(st) != stamp:
-                raise SourceError(f"media file {path} changed after it was encoded; run the same command again "
-                                  f"to encode it anew")
-            data = f.read()
-        if len(data) != stamp[0]:
-            raise SourceError(f"media file {path} changed while it was read; run the same command again")
-        return data
-
-
-@dataclass
-class Resolved:
-    """A record as a sample: its ``json`` member's bytes, and each media member's source: bytes or a file."""
-
-    text: bytes
-    members: list[tuple[str, bytes | MediaFile]]
-
-
-def resolve(record: Record, folder: MediaFolder) -> Resolved:
-    """The members of a record's sample, its media located (not read); raises :class:`RecordProblem`."""
-    if record.problem is not None:
-        raise RecordProblem(record.problem)
-    doc, refs = record.doc, _media_refs(record.doc)
-    if refs:
-        try:
-            doc = json.loads(json.dumps(doc))  # a private copy to rename references in
-        except (TypeError, ValueError) as exc:
-            raise RecordProblem(f"the record cannot be held as JSON ({exc})") from None
-        refs = _media_refs(doc)
-    names: dict[str, str] = {}
-    members: list[tuple[str, bytes | MediaFile]] = []
-    for container, key, _kind in refs:
-        ref = container[key]
-        if ref.startswith("data:"):
-            continue  # inline data: the conversation adapter refuses it with its own reason
-        if ref not in names:
-            source: bytes | MediaFile
-            if record.blobs and ref in record.blobs:
-                source = record.blobs[ref]
-                ext = _extension(ref.split(":", 2)[-1], source)
-            else:
-                path, stamp = folder.locate(ref)
-                source = MediaFile(path, stamp)
-                ext = _extension(ref, None)
-            names[ref] = f"m{len(names)}.{ext}"
-            members.append((names[ref], source))
-        container[key] = names[ref]
-    try:
-        text = json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
-    except UnicodeEncodeError as exc:
-        raise RecordProblem(f"the record's text is not valid Unicode ({exc.reason}: a cut or lone surrogate)") \
-            from None
-    return Resolved(text, members)
-
-
-#: What the text of every JSON record that names a media item holds: a media key or content-part type (each holds
-#: one of these words), or an escape that could spell one.
-_MEDIA_WORDS = (b"image", b"video", b"audio", b"\\u")
-
-
-def names_no_media(text: bytes) -> bool:
-    """Whether a JSON record's text can name no media item (so its stamp is its bytes alone, found unparsed)."""
-    return not any(word in text for word in _MEDIA_WORDS)
-
-
-def text_stamp(text: bytes, folder: MediaFolder) -> str:
-    """The stamp of a JSON record whose text names no media item (:func:`names_no_media`)."""
-    h = hashlib.sha256(text)
-    h.update(repr(folder.stamp).encode())
-    return h.hexdigest()[:2 * STAMP_BYTES]
-
-
-def record_stamp(record: Record, folder: MediaFolder) -> str:
-    """A record's stamp: its bytes, and each media file it names as it is now (see the module doc)."""
-    if record.is_json and names_no_media(record.text):
-        return text_stamp(record.text, folder)
-    h = hashlib.sha256(record.text)
-    h.update(repr(folder.stamp).encode())
-    try:
-        resolved = resolve(record, folder)
-    except RecordProblem as exc:
-        h.update(b"problem\0" + str(exc).encode("utf-8", "replace"))
-        return h.hexdigest()[:2 * STAMP_BYTES]
-    for name, source in resolved.members:
-        if isinstance(source, MediaFile):
-            h.update(f"{name}\0{source.path}\0{source.stamp!r}\0".encode("utf-8", "surrogatepass"))
-    return h.hexdigest()[:2 * STAMP_BYTES]
-
-
 # -- chunks ---------------------------------------------------------------------------------------------------
 
 
@@ -806,7 +241,7 @@ class FileChunk:
         with open(self.path, "rb") as f:
             n, left = 1, int(self.starts[i])
             while left > 0:
-                block = f.read(min(_BLOCK, left))
+                block = f.read(min(READ_BLOCK, left))
                 if not block:
                     break
                 n += block.count(b"\n")
@@ -818,14 +253,15 @@ class FileChunk:
 
         if first >= stop:
             return
+        assert self.kind != "json"
         lo, hi = int(self.starts[first]), int(self.starts[stop - 1]) + 1
         try:
-            for offset, batch in _table_batches(Path(self.path), self.kind, lo, hi):
-                columns = _media_columns(batch.schema)
+            for offset, batch in table_batches(Path(self.path), self.kind, lo, hi):
+                columns = media_columns(batch.schema)
                 for j, row in enumerate(batch.to_pylist()):
                     row_number = offset + j
                     if lo <= row_number < hi:
-                        yield first + row_number - lo, _row_record(row, columns)
+                        yield first + row_number - lo, row_record(row, columns)
         except (OSError, pa.ArrowException) as exc:
             raise SourceError(f"cannot read {self.path}: {exc}") from None
 
@@ -896,129 +332,6 @@ class FileChunk:
         return out
 
 
-def _media_columns(schema: Any) -> dict[str, str]:
-    """The media columns of a table, by name (as :data:`MEDIA_FIELDS`)."""
-    return {name: kind for name, kind in MEDIA_FIELDS.items() if schema.get_field_index(name) >= 0}
-
-
-#: Decoded table batches kept for the media of later rows (a pack's rows come in any order), bytes at most.
-_CACHE_BYTES = 64 << 20
-_cache: dict[tuple[str, int], Any] = {}
-
-
-def _table_batches(path: Path, kind: SourceKind, lo: int, hi: int, size: int = 16) -> Iterator[tuple[int, Any]]:
-    """``(first row number, batch)`` of batches of a table file that hold rows ``lo`` to ``hi``: a Parquet
-    file's row groups that hold them (streamed from the group's start: Parquet has no random access inside a
-    group), an Arrow file's batches (memory-mapped). A batch of a single row is served from a small cache."""
-    import pyarrow.parquet as pq
-
-    st = os.stat(path)
-    version = f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}"  # a rewritten file is never served stale
-    if hi - lo == 1:
-        for (p, start), batch in list(_cache.items()):
-            if p == version and start <= lo < start + batch.num_rows:
-                yield start, batch
-                return
-    if kind == "parquet":
-        pf = pq.ParquetFile(path)
-        meta = pf.metadata
-        start = 0
-        for g in range(meta.num_row_groups):
-            n = meta.row_group(g).num_rows
-            if start < hi and lo < start + n:
-                stream = _stream(version, g, lo, size, partial(_open_group, path, g, start, size))
-                for offset, batch in stream.serve(lo, hi):
-                    _remember(version, offset, batch, hi - lo == 1)
-                    yield offset, batch
-                if stream.next >= hi:
-                    return
-            start += n
-        return
-    offset = 0
-    for batch in _arrow_reader(path):
-        if offset >= hi:
-            return
-        if offset + batch.num_rows > lo:
-            for k in range(0, batch.num_rows, size):
-                if offset + k + size > lo and offset + k < hi:
-                    piece = batch.slice(k, size)
-                    _remember(version, offset + k, piece, hi - lo == 1)
-                    yield offset + k, piece
-        offset += batch.num_rows
-
-
-class _GroupStream:
-    """Batches of one Parquet row group, read on from where the last request stopped: a task reads its chunks in
-    order, so each worker decodes a group about once, not once per chunk (Parquet has no random access inside a
-    group: each fresh read decodes the group from its start)."""
-
-    def __init__(self, batches: Iterator[Any], start: int):
-        self.batches, self.next = batches, start
-        #: The last batch read and its first row (a chunk may end inside it).
-        self.batch: Any = None
-        self.batch_start = start
-
-    def serves(self, lo: int) -> bool:
-        """Whether rows from ``lo`` on are still ahead (or in the last batch)."""
-        return self.next <= lo or (self.batch is not None and self.batch_start <= lo)
-
-    def serve(self, lo: int, hi: int) -> Iterator[tuple[int, Any]]:
-        if self.batch is not None and self.batch_start <= lo < self.next:
-            yield self.batch_start, self.batch
-        while self.next < hi:
-            batch = next(self.batches, None)
-            if batch is None:
-                return
-            self.batch, self.batch_start = batch, self.next
-            self.next += batch.num_rows
-            if self.next > lo:
-                yield self.batch_start, batch
-
-
-def _open_group(path: Path, group: int, start: int, size: int) -> _GroupStream:
-    import pyarrow.parquet as pq
-
-    return _GroupStream(pq.ParquetFile(path).iter_batches(batch_size=size, row_groups=[group]), start)
-
-
-#: Open row-group streams of this thread, by (file version, row group, batch size); a few at most.
-_local = threading.local()
-_STREAMS = 4
-
-
-def _stream(version: str, group: int, lo: int, size: int, start: Callable[[], _GroupStream]) -> _GroupStream:
-    """The open stream of a row group that still has row ``lo`` ahead, or a new one from the group's start."""
-    streams: dict[tuple[str, int, int], _GroupStream] = _local.__dict__.setdefault("streams", {})
-    key = (version, group, size)
-    stream = streams.pop(key, None)
-    if stream is None or not stream.serves(lo):
-        stream = start()
-    streams[key] = stream  # the most recent last
-    while len(streams) > _STREAMS:
-        del streams[next(iter(streams))]
-    return stream
-
-
-def _remember(version: str, start: int, batch: Any, wanted: bool) -> None:
-    if not wanted:
-        return
-    _cache[(version, start)] = batch
-    while sum(b.nbytes for b in _cache.values()) > _CACHE_BYTES and len(_cache) > 1:
-        del _cache[next(iter(_cache))]
-
-
-def _arrow_reader(path: Path) -> Any:
-    """The record batches of an Arrow file (``save_to_disk`` writes IPC streams; IPC files are read too),
-    memory-mapped."""
-    import pyarrow as pa
-
-    try:
-        return pa.ipc.open_stream(pa.memory_map(str(path)))
-    except pa.ArrowInvalid:
-        reader = pa.ipc.open_file(pa.memory_map(str(path)))
-        return (reader.get_batch(k) for k in range(reader.num_record_batches))
-
-
 def stamp_chunk(chunk: FileChunk) -> FileChunk:
     """The chunk with each record's stamp (a task: workers stamp chunks in parallel)."""
     folder = chunk.folder()
@@ -1079,7 +392,7 @@ def _chunks_of_file(kind: SourceKind, path: Path, label: str, first: int, media_
                     close(list(range(a, min(a + RECORDS_PER_CHUNK, row + n))), [])
                 row += n
         else:
-            rows = sum(b.num_rows for b in _arrow_reader(path))
+            rows = sum(b.num_rows for b in arrow_reader(path))
             for a in range(0, rows, RECORDS_PER_CHUNK):
                 close(list(range(a, min(a + RECORDS_PER_CHUNK, rows))), [])
     except SourceError:
