@@ -144,6 +144,22 @@ def test_no_cycle_between_packages_and_the_reader_stands_below_the_runtime():
     assert cycle_between(again, "packtool.families", "packtool.runtime") is not None
 
 
+def test_the_format_stands_below_everything():
+    """The format package (the contract) imports nothing of packtool but its own modules and the commit, storage and
+    error modules, so every side may stand on it. The control: a format module importing a family is seen."""
+    floor = {"packtool.commit", "packtool.storage", "packtool.errors"}
+    sources = package_sources()
+    graph = module_imports(sources)
+    mine = {m for m in graph if m == "packtool.format" or m.startswith("packtool.format.")}
+    assert {"packtool.format.record", "packtool.format.metadata"} <= mine
+    above = sorted((m, t) for m in mine for t in graph[m] if t not in mine and t not in floor)
+    assert above == []
+    back = dict(sources)
+    back["packtool.format.record"] += "\ndef _x():\n    from packtool.families import registered\n"
+    graph = module_imports(back)
+    assert any(t.startswith("packtool.families") for t in graph["packtool.format.record"])
+
+
 def test_the_runtime_imports_nothing_from_the_build_side():
     """No runtime module imports a module of :mod:`packtool.packer`, directly or through the modules it imports
     (the families' imports of it are for type checking, so it is the runtime's own edges that count here)."""
