@@ -182,7 +182,8 @@ def test_verify_the_reader_and_the_loaders_take_the_family_the_manifest_names():
                         r"hasattr\([a-z_]+, \"temporal_patch_size\"\)|\"nemo-rl-nemotron-omni\"|nemotron6|"
                         r"\"second_per_grid_ts\", \"sound_length\"|\"qwen2_vl\"|\"qwen3_vl\"")
     readers = ["runtime/read.py", "runtime/loader.py", "runtime/megatron_batch.py", "runtime/nemo_rl.py",
-               "runtime/hf.py", "readkit.py", "format.py", "verify/packs.py", "verify/source.py", "packer/encoder.py"]
+               "runtime/hf.py", "readkit.py", "verify/packs.py", "verify/source.py", "packer/encoder.py",
+               *sorted(f"format/{p.name}" for p in (root / "format").glob("*.py"))]
     assert [f for f in readers if branch.search((root / f).read_text())] == []
     # The controls: the families' own modules name them.
     assert branch.search((root / "families/nemotron_omni/family.py").read_text())

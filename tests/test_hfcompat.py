@@ -71,7 +71,7 @@ def cited_tests(texts: dict) -> set[tuple[str, str]]:
 
 def test_the_docs_cite_only_what_exists(tmp_path):
     """Every test file packtool's modules, README and docs pages cite exists, and every name the format's layout
-    (format.py's module docstring) gives for a file is defined in format.py."""
+    (the format package's docstring) gives for a file is defined in the format package."""
     import re
     from pathlib import Path
 
