@@ -24,11 +24,12 @@ import math
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import MISSING, InitVar, asdict, dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, get_args
 
 from packtool.errors import ConfigError
-from packtool.families.conventions import CONVENTIONS
+from packtool.families.conventions import CONVENTIONS, Convention
 from packtool.format import row_length
 
 Overlong = Literal["truncate", "drop"]
@@ -356,6 +357,12 @@ class EncodeSettings:
         for name, value in CONVENTIONS[self.preset].option_defaults().items():  # its own options: defaults
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
+
+    @cached_property
+    def convention(self) -> Convention:
+        """The convention these settings ask for (:meth:`Convention.of`), built once: the family takes it and the
+        manifest records it."""
+        return Convention.of(self)
 
     @property
     def max_tokens(self) -> int:

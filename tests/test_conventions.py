@@ -78,3 +78,32 @@ def test_the_recorded_convention_is_what_a_reader_takes(packed):
     assert family.convention == changed and family.convention != base  # the record wins over the registry
     assert families.from_manifest(manifest).convention == TRANSFORMERS
     assert Manifest.parse({**recorded, "format": manifest["format"]}, "x").convention == changed.record()
+
+
+def test_the_convention_is_built_once_from_the_settings_by_name(demo_dir):
+    """Settings build their convention once (the family the run loads holds that very object, the manifest records
+    it): every convention field that is also an encode setting takes the setting's value, found by name, under
+    every preset and the default; an option left unset keeps the convention's own value. Control: a settings
+    value the convention does not carry (a changed pack size) leaves it as it is."""
+    from dataclasses import fields
+
+    from transformers import PreTrainedTokenizerFast
+
+    shared = {f.name for f in fields(Convention)} & {f.name for f in fields(EncodeSettings)}
+    assert {"target_newline_after_eot", "media_first", "overlong", "thinking_trace_format"} <= shared
+    for preset in (None, *CONVENTIONS):
+        settings = EncodeSettings(tokenizer="t", pack_size=1024, preset=preset)
+        convention = settings.convention
+        assert convention is settings.convention and convention.name == (preset or "transformers")
+        assert type(convention) is type(CONVENTIONS.get(preset or "", TRANSFORMERS))
+        for name in shared:
+            value = getattr(settings, name)
+            assert getattr(convention, name) == (value if value is not None or name != "thinking_trace_format"
+                                                 else getattr(CONVENTIONS.get(preset or "", TRANSFORMERS), name))
+        assert replace(settings, pack_size=2048).convention == convention
+    given = EncodeSettings(tokenizer="t", pack_size=1024, overlong="drop", media_first=True, min_pixels=3136)
+    made = given.convention
+    assert (made.overlong, made.media_first, made.min_pixels) == ("drop", True, 3136)
+    settings = EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=1024)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(demo_dir / "tokenizer"))
+    assert families.load(settings, tok).convention is settings.convention

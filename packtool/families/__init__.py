@@ -88,7 +88,7 @@ def load(settings: EncodeSettings, tok: Any) -> Family:
     """The family of the model folder ``settings.tokenizer`` under the convention the settings name, with the
     settings' overrides; the processor mode wraps it. :class:`ConfigError` for a folder or setting it cannot
     take."""
-    convention = Convention.of(settings)
+    convention = settings.convention
     folder = Path(settings.tokenizer)
     cls = next(c for c in FAMILIES if c.detect(folder, settings))
     if convention.family is not None and cls.name != convention.family:

@@ -94,15 +94,16 @@ class Convention:
 
     @classmethod
     def of(cls, settings: EncodeSettings) -> Convention:
-        """The convention the settings ask for, with the choices given one by one (or filled by the preset)."""
+        """The convention the settings ask for, with the choices given one by one (or filled by the preset): every
+        field of the convention that is also an encode setting takes the setting's value (found by name, none
+        copied by hand); a convention's own option left unset (None) keeps the convention's value. Built once per
+        settings: :attr:`packtool.settings.EncodeSettings.convention`."""
         base = CONVENTIONS[settings.preset] if settings.preset else TRANSFORMERS
-        return replace(base, target_newline_after_eot=settings.target_newline_after_eot,
-                       media_first=settings.media_first, min_pixels=settings.min_pixels,
-                       max_pixels=settings.max_pixels, image_resize=settings.image_resize,
-                       sample_max_images=settings.sample_max_images,
-                       sample_max_visual_tokens=settings.sample_max_visual_tokens,
-                       video_keep_frames=settings.video_keep_frames, overlong=settings.overlong,
-                       thinking_trace_format=settings.thinking_trace_format or base.thinking_trace_format)
+        ours = {f.name for f in fields(base)}
+        options = {name for c in CONVENTIONS.values() for name in c.options}
+        given = {f.name: getattr(settings, f.name) for f in fields(settings) if f.name in ours}
+        return replace(base, **{name: value for name, value in given.items()
+                                if value is not None or name not in options})
 
     def record(self) -> dict[str, Any]:
         """The convention as it took effect, for the manifest (:func:`from_record` reads it back)."""

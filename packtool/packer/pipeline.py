@@ -24,7 +24,6 @@ from packtool import __version__
 from packtool.commit import commit_bytes, commit_path, temporary_name
 from packtool.config import recorded_config
 from packtool.errors import ConfigError, FormatError, SourceError
-from packtool.families.conventions import Convention
 from packtool.format import (
     FORMAT_VERSION,
     MANIFEST,
@@ -417,7 +416,7 @@ def _manifest(settings: PackSettings, fingerprints: dict, source: Path, out_shar
         tokenizer={"fingerprint": fingerprints["encode"]["tokenizer"], "dir": TOKENIZER_DIR},
         seed=settings.plan.seed, counts=counts, packs=packs, dry_run=dry_run, **facts,
         run_config=recorded_config(settings, source),
-        convention=Convention.of(settings.encode).record() if settings.encode.preset else None,
+        convention=settings.encode.convention.record() if settings.encode.preset else None,
     )
 
 
