@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import errno
+import inspect as pyinspect
 import json
 import os
 import re
@@ -13,7 +14,8 @@ import sys
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TypeVar
+from types import UnionType
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import typer
 import typer.main
@@ -21,26 +23,16 @@ from typer._click import core as click_core
 from typer._click import exceptions as click  # the Click that Typer ships
 
 from packtool.errors import LimitError, PacktoolError
-from packtool.settings import (
-    PRESET_NAMES,
-    Algorithm,
-    AlignFor,
-    AudioCount,
-    EncodeSettings,
-    ImageResize,
-    PlanSettings,
-    RunOptions,
-    ThinkingTraceFormat,
-    choices,
-    default,
-)
+from packtool.settings import RunOptions, ShardSize, default, help_of
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   context_settings={"max_content_width": 80},
                   help="Offline global sequence packing of Energon multimodal SFT datasets.")
 
+if TYPE_CHECKING:
+    from packtool.packer.pipeline import PackResult
+
 T = TypeVar("T")
-E, P, R = EncodeSettings, PlanSettings, RunOptions
 
 
 #: The errno of an OSError subclass raised without one.
@@ -92,128 +84,49 @@ def _main(version: bool = typer.Option(False, "--version", callback=_version, is
     """Offline global sequence packing of Energon multimodal SFT datasets."""
 
 
-@app.command()
-def pack(
-    ctx: typer.Context,
-    source: str | None = typer.Argument(None, help="Energon dataset (a folder or msc://PROFILE/path), .json/.jsonl "
-                                           "conversations (LLaVA, ShareGPT, OpenAI messages), Parquet, or a "
-                                           "save_to_disk folder."),
-    output: str | None = typer.Argument(None, help="Output folder (or msc://PROFILE/path): a packed Energon "
-                                                    "dataset."),
-    config: Path | None = typer.Option(None, help="YAML file of settings (flags override it)."),
-    print_config: bool = typer.Option(False, help="Print the run's settings as a config file and stop."),
-    media_dir: Path | None = typer.Option(None, help="Folder of the media a JSON/Parquet source names "
-                                                     "(default: the source's folder)."),
-    absolute_media_paths: bool = typer.Option(False, help="Read absolute media paths of a JSON/Parquet "
-                                                          "source (else each is its record's error)."),
-    staging: Path | None = typer.Option(None, help="Refused: JSON/Parquet sources are read in place."),
-    tokenizer: str | None = typer.Option(None, help="Model folder, or a model id in the local Hugging Face "
-                                                    "cache, or msc://PROFILE/path (tokenizer, chat template, "
-                                                    "processor config)."),
-    pack_size: int | None = typer.Option(None, help="Tokens per pack."),
-    split: list[str] | None = typer.Option(None, help="Split to pack (repeatable); default: all in split.yaml."),
-    algorithm: str = typer.Option(default(P, "algorithm"), help=", ".join(choices(Algorithm))),
-    balanced_delta: int = typer.Option(default(P, "balanced_delta"), help="Extra packs for balanced_greedy_knapsack."),
-    align: int | None = typer.Option(None, help="Per-segment alignment (default: from --cp-size etc.)."),
-    cp_size: int = typer.Option(1, min=1, help="Context-parallel size (align = 2·cp when cp > 1)."),
-    tp_size: int = typer.Option(1, min=1, help="Tensor-parallel size (with --sequence-parallel)."),
-    sequence_parallel: bool = typer.Option(False, help="Sequence parallelism (align includes cp·tp)."),
-    align_for: str = typer.Option("megatron", help=", ".join(choices(AlignFor)) + ": whose rule derives the "
-                                                   "alignment from the parallel sizes: megatron (2·cp, cp·tp with "
-                                                   "SP) or nemo-rl (make_sequence_length_divisible_by, tp·cp·2)."),
-    max_segments: int | None = typer.Option(None, help="At most this many samples per pack."),
-    max_images: int | None = typer.Option(None, help="At most this many media items (images, videos, audio) "
-                                                        "per pack."),
-    max_image_tokens: int | None = typer.Option(None, help="At most this many media tokens per pack."),
-    video_fps: float | None = typer.Option(default(E, "video_fps"), help="Sample video frames at this rate "
-                                                                            "(overrides the model folder)."),
-    video_frames: int | None = typer.Option(default(E, "video_frames"), help="Sample this many frames per video."),
-    video_min_frames: int | None = typer.Option(default(E, "video_min_frames"),
-                                                   help="Fewest frames rate sampling keeps."),
-    video_max_frames: int | None = typer.Option(default(E, "video_max_frames"),
-                                                   help="Most frames rate sampling keeps."),
-    video_min_pixels: int | None = typer.Option(default(E, "video_min_pixels"),
-                                                   help="Override the video processor's min pixels per frame."),
-    video_max_pixels: int | None = typer.Option(default(E, "video_max_pixels"),
-                                                   help="Override the video processor's max pixels per frame."),
-    audio_max_seconds: float | None = typer.Option(default(E, "audio_max_seconds"),
-                                                   help="Cut audio clips to this many seconds (Nemotron Omni)."),
-    overlong: str = typer.Option(default(E, "overlong"), help="truncate (cut at a safe boundary) or drop."),
-    min_pixels: int | None = typer.Option(None, help="Override the processor's min_pixels."),
-    max_pixels: int | None = typer.Option(None, help="Override the processor's max_pixels."),
-    image_tokens: int | None = typer.Option(None, help="Fixed tokens per image (non-Qwen models)."),
-    adapter: str | None = typer.Option(None, help="Custom adapter module:function."),
-    allow_pickle: bool = typer.Option(default(E, "allow_pickle"),
-                                      help="Read pickled media lists (through a restricted unpickler)."),
-    pixel_limit: int = typer.Option(default(E, "pixel_limit"), help="Images with more pixels are quarantined."),
-    max_sample_bytes: int = typer.Option(default(E, "max_sample_bytes"),
-                                         help="Samples with more bytes (read, or media written) are "
-                                              "quarantined."),
-    max_sample_pixels: int = typer.Option(default(E, "max_sample_pixels"),
-                                          help="Samples whose media give a processor more decoded pixels (images "
-                                               "and frames together) are quarantined."),
-    max_turns: int = typer.Option(default(E, "max_turns"), help="Conversations with more messages are "
-                                                                "quarantined."),
-    media_tokens: str = typer.Option(default(E, "media_tokens"), help="rule (packtool's exact rules from media "
-                                                                      "headers) or processor (the model folder's "
-                                                                      "own processor on every sample; any family, "
-                                                                      "slower)."),
-    media_check: str = typer.Option(default(E, "media_check"), help="decode (prove every image decodes) or "
-                                                                    "header (size only)."),
-    caption_prompt: str = typer.Option(default(E, "caption_prompt"), help="User text for captioning datasets."),
-    template_date: str = typer.Option(default(E, "template_date"), help="Date the chat template sees "
-                                                                        "(strftime_now), fixed for reproducible "
-                                                                        "output."),
-    preset: str | None = typer.Option(None, help="Named conventions: " + ", ".join(PRESET_NAMES) + "."),
-    target_newline_after_eot: bool = typer.Option(default(E, "target_newline_after_eot"),
-                                                  help="Also train on the newline after each end-of-turn token."),
-    media_first: bool = typer.Option(default(E, "media_first"), help="Move each turn's images before its text."),
-    image_resize: str = typer.Option(default(E, "image_resize"),
-                                     help=", ".join(choices(ImageResize)) + ": resize by the processor's rule "
-                                          "alone, or qwen_vl_utils' fetch_image first (Megatron-Bridge)."),
-    sample_max_images: int | None = typer.Option(None, help="Drop samples with more images."),
-    sample_max_visual_tokens: int | None = typer.Option(None, help="Drop samples whose images and videos take "
-                                                                   "more tokens."),
-    video_keep_frames: int | None = typer.Option(None, help="Keep only the first N frames of each video."),
-    audio_count: str = typer.Option(default(E, "audio_count"),
-                                    help=", ".join(choices(AudioCount)) + ": audio tokens of --preset "
-                                         "megatron-bridge-nemotron-omni from the features' valid length "
-                                         "(Megatron-Bridge main) or frame count (0.6.2)."),
-    thinking_trace_format: str | None = typer.Option(default(E, "thinking_trace_format"),
-                                              help=", ".join(choices(ThinkingTraceFormat)) + ": a reply's thinking "
-                                                   "trace under --preset nemo-rl-nemotron-omni, as NeMo-RL's "
-                                                   "thinking_trace_format renders it (default: its "
-                                                   "Nemotron Omni recipe's, ultra)."),
-    workers: int | None = typer.Option(None, help="Worker processes (default: all cores)."),
-    engine: str = typer.Option(default(R, "engine"), help="local or ray."),
-    ray_address: str | None = typer.Option(None, help="Ray cluster address host:port (with --engine ray)."),
-    shard_size: str = typer.Option(str(default(P, "shard_size")),
-                                   help="Output shard size: bytes (512MB) or a pack count (1000)."),
-    seed: int = typer.Option(default(P, "seed"), help="Seed for seeded algorithms (and of the --val-* draw)."),
-    val_ratio: float | None = typer.Option(None, help="Hold this share of train's kept samples out as the val "
-                                                      "split (rounded half up; chosen by digest, not position)."),
-    val_count: int | None = typer.Option(None, help="Hold this many of train's kept samples out as the val split "
-                                                    "(all, when it has fewer)."),
-    balance_dp: int | None = typer.Option(None, help="Order packs so each group of N ranks balances."),
-    strict: bool = typer.Option(default(R, "strict"), help="Stop at the first bad sample."),
-    max_error_rate: float = typer.Option(default(R, "max_error_rate"), help="Exit 3 above this share of error "
-                                                                           "samples."),
-    max_drop_rate: float = typer.Option(default(R, "max_drop_rate"), help="Exit 3 above this share of dropped "
-                                                                         "samples."),
-    max_truncate_rate: float = typer.Option(default(R, "max_truncate_rate"), help="Exit 3 above this share of "
-                                                                                 "truncated samples."),
-    max_failures_in_a_row: int = typer.Option(default(R, "max_failures_in_a_row"),
-                                              help="Stop at once when this many samples in a row fail (0: never)."),
-    max_same_failures: int = typer.Option(default(R, "max_same_failures"),
-                                          help="Stop at once when this many samples of a shard range fail for the "
-                                               "same reason (0: never)."),
-    dry_run: bool = typer.Option(default(R, "dry_run"), help="Stop after planning: ledger and plan statistics."),
-    overwrite: bool = typer.Option(default(R, "overwrite"), help="Replace an OUTPUT made with other settings."),
-    progress: bool = typer.Option(default(R, "progress"), help="Show progress bars."),
-) -> None:
+def _option_type(kind: Any) -> Any:
+    """The type a generated option parses from the command line: a choice or a shard size as text (the settings
+    check it and name the choices), a list as a repeatable option, an optional as its type or nothing."""
+    if get_origin(kind) in (Union, UnionType):
+        args = [a for a in get_args(kind) if a is not type(None)]
+        if any(get_origin(a) is list for a in args):
+            return list[str] | None
+        inner = _option_type(args[0]) if len(args) == 1 else str
+        return inner | None if type(None) in get_args(kind) else inner
+    return str if get_origin(kind) is Literal or kind is ShardSize else kind
+
+
+def _pack_parameters() -> pyinspect.Signature:
+    """``pack``'s parameters, generated from the run's keys (:data:`packtool.config.SPEC`: each setting's name,
+    type, default and help declared once): SOURCE and OUTPUT as arguments, every other key an option, and the
+    command's own two (``--config``, ``--print-config``)."""
+    from packtool import config as cfg
+
+    def param(name: str, kind: Any, info: Any) -> pyinspect.Parameter:
+        return pyinspect.Parameter(name, pyinspect.Parameter.KEYWORD_ONLY, default=info, annotation=kind)
+
+    out = [pyinspect.Parameter("ctx", pyinspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)]
+    first = ("source", "output", "tokenizer", "pack_size", "split")  # what every run gives, listed first
+    for key in sorted(cfg.SPEC.values(), key=lambda k: first.index(k.name) if k.name in first else len(first)):
+        if key.name in ("source", "output"):
+            out.append(param(key.name, str | None, typer.Argument(None, help=key.help)))
+            if key.name == "output":
+                out += [param("config", Path | None, typer.Option(None, help="YAML file of settings (flags "
+                                                                            "override it).")),
+                        param("print_config", bool, typer.Option(False, help="Print the run's settings as a config "
+                                                                             "file and stop."))]
+            continue
+        value = None if isinstance(key.default, tuple) else key.default
+        out.append(param(key.name, _option_type(key.kind), typer.Option(value, help=key.help)))
+    return pyinspect.Signature(out)
+
+
+def pack(ctx: typer.Context, **params: Any) -> None:
     """Pack SOURCE into OUTPUT."""
     from packtool import config as cfg
     from packtool.packer.workers import pack_engine
+
+    config, print_config = params["config"], params["print_config"]
 
     def given(name: str) -> bool:  # typed on the command line (even if equal to the default)
         source = ctx.get_parameter_source(name)
@@ -246,6 +159,12 @@ def pack(
         pool = _one_line(lambda: stack.enter_context(pack_engine(opened.root, settings.encode, options)))
 
         result = _one_line(lambda: run_pack(src, out, settings, options, started_engine=pool))
+    _report(result, dry_run=options.dry_run)
+
+
+def _report(result: PackResult, *, dry_run: bool) -> None:
+    """What a finished pack run prints: each split's counts and fill, the stage times, and (exit 3) the limits it
+    went over, with their top reasons."""
     from packtool.verify.stats import compute, mixture_lines
 
     report = compute(result.output)
@@ -259,7 +178,7 @@ def pack(
             typer.echo(line)
     if result.seconds:
         typer.echo("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in result.seconds.items()))
-    typer.echo(f"wrote {result.output}" + (" (dry run: ledger only)" if options.dry_run else ""))
+    typer.echo(f"wrote {result.output}" + (" (dry run: ledger only)" if dry_run else ""))
     if result.over_limits:
         flag = {"error": "--max-error-rate", "dropped": "--max-drop-rate", "truncated": "--max-truncate-rate"}
         _fail("; ".join(f"{status} rate {n / total:.2%} ({n} of {total}) exceeds {flag[status]} {limit:.2%}"
@@ -267,6 +186,10 @@ def pack(
               + f" (see {result.output / 'ledger.parquet'})"
               + (f"; {why}" if (why := _top_reasons(result.output, [s for s, *_ in result.over_limits])) else "")
               + f"; `packtool failures {result.output}` lists them", code=3)
+
+
+pack.__signature__ = _pack_parameters()  # type: ignore[attr-defined]
+app.command()(pack)
 
 
 def _top_reasons(output: Path, statuses: list[str]) -> str:
@@ -377,7 +300,7 @@ def verify(
     source: str | None = typer.Option(None, help="Also check media bytes and tokens against SOURCE (for a "
                                                  "JSON/Parquet source: the file as it is now, read in place)."),
     workers: int | None = typer.Option(None, help="Worker processes (default: all cores)."),
-    engine: str = typer.Option(default(R, "engine"), help="local or ray."),
+    engine: str = typer.Option(default(RunOptions, "engine"), help=help_of(RunOptions, "engine")),
     ray_address: str | None = typer.Option(None, help="Ray cluster address host:port (with --engine ray)."),
     retokenize: bool = typer.Option(False, help="Also encode every segment's text again where the pack's array "
                                                 "digest already proves its tokens intact."),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import types
 from collections.abc import Collection, Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
@@ -37,6 +37,7 @@ from packtool.settings import (
     ShardSize,
     alignment_for,
     default,
+    help_of,
     resolve_align,
 )
 from packtool.storage import is_remote, location
@@ -44,36 +45,68 @@ from packtool.storage import is_remote, location
 _ENCODE = tuple(f.name for f in fields(EncodeSettings))
 _PLAN = tuple(f.name for f in fields(PlanSettings))
 _RUN = tuple(f.name for f in fields(RunOptions))
-#: Keys besides the settings classes' fields.
-EXTRA_KEYS = ("source", "output", "media_dir", "absolute_media_paths", "staging", "split", "cp_size", "tp_size",
-              "sequence_parallel", "align_for", "val_ratio", "val_count")
-#: Every key a pack run takes.
-KEYS = (*EXTRA_KEYS, *_ENCODE, *_PLAN, *_RUN)
+
+
+@dataclass(frozen=True)
+class Key:
+    """One key of a pack run, declared once: its name, its type (as a config file writes it), its default and its
+    line in ``packtool pack --help`` (the command's options are generated from the keys). The settings classes'
+    fields are keys as they are declared (:func:`packtool.settings.setting`); the others are :data:`EXTRA` and
+    :data:`HOLDOUT`."""
+
+    name: str
+    kind: Any
+    default: Any
+    help: str
+
+
+#: The keys besides the settings classes' fields: what is read, and the split to pack (:data:`HOLDOUT`, the split
+#: held out).
+EXTRA = (
+    Key("source", str, None, "Energon dataset (a folder or msc://PROFILE/path), .json/.jsonl conversations (LLaVA, "
+                             "ShareGPT, OpenAI messages), Parquet, or a save_to_disk folder."),
+    Key("output", str, None, "Output folder (or msc://PROFILE/path): a packed Energon dataset."),
+    Key("media_dir", str | None, None, "Folder of the media a JSON/Parquet source names (default: the source's "
+                                       "folder)."),
+    Key("absolute_media_paths", bool, False, "Read absolute media paths of a JSON/Parquet source (else each is its "
+                                             "record's error)."),
+    Key("staging", str | None, None, "Refused: JSON/Parquet sources are read in place."),
+    Key("split", str | list[str] | None, (), "Split to pack (repeatable); default: all in split.yaml."),
+)
+#: The keys of a held-out split (:class:`~packtool.settings.Holdout`).
+HOLDOUT = (
+    Key("val_ratio", float | None, None, "Hold this share of train's kept samples out as the val split (rounded "
+                                         "half up; chosen by digest, not position)."),
+    Key("val_count", int | None, None, "Hold this many of train's kept samples out as the val split (all, when it "
+                                       "has fewer)."),
+)
+#: Settings fields a run takes with another type or default: those it requires (no default: the run says where to
+#: give each), ``align`` (derived from the parallel sizes when unset) and ``workers`` (unset: one per core).
+_RUN_KINDS: dict[str, tuple[Any, Any]] = {"tokenizer": (str, None), "pack_size": (int, None),
+                                          "align": (int | None, None), "workers": (int | None, None)}
+
+
+def _fields(cls: type) -> list[Key]:
+    """The keys of a settings class: its fields as declared (with :data:`_RUN_KINDS`' type and default)."""
+    hints = get_type_hints(cls)
+    out = []
+    for f in fields(cls):
+        kind, value = _RUN_KINDS[f.name] if f.name in _RUN_KINDS else (hints[f.name], default(cls, f.name))
+        out.append(Key(f.name, kind, str(value) if isinstance(value, ShardSize) else value, help_of(cls, f.name)))
+    return out
+
+
+#: Every key a pack run takes, by name, in the order a config file and ``--help`` list them.
+SPEC: dict[str, Key] = {k.name: k for k in (*EXTRA, *_fields(Parallel), *HOLDOUT, *_fields(EncodeSettings),
+                                            *_fields(PlanSettings), *_fields(RunOptions))}
+#: Every key's name.
+KEYS = tuple(SPEC)
 #: Keys that name files: relative paths in a config file are read relative to the file's folder.
 PATH_KEYS = ("source", "output", "media_dir", "staging", "tokenizer")
-_EXTRA_DEFAULTS: dict[str, Any] = {"source": None, "output": None, "media_dir": None, "absolute_media_paths": False,
-                                   "staging": None, "split": [],
-                                   "cp_size": 1, "tp_size": 1, "sequence_parallel": False, "align_for": "megatron",
-                                   "val_ratio": None, "val_count": None,
-                                   "align": None,
-                                   "tokenizer": None, "pack_size": None, "workers": None}
-
-
-#: The type of every key besides the settings classes' fields (those take their fields' annotations).
-_EXTRA_TYPES: dict[str, Any] = {"source": str, "output": str, "media_dir": str | None, "absolute_media_paths": bool,
-                                "staging": str | None,
-                                "split": str | list[str] | None, "cp_size": int, "tp_size": int,
-                                "sequence_parallel": bool, "align_for": str, "align": int | None,
-                                "val_ratio": float | None, "val_count": int | None,
-                                "tokenizer": str, "pack_size": int, "workers": int | None}
 
 
 def _key_types() -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for cls in (EncodeSettings, PlanSettings, RunOptions):
-        out.update(get_type_hints(cls))
-    out.update(_EXTRA_TYPES)
-    return {k: out[k] for k in KEYS}
+    return {k.name: k.kind for k in SPEC.values()}
 
 
 def _fits(value: Any, kind: Any) -> bool:
@@ -129,16 +162,7 @@ def check_types(values: Mapping[str, Any], where: str = "") -> None:
 
 def defaults() -> dict[str, Any]:
     """Every key with its default value."""
-    out: dict[str, Any] = {}
-    for cls in (EncodeSettings, PlanSettings, RunOptions):
-        for f in fields(cls):
-            if f.default is not MISSING:
-                out[f.name] = f.default
-            elif f.default_factory is not MISSING:
-                out[f.name] = f.default_factory()
-    out.update(_EXTRA_DEFAULTS)
-    out["shard_size"] = str(out["shard_size"])
-    return {k: out.get(k) for k in KEYS}
+    return {k.name: list(k.default) if isinstance(k.default, tuple) else k.default for k in SPEC.values()}
 
 
 def read(path: str | Path) -> dict[str, Any]:
@@ -249,8 +273,10 @@ def build(values: Mapping[str, Any], given: Collection[str], origin: Mapping[str
         raise ConfigError(f"preset {preset} with cp_size > 1: {why}; pack with cp_size 1 and train with context "
                           f"parallel 1")
     try:
-        align = resolve_align(values["align"], values["align_for"], cp_size=values["cp_size"],
-                              tp_size=values["tp_size"], sequence_parallel=bool(values["sequence_parallel"]))
+        parallel = Parallel(values["align_for"], values["cp_size"], values["tp_size"],
+                            bool(values["sequence_parallel"]))
+        align = resolve_align(values["align"], parallel.align_for, cp_size=parallel.cp_size,
+                              tp_size=parallel.tp_size, sequence_parallel=parallel.sequence_parallel)
     except ConfigError as exc:
         raise ConfigError(f"{exc}{came_from('align', 'align_for', 'cp_size', 'tp_size', 'sequence_parallel')}") \
             from None
@@ -266,7 +292,6 @@ def build(values: Mapping[str, Any], given: Collection[str], origin: Mapping[str
     holdout = None
     if values["val_ratio"] is not None or values["val_count"] is not None:
         holdout = Holdout(values["val_ratio"], values["val_count"])
-    parallel = Parallel(values["align_for"], values["cp_size"], values["tp_size"], bool(values["sequence_parallel"]))
     settings = PackSettings(encode, plan, tuple(split), holdout, parallel if parallel.describe() else None)
     media_dir = values.get("media_dir")
     config = {k: _plain(values[k]) for k in KEYS}
@@ -320,7 +345,7 @@ def recorded_config(settings: PackSettings, source: Path) -> dict:
 
 
 #: The parallel sizes a run's config records when set (:class:`packtool.settings.Parallel`).
-_PARALLEL_KEYS = ("align_for", "cp_size", "tp_size", "sequence_parallel")
+_PARALLEL_KEYS = tuple(f.name for f in fields(Parallel))
 
 
 def recorded(output: str | Path, relative_to: Path | None = None) -> str:

@@ -22,7 +22,7 @@ import datetime
 import json
 import math
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import MISSING, InitVar, asdict, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
@@ -147,6 +147,20 @@ def default(cls: type, name: str) -> Any:
     raise ValueError(f"{cls.__name__}.{name} has no default")
 
 
+def setting(default: Any = MISSING, *, help: str, factory: Callable[[], Any] | None = None) -> Any:
+    """A settings field, declared once: its name, type and default are the field's, ``help`` its line in
+    ``packtool pack --help`` (the command's options are generated from the fields, :mod:`packtool.config`), its
+    checks the class's own (``__post_init__``)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def help_of(cls: type, name: str) -> str:
+    """The ``--help`` line of field ``name`` of settings class ``cls``."""
+    return str(next(f for f in fields(cls) if f.name == name).metadata["help"])
+
+
 def choices(literal: Any) -> tuple[str, ...]:
     return tuple(get_args(literal))
 
@@ -206,85 +220,100 @@ class EncodeSettings:
     """Every setting that changes how one sample is encoded."""
 
     #: Local model folder: tokenizer.json, tokenizer_config.json, chat template, optional preprocessor_config.json.
-    tokenizer: str
+    tokenizer: str = setting(help="Model folder, or a model id in the local Hugging Face cache, or "
+                                  "msc://PROFILE/path (tokenizer, chat template, processor config).")
     #: Tokens per pack; also the longest a sample may stay.
-    pack_size: int
+    pack_size: int = setting(help="Tokens per pack.")
     #: Each segment's length is rounded up to a multiple of this (context/sequence parallelism).
-    align: int = 1
+    align: int = setting(1, help="Per-segment alignment (default: from --cp-size etc.).")
     #: What happens to a sample longer than the pack (or over a per-pack media cap): cut at a safe point, or drop.
-    overlong: Overlong = "truncate"
+    overlong: Overlong = setting("truncate", help="truncate (cut at a safe boundary) or drop.")
     #: Override the image processor's pixel bounds.
-    min_pixels: int | None = None
-    max_pixels: int | None = None
+    min_pixels: int | None = setting(None, help="Override the processor's min_pixels.")
+    max_pixels: int | None = setting(None, help="Override the processor's max_pixels.")
     #: Fixed tokens per image (models without Qwen2-VL's rule).
-    image_tokens: int | None = None
+    image_tokens: int | None = setting(None, help="Fixed tokens per image (non-Qwen models).")
     #: Per-pack caps on media items and their placeholder tokens, every kind counted (images, videos, audio); also
     #: applied to single samples (a sample over one is cut or dropped, never inside a media span).
-    max_images: int | None = None
-    max_image_tokens: int | None = None
+    max_images: int | None = setting(None, help="At most this many media items (images, videos, audio) per pack.")
+    max_image_tokens: int | None = setting(None, help="At most this many media tokens per pack.")
     #: Video frame sampling, overriding the model folder's video processor: a rate in frames per second, or a
     #: frame count (one of the two; giving either turns sampling on), and the frame-count bounds of rate sampling.
-    video_fps: float | None = None
-    video_frames: int | None = None
-    video_min_frames: int | None = None
-    video_max_frames: int | None = None
+    video_fps: float | None = setting(None, help="Sample video frames at this rate (overrides the model folder).")
+    video_frames: int | None = setting(None, help="Sample this many frames per video.")
+    video_min_frames: int | None = setting(None, help="Fewest frames rate sampling keeps.")
+    video_max_frames: int | None = setting(None, help="Most frames rate sampling keeps.")
     #: Override the video processor's pixel bounds per frame.
-    video_min_pixels: int | None = None
-    video_max_pixels: int | None = None
+    video_min_pixels: int | None = setting(None, help="Override the video processor's min pixels per frame.")
+    video_max_pixels: int | None = setting(None, help="Override the video processor's max pixels per frame.")
     #: Audio clips longer than this many seconds are cut to it before their tokens are counted and their features
     #: extracted (Nemotron Omni); ``None``: no limit.
-    audio_max_seconds: float | None = None
+    audio_max_seconds: float | None = setting(None, help="Cut audio clips to this many seconds (Nemotron Omni).")
     #: ``module:function`` turning a raw sample into a conversation.
-    adapter: str | None = None
+    adapter: str | None = setting(None, help="Custom adapter module:function.")
     #: Read pickled media lists through the restricted unpickler.
-    allow_pickle: bool = False
+    allow_pickle: bool = setting(False, help="Read pickled media lists (through a restricted unpickler).")
     #: Images with more pixels are quarantined (decompression bombs).
-    pixel_limit: int = DEFAULT_PIXEL_LIMIT
+    pixel_limit: int = setting(DEFAULT_PIXEL_LIMIT, help="Images with more pixels are quarantined.")
     #: How media placeholders become tokens: ``rule`` counts them from the media's headers with packtool's exact rules
     #: (Qwen2-VL / Qwen2.5-VL, Nemotron Omni, or a fixed image count); ``processor`` calls the model folder's own
     #: transformers processor on every sample with media (any family; exact by construction, slower: every media
     #: item is decoded).
-    media_tokens: MediaTokens = "rule"
+    media_tokens: MediaTokens = setting("rule", help="rule (packtool's exact rules from media headers) or processor "
+                                                     "(the model folder's own processor on every sample; any "
+                                                     "family, slower).")
     #: ``decode`` proves every image decodes; ``header`` reads sizes only.
-    media_check: MediaCheck = "decode"
+    media_check: MediaCheck = setting("decode", help="decode (prove every image decodes) or header (size only).")
     #: User text of captioning samples.
-    caption_prompt: str = ""
+    caption_prompt: str = setting("", help="User text for captioning datasets.")
     #: The date templates see through ``strftime_now``, fixed so reruns on another day give the same tokens.
-    template_date: str = "2026-01-01"
+    template_date: str = setting("2026-01-01", help="Date the chat template sees (strftime_now), fixed for "
+                                                    "reproducible output.")
     #: Samples whose members hold more bytes are quarantined before they are parsed, and so are samples whose
     #: media members written into the pack would hold more (a pickled list can name one image many times).
-    max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES
+    max_sample_bytes: int = setting(DEFAULT_MAX_SAMPLE_BYTES, help="Samples with more bytes (read, or media "
+                                                                   "written) are quarantined.")
     #: Samples whose media hand their processor more decoded pixels (images and frames together) are quarantined.
-    max_sample_pixels: int = DEFAULT_MAX_SAMPLE_PIXELS
+    max_sample_pixels: int = setting(DEFAULT_MAX_SAMPLE_PIXELS, help="Samples whose media give a processor more "
+                                                                     "decoded pixels (images and frames together) "
+                                                                     "are quarantined.")
     #: Conversations with more messages are quarantined before they are rendered.
-    max_turns: int = DEFAULT_MAX_TURNS
+    max_turns: int = setting(DEFAULT_MAX_TURNS, help="Conversations with more messages are quarantined.")
     #: Also train on the newline token the chat template emits right after each reply's end-of-turn token.
-    target_newline_after_eot: bool = False
+    target_newline_after_eot: bool = setting(False, help="Also train on the newline after each end-of-turn token.")
     #: Move the image tags of each turn before its text; the text pieces around a tag lose their edge spaces.
-    media_first: bool = False
+    media_first: bool = setting(False, help="Move each turn's images before its text.")
     #: How an image is resized before its patches are cut: ``processor``, once by the processor's rule;
     #: ``qwen_vl_utils``, first by qwen_vl_utils' ``fetch_image`` (sides to multiples of patch·merge within its
     #: own bounds, 4 to 16,384 tokens), then by the processor's rule (Megatron-Bridge's Qwen-VL path: other grids
     #: for many images, and the reader resamples twice too).
-    image_resize: ImageResize = "processor"
+    image_resize: ImageResize = setting("processor", help=f"{', '.join(choices(ImageResize))}: resize by the "
+                                                          "processor's rule alone, or qwen_vl_utils' fetch_image "
+                                                          "first (Megatron-Bridge).")
     #: A sample with more images, or whose images and videos take more placeholder tokens (each image counted by
     #: the processor's rule from its stored size), is dropped (Megatron-Bridge's ``max_num_images`` and
     #: ``max_visual_tokens``, which skip the sample); unlike ``max_images`` and ``max_image_tokens`` nothing is cut.
-    sample_max_images: int | None = None
-    sample_max_visual_tokens: int | None = None
+    sample_max_images: int | None = setting(None, help="Drop samples with more images.")
+    sample_max_visual_tokens: int | None = setting(None, help="Drop samples whose images and videos take more "
+                                                              "tokens.")
     #: Only the first this many frames of each video are kept (Megatron-Bridge's ``max_num_frames``).
-    video_keep_frames: int | None = None
+    video_keep_frames: int | None = setting(None, help="Keep only the first N frames of each video.")
     #: With ``--preset megatron-bridge-nemotron-omni``: each clip's ``<so_embedding>`` count and ``sound_length``
     #: from the Parakeet features' valid length (``valid``, Megatron-Bridge main) or their frame count, one more
     #: (``frames``, Megatron-Bridge 0.6.2).
-    audio_count: AudioCount = "valid"
+    audio_count: AudioCount = setting("valid", help=f"{', '.join(choices(AudioCount))}: audio tokens of --preset "
+                                                    "megatron-bridge-nemotron-omni from the features' valid length "
+                                                    "(Megatron-Bridge main) or frame count (0.6.2).")
     #: With ``--preset nemo-rl-nemotron-omni``: NeMo-RL's ``thinking_trace_format``: ``normalized`` renders a trace
     #: ``<think>\n…\n</think>\n`` before the answer, ``ultra`` (its Nemotron Omni recipe) ``<think>\n…</think>``
     #: with the answer right after. None: the preset's default (``ultra``, what that recipe trains).
-    thinking_trace_format: ThinkingTraceFormat | None = None
+    thinking_trace_format: ThinkingTraceFormat | None = setting(
+        None, help=f"{', '.join(choices(ThinkingTraceFormat))}: a reply's thinking trace under --preset "
+                   "nemo-rl-nemotron-omni, as NeMo-RL's thinking_trace_format renders it (default: its Nemotron "
+                   "Omni recipe's, ultra).")
     #: A named set of the settings above (:data:`PRESETS`): it fills those still at their default, and any of them
     #: given a different value is an error, so the recorded preset always means what it says.
-    preset: Preset | None = None
+    preset: Preset | None = setting(None, help=f"Named conventions: {', '.join(PRESET_NAMES)}.")
     #: Which settings were given (by a flag or a config file), and where each came from (its config file): the one
     #: application of the preset (:meth:`_apply_preset`) refuses a given value the preset sets otherwise, and names
     #: the file. Without ``given``, the values other than their default count as given. Not settings themselves.
@@ -352,7 +381,7 @@ class EncodeSettings:
                 where = (f" (given in {origin[name]})" if name in origin
                          else " (given explicitly)" if given is not None else "")
                 raise ConfigError(f"preset {self.preset!r} sets {name} to {value!r}, not {current!r}{where}; leave it "
-                                  f"unset or drop the preset")
+                                  "unset or drop the preset")
             object.__setattr__(self, name, value)
         for name, value in CONVENTIONS[self.preset].option_defaults().items():  # its own options: defaults
             if getattr(self, name) is None:
@@ -406,17 +435,18 @@ class PlanSettings:
     """Every setting that changes which samples share a pack and how packs are ordered and cut into shards."""
 
     #: Packing algorithm; ``auto`` keeps the best of best-fit decreasing and a seeded shuffled first fit.
-    algorithm: Algorithm = "auto"
+    algorithm: Algorithm = setting("auto", help=f"{', '.join(choices(Algorithm))}.")
     #: Extra packs ``balanced_greedy_knapsack`` opens up front.
-    balanced_delta: int = 0
+    balanced_delta: int = setting(0, help="Extra packs for balanced_greedy_knapsack.")
     #: At most this many samples per pack.
-    max_segments: int | None = None
+    max_segments: int | None = setting(None, help="At most this many samples per pack.")
     #: Seed of the seeded algorithms and of the data-parallel ordering.
-    seed: int = 0
+    seed: int = setting(0, help="Seed for seeded algorithms (and of the --val-* draw).")
     #: Output shard size (a pack count, or bytes like ``"512MB"``), parsed when the settings are built.
-    shard_size: ShardSize = field(default_factory=lambda: ShardSize.parse("512MB"))
+    shard_size: ShardSize = setting(factory=lambda: ShardSize.parse("512MB"),
+                                    help="Output shard size: bytes (512MB) or a pack count (1000).")
     #: Order packs so each group of this many consecutive packs (one step on as many ranks) balances compute.
-    balance_dp: int | None = None
+    balance_dp: int | None = setting(None, help="Order packs so each group of N ranks balances.")
 
     def __post_init__(self) -> None:
         _check_choice(self.algorithm, Algorithm, "algorithm")
@@ -461,10 +491,22 @@ class Parallel:
     ``--sequence-parallel``): recorded in the run's config only when one differs from its default, so the config
     ``inspect --config`` writes sets them and leaves the alignment they derive as a comment."""
 
-    align_for: AlignFor = "megatron"
-    cp_size: int = 1
-    tp_size: int = 1
-    sequence_parallel: bool = False
+    align_for: AlignFor = setting("megatron", help=f"{', '.join(choices(AlignFor))}: whose rule derives the "
+                                                   "alignment from the parallel sizes: megatron (2·cp, cp·tp with "
+                                                   "SP) or nemo-rl (make_sequence_length_divisible_by, tp·cp·2).")
+    cp_size: int = setting(1, help="Context-parallel size (align = 2·cp when cp > 1).")
+    tp_size: int = setting(1, help="Tensor-parallel size (with --sequence-parallel).")
+    sequence_parallel: bool = setting(False, help="Sequence parallelism (align includes cp·tp).")
+
+    def __post_init__(self) -> None:
+        _check_choice(self.align_for, AlignFor, "align_for")
+        _check_int(self.cp_size, "cp_size")
+        _check_int(self.tp_size, "tp_size")
+
+    @property
+    def align(self) -> int:
+        """The alignment these sizes need (:func:`alignment_for`)."""
+        return alignment_for(self.align_for, self.cp_size, self.tp_size, self.sequence_parallel)
 
     def describe(self) -> dict[str, Any]:
         """The sizes that differ from their defaults."""
@@ -515,30 +557,31 @@ class RunOptions:
     """How a run goes; never what it writes."""
 
     #: Worker processes (local engine); 1 runs everything in this process.
-    workers: int = 1
-    engine: EngineKind = "local"
+    workers: int = setting(1, help="Worker processes (default: all cores).")
+    engine: EngineKind = setting("local", help="local or ray.")
     #: Ray cluster address (``host:port``) with ``engine="ray"``; None starts a local Ray.
-    ray_address: str | None = None
+    ray_address: str | None = setting(None, help="Ray cluster address host:port (with --engine ray).")
     #: Stop at the first bad sample instead of quarantining it.
-    strict: bool = False
+    strict: bool = setting(False, help="Stop at the first bad sample.")
     #: Stop after planning: ledger and statistics only.
-    dry_run: bool = False
+    dry_run: bool = setting(False, help="Stop after planning: ledger and plan statistics.")
     #: Replace an OUTPUT made with other settings (or not made by packtool).
-    overwrite: bool = False
-    progress: bool = True
+    overwrite: bool = setting(False, help="Replace an OUTPUT made with other settings.")
+    progress: bool = setting(True, help="Show progress bars.")
     #: Above this fraction of error rows the run fails (after writing the ledger; as soon as it is certain, during
     #: the encode stage).
-    max_error_rate: float = 0.01
+    max_error_rate: float = setting(0.01, help="Exit 3 above this share of error samples.")
     #: The same for samples dropped (too long, or no training targets left).
-    max_drop_rate: float = 0.05
+    max_drop_rate: float = setting(0.05, help="Exit 3 above this share of dropped samples.")
     #: The same for samples truncated.
-    max_truncate_rate: float = 0.5
+    max_truncate_rate: float = setting(0.5, help="Exit 3 above this share of truncated samples.")
     #: This many samples in a row (of one shard) failing (error or dropped) stop the run at once: the cause is
     #: systematic (a setting, the model folder, the data's layout); 0 never stops.
-    max_failures_in_a_row: int = 100
+    max_failures_in_a_row: int = setting(100, help="Stop at once when this many samples in a row fail (0: never).")
     #: This many samples of one shard's range failing with the very same reason (one that names no property of a
     #: sample, such as a media kind the model folder has no rule for) stop the run at once; 0 never stops.
-    max_same_failures: int = 20
+    max_same_failures: int = setting(20, help="Stop at once when this many samples of a shard range fail for the "
+                                              "same reason (0: never).")
 
     def __post_init__(self) -> None:
         _check_int(self.workers, "workers")

@@ -28,11 +28,40 @@ def one_error(p: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def test_every_pack_flag_is_a_config_key():
-    from packtool.cli import pack
+def test_every_pack_flag_is_a_config_key_generated_from_its_declaration():
+    """The command's parameters are the run's keys, each with the name, default and help its setting declares
+    (SOURCE and OUTPUT arguments); no option of ``pack`` is written by hand besides --config and --print-config."""
+    import typer.main
 
-    names = set(pack.__code__.co_varnames[:pack.__code__.co_argcount]) - {"ctx", "config", "print_config"}
-    assert names == set(cfg.KEYS)
+    from packtool.cli import app
+
+    command = typer.main.get_command(app).commands["pack"]  # type: ignore[attr-defined]
+    params = {p.name: p for p in command.params}
+    assert set(params) - {"config", "print_config"} == set(cfg.KEYS)
+    base = cfg.defaults()
+    for key in cfg.KEYS:
+        p, spec = params[key], cfg.SPEC[key]
+        assert p.help == spec.help, key
+        assert p.default == (None if isinstance(spec.default, tuple) else base[key]), key
+    from dataclasses import fields
+
+    from packtool.settings import EncodeSettings, PlanSettings, RunOptions, help_of
+    for cls in (EncodeSettings, PlanSettings, RunOptions):  # every setting's help is its field's own
+        for f in fields(cls):
+            assert params[f.name].help == help_of(cls, f.name) == f.metadata["help"]
+
+
+def test_every_value_a_flag_refuses_a_config_file_refuses(demo_dir, tmp_path):
+    """Checks live with the settings, so a config file meets the same ones as a flag (cp_size 0 was refused only
+    by the flag, and a config file's crashed)."""
+    base = ["pack", demo_dir / "dataset", tmp_path / "o", "--tokenizer", demo_dir / "tokenizer", "--pack-size",
+            2048, "--print-config"]
+    conf = tmp_path / "c.yaml"
+    for key, value in (("cp_size", 0), ("tp_size", -1), ("align_for", "deepspeed")):
+        flag = one_error(run(*base, f"--{key.replace('_', '-')}", value))
+        conf.write_text(f"{key}: {value}\n")
+        from_file = one_error(run(*base, "--config", conf))
+        assert key in flag and from_file.startswith(flag) and str(conf) in from_file, (flag, from_file)
 
 
 def test_config_file_flags_override_and_print_back(demo_dir, tmp_path):
