@@ -76,6 +76,9 @@ def test_the_recorded_convention_is_what_a_reader_takes(packed):
     recorded = {**with_preset, "convention": changed.record()}
     family = families.from_manifest(recorded)
     assert family.convention == changed and family.convention != base  # the record wins over the registry
+    assert families.recorded_convention(recorded) == changed
+    owner = families.owner(recorded)  # a family is built under the convention, never given it afterwards
+    assert owner is not None and owner.from_manifest(recorded, changed).convention is changed
     assert families.from_manifest(manifest).convention == TRANSFORMERS
     assert Manifest.parse({**recorded, "format": manifest["format"]}, "x").convention == changed.record()
 

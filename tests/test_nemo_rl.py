@@ -1055,10 +1055,13 @@ def test_nemotron_preset_pack_verify_and_batch(nemotron_folder, tmp_path):
         for key, segments in row.media.items():
             assert all(torch.equal(a, b) for a, b in zip(batch[key][0], segments)), key
 
-    # control: the same packs checked as transformers' convention (preset removed from the manifest) fail
+    # control: the same packs checked as transformers' convention (preset and convention record removed) fail
     path = tmp_path / "out" / ".nv-meta" / "packtool.json"
     data = json.loads(path.read_text())
     data["settings"]["preset"] = None
+    path.write_text(json.dumps(data))
+    assert verify_output(tmp_path / "out") == []  # the family's variant is the recorded convention's, not the preset's
+    del data["convention"]
     path.write_text(json.dumps(data))
     problems = verify_output(tmp_path / "out")
     assert problems and all("image rule gives grid" in p for p in problems), problems[:3]
@@ -1193,10 +1196,11 @@ def test_nemotron_preset_video_pack_verify_and_batch(nemotron_folder, tmp_path):
     with pytest.raises(FormatError, match="NeMo-RL's task encoder"):
         list(read_packs(tmp_path / "out", split="train"))
 
-    # control: the same packs checked as transformers' convention (preset removed from the manifest) fail
+    # control: the same packs checked as transformers' convention (preset and convention record removed) fail
     path = tmp_path / "out" / ".nv-meta" / "packtool.json"
     data = json.loads(path.read_text())
     data["settings"]["preset"] = None
+    del data["convention"]  # the variant is the recorded convention's, whatever the settings' preset says
     path.write_text(json.dumps(data))
     problems = verify_output(tmp_path / "out")
     assert sum("video rule gives" in p for p in problems) == 4, problems[:3]

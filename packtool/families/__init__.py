@@ -70,8 +70,8 @@ if TYPE_CHECKING:
     from packtool.settings import EncodeSettings
 
 __all__ = ["CONVENTIONS", "FAMILIES", "REGISTRY", "TRANSFORMERS", "Convention", "Family", "FamilySpec", "ItemPlan",
-           "MediaTokens", "NoRule", "TrainerLayouts", "from_manifest", "load", "named", "of_batch", "owner", "register",
-           "spec_named"]
+           "MediaTokens", "NoRule", "TrainerLayouts", "from_manifest", "load", "named", "of_batch", "owner",
+           "recorded_convention", "register", "spec_named"]
 
 # The registry: one line per family, in detection order (the first whose ``detect`` takes a folder wins).
 register(FamilySpec("nemotron_omni", NemotronOmni, NEMOTRON_OMNI_LAYOUTS))
@@ -104,30 +104,34 @@ def load(settings: EncodeSettings, tok: Any) -> Family:
     return family
 
 
+def recorded_convention(manifest: Mapping) -> Convention:
+    """The convention a manifest's packs were made under, as the run resolved it (its ``convention`` record); a
+    manifest of an older packtool without the record: the convention its settings' ``preset`` names, else the
+    default."""
+    recorded = manifest.get("convention")
+    if isinstance(recorded, Mapping):
+        return from_record(recorded)
+    preset = (manifest.get("settings") or {}).get("preset")
+    return CONVENTIONS.get(str(preset), TRANSFORMERS)
+
+
 def owner(manifest: Mapping) -> type[Family] | None:
-    """The family class (its variant for the convention the settings name, where it has one) that owns a
-    manifest, without reading its settings; None when no family owns it."""
+    """The family class (its variant for the manifest's convention, where it has one) that owns a manifest,
+    without reading its settings; None when no family owns it."""
     owners: tuple[type[Family], ...] = (ProcessorMode, *FAMILIES)
-    preset = str((manifest.get("settings") or {}).get("preset"))
-    return next((cls.variants.get(preset, cls) for cls in owners if cls.owns(manifest)), None)
+    name = recorded_convention(manifest).name
+    return next((cls.variants.get(name, cls) for cls in owners if cls.owns(manifest)), None)
 
 
 def from_manifest(manifest: Mapping) -> Family:
-    """The family a manifest was written by, under the convention it records (the family's variant for it, where
-    it has one; a manifest without the record: the one its settings name); ``ValueError`` for one no family owns
-    or malformed settings."""
+    """The family a manifest was written by, built under the convention it records
+    (:func:`recorded_convention`; the family's variant for it, where it has one); ``ValueError`` for one no family
+    owns or malformed settings."""
     cls = owner(manifest)
     if cls is None:
         entry = manifest.get("image_processor")
         raise ValueError(f"unsupported image processor {entry!r}")
-    preset = str((manifest.get("settings") or {}).get("preset"))
-    family = cls.from_manifest(manifest)
-    recorded = manifest.get("convention")
-    if isinstance(recorded, Mapping):  # the convention as the run resolved it
-        family.convention = from_record(recorded)
-    elif preset in CONVENTIONS:  # a manifest of an older packtool: by the preset's name
-        family.convention = CONVENTIONS[preset]
-    return family
+    return cls.from_manifest(manifest, recorded_convention(manifest))
 
 
 def named(name: str) -> type[Family]:

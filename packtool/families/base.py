@@ -161,8 +161,10 @@ class Family(ABC):
 
     @classmethod
     @abstractmethod
-    def from_manifest(cls, manifest: Mapping) -> Family:
-        """The family as a manifest describes it (``ValueError`` for malformed settings)."""
+    def from_manifest(cls, manifest: Mapping, convention: Convention) -> Family:
+        """The family as a manifest describes it, under the convention its packs were made with (the one value
+        the manifest records, :func:`packtool.families.recorded_convention`); ``ValueError`` for malformed
+        settings."""
 
     # -- encode: each media item's plan ---------------------------------------------------------------------------
     def plan_image(self, width: int, height: int, n_images: int) -> ItemPlan:
@@ -559,10 +561,8 @@ class NoMedia(Family):
         return manifest.get("image_processor") is None
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping) -> NoMedia:
-        from packtool.families.conventions import TRANSFORMERS
-
-        return cls(manifest_tokens(manifest), TRANSFORMERS)
+    def from_manifest(cls, manifest: Mapping, convention: Convention) -> NoMedia:
+        return cls(manifest_tokens(manifest), convention)
 
     #: A text dataset's batches carry no media fields.
     batch_keys: ClassVar[tuple[str, ...]] = ()

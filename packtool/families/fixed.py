@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from packtool.families.base import Family, ItemPlan, MediaTokens, manifest_tokens
-from packtool.families.conventions import TRANSFORMERS, Convention
+from packtool.families.conventions import Convention
 from packtool.families.qwen2_vl.family import ImageRule
 
 if TYPE_CHECKING:
@@ -45,8 +45,8 @@ class FixedCount(Family):
         return isinstance(entry, Mapping) and entry.get("type") == "fixed" and "family" not in entry
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping) -> FixedCount:
-        return cls(manifest_tokens(manifest), TRANSFORMERS, "",
+    def from_manifest(cls, manifest: Mapping, convention: Convention) -> FixedCount:
+        return cls(manifest_tokens(manifest), convention, "",
                    ImageRule.from_manifest(manifest["image_processor"]).fixed_tokens)
 
     def plan_image(self, width: int, height: int, n_images: int) -> ItemPlan:

@@ -217,8 +217,8 @@ class ProcessorMode(Family):
         return isinstance(entry, Mapping) and entry.get("family") == "processor"
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping) -> ProcessorMode:
-        family = cls(manifest_tokens(manifest), TRANSFORMERS, "", None, None)
+    def from_manifest(cls, manifest: Mapping, convention: Convention) -> ProcessorMode:
+        family = cls(manifest_tokens(manifest), convention, "", None, None)
         family.audio_max_seconds = (manifest.get("settings") or {}).get("audio_max_seconds")
         return family
 

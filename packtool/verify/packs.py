@@ -39,6 +39,7 @@ from packtool import families
 from packtool.errors import FormatError
 from packtool.families import Family
 from packtool.families.base import NoMedia
+from packtool.families.conventions import TRANSFORMERS
 from packtool.format import (
     ARRAYS,
     KEPT,
@@ -416,7 +417,7 @@ def check_shard(task: ShardCheck) -> ShardReport:
     try:
         family = manifest_family(manifest)
     except FormatError as exc:  # reported below; nothing is re-derived, placeholders as a text family's
-        unreadable, family = exc, NoMedia.from_manifest(manifest)
+        unreadable, family = exc, NoMedia.from_manifest(manifest, TRANSFORMERS)
     tokens = None
     if (tok_dir / "tokenizer.json").is_file():
         try:

@@ -29,7 +29,7 @@ import numpy as np
 
 from packtool.errors import ConfigError, SampleError
 from packtool.families.base import ExpandsInText, ItemPlan, MediaTokens, knows_exactly, manifest_tokens
-from packtool.families.conventions import NEMOTRON_FAMILY, TRANSFORMERS, Convention
+from packtool.families.conventions import NEMOTRON_FAMILY, Convention
 from packtool.format import PackRecord
 from packtool.media.audio import AudioFacts, resampled_length
 from packtool.media.folder import read_folder, stated_names
@@ -441,8 +441,8 @@ class NemotronOmni(ExpandsInText):
         return isinstance(entry, Mapping) and entry.get("family") == NEMOTRON_FAMILY
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping) -> NemotronOmni:
-        return cls(manifest_tokens(manifest), TRANSFORMERS, "",
+    def from_manifest(cls, manifest: Mapping, convention: Convention) -> NemotronOmni:
+        return cls(manifest_tokens(manifest), convention, "",
                    NemotronOmniSettings.from_manifest(manifest["image_processor"]))
 
     def plan_image(self, width: int, height: int, n_images: int) -> ItemPlan:

@@ -106,8 +106,8 @@ class MBridgeNemotronOmni(NemotronOmni):
         return family
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping) -> NemotronOmni:
-        family = super().from_manifest(manifest)
+    def from_manifest(cls, manifest: Mapping, convention: Convention) -> NemotronOmni:
+        family = super().from_manifest(manifest, convention)
         assert isinstance(family, MBridgeNemotronOmni)
         entry = manifest["image_processor"].get("megatron_bridge") or {}
         family.audio_count = entry.get("audio_count", "valid")

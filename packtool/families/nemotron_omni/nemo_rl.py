@@ -71,8 +71,8 @@ class NemoRLNemotronOmni(NemotronOmni):
         return family
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping) -> NemotronOmni:
-        family = super().from_manifest(manifest)
+    def from_manifest(cls, manifest: Mapping, convention: Convention) -> NemotronOmni:
+        family = super().from_manifest(manifest, convention)
         assert isinstance(family, NemoRLNemotronOmni)
         family.pack_size = int((manifest.get("settings") or {}).get("pack_size", 0))
         return family

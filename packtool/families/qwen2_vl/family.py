@@ -19,7 +19,7 @@ import numpy as np
 
 from packtool.errors import ConfigError
 from packtool.families.base import Family, ItemPlan, MediaTokens, knows_exactly, manifest_tokens
-from packtool.families.conventions import TRANSFORMERS, Convention
+from packtool.families.conventions import Convention
 from packtool.format import PackRecord
 from packtool.media.folder import read_folder
 from packtool.media.video import VideoFacts
@@ -502,9 +502,9 @@ class Qwen2VL(Family):
         return isinstance(entry, Mapping) and entry.get("type") == "qwen2_vl" and "family" not in entry
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping) -> Qwen2VL:
+    def from_manifest(cls, manifest: Mapping, convention: Convention) -> Qwen2VL:
         video = manifest.get("video_processor")
-        return cls(manifest_tokens(manifest), TRANSFORMERS, "", ImageRule.from_manifest(manifest["image_processor"]),
+        return cls(manifest_tokens(manifest), convention, "", ImageRule.from_manifest(manifest["image_processor"]),
                    None if video is None else Qwen2VLSettings.from_manifest(video),
                    None if video is None else video.get("config"))
 

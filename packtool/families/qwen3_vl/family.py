@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from packtool.errors import ConfigError
 from packtool.families.base import ExpandsInText, ItemPlan, MediaTokens, knows_exactly, manifest_tokens
-from packtool.families.conventions import TRANSFORMERS, Convention
+from packtool.families.conventions import Convention
 from packtool.families.qwen2_vl.family import QWEN2_VL_IMAGE_PROCESSORS, ImageRule, _image_rule, _json_file
 from packtool.families.qwen3_vl.rule import Qwen3VLVideoRule
 from packtool.format import PackRecord
@@ -99,9 +99,9 @@ class Qwen3VL(ExpandsInText):
         return isinstance(entry, Mapping) and entry.get("family") == cls.name
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping) -> Qwen3VL:
+    def from_manifest(cls, manifest: Mapping, convention: Convention) -> Qwen3VL:
         video = manifest.get("video_processor")
-        return cls(manifest_tokens(manifest), TRANSFORMERS, "", ImageRule.from_manifest(manifest["image_processor"]),
+        return cls(manifest_tokens(manifest), convention, "", ImageRule.from_manifest(manifest["image_processor"]),
                    None if video is None else Qwen3VLVideoRule.from_manifest(video),
                    None if video is None else video.get("config"))
 
