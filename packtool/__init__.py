@@ -1,8 +1,8 @@
 """packtool: offline global sequence packing of Energon multimodal SFT datasets.
 
 Public API: :func:`pack` (a whole run, as ``packtool pack``; returns a :class:`PackSummary`),
-:func:`pack_lengths` and :data:`ALGORITHMS` (the planner), :func:`read_packs` (packs -> Megatron-ready batches) and
-:func:`to_megatron`. They load lazily so that ``import packtool`` stays light.
+:func:`pack_lengths` and :data:`ALGORITHMS` (the planner), :func:`read_packs` (packs -> Megatron-ready batches, each
+a :class:`ReaderBatch`) and :func:`to_megatron`. They load lazily so that ``import packtool`` stays light.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -19,6 +19,7 @@ _LAZY = {
     "pack_lengths": "packtool.packer.algorithms",
     "ALGORITHMS": "packtool.packer.algorithms",
     "read_packs": "packtool.runtime.read",
+    "ReaderBatch": "packtool.readkit",
     "to_megatron": "packtool.runtime.megatron_batch",
 }
 

@@ -15,8 +15,8 @@ on the families through its registry: the imports go one way, runtime -> familie
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -168,3 +168,112 @@ def mm_token_type_ids(input_ids: torch.Tensor, context: Mapping) -> torch.Tensor
 def text_positions(row: Mapping, context: Mapping, tokens_per_second: int | None) -> torch.Tensor:
     """The Hugging Face layout of text-only families: the row's per-segment positions as they are."""
     return row["position_ids"]
+
+
+# -- the reader's batch -------------------------------------------------------------------------------------------
+#: A reader batch's entry naming its loss mode (:data:`packtool.lossweights.LOSS_MODES`).
+LOSS_MODE = "loss_mode"
+#: A reader batch's entry saying whether every sample weight of its output is a whole number (the manifest's
+#: ``loss_weights.whole``; True where no weight is given).
+WHOLE_WEIGHTS = "whole_weights"
+
+
+@dataclass(eq=False)
+class ReaderBatch(MutableMapping[str, Any]):
+    """One micro-batch of packtool's reader (one pack, or ``B`` packs stacked by ``collate_packs``): typed fields,
+    read by attribute or, as every trainer layout and most training loops do, by key (``batch["tokens"]``; the
+    keys are the field names, but ``keys`` for :attr:`segment_keys`). :attr:`media` holds the family's media
+    tensors (its reader's fields, ``Family.batch_keys``) and anything a caller adds; each trainer layout turns the
+    batch into its trainer's dict at the edge (``hf_batch``, ``megatron_bridge_batch``); :meth:`to_dict` gives the
+    plain dict. Shapes: ``[B, L]`` for the per-token fields (:data:`ROW_FIELDS`), boundaries ``[S + 1]`` int32 over
+    the flattened rows."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    #: Each label position's weight under :attr:`loss_mode` (0 where the label is -100).
+    loss_weights: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens_unpadded: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    max_seqlen: int
+    padding_mask: torch.Tensor
+    #: Each segment's source key (the batch's ``keys`` entry).
+    segment_keys: list[str]
+    #: The pack's key (a list of them for stacked rows).
+    pack_key: str | list[str]
+    #: float64 ``[B]``: each row's weights summed (a trainer adds them over the global batch to divide by).
+    loss_weight_sum: torch.Tensor
+    #: int64 ``[B]``: samples of each row.
+    num_samples: torch.Tensor
+    loss_mode: str
+    whole_weights: bool
+    #: The registered family whose trainer layouts the batch follows.
+    family: str
+    #: The manifest's media token ids and merge size (:func:`layout_context`).
+    layout_context: dict[str, int | None]
+    #: A mixture's: int64 ``[S]``, each segment's dataset as its place in the manifest's mixture (None: one dataset).
+    dataset_index: torch.Tensor | None = None
+    #: The family's media tensors (``pixel_values``, ``image_grid_thw``, ...) and whatever a caller adds by key.
+    media: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, entries: Mapping[str, Any]) -> ReaderBatch:
+        """A batch from its entries by key (the fields' keys; every other entry goes to :attr:`media`)."""
+        named = {_ATTR.get(k, k): v for k, v in entries.items() if _ATTR.get(k, k) in _FIELDS}
+        return cls(**named, media={k: v for k, v in entries.items() if _ATTR.get(k, k) not in _FIELDS})
+
+    def to(self, device: Any) -> ReaderBatch:
+        """The batch with every tensor on ``device`` (the rest as it is)."""
+        return ReaderBatch.of({k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                               for k, v in self.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        """The batch as a plain dict, key for key."""
+        return dict(self.items())
+
+    def __getitem__(self, key: str) -> Any:
+        attr = _ATTR.get(key, key)
+        if attr in _FIELDS:
+            value = getattr(self, attr)
+            if value is None and attr in _OPTIONAL:
+                raise KeyError(key)
+            return value
+        return self.media[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        attr = _ATTR.get(key, key)
+        if attr in _FIELDS:
+            setattr(self, attr, value)
+        else:
+            self.media[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        attr = _ATTR.get(key, key)
+        if attr in _OPTIONAL and getattr(self, attr) is not None:
+            setattr(self, attr, None)
+        elif attr in _FIELDS:
+            raise KeyError(f"{key!r} is an entry every reader batch has" if attr not in _OPTIONAL else key)
+        else:
+            del self.media[key]
+
+    def __iter__(self) -> Iterator[str]:
+        for attr in _FIELDS:
+            if not (attr in _OPTIONAL and getattr(self, attr) is None):
+                yield _KEY.get(attr, attr)
+        yield from self.media
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return f"ReaderBatch({', '.join(self)})"
+
+
+#: The field names of a reader batch (its entries but the media), and the two spelled otherwise as keys.
+_FIELDS = tuple(f.name for f in fields(ReaderBatch) if f.name != "media")
+_KEY = {"segment_keys": "keys"}
+_ATTR = {v: k for k, v in _KEY.items()}
+_OPTIONAL = frozenset({"dataset_index"})
+#: Per-token fields, ``[B, L]``.
+ROW_FIELDS = ("tokens", "labels", "loss_mask", "loss_weights", "position_ids", "padding_mask")

@@ -12,6 +12,7 @@ import packfixture as fx
 from packtool.errors import FormatError
 from packtool.families.qwen2_vl.reader import mrope_position_ids
 from packtool.format import load_manifest
+from packtool.readkit import ReaderBatch
 from packtool.runtime.loader import PackDataset, PackTaskEncoder, collate_packs
 from packtool.runtime.megatron_batch import to_megatron
 from packtool.runtime.read import pack_to_batch, read_packs
@@ -295,6 +296,47 @@ def test_collate_pads_with_ignore_and_keeps_thd_view(image_dataset):
         assert flat["tokens"][cup[k]:cup[k] + len(seg["tokens"])].tolist() == seg["tokens"]
     assert batch["image_grid_thw"].shape == (3, 3)
     assert batch["pixel_values"].shape[0] == sum(r["pixel_values"].shape[0] for r in rows)
+
+
+def test_reader_batches_are_typed_and_read_by_key_through_every_loader(image_dataset):
+    """A reader batch is one dataclass (:class:`ReaderBatch`): its fields by attribute equal its entries by key,
+    the family's media are its typed part, and it stays one through collate, a device move, pickling (loader
+    workers), a plain torch DataLoader and Energon's loader; every trainer layout takes it as it is."""
+    import pickle
+
+    from megatron.energon import WorkerConfig, get_savable_loader, get_val_dataset
+
+    from packtool.format import BATCH_CONTEXT, BATCH_FAMILY
+    from packtool.runtime.hf import hf_batch
+    from packtool.runtime.megatron_batch import megatron_bridge_batch
+
+    path, _ = image_dataset
+    rows = list(read_packs(path, pad_to="segments"))
+    batch = rows[0]
+    assert isinstance(batch, ReaderBatch)
+    assert batch.tokens is batch["tokens"] and batch.segment_keys is batch["keys"] and batch.family == "qwen2_vl"
+    assert set(batch.media) == {"pixel_values", "image_grid_thw"} and batch.media["pixel_values"] is batch[
+        "pixel_values"]
+    assert list(batch)[:3] == ["tokens", "labels", "loss_mask"] and {BATCH_FAMILY, BATCH_CONTEXT} <= set(batch)
+    assert "dataset_index" not in batch and batch.get("dataset_index") is None  # one dataset: no entry
+    assert set(batch.to_dict()) == set(batch) and type(batch.to_dict()) is dict
+    with pytest.raises(KeyError, match="every reader batch has"):
+        del batch["tokens"]
+    batch["extra"] = 1  # a caller's own entry joins the media
+    assert batch.media.pop("extra") == 1 and "extra" not in batch
+    stacked = collate_packs(rows, fx.PAD_ID)
+    assert isinstance(stacked, ReaderBatch) and stacked.pack_key == [r.pack_key for r in rows]
+    moved = stacked.to("cpu")
+    assert isinstance(moved, ReaderBatch) and torch.equal(moved.tokens, stacked.tokens)
+    again = pickle.loads(pickle.dumps(stacked))
+    assert isinstance(again, ReaderBatch) and set(again) == set(stacked)
+    plain = next(iter(torch.utils.data.DataLoader(PackDataset(path, shuffle=False), batch_size=None)))
+    assert isinstance(plain, ReaderBatch) and plain.pack_key == rows[0].pack_key
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    val = get_val_dataset(path, split_part="train", worker_config=wc, batch_size=2, task_encoder=PackTaskEncoder())
+    assert isinstance(next(iter(get_savable_loader(val))), ReaderBatch)
+    assert hf_batch(batch)["input_ids"].shape[1] == int(batch.cu_seqlens_unpadded[-1])  # layouts take it as it is
+    assert torch.equal(megatron_bridge_batch(batch)["tokens"], batch.tokens)
 
 
 def test_to_megatron(image_dataset):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NoReturn
 
 import numpy as np
@@ -37,7 +38,7 @@ from packtool.format import (
     split_shard_paths,
 )
 from packtool.lossweights import check_loss_mode
-from packtool.readkit import pad_frames
+from packtool.readkit import ReaderBatch, pad_frames
 from packtool.runtime.megatron_batch import megatron_bridge_batch
 from packtool.runtime.read import (
     IGNORE_INDEX,
@@ -54,8 +55,9 @@ from packtool.shards import iter_records, record_offsets
 log = logging.getLogger(__name__)
 OnError = Literal["raise", "skip"]
 
-def pad_row(row: dict, length: int, pad_token_id: int) -> dict:
-    """Extend a one-pack batch to `length` tokens; the extra padding joins the last segment (as the pack tail)."""
+def pad_row(row: Mapping[str, Any], length: int, pad_token_id: int) -> Any:
+    """Extend a one-pack batch to `length` tokens; the extra padding joins the last segment (as the pack tail). A
+    reader batch stays one."""
     extra = length - row["tokens"].shape[1]
     if extra < 0:
         raise ValueError(f"row of {row['tokens'].shape[1]} tokens is longer than {length}")
@@ -71,16 +73,18 @@ def pad_row(row: dict, length: int, pad_token_id: int) -> dict:
     out["cu_seqlens_padded"] = row["cu_seqlens_padded"].clone()
     out["cu_seqlens_padded"][-1] += extra
     out["max_seqlen"] = int(out["cu_seqlens_padded"].diff().max())
-    return out
+    return ReaderBatch.of(out) if isinstance(row, ReaderBatch) else out
 
 
-def collate_packs(rows: list[dict], pad_token_id: int) -> dict:
-    """Batch one-pack rows. One row is returned as is; several are stacked `[B, L]` (labels padded with -100,
-    never 0) with `cu_seqlens_unpadded`, `cu_seqlens_padded`, `max_seqlen`, `keys` describing
-    `tokens.reshape(1, -1)`; `pack_key` becomes a list, media tensors are concatenated in row order; `family` and
-    `layout_context` are the rows' one value."""
+def collate_packs(rows: Sequence[Mapping[str, Any]], pad_token_id: int) -> Any:
+    """Batch one-pack rows (:class:`~packtool.readkit.ReaderBatch`). One row is returned as is; several are
+    stacked `[B, L]` (labels padded with -100, never 0) into one reader batch with `cu_seqlens_unpadded`,
+    `cu_seqlens_padded`, `max_seqlen`, `keys` describing `tokens.reshape(1, -1)`; `pack_key` becomes a list, media
+    tensors are concatenated in row order; `family` and `layout_context` are the rows' one value (rows given as
+    plain dicts give a dict)."""
     if len(rows) == 1:
         return rows[0]
+    typed = all(isinstance(r, ReaderBatch) for r in rows)
     length = max(r["tokens"].shape[1] for r in rows)
     rows = [pad_row(r, length, pad_token_id) for r in rows]
     out: dict[str, Any] = {key: torch.cat([r[key] for r in rows]) for key in ROW_KEYS}
@@ -117,7 +121,7 @@ def collate_packs(rows: list[dict], pad_token_id: int) -> dict:
             out[key] = torch.cat([pad_frames(r[key], width) for r in rows if key in r])
     if any("media_kinds" in r for r in rows):
         out["media_kinds"] = [k for r in rows for k in r.get("media_kinds", [])]
-    return out
+    return ReaderBatch.of(out) if typed else out
 
 
 #: Media fields of reader rows that the batch builds otherwise: clips padded to the batch's longest, a list.
@@ -241,7 +245,7 @@ class PackSample(Sample):
 class PackRow(Sample):
     """One pack after `pack_to_batch`."""
 
-    batch: dict
+    batch: ReaderBatch
 
 
 @stateless

@@ -36,8 +36,6 @@ import torch
 
 from packtool.errors import FormatError
 from packtool.format import (
-    BATCH_CONTEXT,
-    BATCH_FAMILY,
     TOKENIZER_DIR,
     PackRecord,
     aligned_lengths,
@@ -49,7 +47,7 @@ from packtool.format import (
     split_shard_paths,
 )
 from packtool.lossweights import check_loss_mode, token_scale
-from packtool.readkit import layout_context
+from packtool.readkit import LOSS_MODE, ROW_FIELDS, WHOLE_WEIGHTS, ReaderBatch, layout_context
 from packtool.runtime.registry import Family, family_of
 from packtool.shards import iter_records
 from packtool.storage import local_copy, location
@@ -57,12 +55,9 @@ from packtool.storage import local_copy, location
 IGNORE_INDEX = -100
 PAD_TO = ("pack", "segments")
 #: Batch fields shaped `[1, L]` (one value per token of the row).
-ROW_KEYS = ("tokens", "labels", "loss_mask", "loss_weights", "position_ids", "padding_mask")
-#: A reader batch's entry naming its loss mode (:data:`packtool.lossweights.LOSS_MODES`).
-LOSS_MODE = "loss_mode"
-#: A reader batch's entry saying whether every sample weight of its output is a whole number (the manifest's
-#: ``loss_weights.whole``; True where no weight is given).
-WHOLE_WEIGHTS = "whole_weights"
+ROW_KEYS = ROW_FIELDS
+__all__ = ["IGNORE_INDEX", "LOSS_MODE", "PAD_TO", "ROW_KEYS", "WHOLE_WEIGHTS", "ReaderBatch", "batch_to",
+           "open_pack", "pack_to_batch", "processor_for_output", "read_packs"]
 
 
 def whole_weights(manifest: Mapping) -> bool:
@@ -117,8 +112,9 @@ def pack_to_batch(
     image_processor=None,
     source: str = "",
     loss_mode: str = "token",
-) -> dict:
-    """One pack record -> one micro-batch row.
+) -> ReaderBatch:
+    """One pack record -> one micro-batch row (a :class:`~packtool.readkit.ReaderBatch`: typed fields, read by
+    attribute or by key).
 
     Args:
         members: part name -> bytes (`tokens.npy`, `targets.npy`, `seqlens.npy`, `json`, `m0.jpg`, ...); keys
@@ -185,36 +181,35 @@ def pack_to_batch(
     weights = np.zeros(length, dtype=np.float32)
     weights[dest[predictors]] = scale[seg_of[predictors]]
 
-    batch = {
-        "tokens": torch.from_numpy(row_tokens)[None],
-        "labels": torch.from_numpy(labels)[None],
-        "loss_mask": torch.from_numpy(labels != IGNORE_INDEX).float()[None],
-        "loss_weights": torch.from_numpy(weights)[None],
-        "position_ids": torch.from_numpy(position_ids)[None],
-        "cu_seqlens_unpadded": torch.from_numpy(cu.astype(np.int32)),
-        "cu_seqlens_padded": torch.from_numpy(cu_padded.astype(np.int32)),
-        "max_seqlen": int(padded_lengths.max()),
-        "padding_mask": torch.from_numpy(padding_mask)[None],
-        "keys": [s.key for s in segments],
-        "pack_key": record.key,
-        "loss_weight_sum": torch.tensor([float((scale * counts).sum())], dtype=torch.float64),
-        "num_samples": torch.tensor([len(segments)], dtype=torch.int64),
-        LOSS_MODE: loss_mode,
-        WHOLE_WEIGHTS: whole_weights(manifest),
-    }
-    batch.update(dataset_index(record, manifest, where))
     family = family_of(manifest)
-    batch.update(_media(record, family, cu, where, images, image_processor))
-    batch[BATCH_FAMILY] = family.batch_family()
-    batch[BATCH_CONTEXT] = layout_context(manifest)
-    return batch
+    return ReaderBatch(
+        tokens=torch.from_numpy(row_tokens)[None],
+        labels=torch.from_numpy(labels)[None],
+        loss_mask=torch.from_numpy(labels != IGNORE_INDEX).float()[None],
+        loss_weights=torch.from_numpy(weights)[None],
+        position_ids=torch.from_numpy(position_ids)[None],
+        cu_seqlens_unpadded=torch.from_numpy(cu.astype(np.int32)),
+        cu_seqlens_padded=torch.from_numpy(cu_padded.astype(np.int32)),
+        max_seqlen=int(padded_lengths.max()),
+        padding_mask=torch.from_numpy(padding_mask)[None],
+        segment_keys=[s.key for s in segments],
+        pack_key=record.key,
+        loss_weight_sum=torch.tensor([float((scale * counts).sum())], dtype=torch.float64),
+        num_samples=torch.tensor([len(segments)], dtype=torch.int64),
+        loss_mode=loss_mode,
+        whole_weights=whole_weights(manifest),
+        family=family.batch_family(),
+        layout_context=layout_context(manifest),
+        dataset_index=dataset_index(record, manifest, where),
+        media=_media(record, family, cu, where, images, image_processor),
+    )
 
 
-def dataset_index(record: PackRecord, manifest: Mapping, where: str = "") -> dict:
-    """A mixture's pack: ``{"dataset_index": int64 [S]}``, each segment's dataset as its place in the manifest's
-    ``mixture["datasets"]`` (per-dataset loss: scatter the per-segment loss by it); ``{}`` for one dataset."""
+def dataset_index(record: PackRecord, manifest: Mapping, where: str = "") -> torch.Tensor | None:
+    """A mixture's pack: int64 ``[S]``, each segment's dataset as its place in the manifest's
+    ``mixture["datasets"]`` (per-dataset loss: scatter the per-segment loss by it); None for one dataset."""
     if not any(s.dataset is not None for s in record.segments):
-        return {}
+        return None
     mixture = manifest.get("mixture") if hasattr(manifest, "get") else None
     names = (mixture or {}).get("datasets") or []
     index = {n: i for i, n in enumerate(names)}
@@ -222,7 +217,7 @@ def dataset_index(record: PackRecord, manifest: Mapping, where: str = "") -> dic
     if unknown:
         raise FormatError(f"{where or record.key}: segment dataset {unknown[0]!r} is not in the manifest's mixture "
                           f"({', '.join(names) or 'none'})")
-    return {"dataset_index": torch.tensor([index[s.dataset] for s in record.segments], dtype=torch.int64)}
+    return torch.tensor([index[s.dataset] for s in record.segments], dtype=torch.int64)
 
 
 def _check_spans(record: PackRecord, family: Family, cu: np.ndarray, where: str) -> None:
@@ -252,8 +247,11 @@ def processor_for_output(path: str | Path, manifest: Mapping):
     return family.reader_processor(local_copy(location(path) / TOKENIZER_DIR) if family.reads_folder else None)
 
 
-def batch_to(batch: dict, device) -> dict:
-    """Move every tensor of a batch to `device` (non-tensors unchanged)."""
+def batch_to(batch: Mapping[str, Any], device) -> Any:
+    """Move every tensor of a batch to `device` (non-tensors unchanged): a reader batch stays one, any other
+    mapping becomes a dict."""
+    if isinstance(batch, ReaderBatch):
+        return batch.to(device)
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
@@ -266,7 +264,7 @@ def read_packs(
     device=None,
     image_processor=None,
     loss_mode: str = "token",
-) -> Iterator[dict]:
+) -> Iterator[ReaderBatch]:
     """Batches of a packed dataset's split, one per pack, in on-disk order (deterministic). See `pack_to_batch`
     (``loss_mode``: how each target token weighs in the step)."""
     check_loss_mode(loss_mode)
@@ -278,6 +276,6 @@ def read_packs(
         for key, members in iter_records(shard):
             batch = pack_to_batch({**members, "__key__": key}, manifest, pad_to=pad_to, images=images,
                                   image_processor=processor, source=str(shard), loss_mode=loss_mode)
-            yield batch if device is None else batch_to(batch, device)
+            yield batch if device is None else batch.to(device)
 
 
