@@ -144,6 +144,24 @@ class VisualInputs:
                                else getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
 
 
+def vision_fields(batch: Mapping, temporal_patch_dim: int = 2) -> dict:
+    """The shared Megatron-Bridge layout (Qwen-VL families): ``visual_inputs`` alone (the registered default,
+    :class:`packtool.families.spec.TrainerLayouts`)."""
+    return {"visual_inputs": vision_inputs(batch)}
+
+
+def vision_inputs(batch: Mapping) -> VisualInputs | None:
+    """The base layout's `visual_inputs`: Qwen-VL images and videos (each kind only when the batch has some);
+    None without either."""
+    fields_: dict[str, torch.Tensor] = {}
+    if batch.get("pixel_values") is not None and len(batch["pixel_values"]):
+        fields_.update(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
+    if batch.get("pixel_values_videos") is not None and len(batch["pixel_values_videos"]):
+        fields_.update(pixel_values_videos=batch["pixel_values_videos"], video_grid_thw=batch["video_grid_thw"],
+                       second_per_grid_ts=batch["second_per_grid_ts"])
+    return VisualInputs(**fields_) if fields_ else None
+
+
 def layout_context(manifest: Mapping) -> dict[str, int | None]:
     """The manifest's facts a trainer layout needs beside a batch's tensors: its image and video token ids and the
     image processor's merge size (None where the manifest has none). Every reader batch carries them, so a layout

@@ -304,11 +304,20 @@ def test_a_family_is_registered_once_with_its_trainer_layouts():
     for trainer_method in ("bridge_media", "nemo_rl_media", "nemo_rl_patch_dim", "check_recipe_options",
                            "owns_batch"):
         assert not hasattr(Family, trainer_method), trainer_method
-    fields = ("megatron_bridge", "nemo_rl_media", "nemo_rl_patch_dim", "nemo_rl_recipe")
+    fields = ("megatron_bridge", "nemo_rl_media", "nemo_rl_patch_dim", "nemo_rl_recipe", "nemo_rl_prompt",
+              "hugging_face")
     for spec in REGISTRY.values():
-        for field in fields:  # every layout a spec names imports and is callable
-            fn = spec.layouts.function(field)
-            assert fn is None or callable(fn), (spec.name, field)
+        for field in fields:  # every layout a spec gives is a function (no import string), the one it holds
+            fn = getattr(spec.layouts, field)
+            assert fn is None or (callable(fn) and not isinstance(fn, str)), (spec.name, field)
+            assert spec.layouts.function(field) is fn
+    with pytest.raises(TypeError, match="not a function"):  # control: an import string is refused where it is read
+        TrainerLayouts(hugging_face="packtool.readkit:text_positions").function("hugging_face")  # type: ignore[arg-type]
+    # registering every family (as each build worker does) loads no torch: the layouts import their readers when
+    # a batch is laid out
+    probe = "import sys, packtool.families; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
     assert spec_named("qwen3_vl").layouts.megatron_bridge_refused
     assert spec_named("nemotron_omni").layouts.nemo_rl_media is not None
     assert TrainerLayouts().function("nemo_rl_media") is None

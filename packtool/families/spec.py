@@ -2,54 +2,71 @@
 model folder and from a manifest, the encode and verify rules — and its trainer layouts), and the registry that
 holds each name once (:func:`register`).
 
-The trainer layouts (:class:`TrainerLayouts`) are where a family's packs meet each trainer's batch: named as
-``"module:function"`` and imported only when a batch is laid out: they build torch tensors, and registering a family
-(which the build side does in every worker) must not load torch. A trainer's layout a family does not
-give is either the shared one (the base Qwen-VL ``visual_inputs`` for Megatron-Bridge, the reader's media fields for
-NeMo-RL) or a refusal with its reason. Adding a trainer adds a field here, never a method to
-:class:`~packtool.families.base.Family`.
+The trainer layouts (:class:`TrainerLayouts`) are where a family's packs meet each trainer's batch: functions, each
+importing its reader module only when a batch is laid out (a layout builds torch tensors, and registering a family,
+which the build side does in every worker, must not load torch; the import test sees these imports like any
+other). A trainer's layout a family does not give is either the shared one (the base Qwen-VL ``visual_inputs`` for
+Megatron-Bridge, the reader's media fields for NeMo-RL) or a refusal with its reason. Adding a trainer adds a field
+here, never a method to :class:`~packtool.families.base.Family`.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from packtool.families.base import Family
 
-#: Megatron-Bridge's shared layout: the base Qwen-VL ``visual_inputs``.
-BRIDGE_VISION = "packtool.runtime.megatron_batch:vision_fields"
-#: The Hugging Face layout of text-only packs: the reader's per-segment positions.
-HF_TEXT = "packtool.readkit:text_positions"
+#: A trainer layout: a function of the batch (or the pack record) and what the layout's field says it takes.
+Layout = Callable[..., Any]
+
+
+def bridge_vision(batch: Mapping, temporal_patch_dim: int = 2) -> dict:
+    """Megatron-Bridge's shared layout: the base Qwen-VL ``visual_inputs``
+    (:func:`packtool.readkit.vision_fields`)."""
+    from packtool.readkit import vision_fields
+
+    return vision_fields(batch, temporal_patch_dim)
+
+
+def hf_text(row: Mapping, context: Mapping, tokens_per_second: int | None) -> Any:
+    """The Hugging Face layout of text-only packs: the reader's per-segment positions
+    (:func:`packtool.readkit.text_positions`)."""
+    from packtool.readkit import text_positions
+
+    return text_positions(row, context, tokens_per_second)
+
+
+#: The names older callers import.
+BRIDGE_VISION, HF_TEXT = bridge_vision, hf_text
 #: The media keys of Qwen-VL models' forward.
 QWEN_VL_MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 @dataclass(frozen=True)
 class TrainerLayouts:
-    """How one family's reader batches and pack records become each trainer's batch (``"module:function"``)."""
+    """How one family's reader batches and pack records become each trainer's batch (each a :data:`Layout`)."""
 
     #: Megatron-Bridge's step batch: ``(batch, temporal_patch_dim) -> media fields``
     #: (:func:`packtool.runtime.megatron_batch.megatron_bridge_batch`).
-    megatron_bridge: str = BRIDGE_VISION
+    megatron_bridge: Layout = bridge_vision
     #: Why the family's packs get no Megatron-Bridge batch (None: they do).
     megatron_bridge_refused: str | None = None
     #: NeMo-RL's packed batch media: ``(family, record, processor, where) -> media key -> one tensor per item``;
     #: None: the reader's media fields, one tensor per pack.
-    nemo_rl_media: str | None = None
+    nemo_rl_media: Layout | None = None
     #: Pixels per patch side of the images in NeMo-RL's batch (its patchify mode): ``(family) -> int``; None: not
     #: patchified.
-    nemo_rl_patch_dim: str | None = None
+    nemo_rl_patch_dim: Layout | None = None
     #: Checks a NeMo-RL recipe's model-processor options against the packs:
     #: ``(manifest, given, fields, processors) -> None``; None: any such option is refused (the packs were made for
     #: a model folder those options do not describe).
-    nemo_rl_recipe: str | None = None
+    nemo_rl_recipe: Layout | None = None
     #: Checks a NeMo-RL recipe's ``thinking_trace_format`` against the packs' replies: ``(manifest, value) -> None``;
     #: None: the family's packs render no thinking traces, and the option is refused.
-    nemo_rl_prompt: str | None = None
+    nemo_rl_prompt: Layout | None = None
     #: The NeMo-RL ``prompt_format`` values the family's packs are laid out in (a recipe's other value is refused).
     nemo_rl_prompt_formats: tuple[str, ...] = ()
     #: Whether NeMo-RL's batch carries ``mm_token_type_ids`` (its Qwen2-VL processor's).
@@ -57,7 +74,7 @@ class TrainerLayouts:
     #: The Hugging Face packed row's ``position_ids``: ``(row, context, tokens_per_second) -> tensor``
     #: (:func:`packtool.runtime.hf.hf_batch`; ``context``: the batch's :func:`packtool.readkit.layout_context`); None:
     #: the family's packs get no Hugging Face row (refused in one line).
-    hugging_face: str | None = None
+    hugging_face: Layout | None = None
     #: transformers ``model_type`` values of the models this family's packs are made for (``check_model`` and the
     #: pairing check match a model by them); none: text-only models (any without a vision or audio tower).
     hugging_face_model_types: tuple[str, ...] = ()
@@ -65,13 +82,12 @@ class TrainerLayouts:
     #: ``mm_token_type_ids``); none: a text model.
     hugging_face_media_keys: tuple[str, ...] = ()
 
-    def function(self, trainer: str) -> Callable[..., Any] | None:
-        """The function a field names, imported (None where the field is None)."""
-        path = getattr(self, trainer)
-        if path is None:
-            return None
-        module, _, name = path.partition(":")
-        return getattr(importlib.import_module(module), name)
+    def function(self, trainer: str) -> Layout | None:
+        """The layout a field holds (None where the field is None)."""
+        layout = getattr(self, trainer)
+        if layout is not None and not callable(layout):
+            raise TypeError(f"trainer layout {trainer!r} is {layout!r}, not a function")
+        return layout
 
 
 @dataclass(frozen=True)

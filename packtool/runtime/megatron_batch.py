@@ -58,7 +58,7 @@ from collections.abc import Mapping
 
 import torch
 
-from packtool.readkit import VisualInputs
+from packtool.readkit import VisualInputs, vision_fields, vision_inputs  # noqa: F401 (importable from here too)
 from packtool.runtime.read import LOSS_MODE, ROW_KEYS, WHOLE_WEIGHTS
 from packtool.runtime.registry import spec_of_batch
 
@@ -122,23 +122,6 @@ def megatron_loss_mask(batch: Mapping) -> torch.Tensor:
     if total <= 0:
         return weights.float()
     return (weights.double() * (scale * (1 + 0.5 / total))).float()
-
-
-def vision_fields(batch: Mapping, temporal_patch_dim: int = 2) -> dict:
-    """The shared Megatron-Bridge layout (Qwen-VL families): ``visual_inputs`` alone."""
-    return {"visual_inputs": vision_inputs(batch)}
-
-
-def vision_inputs(batch: Mapping) -> VisualInputs | None:
-    """The base layout's `visual_inputs`: Qwen-VL images and videos (each kind only when the batch has some);
-    None without either."""
-    fields_: dict[str, torch.Tensor] = {}
-    if batch.get("pixel_values") is not None and len(batch["pixel_values"]):
-        fields_.update(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
-    if batch.get("pixel_values_videos") is not None and len(batch["pixel_values_videos"]):
-        fields_.update(pixel_values_videos=batch["pixel_values_videos"], video_grid_thw=batch["video_grid_thw"],
-                       second_per_grid_ts=batch["second_per_grid_ts"])
-    return VisualInputs(**fields_) if fields_ else None
 
 
 def packed_seq_params(mb: dict):

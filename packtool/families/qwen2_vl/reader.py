@@ -211,7 +211,7 @@ def mrope_position_ids(
     return torch.from_numpy(out)[:, None, :].to(tokens.device)
 
 
-def hf_positions(row: dict, context: Mapping, tokens_per_second: int | None) -> torch.Tensor:
+def hf_positions(row: Mapping, context: Mapping, tokens_per_second: int | None) -> torch.Tensor:
     """The Hugging Face layout's ``position_ids`` ``[4, 1, T]`` of a packed row (real tokens only: ``input_ids``,
     ``cu``, ``position_ids``, media grids): row 0 the per-segment text positions, then the per-segment 3-D rope
     (:func:`mrope_position_ids`); ``context``: the batch's token ids (:func:`packtool.readkit.layout_context`)."""

@@ -5,9 +5,21 @@ into the text as the processor writes it (:mod:`.rule`); the reader's pixels and
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from packtool.families.qwen3_vl.family import Qwen3VL
 from packtool.families.qwen3_vl.rule import Qwen3VLVideoPlan, Qwen3VLVideoRule
 from packtool.families.spec import QWEN_VL_MEDIA_KEYS, TrainerLayouts
+
+
+def _hf_positions(row: Mapping, context: Mapping, tokens_per_second: int | None) -> Any:
+    """The Hugging Face layout's positions (:func:`.reader.hf_positions`; the reader, and torch, imported only when a
+    row is laid out)."""
+    from packtool.families.qwen3_vl.reader import hf_positions
+
+    return hf_positions(row, context, tokens_per_second)
+
 
 #: Qwen3-VL's trainer layouts: no Megatron-Bridge batch (its step's rope spans the whole row); Hugging Face rows.
 QWEN3_VL_LAYOUTS = TrainerLayouts(megatron_bridge_refused=(
@@ -16,7 +28,7 @@ QWEN3_VL_LAYOUTS = TrainerLayouts(megatron_bridge_refused=(
     "Qwen3-VL packs no Megatron-Bridge batch; use its in-batch packing (pack_sequences_in_batch) on unpacked data, "
     "or read the packs with the per-segment rope (packtool.families.qwen3_vl.reader.position_ids)"),
     # Hugging Face rows: its per-segment rope; its videos carry no second_per_grid_ts (their times are text)
-    hugging_face="packtool.families.qwen3_vl.reader:hf_positions",
+    hugging_face=_hf_positions,
     hugging_face_model_types=("qwen3_vl", "qwen3_vl_moe"),
     hugging_face_media_keys=tuple(k for k in QWEN_VL_MEDIA_KEYS if k != "second_per_grid_ts"))
 

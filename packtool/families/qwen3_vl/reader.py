@@ -110,7 +110,7 @@ def batch_position_ids(batch: Mapping[str, Any], manifest: Mapping[str, Any]) ->
                         video_token_id=manifest.get("video_token_id"), spatial_merge_size=merge)
 
 
-def hf_positions(row: dict, context: Mapping, tokens_per_second: int | None) -> torch.Tensor:
+def hf_positions(row: Mapping, context: Mapping, tokens_per_second: int | None) -> torch.Tensor:
     """The Hugging Face layout's ``position_ids`` ``[4, 1, T]`` of a packed row: row 0 the per-segment text
     positions, then Qwen3-VL's per-segment rope (:func:`position_ids`; its videos' times are text in the tokens, so
     ``tokens_per_second`` is not used)."""
