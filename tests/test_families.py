@@ -168,8 +168,9 @@ def test_verify_the_reader_and_the_loaders_take_the_family_the_manifest_names():
     entries = NemotronOmni(manifest_tokens({}), families.TRANSFORMERS, "", NemotronOmniSettings()).manifest_entries()
     plain = families.from_manifest({**entries, "settings": {"pack_size": 4096}})
     assert type(plain) is NemotronOmni and plain.expanded_in_text and plain.shared_image_budget
+    assert plain.run.pack_size == 0  # the plain family takes no run facts; its NeMo-RL variant is built with them
     nemo_rl = families.from_manifest({**entries, "settings": {"preset": "nemo-rl-nemotron-omni", "pack_size": 4096}})
-    assert isinstance(nemo_rl, NemoRLNemotronOmni) and nemo_rl.pack_size == 4096 and nemo_rl.plans_sample_images
+    assert isinstance(nemo_rl, NemoRLNemotronOmni) and nemo_rl.run.pack_size == 4096 and nemo_rl.plans_sample_images
     assert nemo_rl.convention.name == "nemo-rl-nemotron-omni"
     assert families.of_batch({"family": "nemotron_omni", "image_grid_hw": None}) is NemotronOmni
     assert families.of_batch({"family": "qwen2_vl", "image_grid_hw": None}) is Qwen2VL  # the name, not the keys

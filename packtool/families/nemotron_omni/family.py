@@ -36,7 +36,7 @@ from packtool.media.folder import read_folder, stated_names
 from packtool.media.video import VideoFacts
 
 if TYPE_CHECKING:
-    from packtool.settings import EncodeSettings
+    from packtool.settings import AudioCount, EncodeSettings
 
 
 @dataclass(frozen=True)
@@ -388,6 +388,17 @@ def _patch_grid(height: int, width: int, patch: int, merge: int, min_patches: in
 
 
 
+@dataclass(frozen=True)
+class RunFacts:
+    """What a convention's variant of Nemotron Omni takes from the run beside the model folder's rule, given when the
+    family is built (the plain family takes none): the tokenizer (where the trainer's encoder measures text), the
+    pack size (NeMo-RL's frame budget) and how audio tokens are counted (Megatron-Bridge's ``audio_count``)."""
+
+    tok: Any = None
+    pack_size: int = 0
+    audio_count: AudioCount = "valid"
+
+
 class NemotronOmni(ExpandsInText):
     """Nemotron Omni: images, videos and audio by their exact rules, each expansion written into the text as
     transformers' ``nemotron_h_omni`` processor writes it."""
@@ -398,9 +409,27 @@ class NemotronOmni(ExpandsInText):
     QWEN_SETTINGS = ("min_pixels", "max_pixels", "image_tokens", "video_min_frames", "video_max_frames",
                      "video_min_pixels", "video_max_pixels")
 
-    def __init__(self, tokens: MediaTokens, convention: Convention, folder: str, rule: NemotronOmniSettings) -> None:
+    def __init__(self, tokens: MediaTokens, convention: Convention, folder: str, rule: NemotronOmniSettings,
+                 run: RunFacts | None = None) -> None:
         super().__init__(tokens, convention, folder)
         self.rule = rule
+        self.run = run if run is not None else RunFacts()
+
+    # -- what a convention's variant changes (the plain family: nothing) ------------------------------------------
+    @classmethod
+    def variant_rule(cls, rule: NemotronOmniSettings, settings: EncodeSettings) -> NemotronOmniSettings:
+        """The folder's rule as the variant's trainer applies it (:class:`ConfigError` for one it cannot take)."""
+        return rule
+
+    @classmethod
+    def run_facts(cls, settings: EncodeSettings, tok: Any) -> RunFacts:
+        """What the variant takes from the run it packs for."""
+        return RunFacts()
+
+    @classmethod
+    def recorded_facts(cls, manifest: Mapping) -> RunFacts:
+        """The same, as the run recorded them in its manifest (what verify and the reader re-derive with)."""
+        return RunFacts()
 
     @classmethod
     def detect(cls, folder: Path, settings: EncodeSettings) -> bool:
@@ -433,7 +462,7 @@ class NemotronOmni(ExpandsInText):
                              video_text=rule.video_token, audio_text=rule.audio_token,
                              audio_token_id=vocab[rule.audio_token], audio_start_id=vocab[rule.audio_start_token],
                              audio_end_id=vocab[rule.audio_end_token])
-        return cls(tokens, convention, str(st.tokenizer), rule)
+        return cls(tokens, convention, str(st.tokenizer), cls.variant_rule(rule, st), cls.run_facts(st, tok))
 
     @classmethod
     def owns(cls, manifest: Mapping) -> bool:
@@ -443,7 +472,7 @@ class NemotronOmni(ExpandsInText):
     @classmethod
     def from_manifest(cls, manifest: Mapping, convention: Convention) -> NemotronOmni:
         return cls(manifest_tokens(manifest), convention, "",
-                   NemotronOmniSettings.from_manifest(manifest["image_processor"]))
+                   NemotronOmniSettings.from_manifest(manifest["image_processor"]), cls.recorded_facts(manifest))
 
     def plan_image(self, width: int, height: int, n_images: int) -> ItemPlan:
         r = self.rule

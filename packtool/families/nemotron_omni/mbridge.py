@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any
 from packtool.errors import ConfigError, SampleError
 from packtool.families.base import ItemPlan
 from packtool.families.conventions import NEMOTRON_FAMILY, Convention, register_convention
-from packtool.families.nemotron_omni.family import NemotronOmni
+from packtool.families.nemotron_omni.family import NemotronOmni, NemotronOmniSettings, RunFacts
 from packtool.format import AUDIO_TAG, IMAGE_TAG, VIDEO_TAG, PackRecord
 
 if TYPE_CHECKING:
     from packtool.item import Staged
     from packtool.media import AudioFacts, VideoFacts
-    from packtool.settings import AudioCount, EncodeSettings
+    from packtool.settings import EncodeSettings
 
 #: The preset.
 MB_NEMOTRON = "megatron-bridge-nemotron-omni"
@@ -82,10 +82,6 @@ register_convention(MBridgeNemotron(
 class MBridgeNemotronOmni(NemotronOmni):
     """Nemotron Omni's media as Megatron-Bridge's temporal Energon collate lays them out (module docstring)."""
 
-    tok: Any = None
-    #: See :data:`packtool.settings.AudioCount`.
-    audio_count: AudioCount = "valid"
-
     @classmethod
     def load(cls, settings: EncodeSettings, tok: Any, convention: Convention) -> NemotronOmni:
         if settings.audio_max_seconds is not None:
@@ -95,23 +91,26 @@ class MBridgeNemotronOmni(NemotronOmni):
             raise ConfigError(f"--preset {MB_NEMOTRON} takes videos at {VIDEO_FPS:g} fps (every frame of a "
                               f"frame list, one a second of an encoded video); --video-fps / --video-frames do not "
                               f"apply")
-        family = super().load(settings, tok, convention)
-        assert isinstance(family, MBridgeNemotronOmni)
-        if family.rule.audio_sampling_rate != AUDIO_RATE or family.rule.audio_hop_length != HOP:
-            raise ConfigError(f"{settings.tokenizer}: --preset {MB_NEMOTRON} computes audio features at "
-                              f"{AUDIO_RATE} Hz with a hop of {HOP} samples; the folder's processor says "
-                              f"{family.rule.audio_sampling_rate} Hz and {family.rule.audio_hop_length}")
-        family.rule = replace(family.rule, audio_max_seconds=AUDIO_SECONDS)
-        family.tok, family.audio_count = tok, settings.audio_count
-        return family
+        return super().load(settings, tok, convention)
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping, convention: Convention) -> NemotronOmni:
-        family = super().from_manifest(manifest, convention)
-        assert isinstance(family, MBridgeNemotronOmni)
+    def variant_rule(cls, rule: NemotronOmniSettings, settings: EncodeSettings) -> NemotronOmniSettings:
+        """The folder's audio features at Megatron-Bridge's rate and hop, cut at its clip length."""
+        if rule.audio_sampling_rate != AUDIO_RATE or rule.audio_hop_length != HOP:
+            raise ConfigError(f"{settings.tokenizer}: --preset {MB_NEMOTRON} computes audio features at "
+                              f"{AUDIO_RATE} Hz with a hop of {HOP} samples; the folder's processor says "
+                              f"{rule.audio_sampling_rate} Hz and {rule.audio_hop_length}")
+        return replace(rule, audio_max_seconds=AUDIO_SECONDS)
+
+    @classmethod
+    def run_facts(cls, settings: EncodeSettings, tok: Any) -> RunFacts:
+        """The tokenizer (the collate's text measured as it cuts) and how audio tokens are counted."""
+        return RunFacts(tok=tok, audio_count=settings.audio_count)
+
+    @classmethod
+    def recorded_facts(cls, manifest: Mapping) -> RunFacts:
         entry = manifest["image_processor"].get("megatron_bridge") or {}
-        family.audio_count = entry.get("audio_count", "valid")
-        return family
+        return RunFacts(audio_count=entry.get("audio_count", "valid"))
 
     # -- plans ----------------------------------------------------------------------------------------------------
     @property
@@ -163,7 +162,7 @@ class MBridgeNemotronOmni(NemotronOmni):
         self.refuse_audio(facts, part)
         samples = self.rule.audio_samples(facts)
         r = self.rule
-        n = audio_tokens(samples, self.audio_count)
+        n = audio_tokens(samples, self.run.audio_count)
         return ItemPlan(n, samples=samples, text=r.audio_start_token + r.audio_token * n + r.audio_end_token)
 
     # -- placement ------------------------------------------------------------------------------------------------
@@ -200,7 +199,7 @@ class MBridgeNemotronOmni(NemotronOmni):
 
     def _first_token_end(self, text: str) -> int:
         """Characters of the text's first token."""
-        head = self.tok.backend_tokenizer.encode(text[:256], add_special_tokens=False)
+        head = self.run.tok.backend_tokenizer.encode(text[:256], add_special_tokens=False)
         return head.offsets[0][1] if head.ids else 0
 
     # -- the manifest and the runtime side ------------------------------------------------------------------------
@@ -212,7 +211,7 @@ class MBridgeNemotronOmni(NemotronOmni):
     def mbridge_entry(self) -> dict[str, Any]:
         """What the reader needs besides the Nemotron Omni settings: the canvas, the tubelet, the audio features."""
         return {"canvas": CANVAS, "patch_dim": PATCH, "temporal_patch_size": TEMPORAL_PATCH, "video_fps": VIDEO_FPS,
-                "max_audio_duration": AUDIO_SECONDS, "num_mel_bins": MEL_BINS, "audio_count": self.audio_count}
+                "max_audio_duration": AUDIO_SECONDS, "num_mel_bins": MEL_BINS, "audio_count": self.run.audio_count}
 
     def audio_input(self) -> tuple[int, int | None] | None:
         return AUDIO_RATE, int(AUDIO_SECONDS * AUDIO_RATE)

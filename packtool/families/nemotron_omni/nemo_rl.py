@@ -28,7 +28,7 @@ from packtool.families.nemo_rl_rules import (
     video_prompt,
     video_timestamps,
 )
-from packtool.families.nemotron_omni.family import NemotronOmni
+from packtool.families.nemotron_omni.family import NemotronOmni, RunFacts
 from packtool.format import MediaRef
 
 if TYPE_CHECKING:
@@ -57,25 +57,21 @@ def check_thinking_trace_format(manifest: Mapping, recipe_value: str) -> None:
 class NemoRLNemotronOmni(NemotronOmni):
     """Nemotron Omni's media as NeMo-RL's ``nemotron_multimodal`` encoder lays them out."""
 
-    tok: Any = None
-    pack_size: int = 0
-
     @classmethod
     def load(cls, settings: EncodeSettings, tok: Any, convention: Convention) -> NemotronOmni:
         if settings.audio_max_seconds is not None:
             raise ConfigError(f"--preset {NEMO_RL_NEMOTRON} cuts audio into 30 s clips; --audio-max-seconds does not "
                               f"apply")
-        family = super().load(settings, tok, convention)
-        assert isinstance(family, NemoRLNemotronOmni)
-        family.tok, family.pack_size = tok, settings.pack_size
-        return family
+        return super().load(settings, tok, convention)
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping, convention: Convention) -> NemotronOmni:
-        family = super().from_manifest(manifest, convention)
-        assert isinstance(family, NemoRLNemotronOmni)
-        family.pack_size = int((manifest.get("settings") or {}).get("pack_size", 0))
-        return family
+    def run_facts(cls, settings: EncodeSettings, tok: Any) -> RunFacts:
+        """The tokenizer (its encoder measures each sample's text) and the pack size (its frame budget)."""
+        return RunFacts(tok=tok, pack_size=settings.pack_size)
+
+    @classmethod
+    def recorded_facts(cls, manifest: Mapping) -> RunFacts:
+        return RunFacts(pack_size=int((manifest.get("settings") or {}).get("pack_size", 0)))
 
     def video_facts(self, data: list[bytes], framed: bool, facts: VideoFacts, part: str) -> VideoFacts:
         """Duration and frame count as Energon reads them (NeMo-RL's cooker gives its encoder those)."""
@@ -134,7 +130,7 @@ class NemoRLNemotronOmni(NemotronOmni):
                 chunk = r.image_start_token + r.image_token * per + r.image_end_token
                 compact = compact.replace(r.video_token, (p.text or "").replace(chunk, compact_chunk), 1)
         items = [p.item for p in media]
-        length = len(self.tok.backend_tokenizer.encode(compact, add_special_tokens=False).ids)
+        length = len(self.run.tok.backend_tokenizer.encode(compact, add_special_tokens=False).ids)
         # an audio item's one placeholder becomes <so_start>, its tokens, <so_end> (all special tokens)
         length += sum(m.tokens + 1 for m in items if m.kind == "audio")
         merge = round(1 / r.downsample_ratio)
@@ -142,7 +138,7 @@ class NemoRLNemotronOmni(NemotronOmni):
                   for f in ([Frame(m.width, m.height)] if m.kind == "image"
                             else [Frame(m.width, m.height, True)] * m.grid_thw[0])]
         grids = iter(sample_image_grids(
-            frames, self.pack_size - length - BUDGET_RESERVE,
+            frames, self.run.pack_size - length - BUDGET_RESERVE,
             patch=r.patch_size, merge=merge, min_patches=r.min_num_patches, max_patches=r.max_num_patches,
             video_target_patches=r.video_target_num_patches, video_keep_aspect=r.video_maintain_aspect_ratio,
             temporal_patch=r.video_temporal_patch_dim))
@@ -178,7 +174,7 @@ class NemoRLNemotronOmni(NemotronOmni):
         frames = [f for m in visual for f in ([Frame(m.width, m.height)] if m.kind == "image"
                                               else [Frame(m.width, m.height, True)] * m.grid_thw[0])]
         grids = sample_image_grids(
-            frames, self.pack_size - compact - BUDGET_RESERVE, patch=r.patch_size,
+            frames, self.run.pack_size - compact - BUDGET_RESERVE, patch=r.patch_size,
             merge=round(1 / r.downsample_ratio), min_patches=r.min_num_patches, max_patches=r.max_num_patches,
             video_target_patches=r.video_target_num_patches, video_keep_aspect=r.video_maintain_aspect_ratio,
             temporal_patch=r.video_temporal_patch_dim)
