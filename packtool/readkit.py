@@ -10,7 +10,9 @@ on the families through its registry: the imports go one way, runtime -> familie
 - :func:`pad_frames`: audio features padded to a batch's longest clip;
 - :class:`VisualInputs`: image and video tensors as Megatron-Bridge's VLM step takes them;
 - :func:`layout_context`: the token ids and sizes a trainer layout needs beside the tensors, which every reader
-  batch carries (``BATCH_CONTEXT``), and :func:`mm_token_type_ids`, :func:`text_positions` built from it.
+  batch carries (``BATCH_CONTEXT``), and :func:`mm_token_type_ids`, :func:`text_positions` built from it;
+- :func:`vision_fields`: Megatron-Bridge's shared Qwen-VL layout (``visual_inputs``);
+- :class:`ReaderBatch`: the reader's batch, typed fields that read by key too.
 """
 
 from __future__ import annotations
