@@ -63,7 +63,7 @@ from packtool.families.nemotron_omni import NEMOTRON_OMNI_LAYOUTS, NemotronOmni 
 from packtool.families.processor import ProcessorMode
 from packtool.families.qwen2_vl import QWEN2_VL_LAYOUTS, Qwen2VL
 from packtool.families.qwen3_vl import QWEN3_VL_LAYOUTS, Qwen3VL
-from packtool.families.spec import HF_TEXT, REGISTRY, FamilySpec, TrainerLayouts, register, spec_named
+from packtool.families.spec import REGISTRY, FamilySpec, TrainerLayouts, hf_text, register, spec_named
 from packtool.format import BATCH_FAMILY
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ register(FamilySpec("nemotron_omni", NemotronOmni, NEMOTRON_OMNI_LAYOUTS))
 register(FamilySpec("qwen3_vl", Qwen3VL, QWEN3_VL_LAYOUTS))
 register(FamilySpec("fixed", FixedCount))
 register(FamilySpec("qwen2_vl", Qwen2VL, QWEN2_VL_LAYOUTS))
-register(FamilySpec("none", NoMedia, TrainerLayouts(hugging_face=HF_TEXT)))
+register(FamilySpec("none", NoMedia, TrainerLayouts(hugging_face=hf_text)))
 
 #: The families a model folder is matched against, in order (the registry's).
 FAMILIES: tuple[type[Family], ...] = tuple(spec.family for spec in REGISTRY.values())
@@ -118,20 +118,24 @@ def recorded_convention(manifest: Mapping) -> Convention:
 def owner(manifest: Mapping) -> type[Family] | None:
     """The family class (its variant for the manifest's convention, where it has one) that owns a manifest,
     without reading its settings; None when no family owns it."""
+    return _owner(manifest, recorded_convention(manifest))
+
+
+def _owner(manifest: Mapping, convention: Convention) -> type[Family] | None:
     owners: tuple[type[Family], ...] = (ProcessorMode, *FAMILIES)
-    name = recorded_convention(manifest).name
-    return next((cls.variants.get(name, cls) for cls in owners if cls.owns(manifest)), None)
+    return next((cls.variants.get(convention.name, cls) for cls in owners if cls.owns(manifest)), None)
 
 
 def from_manifest(manifest: Mapping) -> Family:
     """The family a manifest was written by, built under the convention it records
     (:func:`recorded_convention`; the family's variant for it, where it has one); ``ValueError`` for one no family
     owns or malformed settings."""
-    cls = owner(manifest)
+    convention = recorded_convention(manifest)
+    cls = _owner(manifest, convention)
     if cls is None:
         entry = manifest.get("image_processor")
         raise ValueError(f"unsupported image processor {entry!r}")
-    return cls.from_manifest(manifest, recorded_convention(manifest))
+    return cls.from_manifest(manifest, convention)
 
 
 def named(name: str) -> type[Family]:

@@ -39,8 +39,6 @@ def hf_text(row: Mapping, context: Mapping, tokens_per_second: int | None) -> An
     return text_positions(row, context, tokens_per_second)
 
 
-#: The names older callers import.
-BRIDGE_VISION, HF_TEXT = bridge_vision, hf_text
 #: The media keys of Qwen-VL models' forward.
 QWEN_VL_MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
