@@ -31,16 +31,16 @@ from packtool.format import MediaRef, PackRecord
 CONTEXT_KEYS = ("image_token_id", "video_token_id", "spatial_merge_size")
 
 
-def vision_media(family: Any, record: PackRecord, image_processor, where: str, images: bool) -> dict:
-    """The base layout (:attr:`Family.batch_keys`): image_grid_thw (+ pixel_values) for the pack's images and
-    video_grid_thw, second_per_grid_ts (+ pixel_values_videos) for its videos (where the family has a video
-    processor)."""
+def vision_media(reader: Any, record: PackRecord, image_processor, where: str, images: bool) -> dict:
+    """The base layout (:attr:`packtool.families.reading.FamilyReader.batch_keys`) through a family's reader:
+    image_grid_thw (+ pixel_values) for the pack's images and video_grid_thw, second_per_grid_ts (+
+    pixel_values_videos) for its videos (where the family has a video processor)."""
     everything = record.media_refs
     for m in everything:
         if m.kind not in ("image", "video"):
             raise FormatError(f"{where}: media kind {m.kind!r} (member {m.member}) is not supported by the reader "
                               f"yet")
-    out = family.read_videos(record, where, images)
+    out = reader.read_videos(record, where, images)
     if any(m.kind == "video" for m in everything) and not out:
         raise FormatError(f"{where}: the pack holds videos but the manifest describes no video processor")
     media = [m for m in everything if m.kind == "image"]
@@ -48,18 +48,18 @@ def vision_media(family: Any, record: PackRecord, image_processor, where: str, i
     out["image_grid_thw"] = torch.from_numpy(stored)
     if not images:
         return out
-    proc = image_processor if image_processor is not None else family.reader_processor(None)
+    proc = image_processor if image_processor is not None else reader.processor(None)
     if proc is None:
         if media:
             raise ValueError(f"{where} has media but no image processor: pass the model's image_processor= "
-                             f"(dataset image rule: {family.name}) or images=False")
+                             f"(dataset image rule: {reader.name}) or images=False")
         return out
     if not media:
-        dim = family.image_patch_dim(proc)  # a layout of patch rows: an empty [0, dim] beside no images
+        dim = reader.image_patch_dim(proc)  # a layout of patch rows: an empty [0, dim] beside no images
         if dim is not None:
             out["pixel_values"] = torch.zeros((0, dim), dtype=torch.float32)
         return out
-    pil = family.reader_images([open_stored_image(record.media[m.member], f"{where}, member {m.member}")
+    pil = reader.images([open_stored_image(record.media[m.member], f"{where}, member {m.member}")
                                 for m in media])
     try:
         result = proc(images=pil, return_tensors="np")
@@ -203,8 +203,8 @@ class ReaderBatch(MutableMapping[str, Any]):
     """One micro-batch of packtool's reader (one pack, or ``B`` packs stacked by ``collate_packs``): typed fields,
     read by attribute or, as every trainer layout and most training loops do, by key (``batch["tokens"]``; the
     keys are the field names, but ``keys`` for :attr:`segment_keys`). :attr:`media` holds the family's media
-    tensors (its reader's fields, ``Family.batch_keys``) and anything a caller adds; each trainer layout turns the
-    batch into its trainer's dict at the edge (``hf_batch``, ``megatron_bridge_batch``); :meth:`to_dict` gives the
+    tensors (its reader's fields, ``FamilyReader.batch_keys``) and anything a caller adds; each trainer layout turns
+    the batch into its trainer's dict at the edge (``hf_batch``, ``megatron_bridge_batch``); :meth:`to_dict` gives the
     plain dict. Shapes: ``[B, L]`` for the per-token fields (:data:`ROW_FIELDS`), boundaries ``[S + 1]`` int32 over
     the flattened rows."""
 

@@ -326,18 +326,89 @@ def test_a_family_is_registered_once_with_its_trainer_layouts():
         spec_named("qwen9")
 
 
+def test_a_familys_reader_is_its_own_class_registered_beside_it():
+    """What a pack becomes in a reader batch is the family's reader, a class in its home registered in its
+    ``FamilySpec``, not methods of the family: the registry builds, for each manifest, the reader of the family
+    it names under the convention it records (Megatron-Bridge's Nemotron Omni variant its own), and the family's
+    rule class holds none of the reader's members."""
+    from packtool.families import PROCESSOR_MODE, REGISTRY, FamilyReader, FamilySpec
+    from packtool.families.base import Family, manifest_tokens
+    from packtool.families.nemotron_omni import (
+        MBridgeNemotronOmni,
+        MBridgeNemotronOmniReader,
+        NemotronOmni,
+        NemotronOmniReader,
+        NemotronOmniSettings,
+    )
+    from packtool.families.processor import ProcessorReader
+    from packtool.families.reading import NoMediaReader
+
+    expected = {"nemotron_omni": "NemotronOmniReader", "qwen3_vl": "Qwen3VLReader", "fixed": "FamilyReader",
+                "qwen2_vl": "Qwen2VLReader", "none": "NoMediaReader"}
+    assert {name: spec.reader.__name__ for name, spec in REGISTRY.items()} == expected
+    assert PROCESSOR_MODE.reader is ProcessorReader and "processor" not in REGISTRY
+    for member in ("reader_processor", "video_entry", "read_videos", "reader_images", "image_patch_dim",
+                   "read_media", "temporal_patch_dim", "position_ids", "batch_family", "batch_keys",
+                   "reads_folder"):
+        assert not hasattr(Family, member), member  # the rule class holds none of the reader's members
+    assert hasattr(FamilyReader, "read_media") and hasattr(FamilyReader, "batch_keys")  # control: the reader does
+    with pytest.raises(TypeError, match="not a FamilyReader class"):  # control: a spec's reader is a reader class
+        FamilySpec("qwen2_vl", Qwen2VL, reader=Qwen2VL)  # type: ignore[arg-type]
+
+    entries = NemotronOmni(manifest_tokens({}), families.TRANSFORMERS, "", NemotronOmniSettings()).manifest_entries()
+    plain = families.reader_of({**entries, "settings": {}})
+    assert type(plain) is NemotronOmniReader and plain.reads_folder and plain.batch_family() == "nemotron_omni"
+    mb = families.CONVENTIONS["megatron-bridge-nemotron-omni"]
+    mb_entries = {**entries, "image_processor": {**entries["image_processor"],
+                                                 "megatron_bridge": {"audio_count": "frames"}}}
+    variant = families.reader_of({**mb_entries, "settings": {}, "convention": mb.record()})
+    assert type(variant) is MBridgeNemotronOmniReader and isinstance(variant.family, MBridgeNemotronOmni)
+    assert variant.family.run.audio_count == "frames" and not variant.reads_folder and variant.processor() is None
+    assert set(variant.batch_keys) - set(plain.batch_keys) == {"sound_length", "num_image_tiles"}
+    assert variant.batch_family() == "nemotron_omni"  # the variant's batches follow the family's layouts
+    text = families.reader_of({"image_processor": None, "settings": {}})
+    assert type(text) is NoMediaReader and text.batch_keys == () and text.processor() is None
+    processor = families.reader_of({"image_processor": {"family": "processor"}, "settings": {}})
+    assert type(processor) is ProcessorReader and processor.batch_family() == "none" and processor.reads_folder
+
+    class Custom(NemotronOmniReader):
+        pass
+
+    NemotronOmniReader.register_variant("test-only-convention", Custom)
+    try:  # each reader holds its own variants, as each family does
+        assert "test-only-convention" not in FamilyReader.variants
+        assert set(MBridgeNemotronOmniReader.variants) == set()
+        with pytest.raises(ValueError, match="already has a variant"):
+            NemotronOmniReader.register_variant("test-only-convention", Custom)
+        with pytest.raises(TypeError, match="not a subclass of NoMediaReader"):
+            NoMediaReader.register_variant("another", Custom)
+    finally:
+        del NemotronOmniReader.variants["test-only-convention"]
+
+
 def test_a_conventions_variant_keeps_its_trainer_refusal_under_the_registered_layout():
     """Megatron-Bridge's Nemotron Omni packs are laid out for Megatron-Bridge: NeMo-RL's registered Nemotron Omni
-    layout refuses them with the reason (the plain family's packs pass the same check)."""
+    layout, given the variant's reader (the one the registry builds for a family of that convention), refuses them
+    with the reason (the plain family's reader passes the same check)."""
     from packtool.families.base import manifest_tokens
-    from packtool.families.nemotron_omni import MBridgeNemotronOmni, NemotronOmni, NemotronOmniSettings
+    from packtool.families.nemotron_omni import (
+        MBridgeNemotronOmni,
+        MBridgeNemotronOmniReader,
+        NemotronOmni,
+        NemotronOmniReader,
+        NemotronOmniSettings,
+    )
     from packtool.families.spec import spec_named
 
     media = spec_named("nemotron_omni").layouts.function("nemo_rl_media")
     assert media is not None
     settings = NemotronOmniSettings()
     variant = MBridgeNemotronOmni.__new__(MBridgeNemotronOmni)
+    variant.convention = families.CONVENTIONS["megatron-bridge-nemotron-omni"]
+    reader = families.reader_for(variant)
+    assert type(reader) is MBridgeNemotronOmniReader and reader.family is variant
     with pytest.raises(ValueError, match="laid out for Megatron-Bridge, not NeMo-RL"):
-        media(variant, None, None, "here")
-    plain = NemotronOmni(manifest_tokens({}), families.TRANSFORMERS, "", settings)
-    assert getattr(plain, "nemo_rl_refused", None) is None  # control: the plain family is not refused
+        media(reader, None, None, "here")
+    plain = families.reader_for(NemotronOmni(manifest_tokens({}), families.TRANSFORMERS, "", settings))
+    assert type(plain) is NemotronOmniReader  # control: the plain family's reader is not refused
+    assert getattr(plain, "nemo_rl_refused", None) is None

@@ -6,12 +6,13 @@ folder plus the overrides (:meth:`Family.load`), the token plan of each media it
 text, or by the processor; ``placeholder_text``, ``expand_text``, ``place``), its manifest entries
 (``manifest_entries``) and how to read them back (``owns``, ``from_manifest``), the placeholder ids verify and the
 reader check spans with (``placeholder_ids``), what verify re-derives (``check_image``, ``check_video``,
-``check_audio``, ``image_counts``, ``expanded_in_text``), the reader's processors, media tensors and rope
-(``reader_processor``, ``read_media``, ``read_videos``, ``reader_images``, ``batch_keys``, ``position_ids``). Where
-its packs meet each trainer's batch (Megatron-Bridge's step fields, NeMo-RL's media, patch size and recipe options)
-is no method of the family but its registration's :class:`~.spec.TrainerLayouts`, found for a reader batch by the
-family the batch names (:func:`of_batch`). The encoder, verify, the reader and the loaders ask the family; they hold
-no family branches of their own.
+``check_audio``, ``image_counts``, ``expanded_in_text``). What a pack becomes in a reader batch is no method of
+the family but its reader (:class:`~.reading.FamilyReader`, registered beside it: the processor, the media fields
+and tensors, the frames per tubelet; :func:`reader_of` builds it from a manifest), and where its packs meet each
+trainer's batch (Megatron-Bridge's step fields, NeMo-RL's media, patch size and recipe options, Hugging Face's
+rope) is its registration's :class:`~.spec.TrainerLayouts`, found for a reader batch by the family the batch names
+(:func:`of_batch`). The encoder, verify, the reader and the loaders ask the family, its reader and its layouts;
+they hold no family branches of their own.
 
 Families: :class:`~.qwen2_vl.Qwen2VL`, :class:`~.qwen3_vl.Qwen3VL`, :class:`~.nemotron_omni.NemotronOmni`,
 :class:`~.fixed.FixedCount` (``image_tokens``), :class:`~.base.NoMedia` (no media rule), and
@@ -21,8 +22,11 @@ family when packtool has one.
 Adding a family: one module (or a home package holding its rule, family and reader code, as :mod:`.qwen2_vl`,
 :mod:`.qwen3_vl` and :mod:`.nemotron_omni` do) with a :class:`Family` subclass (``detect``, ``load``, ``owns``,
 ``from_manifest``, ``manifest_entries``, and the ``plan_*`` of the kinds it takes; a family that expands in the text
-subclasses :class:`~.base.ExpandsInText` and gives ``placeholders``), its trainer layouts where they differ from the
-shared ones (:class:`~.spec.TrainerLayouts`), one registry line below (``register(FamilySpec(name, cls, layouts))``,
+subclasses :class:`~.base.ExpandsInText` and gives ``placeholders``), its reader where its batches differ from the
+shared Qwen-VL layout (a :class:`~.reading.FamilyReader` subclass in a ``reading`` module of its home: ``processor``,
+``read_media``, ``batch_keys``; its tensor code imported only when a pack is read), its trainer layouts where they
+differ from the shared ones (:class:`~.spec.TrainerLayouts`), one registry line below
+(``register(FamilySpec(name, cls, layouts, reader))``,
 in detection order: first match wins; a name registered twice is refused), and its tests (``tests/test_families.py``
 shows it for :mod:`.fixed`). Media items are frozen (:class:`packtool.item.MediaItem`; while a sample is
 encoded, a :class:`~packtool.item.Staged` with what only encoding needs): ``expand_text`` and ``place``
@@ -47,6 +51,9 @@ Adding a convention (the same family under another trainer's data path, :mod:`.c
    :func:`load` builds the variant when the settings name that convention. A convention for one family can keep
    both in one module that registers them (:func:`~.conventions.register_convention`, imported here), as
    :mod:`.nemotron_omni.mbridge` does.
+3. Where it changes the family's reader batches, subclass the family's reader the same way and register it under
+   the convention's name: ``NemotronOmniReader.register_variant("my-convention", MyReader)``
+   (:func:`reader_for` builds it for a manifest of that convention), as :mod:`.nemotron_omni.reading` does.
 """
 
 from __future__ import annotations
@@ -59,26 +66,37 @@ from packtool.errors import ConfigError
 from packtool.families.base import Family, ItemPlan, MediaTokens, NoMedia, NoRule
 from packtool.families.conventions import CONVENTIONS, TRANSFORMERS, Convention, from_record
 from packtool.families.fixed import FixedCount
-from packtool.families.nemotron_omni import NEMOTRON_OMNI_LAYOUTS, NemotronOmni  # registers its variants
-from packtool.families.processor import ProcessorMode
-from packtool.families.qwen2_vl import QWEN2_VL_LAYOUTS, Qwen2VL
-from packtool.families.qwen3_vl import QWEN3_VL_LAYOUTS, Qwen3VL
+from packtool.families.nemotron_omni import (  # registers its variants
+    NEMOTRON_OMNI_LAYOUTS,
+    NemotronOmni,
+    NemotronOmniReader,
+)
+from packtool.families.processor import ProcessorMode, ProcessorReader
+from packtool.families.qwen2_vl import QWEN2_VL_LAYOUTS, Qwen2VL, Qwen2VLReader
+from packtool.families.qwen3_vl import QWEN3_VL_LAYOUTS, Qwen3VL, Qwen3VLReader
+from packtool.families.reading import FamilyReader, NoMediaReader
 from packtool.families.spec import REGISTRY, FamilySpec, TrainerLayouts, hf_text, register, spec_named
 from packtool.format import BATCH_FAMILY
 
 if TYPE_CHECKING:
     from packtool.settings import EncodeSettings
 
-__all__ = ["CONVENTIONS", "FAMILIES", "REGISTRY", "TRANSFORMERS", "Convention", "Family", "FamilySpec", "ItemPlan",
-           "MediaTokens", "NoRule", "TrainerLayouts", "from_manifest", "load", "named", "of_batch", "owner",
-           "recorded_convention", "register", "spec_named"]
+__all__ = ["CONVENTIONS", "FAMILIES", "PROCESSOR_MODE", "REGISTRY", "TRANSFORMERS", "Convention", "Family",
+           "FamilyReader", "FamilySpec", "ItemPlan", "MediaTokens", "NoRule", "TrainerLayouts", "from_manifest", "load",
+           "named", "of_batch", "owner", "reader_for", "reader_of", "readers", "recorded_convention", "register",
+           "spec_named"]
 
 # The registry: one line per family, in detection order (the first whose ``detect`` takes a folder wins).
-register(FamilySpec("nemotron_omni", NemotronOmni, NEMOTRON_OMNI_LAYOUTS))
-register(FamilySpec("qwen3_vl", Qwen3VL, QWEN3_VL_LAYOUTS))
+register(FamilySpec("nemotron_omni", NemotronOmni, NEMOTRON_OMNI_LAYOUTS, NemotronOmniReader))
+register(FamilySpec("qwen3_vl", Qwen3VL, QWEN3_VL_LAYOUTS, Qwen3VLReader))
 register(FamilySpec("fixed", FixedCount))
-register(FamilySpec("qwen2_vl", Qwen2VL, QWEN2_VL_LAYOUTS))
-register(FamilySpec("none", NoMedia, TrainerLayouts(hugging_face=hf_text)))
+register(FamilySpec("qwen2_vl", Qwen2VL, QWEN2_VL_LAYOUTS, Qwen2VLReader))
+register(FamilySpec("none", NoMedia, TrainerLayouts(hugging_face=hf_text), NoMediaReader))
+
+#: The processor mode's registration: no folder is detected as it (``--media-tokens processor`` picks it, wrapping
+#: the folder's family) and its batches follow the folder's family's layouts, so it is not in :data:`REGISTRY`; a
+#: manifest it wrote is still read by its reader.
+PROCESSOR_MODE = FamilySpec("processor", ProcessorMode, reader=ProcessorReader)
 
 #: The families a model folder is matched against, in order (the registry's).
 FAMILIES: tuple[type[Family], ...] = tuple(spec.family for spec in REGISTRY.values())
@@ -138,6 +156,31 @@ def from_manifest(manifest: Mapping) -> Family:
     return cls.from_manifest(manifest, convention)
 
 
+def reader_for(family: Family) -> FamilyReader:
+    """The reader of ``family`` (one read back from a manifest): its registration's reader class, that reader's
+    variant for the family's convention where it has one."""
+    spec = PROCESSOR_MODE if isinstance(family, ProcessorMode) else spec_named(family.name)
+    cls = spec.reader.variants.get(family.convention.name, spec.reader)
+    return cls(family)
+
+
+def reader_of(manifest: Mapping) -> FamilyReader:
+    """The reader of a manifest's packs: its family's (:func:`from_manifest`), built under the convention the
+    manifest records; ``ValueError`` for one no family owns or malformed settings."""
+    return reader_for(from_manifest(manifest))
+
+
+def readers() -> tuple[type[FamilyReader], ...]:
+    """Every registered reader class with its convention variants, in registration order (the processor mode's
+    last)."""
+    out: list[type[FamilyReader]] = []
+    for spec in (*REGISTRY.values(), PROCESSOR_MODE):
+        for cls in (spec.reader, *spec.reader.variants.values()):
+            if cls not in out:
+                out.append(cls)
+    return tuple(out)
+
+
 def named(name: str) -> type[Family]:
     """The registered family called ``name``; ``ValueError`` for a name no family has."""
     return spec_named(name).family
@@ -145,7 +188,7 @@ def named(name: str) -> type[Family]:
 
 def of_batch(batch: Mapping[str, Any]) -> type[Family]:
     """The family whose layouts a reader batch follows: the one its ``family`` entry names (the reader writes it,
-    :meth:`Family.batch_family`); ``ValueError`` for a batch without one (not a packtool reader batch)."""
+    :meth:`FamilyReader.batch_family`); ``ValueError`` for a batch without one (not a packtool reader batch)."""
     name = batch.get(BATCH_FAMILY)
     if not isinstance(name, str):
         raise ValueError("the batch names no family (its 'family' entry): only batches of packtool's reader "

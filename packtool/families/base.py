@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 
 from packtool.errors import ConfigError, SampleError
-from packtool.families.conventions import Convention, trainer_image
-from packtool.format import AUDIO_TAG, MediaRef, PackRecord
+from packtool.families.conventions import Convention
+from packtool.format import AUDIO_TAG, MediaRef
 
 if TYPE_CHECKING:
     from packtool.item import MediaItem, Staged
@@ -108,10 +108,11 @@ class MediaTokens:
 
 class Family(ABC):
     """One model family under one convention: its token plan per media item, how its placeholders expand, its
-    manifest entries, and (read back from a manifest) what verify re-derives and what the reader builds.
+    manifest entries, and (read back from a manifest) what verify re-derives.
 
     An instance from :meth:`load` serves the encoder; one from :meth:`from_manifest` serves verify and the
-    runtime (no model folder, no tokenizer: ``tokens`` then holds the manifest's ids)."""
+    family's reader (:class:`packtool.families.reading.FamilyReader`, registered beside it; no model folder, no
+    tokenizer: ``tokens`` then holds the manifest's ids)."""
 
     #: The family's name (``image_processor.family`` in the manifest where it writes one).
     name: ClassVar[str]
@@ -337,68 +338,6 @@ class Family(ABC):
     def expanded_in_text(self) -> bool:
         return self.expand_in != "ids"
 
-    # -- the runtime side: the reader's processors and the batch layout ---------------------------------------
-    #: Media fields of the family's reader batches (:func:`packtool.runtime.read.pack_to_batch`); the base layout
-    #: is Qwen2-VL's (images and videos as transformers' Qwen2-VL processors lay them out). Empty: the family's
-    #: packs carry no media, and a pack without media gets no media fields.
-    batch_keys: ClassVar[tuple[str, ...]] = ("image_grid_thw", "pixel_values", "video_grid_thw",
-                                             "second_per_grid_ts", "pixel_values_videos")
-    #: Whether the reader's processors read the model folder copied into the output (settings the manifest does
-    #: not record: normalisation, feature extraction); a loader then makes a local copy of a remote one first.
-    reads_folder: ClassVar[bool] = False
-
-    def reader_processor(self, folder: Path | None = None) -> Any:
-        """The processor the reader gives the family's media by default (what ``image_processor=`` of the reader
-        replaces), built from the manifest's settings (and ``folder``, the model folder copied into the output,
-        for a family that :attr:`reads_folder`); None when the manifest cannot name one (the caller passes the
-        model's own processor)."""
-        return None
-
-    def video_entry(self) -> Mapping[str, Any] | None:
-        """The manifest's ``video_processor`` entry the reader builds the video processor from (base layout);
-        None: the family's packs hold no videos the reader can process."""
-        return None
-
-    def read_videos(self, record: PackRecord, where: str, decode: bool) -> dict[str, Any]:
-        """The base layout's video fields of a pack record (video_grid_thw, second_per_grid_ts, + with ``decode``
-        pixel_values_videos) through the family's video processor; none: the family has no video processor."""
-        return {}
-
-    def reader_images(self, images: list[Any]) -> list[Any]:
-        """A pack's decoded images as the family's trainer hands them to the base layout's image processor: as the
-        convention decodes them (:func:`~packtool.families.conventions.trainer_image`)."""
-        return [trainer_image(image, self.convention) for image in images]
-
-    def image_patch_dim(self, processor: Any) -> int | None:
-        """The width of a patch row of ``processor``'s ``pixel_values`` where the family lays images out as patch
-        rows (a pack without images then gets an empty ``[0, dim]`` tensor); None: it gets no ``pixel_values``."""
-        return None
-
-    def read_media(self, record: PackRecord, processor: Any, where: str, decode: bool) -> dict[str, Any]:
-        """The reader batch's media fields of a pack record (:class:`packtool.format.PackRecord`, its spans already
-        checked): the stored grids, and with ``decode`` the processor's tensors (``processor``: the caller's or
-        :meth:`reader_processor`'s)."""
-        from packtool.readkit import vision_media  # torch: loaded only where it reads
-
-        return vision_media(self, record, processor, where, decode)
-
-    @property
-    def temporal_patch_dim(self) -> int:
-        """Frames per video tubelet (temporal patch) of the model."""
-        return 2
-
-    @staticmethod
-    def position_ids(*args: Any, **kwargs: Any) -> Any:
-        """The family's per-segment rope positions of a packed row (Qwen2-VL's 3-D rope for Hugging Face's packed
-        forward, :mod:`packtool.runtime.hf`); the base has none."""
-        raise NotImplementedError("the family has no rope positions of its own")
-
-    def batch_family(self) -> str:
-        """The registered family whose trainer layouts (Megatron-Bridge, NeMo-RL, Hugging Face) this family's
-        reader batches follow: its own :attr:`name`. The reader writes it into every batch (``family``), so a
-        layout takes a batch's family from the batch itself, never from which keys it happens to hold."""
-        return self.name
-
 
 def knows_exactly(folder: Path, settings: EncodeSettings, known: Mapping[str, frozenset[str]], family: str) -> bool:
     """Whether a folder states only names ``family``'s rule knows (``known``: names per kind
@@ -563,9 +502,6 @@ class NoMedia(Family):
     @classmethod
     def from_manifest(cls, manifest: Mapping, convention: Convention) -> NoMedia:
         return cls(manifest_tokens(manifest), convention)
-
-    #: A text dataset's batches carry no media fields.
-    batch_keys: ClassVar[tuple[str, ...]] = ()
 
     def manifest_entries(self) -> dict[str, Any]:
         t = self.tokens

@@ -31,6 +31,7 @@ import numpy as np
 from packtool.errors import ConfigError, SampleError
 from packtool.families.base import Decoded, Family, ItemPlan, MediaTokens, NoRule, manifest_tokens
 from packtool.families.conventions import TRANSFORMERS, Convention
+from packtool.families.reading import FamilyReader
 from packtool.format import MediaRef, PackRecord
 
 if TYPE_CHECKING:
@@ -187,10 +188,6 @@ class ProcessorMode(Family):
     def detect(cls, folder: Path, settings: EncodeSettings) -> bool:
         return settings.media_tokens == "processor"
 
-    def batch_family(self) -> str:
-        """The folder's family's layouts (its model is that family's); the base layout (``none``) without one."""
-        return self.inner.batch_family() if self.inner is not None else "none"
-
     @classmethod
     def load(cls, settings: EncodeSettings, tok: Any, convention: Convention) -> ProcessorMode:
         raise NotImplementedError("the processor mode wraps the folder's family: see packtool.families.load")
@@ -221,29 +218,6 @@ class ProcessorMode(Family):
         family = cls(manifest_tokens(manifest), convention, "", None, None)
         family.audio_max_seconds = (manifest.get("settings") or {}).get("audio_max_seconds")
         return family
-
-    # -- the runtime side: the model folder's own processor -------------------------------------------------------
-    reads_folder = True
-
-    def reader_processor(self, folder: Path | None = None) -> Any:
-        """The model folder copy's own processor (None without a folder)."""
-        return None if folder is None else load_processor(str(folder))
-
-    def image_patch_dim(self, processor: Any) -> int | None:
-        """A model processor's patch rows where it lays images out so (one with a temporal patch: ``[patches,
-        C·t·p·p]``); None for any other."""
-        temporal = getattr(processor, "temporal_patch_size", None)
-        return None if temporal is None else 3 * temporal * processor.patch_size ** 2
-
-    def read_media(self, record: PackRecord, processor: Any, where: str, decode: bool) -> dict[str, Any]:
-        """Each item through the model processor's own sub-processor (:func:`processor_media`); a caller that
-        passed an image processor alone (not a whole model processor) has its images go through it as before."""
-        if processor is not None:
-            from transformers.processing_utils import ProcessorMixin
-
-            if not isinstance(processor, ProcessorMixin):
-                return super().read_media(record, processor, where, decode)
-        return processor_media(record, processor, where, decode, self.audio_max_seconds)
 
     # -- plans: the inner family's, else the processor's own counts (found when it expands the sample) ---------
     def plan_image(self, width: int, height: int, n_images: int) -> ItemPlan:
@@ -437,3 +411,35 @@ def _item_inputs(record: PackRecord, m: MediaRef, processor: Any, audio_max_seco
                             max_samples=None if audio_max_seconds is None else int(audio_max_seconds * rate))
         result = sub([wave], sampling_rate=rate, return_tensors="pt")
     return dict(result)
+
+
+class ProcessorReader(FamilyReader):
+    """The processor mode's reader: each item through the model folder copy's own processor."""
+
+    family: ProcessorMode
+    reads_folder = True
+
+    def batch_family(self) -> str:
+        """The folder's family's layouts (its model is that family's); the base layout (``none``) without one."""
+        inner = self.family.inner
+        return inner.name if inner is not None else "none"
+
+    def processor(self, folder: Path | None = None) -> Any:
+        """The model folder copy's own processor (None without a folder)."""
+        return None if folder is None else load_processor(str(folder))
+
+    def image_patch_dim(self, processor: Any) -> int | None:
+        """A model processor's patch rows where it lays images out so (one with a temporal patch: ``[patches,
+        C·t·p·p]``); None for any other."""
+        temporal = getattr(processor, "temporal_patch_size", None)
+        return None if temporal is None else 3 * temporal * processor.patch_size ** 2
+
+    def read_media(self, record: PackRecord, processor: Any, where: str, decode: bool) -> dict[str, Any]:
+        """Each item through the model processor's own sub-processor (:func:`processor_media`); a caller that
+        passed an image processor alone (not a whole model processor) has its images go through it as before."""
+        if processor is not None:
+            from transformers.processing_utils import ProcessorMixin
+
+            if not isinstance(processor, ProcessorMixin):
+                return super().read_media(record, processor, where, decode)
+        return processor_media(record, processor, where, decode, self.family.audio_max_seconds)

@@ -1,13 +1,13 @@
 """A model family's one registration: :class:`FamilySpec` (its name, its rule class — detection, loading from a
-model folder and from a manifest, the encode and verify rules — and its trainer layouts), and the registry that
-holds each name once (:func:`register`).
+model folder and from a manifest, the encode and verify rules —, its trainer layouts and its reader class), and
+the registry that holds each name once (:func:`register`).
 
 The trainer layouts (:class:`TrainerLayouts`) are where a family's packs meet each trainer's batch: functions, each
 importing its reader module only when a batch is laid out (a layout builds torch tensors, and registering a family,
 which the build side does in every worker, must not load torch; the import test sees these imports like any
 other). A trainer's layout a family does not give is either the shared one (the base Qwen-VL ``visual_inputs`` for
 Megatron-Bridge, the reader's media fields for NeMo-RL) or a refusal with its reason. Adding a trainer adds a field
-here, never a method to :class:`~packtool.families.base.Family`.
+here, never a method to :class:`~packtool.families.base.Family` or its reader.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from packtool.families.reading import FamilyReader
 
 if TYPE_CHECKING:
     from packtool.families.base import Family
@@ -52,10 +54,11 @@ class TrainerLayouts:
     megatron_bridge: Layout = bridge_vision
     #: Why the family's packs get no Megatron-Bridge batch (None: they do).
     megatron_bridge_refused: str | None = None
-    #: NeMo-RL's packed batch media: ``(family, record, processor, where) -> media key -> one tensor per item``;
-    #: None: the reader's media fields, one tensor per pack.
+    #: NeMo-RL's packed batch media: ``(reader, record, processor, where) -> media key -> one tensor per item``
+    #: (``reader``: the family's :class:`~packtool.families.reading.FamilyReader` of the manifest); None: the
+    #: reader's media fields, one tensor per pack.
     nemo_rl_media: Layout | None = None
-    #: Pixels per patch side of the images in NeMo-RL's batch (its patchify mode): ``(family) -> int``; None: not
+    #: Pixels per patch side of the images in NeMo-RL's batch (its patchify mode): ``(reader) -> int``; None: not
     #: patchified.
     nemo_rl_patch_dim: Layout | None = None
     #: Checks a NeMo-RL recipe's model-processor options against the packs:
@@ -91,17 +94,21 @@ class TrainerLayouts:
 @dataclass(frozen=True)
 class FamilySpec:
     """One model family, registered once: its ``name`` (what manifests, reader batches and ``--preset`` conventions
-    call it), its rule class ``family`` (``detect``, ``load``, ``owns``, ``from_manifest``, the media rules, the
-    reader's processors and media tensors) and its :class:`TrainerLayouts`."""
+    call it), its rule class ``family`` (``detect``, ``load``, ``owns``, ``from_manifest``, the media rules), its
+    :class:`TrainerLayouts` and its ``reader`` (:class:`~packtool.families.reading.FamilyReader`: the reader's
+    processors and media tensors, built from the family a manifest describes)."""
 
     name: str
     family: type[Family]
     layouts: TrainerLayouts = TrainerLayouts()
+    reader: type[FamilyReader] = FamilyReader
 
     def __post_init__(self) -> None:
         if self.family.name != self.name:
             raise ValueError(f"family spec {self.name!r} names the class {self.family.__name__}, which is called "
                              f"{self.family.name!r}")
+        if not (isinstance(self.reader, type) and issubclass(self.reader, FamilyReader)):
+            raise TypeError(f"family spec {self.name!r}: its reader {self.reader!r} is not a FamilyReader class")
 
 
 #: Every registered family by name, in detection order (the first whose ``detect`` takes a folder wins).

@@ -49,7 +49,7 @@ from packtool.runtime.read import (
     pack_to_batch,
     processor_for_output,
 )
-from packtool.runtime.registry import family_of, registered
+from packtool.runtime.registry import reader_classes, reader_of
 from packtool.shards import iter_records, record_offsets
 
 log = logging.getLogger(__name__)
@@ -131,11 +131,10 @@ UNSTACKED_MEDIA_KEYS = frozenset({"input_features", "input_features_mask", "medi
 @functools.cache
 def stacked_media_keys() -> tuple[str, ...]:
     """Media tensors of reader rows that stack along their first dimension: every registered family's reader
-    fields (:attr:`Family.batch_keys`, its convention variants' included), in registration order."""
+    fields (:attr:`FamilyReader.batch_keys`, its convention variants' included), in registration order."""
     keys: dict[str, None] = {}
-    for spec in registered().values():
-        for cls in (spec.family, *spec.family.variants.values()):
-            keys.update(dict.fromkeys(k for k in cls.batch_keys if k not in UNSTACKED_MEDIA_KEYS))
+    for cls in reader_classes():
+        keys.update(dict.fromkeys(k for k in cls.batch_keys if k not in UNSTACKED_MEDIA_KEYS))
     return tuple(keys)
 
 
@@ -216,12 +215,12 @@ def _read_manifest(dataset_path: str) -> Manifest:
 
 @functools.lru_cache(maxsize=16)
 def _reader_processor(dataset_path: str):
-    """The processor of a dataset Energon opened (its family's, :meth:`Family.reader_processor`); for a family
-    that reads the model folder, from the dataset's copy of it, a remote one's settings files copied to a local
+    """The processor of a dataset Energon opened (its family's reader's, :meth:`FamilyReader.processor`); for a
+    reader of the model folder, from the dataset's copy of it, a remote one's settings files copied to a local
     temporary folder first (transformers' processors read local files)."""
-    family = family_of(_manifest(dataset_path))
-    if not family.reads_folder:
-        return family.reader_processor(None)
+    reader = reader_of(_manifest(dataset_path))
+    if not reader.reads_folder:
+        return reader.processor(None)
     folder = EPath(dataset_path) / TOKENIZER_DIR
     if not folder.is_local():
         import tempfile
@@ -231,7 +230,7 @@ def _reader_processor(dataset_path: str):
             if (folder / name).is_file():
                 (folder / name).copy(local / name)
         folder = local
-    return family.reader_processor(folder.local_path())
+    return reader.processor(folder.local_path())
 
 
 @edataclass
@@ -332,4 +331,4 @@ class MegatronBridgeTaskEncoder(PackTaskEncoder):
     length that is a multiple of 16."""
 
     def finish(self, batch: dict, manifest: Manifest) -> dict:
-        return megatron_bridge_batch(batch, temporal_patch_dim=family_of(manifest).temporal_patch_dim)
+        return megatron_bridge_batch(batch, temporal_patch_dim=reader_of(manifest).temporal_patch_dim)

@@ -69,7 +69,7 @@ HOST_KEYS = ("max_seqlen_q", "max_seqlen_kv")
 def megatron_bridge_batch(batch: dict, *, temporal_patch_dim: int = 2) -> dict:
     """Reader batch (one pack, or several from `collate_packs`) -> Megatron-Bridge step batch (tables above; the
     media fields as the batch's family lays them out: its registered `TrainerLayouts.megatron_bridge`).
-    `temporal_patch_dim`: frames per video tubelet of the model (`Family.temporal_patch_dim`; a Nemotron Omni
+    `temporal_patch_dim`: frames per video tubelet of the model (`FamilyReader.temporal_patch_dim`; a Nemotron Omni
     model's processor's `video_temporal_patch_dim`, unused by the Qwen-VL layout)."""
     out = {key: batch[key].reshape(1, -1) for key in ROW_KEYS if key != "loss_weights"}
     out["loss_mask"] = megatron_loss_mask(batch)

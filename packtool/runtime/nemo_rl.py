@@ -57,7 +57,7 @@ from packtool.lossweights import check_loss_mode, token_scale
 from packtool.readkit import mm_token_type_ids
 from packtool.runtime.loader import PackSample, _manifest, _reader_processor, cook_pack
 from packtool.runtime.read import open_pack, pack_to_batch
-from packtool.runtime.registry import Family, family_class_of, family_of, registered, spec_of
+from packtool.runtime.registry import Family, FamilyReader, family_class_of, reader_of, registered, spec_of
 
 #: Options of NeMo-RL's own SFT encoders (``nemotron_multimodal``'s keyword arguments) that a recipe may pass. Each
 #: is honoured or refused in one line, never accepted and ignored:
@@ -203,30 +203,30 @@ def nemo_rl_row(members: Mapping[str, Any], manifest: Mapping, *, multiple: int 
         row_seg = np.repeat(np.arange(len(lengths)), padded)
         counts = np.bincount(row_seg, weights=mask, minlength=len(lengths))
         mask = (mask * token_scale(weights, counts, loss_mode)[row_seg]).astype(np.float32)
-    family = family_of(manifest)
-    media = _media(members, record, manifest, family, where, images, image_processor, source)
+    reader = reader_of(manifest)
+    media = _media(members, record, manifest, reader, where, images, image_processor, source)
     input_ids = torch.from_numpy(ids)
-    layouts = spec_of(family.batch_family()).layouts
+    layouts = spec_of(reader.batch_family()).layouts
     token_types = mm_token_type_ids(input_ids, manifest).long() if layouts.nemo_rl_token_types else None
     patch_dim = layouts.function("nemo_rl_patch_dim")
     return NemoRLRow(input_ids, torch.from_numpy(mask), lengths.tolist(), padded.tolist(),
                      [s.key for s in record.segments], record.key, media,
-                     patch_dim(family) if patch_dim is not None else None, token_types)
+                     patch_dim(reader) if patch_dim is not None else None, token_types)
 
 
-def _media(members: Mapping[str, Any], record: PackRecord, manifest: Mapping, family: Family, where: str,
+def _media(members: Mapping[str, Any], record: PackRecord, manifest: Mapping, reader: FamilyReader, where: str,
            images: bool, image_processor, source: str) -> dict[str, list[torch.Tensor]]:
     """The family's NeMo-RL media inputs (its registered ``TrainerLayouts.nemo_rl_media``), else the reader's media
-    fields (the family's :attr:`~packtool.families.base.Family.batch_keys`, the transformers processor's names that
-    NeMo-RL's ``hf_multimodal`` adapter carries), one tensor per pack."""
+    fields (the family's reader's :attr:`~packtool.families.reading.FamilyReader.batch_keys`, the transformers
+    processor's names that NeMo-RL's ``hf_multimodal`` adapter carries), one tensor per pack."""
     if not images or not record.media_refs:
         return {}
-    own = spec_of(family.batch_family()).layouts.function("nemo_rl_media")
+    own = spec_of(reader.batch_family()).layouts.function("nemo_rl_media")
     if own is not None:
-        return own(family, record, image_processor, where)
+        return own(reader, record, image_processor, where)
     batch = pack_to_batch(members, manifest, pad_to="segments", images=True, image_processor=image_processor,
                           source=source)
-    return {key: [batch[key]] for key in family.batch_keys if _present(batch.get(key))}
+    return {key: [batch[key]] for key in reader.batch_keys if _present(batch.get(key))}
 
 
 def _present(value: Any) -> bool:

@@ -3,8 +3,9 @@
 The core is `pack_to_batch`, a pure function from a record's raw members to tensors; `read_packs` walks a split
 in on-disk order; loaders (`packtool.runtime.loader`) reuse the same function. What differs by model family (its
 processors, media tensors, rope) lives in the family's package (`packtool.families.qwen2_vl.reader`,
-`packtool.families.nemotron_omni.reader`, ...); this module asks the family object for it (`Family.read_media`,
-`reader_processor`, `read_videos`, `reader_images`) and finds the family through `packtool.runtime.registry`.
+`packtool.families.nemotron_omni.reader`, ...); this module asks the family's reader for it
+(`packtool.families.reading.FamilyReader`: `read_media`, `processor`, `batch_keys`) and finds the reader through
+`packtool.runtime.registry`.
 
 Boundary conventions (all offsets are token indices into the row):
 
@@ -48,7 +49,7 @@ from packtool.format import (
 )
 from packtool.lossweights import check_loss_mode, token_scale
 from packtool.readkit import LOSS_MODE, ROW_FIELDS, WHOLE_WEIGHTS, ReaderBatch, layout_context
-from packtool.runtime.registry import Family, family_of
+from packtool.runtime.registry import FamilyReader, reader_of
 from packtool.shards import iter_records
 from packtool.storage import local_copy, location
 
@@ -72,7 +73,7 @@ def image_processor_from_manifest(manifest: Mapping):
     when it is installed, else PIL; the two resize differently, so the pixels are always the model
     processor's); None for a text-only dataset, a fixed-count one, whose model's own processor the caller must
     pass, a Nemotron Omni one (see `processor_for_output`) or a processor-mode one."""
-    return family_of(manifest).reader_processor(None)
+    return reader_of(manifest).processor(None)
 
 
 def check_digests(where: str, record: PackRecord, members: Mapping[str, Any]) -> None:
@@ -137,7 +138,7 @@ def pack_to_batch(
     Qwen2-VL, else what the given processor returns), keys (segment source keys), pack_key, and for a mixture's
     pack dataset_index (int64 `[S]`, see :func:`dataset_index`), whole_weights (bool: every weight of the output a
     whole number), family (the registered family whose
-    trainer layouts the batch follows, :meth:`Family.batch_family`: what the layouts read, never the keys) and
+    trainer layouts the batch follows, :meth:`FamilyReader.batch_family`: what the layouts read, never the keys) and
     layout_context (the manifest's media token ids and merge size, :func:`packtool.readkit.layout_context`: what
     the layouts need beside the tensors, so the batch alone is enough).
     """
@@ -181,7 +182,7 @@ def pack_to_batch(
     weights = np.zeros(length, dtype=np.float32)
     weights[dest[predictors]] = scale[seg_of[predictors]]
 
-    family = family_of(manifest)
+    reader = reader_of(manifest)
     return ReaderBatch(
         tokens=torch.from_numpy(row_tokens)[None],
         labels=torch.from_numpy(labels)[None],
@@ -198,10 +199,10 @@ def pack_to_batch(
         num_samples=torch.tensor([len(segments)], dtype=torch.int64),
         loss_mode=loss_mode,
         whole_weights=whole_weights(manifest),
-        family=family.batch_family(),
+        family=reader.batch_family(),
         layout_context=layout_context(manifest),
         dataset_index=dataset_index(record, manifest, where),
-        media=_media(record, family, cu, where, images, image_processor),
+        media=_media(record, reader, cu, where, images, image_processor),
     )
 
 
@@ -220,31 +221,31 @@ def dataset_index(record: PackRecord, manifest: Mapping, where: str = "") -> tor
     return torch.tensor([index[s.dataset] for s in record.segments], dtype=torch.int64)
 
 
-def _check_spans(record: PackRecord, family: Family, cu: np.ndarray, where: str) -> None:
+def _check_spans(record: PackRecord, reader: FamilyReader, cu: np.ndarray, where: str) -> None:
     """Each media item's placeholders must lie where the record says (see :func:`span_problems`)."""
-    ids = family.placeholder_ids()
+    ids = reader.family.placeholder_ids()
     for seg, start, end in zip(record.segments, cu[:-1], cu[1:]):
         problems = span_problems(seg.key, record.tokens[start:end], seg.media, ids)
         if problems:
             raise FormatError(f"{where}: {problems[0]}")
 
 
-def _media(record: PackRecord, family: Family, cu: np.ndarray, where: str, images: bool,
+def _media(record: PackRecord, reader: FamilyReader, cu: np.ndarray, where: str, images: bool,
            image_processor) -> dict:
-    """The media fields of the manifest's family (:meth:`Family.read_media`), after checking each media span in
-    the tokens; none for a pack without media of a family whose batches carry none."""
-    if not record.media_refs and not family.batch_keys:
+    """The media fields of the manifest's family (its reader's :meth:`~FamilyReader.read_media`), after checking
+    each media span in the tokens; none for a pack without media of a family whose batches carry none."""
+    if not record.media_refs and not reader.batch_keys:
         return {}
-    _check_spans(record, family, cu, where)
-    return family.read_media(record, image_processor, where, images)
+    _check_spans(record, reader, cu, where)
+    return reader.read_media(record, image_processor, where, images)
 
 
 def processor_for_output(path: str | Path, manifest: Mapping):
     """The processor a reader of the packed dataset at `path` uses for its media: its family's
-    (:meth:`Family.reader_processor`: Qwen2-VL's image processor, Nemotron Omni's processors or the processor
+    (:meth:`FamilyReader.processor`: Qwen2-VL's image processor, Nemotron Omni's processors or the processor
     mode's model processor, built from the model folder copied into the output), or None."""
-    family = family_of(manifest)
-    return family.reader_processor(local_copy(location(path) / TOKENIZER_DIR) if family.reads_folder else None)
+    reader = reader_of(manifest)
+    return reader.processor(local_copy(location(path) / TOKENIZER_DIR) if reader.reads_folder else None)
 
 
 def batch_to(batch: Mapping[str, Any], device) -> Any:

@@ -1,14 +1,14 @@
-"""The runtime's one door to the family registry: the family a manifest, a reader batch or a name stands for.
+"""The runtime's one door to the family registry: the family, or its reader, that a manifest, a reader batch or a
+name stands for.
 
 The runtime's modules import no family module, not even inside a function: a family reaches the runtime through
-its family object (the reader asks it for its processors, media tensors, batch layout and rope; see
-:class:`packtool.families.base.Family`), and the family's own reader code imports the runtime's shared pieces
-(:mod:`.read`), never the other way round. This module is the single exception, and it imports only the registry
+its reader (:class:`packtool.families.reading.FamilyReader`: its processors, media fields and tensors) and its
+trainer layouts (:class:`packtool.families.spec.TrainerLayouts`), and the family's own reader code stands on the
+reader kit (:mod:`packtool.readkit`), never on the runtime. This module imports only the registry
 (:mod:`packtool.families`, its ``__init__``), never a family's own module: the runtime's public entry points
 (:func:`.read.pack_to_batch`, :func:`.read.read_packs`, the loaders, :func:`.megatron_batch.megatron_bridge_batch`,
 :mod:`.nemo_rl`, :mod:`.hf`) take a manifest or a reader batch, as a training container holds them, and only the
-registry knows which family wrote a manifest. The families load their reader code (which imports the runtime)
-only when they are asked to read, so importing the registry here loads no runtime module back.
+registry knows which family wrote a manifest.
 """
 
 from __future__ import annotations
@@ -16,15 +16,32 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from packtool.families import REGISTRY, Family, FamilySpec, from_manifest, named, of_batch, owner, spec_named
+from packtool.families import (
+    REGISTRY,
+    Family,
+    FamilyReader,
+    FamilySpec,
+    from_manifest,
+    named,
+    of_batch,
+    owner,
+    reader_of,
+    readers,
+    spec_named,
+)
 
-__all__ = ["Family", "FamilySpec", "family_class_of", "family_named", "family_of", "family_of_batch", "registered",
-           "spec_of", "spec_of_batch"]
+__all__ = ["Family", "FamilyReader", "FamilySpec", "family_class_of", "family_named", "family_of", "family_of_batch",
+           "reader_classes", "reader_of", "registered", "spec_of", "spec_of_batch"]
 
 
 def family_of(manifest: Mapping) -> Family:
     """The family a manifest was written by (:func:`packtool.families.from_manifest`)."""
     return from_manifest(manifest)
+
+
+def reader_classes() -> tuple[type[FamilyReader], ...]:
+    """Every registered reader class, convention variants included (:func:`packtool.families.readers`)."""
+    return readers()
 
 
 def family_class_of(manifest: Mapping) -> type[Family]:

@@ -17,6 +17,7 @@ from packtool.families.nemotron_omni.nemo_rl import (
     NemoRLNemotronOmni,
     check_thinking_trace_format,
 )
+from packtool.families.nemotron_omni.reading import MBridgeNemotronOmniReader, NemotronOmniReader
 from packtool.families.spec import TrainerLayouts
 
 # The layouts import their modules (and torch) only when a batch is laid out.
@@ -28,16 +29,16 @@ def _bridge_inputs(batch: Mapping, temporal_patch_dim: int) -> dict:
     return nemotron_inputs(batch, temporal_patch_dim)
 
 
-def _nemo_rl_media(family: Any, record: Any, processor: Any, where: str) -> dict[str, list[Any]]:
+def _nemo_rl_media(reader: Any, record: Any, processor: Any, where: str) -> dict[str, list[Any]]:
     from packtool.families.nemotron_omni.nemo_rl_batch import family_inputs
 
-    return family_inputs(family, record, processor, where)
+    return family_inputs(reader, record, processor, where)
 
 
-def _nemo_rl_patch_dim(family: Any) -> int:
+def _nemo_rl_patch_dim(reader: Any) -> int:
     from packtool.families.nemotron_omni.nemo_rl_batch import patch_dim
 
-    return patch_dim(family)
+    return patch_dim(reader)
 
 
 def _nemo_rl_recipe(manifest: Mapping, given: Mapping[str, Any], fields: Mapping[str, str],
@@ -58,5 +59,5 @@ NEMOTRON_OMNI_LAYOUTS = TrainerLayouts(
     nemo_rl_prompt_formats=(NEMO_RL_PROMPT_FORMAT,),
 )
 
-__all__ = ["NEMOTRON_OMNI_LAYOUTS", "MBridgeNemotronOmni", "NemoRLNemotronOmni", "NemotronOmni",
-           "NemotronOmniSettings"]
+__all__ = ["NEMOTRON_OMNI_LAYOUTS", "MBridgeNemotronOmni", "MBridgeNemotronOmniReader", "NemoRLNemotronOmni",
+           "NemotronOmni", "NemotronOmniReader", "NemotronOmniSettings"]

@@ -30,7 +30,6 @@ import numpy as np
 from packtool.errors import ConfigError, SampleError
 from packtool.families.base import ExpandsInText, ItemPlan, MediaTokens, knows_exactly, manifest_tokens
 from packtool.families.conventions import NEMOTRON_FAMILY, Convention
-from packtool.format import PackRecord
 from packtool.media.audio import AudioFacts, resampled_length
 from packtool.media.folder import read_folder, stated_names
 from packtool.media.video import VideoFacts
@@ -512,27 +511,6 @@ class NemotronOmni(ExpandsInText):
 
     def audio_input(self) -> tuple[int, int | None] | None:
         return self.rule.audio_sampling_rate, self.rule.max_audio_samples
-
-    # -- the runtime side (:mod:`.reader`, :mod:`.nemo_rl_batch`, :mod:`.bridge_batch`) -------------------------
-    batch_keys = ("media_kinds", "image_grid_hw", "video_grid_thw", "pixel_values", "pixel_values_videos",
-                  "input_features", "input_features_mask")
-    reads_folder = True
-
-    def reader_processor(self, folder: Path | None = None) -> Any:
-        """transformers' image and video processors and feature extractor, configured as the model folder copy says
-        with the manifest's settings on top (None without a folder)."""
-        from packtool.families.nemotron_omni.reader import nemotron_processors
-
-        return None if folder is None else nemotron_processors({"image_processor": self.rule.manifest()}, folder)
-
-    def read_media(self, record: PackRecord, processor: Any, where: str, decode: bool) -> dict[str, Any]:
-        from packtool.families.nemotron_omni.reader import nemotron_media
-
-        return nemotron_media(record, processor, where, decode)
-
-    @property
-    def temporal_patch_dim(self) -> int:
-        return self.rule.video_temporal_patch_dim
 
     def manifest_entries(self) -> dict[str, Any]:
         t = self.tokens

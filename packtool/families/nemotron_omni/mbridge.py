@@ -35,7 +35,7 @@ from packtool.errors import ConfigError, SampleError
 from packtool.families.base import ItemPlan
 from packtool.families.conventions import NEMOTRON_FAMILY, Convention, register_convention
 from packtool.families.nemotron_omni.family import NemotronOmni, NemotronOmniSettings, RunFacts
-from packtool.format import AUDIO_TAG, IMAGE_TAG, VIDEO_TAG, PackRecord
+from packtool.format import AUDIO_TAG, IMAGE_TAG, VIDEO_TAG
 
 if TYPE_CHECKING:
     from packtool.item import Staged
@@ -215,21 +215,6 @@ class MBridgeNemotronOmni(NemotronOmni):
 
     def audio_input(self) -> tuple[int, int | None] | None:
         return AUDIO_RATE, int(AUDIO_SECONDS * AUDIO_RATE)
-
-    batch_keys = (*NemotronOmni.batch_keys, "sound_length", "num_image_tiles")  # type: ignore[assignment]
-    reads_folder = False
-
-    def reader_processor(self, folder: Any = None) -> Any:
-        """None: the reader's tensors follow from the manifest alone (:mod:`.mbridge_reader`)."""
-        return None
-
-    def read_media(self, record: PackRecord, processor: Any, where: str, decode: bool) -> dict[str, Any]:
-        from packtool.families.nemotron_omni.mbridge_reader import mbridge_media
-
-        return mbridge_media(record, self.mbridge_entry(), where, decode)
-
-    #: Why NeMo-RL's batch refuses these packs (:func:`.nemo_rl_batch.family_inputs` reads it).
-    nemo_rl_refused = f"packs of --preset {MB_NEMOTRON} are laid out for Megatron-Bridge, not NeMo-RL"
 
 
 def audio_tokens(samples: int, count: str = "valid") -> int:

@@ -131,17 +131,18 @@ def _nemotron_video_frames(record: PackRecord, ref: Any, manifest: Mapping, wher
 
 
 
-def family_inputs(family: Any, record: PackRecord, processor: Any, where: str) -> dict[str, list[Any]]:
-    """NeMo-RL's layout of a Nemotron Omni pack's media (the family's registered ``nemo_rl_media``): images and
-    audio (the feature extractor: ``processor.audio``); a convention's variant laid out for another trainer
-    refuses (its ``nemo_rl_refused``)."""
-    why = getattr(family, "nemo_rl_refused", None)
+def family_inputs(reader: Any, record: PackRecord, processor: Any, where: str) -> dict[str, list[Any]]:
+    """NeMo-RL's layout of a Nemotron Omni pack's media (the family's registered ``nemo_rl_media``, given the
+    family's reader): images and audio (the feature extractor: ``processor.audio``); a convention's reader laid
+    out for another trainer refuses (its ``nemo_rl_refused``)."""
+    why = getattr(reader, "nemo_rl_refused", None)
     if why:
         raise ValueError(why)
-    return nemotron_inputs(record, {"image_processor": family.rule.manifest()}, where,
+    return nemotron_inputs(record, {"image_processor": reader.family.rule.manifest()}, where,
                            getattr(processor, "audio", None))
 
 
-def patch_dim(family: Any) -> int:
-    """Pixels per patch side of the images in NeMo-RL's batch (the family's registered ``nemo_rl_patch_dim``)."""
-    return int(family.rule.patch_size)
+def patch_dim(reader: Any) -> int:
+    """Pixels per patch side of the images in NeMo-RL's batch (the family's registered ``nemo_rl_patch_dim``,
+    given the family's reader)."""
+    return int(reader.family.rule.patch_size)

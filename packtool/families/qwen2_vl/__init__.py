@@ -1,6 +1,6 @@
 """Qwen2-VL / Qwen2.5-VL: images by transformers' ``smart_resize`` and videos by ``Qwen2VLVideoProcessor``'s
-sampling, each expanded in the ids (:mod:`.family`, its rules and the family); the reader's processors, video
-tensors and per-segment 3-D rope (:mod:`.reader`)."""
+sampling, each expanded in the ids (:mod:`.family`, its rules and the family); its reader (:mod:`.reading`) and the
+reader's processors, video tensors and per-segment 3-D rope (:mod:`.reader`)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from packtool.families.qwen2_vl.family import (
     fetch_image_resize,
     qwen_resize,
 )
+from packtool.families.qwen2_vl.reading import Qwen2VLReader
 from packtool.families.spec import QWEN_VL_MEDIA_KEYS, TrainerLayouts
 
 
@@ -42,5 +43,4 @@ QWEN2_VL_LAYOUTS = TrainerLayouts(nemo_rl_token_types=True,
 
 __all__ = ["FETCH_IMAGE_TOKENS", "FETCH_VIDEO_TOKENS", "FETCH_VIDEO_TOTAL_TOKENS", "QWEN2_VL_IMAGE_PROCESSORS",
            "QWEN2_VL_LAYOUTS", "QWEN2_VL_MODEL_TYPES", "QWEN2_VL_PROCESSORS", "QWEN2_VL_VIDEO_PROCESSORS", "ImageRule",
-           "Qwen2VL",
-           "Qwen2VLSettings", "QwenVideoPlan", "fetch_image_resize", "qwen_resize"]
+           "Qwen2VL", "Qwen2VLReader", "Qwen2VLSettings", "QwenVideoPlan", "fetch_image_resize", "qwen_resize"]

@@ -20,7 +20,6 @@ import numpy as np
 from packtool.errors import ConfigError
 from packtool.families.base import Family, ItemPlan, MediaTokens, knows_exactly, manifest_tokens
 from packtool.families.conventions import Convention
-from packtool.format import PackRecord
 from packtool.media.folder import read_folder
 from packtool.media.video import VideoFacts
 
@@ -523,52 +522,6 @@ class Qwen2VL(Family):
             return super().plan_video(facts, part)
         plan = self.video.video(facts)
         return ItemPlan(plan.tokens, plan.grid_thw, plan.indices, plan.second_per_grid_ts)
-
-    # -- the runtime side (:mod:`.reader`) ------------------------------------------------------------------------
-    def reader_processor(self, folder: Path | None = None) -> Any:
-        """transformers' Qwen2-VL image processor (PIL backend) with the manifest's image settings."""
-        from packtool.families.qwen2_vl.reader import qwen_image_processor
-
-        return qwen_image_processor(self.image.manifest())
-
-    def reader_images(self, images: list[Any]) -> list[Any]:
-        """As the convention decodes them, then resized first where the image settings say so (``prefit_*``:
-        Megatron-Bridge's Qwen-VL path, :func:`.reader.prefit_image`)."""
-        pil = super().reader_images(images)
-        if not self.image.prefit_factor:
-            return pil
-        from packtool.families.qwen2_vl.reader import prefit_image
-
-        entry = self.image.manifest()
-        return [prefit_image(image, entry) for image in pil]
-
-    def image_patch_dim(self, processor: Any) -> int | None:
-        """Qwen2-VL's patch rows: ``[patches, C·t·p·p]``."""
-        return 3 * processor.temporal_patch_size * processor.patch_size ** 2
-
-    def video_entry(self) -> Mapping[str, Any] | None:
-        return self.manifest_entries()["video_processor"]
-
-    def read_videos(self, record: PackRecord, where: str, decode: bool) -> dict[str, Any]:
-        """video_grid_thw and second_per_grid_ts (+ pixel_values_videos) through transformers' Qwen2-VL video
-        processor (:func:`.reader.video_media`); none without video settings."""
-        video = self.video_entry()
-        if not video:
-            return {}
-        from packtool.families.qwen2_vl.reader import video_media
-
-        return video_media(record, video, where, decode)
-
-    @staticmethod
-    def position_ids(*args: Any, **kwargs: Any) -> Any:
-        """The per-segment 3-D rope of a packed row (:func:`.reader.mrope_position_ids`)."""
-        from packtool.families.qwen2_vl.reader import mrope_position_ids
-
-        return mrope_position_ids(*args, **kwargs)
-
-    @property
-    def temporal_patch_dim(self) -> int:
-        return self.video.video_temporal_patch_size if self.video is not None else self.image.temporal_patch_size
 
     def manifest_entries(self) -> dict[str, Any]:
         t = self.tokens

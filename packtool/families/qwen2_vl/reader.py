@@ -64,9 +64,9 @@ def _cached_video_processor(settings_json: str):
 def video_processor_from_manifest(manifest: Mapping):
     """transformers' Qwen2-VL video processor with the settings the tokens were counted with, told not to sample
     (the reader hands it the planned frames); None when the dataset has no video settings. Needs torchvision."""
-    from packtool.families import from_manifest
+    from packtool.families import reader_of
 
-    settings = from_manifest(manifest).video_entry()
+    settings = reader_of(manifest).video_entry()
     return None if settings is None else _video_processor(settings)
 
 

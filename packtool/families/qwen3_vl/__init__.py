@@ -1,7 +1,7 @@
 """Qwen3-VL (and Qwen3-VL-MoE): images by Qwen2-VL's image rule (patch 16 from the folder), videos by
 ``Qwen3VLVideoProcessor``'s sampling and resize with ``Qwen3VLProcessor``'s timestamped expansion, each written
-into the text as the processor writes it (:mod:`.rule`); the reader's pixels and per-segment rope
-(:mod:`.reader`)."""
+into the text as the processor writes it (:mod:`.rule`); its reader (:mod:`.reading`) and the reader's pixels and
+per-segment rope (:mod:`.reader`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from packtool.families.qwen3_vl.family import Qwen3VL
+from packtool.families.qwen3_vl.reading import Qwen3VLReader
 from packtool.families.qwen3_vl.rule import Qwen3VLVideoPlan, Qwen3VLVideoRule
 from packtool.families.spec import QWEN_VL_MEDIA_KEYS, TrainerLayouts
 
@@ -32,4 +33,4 @@ QWEN3_VL_LAYOUTS = TrainerLayouts(megatron_bridge_refused=(
     hugging_face_model_types=("qwen3_vl", "qwen3_vl_moe"),
     hugging_face_media_keys=tuple(k for k in QWEN_VL_MEDIA_KEYS if k != "second_per_grid_ts"))
 
-__all__ = ["QWEN3_VL_LAYOUTS", "Qwen3VL", "Qwen3VLVideoPlan", "Qwen3VLVideoRule"]
+__all__ = ["QWEN3_VL_LAYOUTS", "Qwen3VL", "Qwen3VLReader", "Qwen3VLVideoPlan", "Qwen3VLVideoRule"]

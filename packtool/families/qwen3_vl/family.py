@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from packtool.errors import ConfigError
 from packtool.families.base import ExpandsInText, ItemPlan, MediaTokens, knows_exactly, manifest_tokens
 from packtool.families.conventions import Convention
 from packtool.families.qwen2_vl.family import QWEN2_VL_IMAGE_PROCESSORS, ImageRule, _image_rule, _json_file
 from packtool.families.qwen3_vl.rule import Qwen3VLVideoRule
-from packtool.format import PackRecord
 from packtool.media.folder import read_folder
 from packtool.media.video import VideoFacts
 
@@ -137,33 +136,3 @@ class Qwen3VL(ExpandsInText):
                 "video_token_id": t.video_token_id if self.video else None,
                 "video_processor": {**self.video.manifest(), "config": self.video_config} if self.video else None,
                 "audio_token_id": None, "audio_start_token_id": None, "audio_end_token_id": None}
-
-    # -- the runtime side (:mod:`.reader`) ------------------------------------------------------------------------
-    batch_keys: ClassVar[tuple[str, ...]] = ("image_grid_thw", "pixel_values", "video_grid_thw",
-                                             "pixel_values_videos")
-
-    def image_patch_dim(self, processor: Any) -> int | None:
-        """Qwen3-VL's patch rows, as Qwen2-VL's: ``[patches, C·t·p·p]``."""
-        return 3 * processor.temporal_patch_size * processor.patch_size ** 2
-
-    def reader_processor(self, folder: Path | None = None) -> Any:
-        """transformers' Qwen2-VL image processor (PIL backend) with the manifest's image settings (Qwen3-VL's)."""
-        from packtool.families.qwen2_vl.reader import qwen_image_processor
-
-        return qwen_image_processor(self.image.manifest())
-
-    def read_media(self, record: PackRecord, processor: Any, where: str, decode: bool) -> dict[str, Any]:
-        from packtool.families.qwen3_vl.reader import qwen3_vl_media
-
-        return qwen3_vl_media(self, record, processor, where, decode)
-
-    @staticmethod
-    def position_ids(*args: Any, **kwargs: Any) -> Any:
-        """The per-segment 3-D rope of a packed row (:func:`.reader.position_ids`)."""
-        from packtool.families.qwen3_vl.reader import position_ids
-
-        return position_ids(*args, **kwargs)
-
-    @property
-    def temporal_patch_dim(self) -> int:
-        return self.video.temporal_patch_size if self.video is not None else self.image.temporal_patch_size

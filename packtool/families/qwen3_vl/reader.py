@@ -21,11 +21,12 @@ import torch
 from packtool.errors import FormatError
 
 if TYPE_CHECKING:
-    from packtool.families.qwen3_vl.family import Qwen3VL
+    from packtool.families.qwen3_vl.reading import Qwen3VLReader
     from packtool.format import PackRecord
 
 
-def qwen3_vl_media(family: Qwen3VL, record: PackRecord, processor: Any, where: str, decode: bool) -> dict[str, Any]:
+def qwen3_vl_media(reader: Qwen3VLReader, record: PackRecord, processor: Any, where: str,
+                   decode: bool) -> dict[str, Any]:
     """``image_grid_thw`` (+ ``pixel_values``) of the pack's images and ``video_grid_thw`` (+
     ``pixel_values_videos``) of its videos, each checked against the stored grids."""
     from packtool.readkit import vision_media
@@ -35,7 +36,8 @@ def qwen3_vl_media(family: Qwen3VL, record: PackRecord, processor: Any, where: s
             raise FormatError(f"{where}: media kind {m.kind!r} (member {m.member}) is not Qwen3-VL's")
     images_only = replace(record, segments=[replace(s, media=[m for m in s.media if m.kind == "image"])
                                             for s in record.segments])
-    out = vision_media(family, images_only, processor, where, decode)
+    out = vision_media(reader, images_only, processor, where, decode)
+    family = reader.family
     videos = [m for m in record.media_refs if m.kind == "video"]
     grids = np.array([m.grid_thw for m in videos], dtype=np.int64).reshape(-1, 3)
     out["video_grid_thw"] = torch.from_numpy(grids)
