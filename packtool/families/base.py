@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import numpy as np
 
 from packtool.errors import ConfigError, SampleError
-from packtool.families.conventions import Convention
+from packtool.families.conventions import Convention, add_variant
 from packtool.format import AUDIO_TAG, MediaRef
 
 if TYPE_CHECKING:
@@ -131,12 +131,7 @@ class Family(ABC):
     def register_variant(cls, convention: str, variant: type[Family]) -> None:
         """Register ``variant`` (a subclass of this family) as the family under ``convention``; a convention
         registered twice for one family is refused."""
-        if not (isinstance(variant, type) and issubclass(variant, cls)):
-            raise TypeError(f"{variant!r} is not a subclass of {cls.__name__}")
-        if convention in cls.variants:
-            raise ValueError(f"{cls.__name__} already has a variant for {convention!r}: "
-                             f"{cls.variants[convention].__name__}")
-        cls.variants[convention] = variant
+        add_variant(cls, cls.variants, convention, variant)
 
     def __init__(self, tokens: MediaTokens, convention: Convention, folder: str = "") -> None:
         self.tokens = tokens

@@ -182,6 +182,16 @@ TRANSFORMERS = Convention()
 CONVENTIONS: dict[str, Convention] = {}
 
 
+def add_variant(owner: type, variants: dict[str, Any], convention: str, variant: type) -> None:
+    """Add ``variant`` (a subclass of ``owner``: a family, or a family's reader) to ``owner``'s ``variants`` under
+    ``convention``; a class that is no subclass, or a convention registered twice for one owner, is refused."""
+    if not (isinstance(variant, type) and issubclass(variant, owner)):
+        raise TypeError(f"{variant!r} is not a subclass of {owner.__name__}")
+    if convention in variants:
+        raise ValueError(f"{owner.__name__} already has a variant for {convention!r}: {variants[convention].__name__}")
+    variants[convention] = variant
+
+
 def register_convention(convention: Convention) -> Convention:
     """Add a named convention (``--preset`` takes its names from here); a name registered twice is refused."""
     if convention.name in CONVENTIONS or convention.name == TRANSFORMERS.name:

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from packtool.families.conventions import trainer_image
+from packtool.families.conventions import add_variant, trainer_image
 
 if TYPE_CHECKING:
     from packtool.families.base import Family
@@ -53,12 +53,7 @@ class FamilyReader:
     def register_variant(cls, convention: str, variant: type[FamilyReader]) -> None:
         """Register ``variant`` (a subclass of this reader) as the family's reader under ``convention``; a
         convention registered twice for one reader is refused."""
-        if not (isinstance(variant, type) and issubclass(variant, cls)):
-            raise TypeError(f"{variant!r} is not a subclass of {cls.__name__}")
-        if convention in cls.variants:
-            raise ValueError(f"{cls.__name__} already has a variant for {convention!r}: "
-                             f"{cls.variants[convention].__name__}")
-        cls.variants[convention] = variant
+        add_variant(cls, cls.variants, convention, variant)
 
     def __init__(self, family: Family) -> None:
         #: The family as the manifest describes it (its tokens, convention and rules).

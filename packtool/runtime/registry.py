@@ -21,7 +21,6 @@ from packtool.families import (
     Family,
     FamilyReader,
     FamilySpec,
-    from_manifest,
     named,
     of_batch,
     owner,
@@ -30,13 +29,8 @@ from packtool.families import (
     spec_named,
 )
 
-__all__ = ["Family", "FamilyReader", "FamilySpec", "family_class_of", "family_named", "family_of", "family_of_batch",
+__all__ = ["Family", "FamilyReader", "FamilySpec", "family_class_of", "family_named", "family_of_batch",
            "reader_classes", "reader_of", "registered", "spec_of", "spec_of_batch"]
-
-
-def family_of(manifest: Mapping) -> Family:
-    """The family a manifest was written by (:func:`packtool.families.from_manifest`)."""
-    return from_manifest(manifest)
 
 
 def reader_classes() -> tuple[type[FamilyReader], ...]:
