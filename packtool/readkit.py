@@ -1,8 +1,9 @@
 """The reader kit: what every family's reader and the runtime's batches share, below both.
 
-It imports only the format (:mod:`packtool.format`), the media decoders (:mod:`packtool.media`) and the errors, so
-a family's reader (``packtool.families.*.reader``) stands on it and never on :mod:`packtool.runtime`, which stands
-on the families through its registry: the imports go one way, runtime -> families -> this kit.
+It imports only the format (:mod:`packtool.format`), the media decoders (:mod:`packtool.media`), the errors and a
+batch's media part (:mod:`packtool.mediapart`), so a family's reader (``packtool.families.*.reader``) stands on it
+and never on :mod:`packtool.runtime`, which stands on the families through its registry: the imports go one way,
+runtime -> families -> this kit.
 
 - :func:`vision_media`: the shared image/video fields of a reader batch, asked of a family's reader methods;
 - :func:`decode_planned_videos`, :func:`check_video_grids`: a video's planned frames, its processed grid checked;
@@ -26,6 +27,7 @@ import torch
 
 from packtool.errors import FormatError
 from packtool.format import MediaRef, PackRecord
+from packtool.mediapart import MediaPart
 
 #: What :func:`layout_context` takes from a manifest (None where it has none).
 CONTEXT_KEYS = ("image_token_id", "video_token_id", "spatial_merge_size")
@@ -202,11 +204,12 @@ WHOLE_WEIGHTS = "whole_weights"
 class ReaderBatch(MutableMapping[str, Any]):
     """One micro-batch of packtool's reader (one pack, or ``B`` packs stacked by ``collate_packs``): typed fields,
     read by attribute or, as every trainer layout and most training loops do, by key (``batch["tokens"]``; the
-    keys are the field names, but ``keys`` for :attr:`segment_keys`). :attr:`media` holds the family's media
-    tensors (its reader's fields, ``FamilyReader.batch_keys``) and anything a caller adds; each trainer layout turns
-    the batch into its trainer's dict at the edge (``hf_batch``, ``megatron_bridge_batch``); :meth:`to_dict` gives the
-    plain dict. Shapes: ``[B, L]`` for the per-token fields (:data:`ROW_FIELDS`), boundaries ``[S + 1]`` int32 over
-    the flattened rows."""
+    keys are the field names, but ``keys`` for :attr:`segment_keys`). :attr:`media` is the family's typed media part
+    (its reader's :class:`~packtool.mediapart.MediaPart`, ``FamilyReader.media_part``: ``batch.media.pixel_values``),
+    whose entries read by key on the batch too (``batch["pixel_values"]``), with anything a caller adds; each
+    trainer layout turns the batch into its trainer's dict at the edge (``hf_batch``, ``megatron_bridge_batch``);
+    :meth:`to_dict` gives the plain dict. Shapes: ``[B, L]`` for the per-token fields (:data:`ROW_FIELDS`),
+    boundaries ``[S + 1]`` int32 over the flattened rows."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
@@ -234,19 +237,21 @@ class ReaderBatch(MutableMapping[str, Any]):
     layout_context: dict[str, int | None]
     #: A mixture's: int64 ``[S]``, each segment's dataset as its place in the manifest's mixture (None: one dataset).
     dataset_index: torch.Tensor | None = None
-    #: The family's media tensors (``pixel_values``, ``image_grid_thw``, ...) and whatever a caller adds by key.
-    media: dict[str, Any] = field(default_factory=dict)
+    #: The family's media (``pixel_values``, ``image_grid_thw``, ...: its reader's typed part) and whatever a
+    #: caller adds by key.
+    media: MediaPart = field(default_factory=MediaPart)
 
     @classmethod
-    def of(cls, entries: Mapping[str, Any]) -> ReaderBatch:
-        """A batch from its entries by key (the fields' keys; every other entry goes to :attr:`media`)."""
+    def of(cls, entries: Mapping[str, Any], media_part: type[MediaPart] = MediaPart) -> ReaderBatch:
+        """A batch from its entries by key (the fields' keys; every other entry goes to :attr:`media`, a
+        ``media_part``: the family's part class, as a batch's ``type(batch.media)``)."""
         named = {_ATTR.get(k, k): v for k, v in entries.items() if _ATTR.get(k, k) in _FIELDS}
-        return cls(**named, media={k: v for k, v in entries.items() if _ATTR.get(k, k) not in _FIELDS})
+        return cls(**named, media=media_part.of({k: v for k, v in entries.items() if _ATTR.get(k, k) not in _FIELDS}))
 
     def to(self, device: Any) -> ReaderBatch:
         """The batch with every tensor on ``device`` (the rest as it is)."""
         return ReaderBatch.of({k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                               for k, v in self.items()})
+                               for k, v in self.items()}, type(self.media))
 
     def to_dict(self) -> dict[str, Any]:
         """The batch as a plain dict, key for key."""

@@ -122,8 +122,9 @@ def test_no_cycle_between_packages_and_the_reader_stands_below_the_runtime():
     stands (inside a function, under ``TYPE_CHECKING``), with no edge exempted. The direction is one way: the
     runtime reaches the families only through :mod:`packtool.runtime.registry`; the families import nothing of
     the runtime (their readers stand on :mod:`packtool.readkit`); the reader kit imports only the format, the
-    media decoders and the errors. The control: the one import the families' readers used to make of the runtime
-    (``vision_media`` from ``packtool.runtime.read``), put back, closes a cycle the test sees."""
+    media decoders, the errors and the media part (:mod:`packtool.mediapart`, which imports nothing of packtool).
+    The control: the one import the families' readers used to make of the runtime (``vision_media`` from
+    ``packtool.runtime.read``), put back, closes a cycle the test sees."""
     groups = (*GROUPS, "packtool.readkit")
     sources = package_sources()
     graph = module_imports(sources)
@@ -136,7 +137,8 @@ def test_no_cycle_between_packages_and_the_reader_stands_below_the_runtime():
     assert into_families == [("packtool.runtime.registry", "packtool.families")]
     assert not [t for t in packages["packtool.families"] if t == "packtool.runtime"]
     assert graph["packtool.readkit"] <= {"packtool.format", "packtool.errors", "packtool.media",
-                                         "packtool.media.image", "packtool.media.video"}
+                                         "packtool.media.image", "packtool.media.video", "packtool.mediapart"}
+    assert graph["packtool.mediapart"] == set()  # a batch's media part: below the families' readers and the kit
     assert path(packages, "packtool.runtime", "packtool.readkit") is not None  # the runtime uses the kit too
     back = dict(sources)
     back["packtool.families.qwen3_vl.reader"] += "\ndef _x():\n    from packtool.runtime.read import pack_to_batch\n"

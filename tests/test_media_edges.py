@@ -307,6 +307,12 @@ def test_processor_mode_onevision_videos_pack_read_and_verify(processor_folders,
     assert sorted(v.shape[0] for v in videos) == [4, 4, 6]
     for v in videos:
         assert any(v.shape == e.shape and torch.equal(v, e) for e in expected)
+    from packtool.runtime.loader import collate_packs
+
+    rows = [*batches, *tokens_only]  # stacked rows keep every item's kind, and the inputs of rows that have them
+    stacked = collate_packs(rows, 0)
+    assert stacked.media.media_kinds == [k for b in rows for k in b["media_kinds"]] and len(rows) > 1
+    assert [id(x) for x in stacked["media_inputs"]] == [id(x) for b in batches for x in b["media_inputs"]]
 
 
 # -- m4a lengths and clips too short for features -----------------------------------------------------------------

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import packfixture as fx
 from packtool.errors import FormatError
 from packtool.families.qwen2_vl.reader import mrope_position_ids
+from packtool.families.reading import VisionMedia
 from packtool.format import load_manifest
 from packtool.readkit import ReaderBatch
 from packtool.runtime.loader import PackDataset, PackTaskEncoder, collate_packs
@@ -317,19 +318,29 @@ def test_reader_batches_are_typed_and_read_by_key_through_every_loader(image_dat
     assert batch.tokens is batch["tokens"] and batch.segment_keys is batch["keys"] and batch.family == "qwen2_vl"
     assert set(batch.media) == {"pixel_values", "image_grid_thw"} and batch.media["pixel_values"] is batch[
         "pixel_values"]
+    # The media are the family reader's typed part: fields by attribute, None (and no key) where the pack has none.
+    assert type(batch.media) is VisionMedia and batch.media.pixel_values is batch["pixel_values"]
+    assert batch.media.video_grid_thw is None and "video_grid_thw" not in batch and batch.media.extra == {}
     assert list(batch)[:3] == ["tokens", "labels", "loss_mask"] and {BATCH_FAMILY, BATCH_CONTEXT} <= set(batch)
     assert "dataset_index" not in batch and batch.get("dataset_index") is None  # one dataset: no entry
     assert set(batch.to_dict()) == set(batch) and type(batch.to_dict()) is dict
     with pytest.raises(KeyError, match="every reader batch has"):
         del batch["tokens"]
-    batch["extra"] = 1  # a caller's own entry joins the media
+    batch["extra"] = 1  # a caller's own entry joins the media, beside its fields
+    assert batch.media.extra == {"extra": 1} and list(batch)[-1] == "extra"
     assert batch.media.pop("extra") == 1 and "extra" not in batch
+    batch["video_grid_thw"] = torch.zeros((0, 3), dtype=torch.int64)  # a field's key sets the field
+    assert batch.media.video_grid_thw is batch["video_grid_thw"] and batch.media.extra == {}
+    del batch["video_grid_thw"]
+    assert batch.media.video_grid_thw is None and "video_grid_thw" not in batch
     stacked = collate_packs(rows, fx.PAD_ID)
     assert isinstance(stacked, ReaderBatch) and stacked.pack_key == [r.pack_key for r in rows]
+    assert type(stacked.media) is VisionMedia and stacked.media.image_grid_thw.shape == (3, 3)
     moved = stacked.to("cpu")
     assert isinstance(moved, ReaderBatch) and torch.equal(moved.tokens, stacked.tokens)
+    assert type(moved.media) is VisionMedia
     again = pickle.loads(pickle.dumps(stacked))
-    assert isinstance(again, ReaderBatch) and set(again) == set(stacked)
+    assert isinstance(again, ReaderBatch) and set(again) == set(stacked) and type(again.media) is VisionMedia
     plain = next(iter(torch.utils.data.DataLoader(PackDataset(path, shuffle=False), batch_size=None)))
     assert isinstance(plain, ReaderBatch) and plain.pack_key == rows[0].pack_key
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
@@ -337,6 +348,34 @@ def test_reader_batches_are_typed_and_read_by_key_through_every_loader(image_dat
     assert isinstance(next(iter(get_savable_loader(val))), ReaderBatch)
     assert hf_batch(batch)["input_ids"].shape[1] == int(batch.cu_seqlens_unpadded[-1])  # layouts take it as it is
     assert torch.equal(megatron_bridge_batch(batch)["tokens"], batch.tokens)
+
+
+def test_every_readers_media_part_is_a_typed_dataclass_naming_its_batch_keys():
+    """Each registered reader (convention variants and the processor mode's included) names its media part, a
+    dataclass below the families' readers, whose fields are the reader's batch keys; an entry not a field is kept
+    apart (``extra``), never taken for one. The control: the empty base part holds every entry as extra."""
+    import dataclasses
+
+    from packtool.families import readers
+    from packtool.mediapart import MediaPart
+
+    parts = {}
+    for cls in readers():
+        assert issubclass(cls.media_part, MediaPart) and dataclasses.is_dataclass(cls.media_part)
+        assert cls.batch_keys == cls.media_part.field_names()
+        parts[cls.__name__] = cls.media_part
+    assert parts["NoMediaReader"] is MediaPart and parts["FamilyReader"] is VisionMedia
+    assert {"media_kinds", "media_inputs"} <= set(parts["ProcessorReader"].field_names())
+    assert set(parts["MBridgeNemotronOmniReader"].field_names()) - set(parts["NemotronOmniReader"].field_names()) \
+        == {"sound_length", "num_image_tiles"}
+    assert "second_per_grid_ts" in parts["Qwen2VLReader"].field_names()
+    assert "second_per_grid_ts" not in parts["Qwen3VLReader"].field_names()
+    part = parts["Qwen2VLReader"].of({"image_grid_thw": torch.zeros((1, 3)), "image_sizes": [1]})
+    assert set(part) == {"image_grid_thw", "image_sizes"} and part.extra == {"image_sizes": [1]}
+    with pytest.raises(KeyError):
+        part["pixel_values"]
+    bare = MediaPart.of({"image_grid_thw": 1})
+    assert bare.extra == {"image_grid_thw": 1} and MediaPart.field_names() == ()
 
 
 def test_to_megatron(image_dataset):

@@ -22,7 +22,7 @@ import difflib
 import functools
 import io
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ import numpy as np
 from packtool.errors import ConfigError, SampleError
 from packtool.families.base import Decoded, Family, ItemPlan, MediaTokens, NoRule, manifest_tokens
 from packtool.families.conventions import TRANSFORMERS, Convention
-from packtool.families.reading import FamilyReader
+from packtool.families.reading import FamilyReader, VisionMedia
 from packtool.format import MediaRef, PackRecord
 
 if TYPE_CHECKING:
@@ -413,10 +413,22 @@ def _item_inputs(record: PackRecord, m: MediaRef, processor: Any, audio_max_seco
     return dict(result)
 
 
+@dataclass(eq=False)
+class ProcessorMedia(VisionMedia):
+    """The processor mode's media: each item's kind and what the model's own processor gives for it
+    (:func:`processor_media`), or the base layout's fields where the caller passed an image processor alone."""
+
+    #: Each media item's kind ("image", "video", "audio"), in placeholder order.
+    media_kinds: list[str] | None = None
+    #: One dict per media item, in ``media_kinds`` order: the model's sub-processor's output for that item alone.
+    media_inputs: list[dict[str, Any]] | None = None
+
+
 class ProcessorReader(FamilyReader):
     """The processor mode's reader: each item through the model folder copy's own processor."""
 
     family: ProcessorMode
+    media_part = ProcessorMedia
     reads_folder = True
 
     def batch_family(self) -> str:

@@ -19,26 +19,49 @@ tensors) only when a pack is read, so registering the families, as every build w
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from packtool.families.conventions import add_variant, trainer_image
+from packtool.mediapart import MediaPart
 
 if TYPE_CHECKING:
+    import torch
+
     from packtool.families.base import Family
     from packtool.format import PackRecord
 
-__all__ = ["FamilyReader", "NoMediaReader"]
+__all__ = ["FamilyReader", "NoMediaReader", "VisionMedia"]
+
+
+@dataclass(eq=False)
+class VisionMedia(MediaPart):
+    """The shared Qwen-VL layout's media, as transformers' Qwen2-VL processors lay it out (None: the batch has none
+    of it)."""
+
+    #: int64 ``[images, 3]``: each image's stored (t, h, w) patch grid.
+    image_grid_thw: torch.Tensor | None = None
+    #: float32 ``[Σ patches, C·t·p·p]``: the images' patch rows (only when the reader decodes media).
+    pixel_values: torch.Tensor | None = None
+    #: int64 ``[videos, 3]``: each video's (t, h, w) grid.
+    video_grid_thw: torch.Tensor | None = None
+    #: float32 ``[videos]``: seconds per temporal patch of each video (its positions' time step).
+    second_per_grid_ts: torch.Tensor | None = None
+    #: float32 ``[Σ patches, C·t·p·p]``: the videos' patch rows (only when the reader decodes media).
+    pixel_values_videos: torch.Tensor | None = None
 
 
 class FamilyReader:
     """The reader side of one family under one convention: built from the family a manifest describes
     (:func:`packtool.families.reader_of`), it turns a pack record's media into the reader batch's media fields."""
 
-    #: Media fields of the family's reader batches (:func:`packtool.runtime.read.pack_to_batch`); the base layout
-    #: is Qwen2-VL's. Empty: the family's packs carry no media, and a pack without media gets no media fields.
-    batch_keys: ClassVar[tuple[str, ...]] = ("image_grid_thw", "pixel_values", "video_grid_thw",
-                                             "second_per_grid_ts", "pixel_values_videos")
+    #: The typed media part of the family's reader batches (``ReaderBatch.media``,
+    #: :func:`packtool.runtime.read.pack_to_batch`); the base layout is Qwen2-VL's. :class:`MediaPart` itself (no
+    #: fields): the family's packs carry no media, and a pack without media gets no media fields.
+    media_part: ClassVar[type[MediaPart]] = VisionMedia
+    #: The media part's field names: the batch's media keys (set from :attr:`media_part`, never by hand).
+    batch_keys: ClassVar[tuple[str, ...]] = VisionMedia.field_names()
     #: Whether the reader's processors read the model folder copied into the output (settings the manifest does
     #: not record: normalisation, feature extraction); a loader then makes a local copy of a remote one first.
     reads_folder: ClassVar[bool] = False
@@ -48,6 +71,7 @@ class FamilyReader:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.variants = {}  # each reader its own: a variant registered for one never serves another
+        cls.batch_keys = cls.media_part.field_names()
 
     @classmethod
     def register_variant(cls, convention: str, variant: type[FamilyReader]) -> None:
@@ -114,4 +138,4 @@ class FamilyReader:
 class NoMediaReader(FamilyReader):
     """The reader of packs without a media rule: no media fields."""
 
-    batch_keys = ()
+    media_part = MediaPart

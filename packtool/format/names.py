@@ -134,8 +134,8 @@ def shard_path(split: str, number: int) -> str:
 
 
 # -- reader batches ---------------------------------------------------------------------------------------------
-#: trainer layouts the batch follows (``FamilyReader.batch_family``): layouts read it, never guess from the batch's
-#: keys.
+#: A reader batch's entry naming the registered family whose trainer layouts the batch follows
+#: (``FamilyReader.batch_family``): the layouts read it, never guess the family from the batch's keys.
 BATCH_FAMILY = "family"
 #: A reader batch's entry with the manifest's facts its trainer layouts need beside the tensors (media token ids, the
 #: image processor's merge size: :func:`packtool.readkit.layout_context`), so a layout takes the batch alone.

@@ -38,6 +38,7 @@ from packtool.format import (
     split_shard_paths,
 )
 from packtool.lossweights import check_loss_mode
+from packtool.mediapart import MediaPart
 from packtool.readkit import ReaderBatch, pad_frames
 from packtool.runtime.megatron_batch import megatron_bridge_batch
 from packtool.runtime.read import (
@@ -73,7 +74,7 @@ def pad_row(row: Mapping[str, Any], length: int, pad_token_id: int) -> Any:
     out["cu_seqlens_padded"] = row["cu_seqlens_padded"].clone()
     out["cu_seqlens_padded"][-1] += extra
     out["max_seqlen"] = int(out["cu_seqlens_padded"].diff().max())
-    return ReaderBatch.of(out) if isinstance(row, ReaderBatch) else out
+    return ReaderBatch.of(out, type(row.media)) if isinstance(row, ReaderBatch) else out
 
 
 def collate_packs(rows: Sequence[Mapping[str, Any]], pad_token_id: int) -> Any:
@@ -119,13 +120,20 @@ def collate_packs(rows: Sequence[Mapping[str, Any]], pad_token_id: int) -> Any:
         if any(key in r for r in rows):
             width = max(r[key].shape[1] for r in rows if key in r)
             out[key] = torch.cat([pad_frames(r[key], width) for r in rows if key in r])
-    if any("media_kinds" in r for r in rows):
-        out["media_kinds"] = [k for r in rows for k in r.get("media_kinds", [])]
-    return ReaderBatch.of(out) if typed else out
+    for key in ("media_kinds", "media_inputs"):  # one entry per media item: lists joined in row order
+        if any(key in r for r in rows):
+            out[key] = [k for r in rows for k in r.get(key, [])]
+    return ReaderBatch.of(out, _media_part(rows)) if typed else out
 
 
-#: Media fields of reader rows that the batch builds otherwise: clips padded to the batch's longest, a list.
-UNSTACKED_MEDIA_KEYS = frozenset({"input_features", "input_features_mask", "media_kinds"})
+def _media_part(rows: Sequence[Any]) -> type[MediaPart]:
+    """The media part of reader rows stacked into one batch: the first row's with media fields (rows of one family;
+    a text-only dataset's rows, blended in, have the empty base part)."""
+    return next((type(r.media) for r in rows if type(r.media) is not MediaPart), MediaPart)
+
+
+#: Media fields of reader rows that the batch builds otherwise: clips padded to the batch's longest, lists.
+UNSTACKED_MEDIA_KEYS = frozenset({"input_features", "input_features_mask", "media_kinds", "media_inputs"})
 
 
 @functools.cache

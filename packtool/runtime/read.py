@@ -48,6 +48,7 @@ from packtool.format import (
     split_shard_paths,
 )
 from packtool.lossweights import check_loss_mode, token_scale
+from packtool.mediapart import MediaPart
 from packtool.readkit import LOSS_MODE, ROW_FIELDS, WHOLE_WEIGHTS, ReaderBatch, layout_context
 from packtool.runtime.registry import FamilyReader, reader_of
 from packtool.shards import iter_records
@@ -231,13 +232,14 @@ def _check_spans(record: PackRecord, reader: FamilyReader, cu: np.ndarray, where
 
 
 def _media(record: PackRecord, reader: FamilyReader, cu: np.ndarray, where: str, images: bool,
-           image_processor) -> dict:
-    """The media fields of the manifest's family (its reader's :meth:`~FamilyReader.read_media`), after checking
-    each media span in the tokens; none for a pack without media of a family whose batches carry none."""
+           image_processor) -> MediaPart:
+    """The media part of the manifest's family (its reader's :attr:`~FamilyReader.media_part` of what its
+    :meth:`~FamilyReader.read_media` gives), after checking each media span in the tokens; an empty part for a pack
+    without media of a family whose batches carry none."""
     if not record.media_refs and not reader.batch_keys:
-        return {}
+        return reader.media_part()
     _check_spans(record, reader, cu, where)
-    return reader.read_media(record, image_processor, where, images)
+    return reader.media_part.of(reader.read_media(record, image_processor, where, images))
 
 
 def processor_for_output(path: str | Path, manifest: Mapping):

@@ -5,16 +5,50 @@ read."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from packtool.families.nemotron_omni.mbridge import MB_NEMOTRON
 from packtool.families.reading import FamilyReader
+from packtool.mediapart import MediaPart
 
 if TYPE_CHECKING:
+    import torch
+
     from packtool.families.nemotron_omni.family import NemotronOmni
     from packtool.families.nemotron_omni.mbridge import MBridgeNemotronOmni
     from packtool.format import PackRecord
+
+
+@dataclass(eq=False)
+class NemotronOmniMedia(MediaPart):
+    """Nemotron Omni's media as transformers' processors give it (None: the batch has none of it)."""
+
+    #: Each media item's kind ("image", "video", "audio"), in placeholder order.
+    media_kinds: list[str] | None = None
+    #: int64 ``[images, 2]``: each image's stored (h, w) patch grid.
+    image_grid_hw: torch.Tensor | None = None
+    #: int64 ``[videos, 3]``: each video's (t, h, w) grid.
+    video_grid_thw: torch.Tensor | None = None
+    #: The images' patch rows (only when the reader decodes media).
+    pixel_values: torch.Tensor | None = None
+    #: The videos' patch rows (only when the reader decodes media).
+    pixel_values_videos: torch.Tensor | None = None
+    #: float32 ``[clips, frames, mel bins]``: each audio clip's features, padded to the longest clip.
+    input_features: torch.Tensor | None = None
+    #: bool ``[clips, frames]``: which feature frames are the clip's.
+    input_features_mask: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
+class MBridgeNemotronOmniMedia(NemotronOmniMedia):
+    """Nemotron Omni's media as Megatron-Bridge's collate builds it: transformers' entries and two of its own."""
+
+    #: int64 ``[clips]``: each clip's length in feature frames, counted as the convention's audio rule counts.
+    sound_length: torch.Tensor | None = None
+    #: int32 ``[tiles]``: one entry per image and per video tubelet (the collate's tile counts).
+    num_image_tiles: torch.Tensor | None = None
 
 
 class NemotronOmniReader(FamilyReader):
@@ -22,8 +56,7 @@ class NemotronOmniReader(FamilyReader):
     copy says with the manifest's settings on top."""
 
     family: NemotronOmni
-    batch_keys: ClassVar[tuple[str, ...]] = ("media_kinds", "image_grid_hw", "video_grid_thw", "pixel_values",
-                                             "pixel_values_videos", "input_features", "input_features_mask")
+    media_part = NemotronOmniMedia
     reads_folder = True
 
     def processor(self, folder: Path | None = None) -> Any:
@@ -48,7 +81,7 @@ class MBridgeNemotronOmniReader(NemotronOmniReader):
     """Megatron-Bridge's Nemotron Omni collate's tensors, from the manifest alone (:mod:`.mbridge_reader`)."""
 
     family: MBridgeNemotronOmni
-    batch_keys = (*NemotronOmniReader.batch_keys, "sound_length", "num_image_tiles")
+    media_part = MBridgeNemotronOmniMedia
     reads_folder = False
     #: Why NeMo-RL's batch refuses these packs (:func:`.nemo_rl_batch.family_inputs` reads it).
     nemo_rl_refused = f"packs of --preset {MB_NEMOTRON} are laid out for Megatron-Bridge, not NeMo-RL"

@@ -4,21 +4,39 @@ through Qwen3-VL's video processor. Its tensors are built in :mod:`.reader`, imp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from packtool.families.reading import FamilyReader
+from packtool.mediapart import MediaPart
 
 if TYPE_CHECKING:
+    import torch
+
     from packtool.families.qwen3_vl.family import Qwen3VL
     from packtool.format import PackRecord
+
+
+@dataclass(eq=False)
+class Qwen3VLMedia(MediaPart):
+    """Qwen3-VL's media: the Qwen-VL layout's without ``second_per_grid_ts`` (None: the batch has none of it)."""
+
+    #: int64 ``[images, 3]``: each image's stored (t, h, w) patch grid.
+    image_grid_thw: torch.Tensor | None = None
+    #: float32 ``[Σ patches, C·t·p·p]``: the images' patch rows (only when the reader decodes media).
+    pixel_values: torch.Tensor | None = None
+    #: int64 ``[videos, 3]``: each video's (t, h, w) grid.
+    video_grid_thw: torch.Tensor | None = None
+    #: float32 ``[Σ patches, C·t·p·p]``: the videos' patch rows (only when the reader decodes media).
+    pixel_values_videos: torch.Tensor | None = None
 
 
 class Qwen3VLReader(FamilyReader):
     """Qwen3-VL's media fields (:func:`.reader.qwen3_vl_media`)."""
 
     family: Qwen3VL
-    batch_keys = ("image_grid_thw", "pixel_values", "video_grid_thw", "pixel_values_videos")
+    media_part = Qwen3VLMedia
 
     def image_patch_dim(self, processor: Any) -> int | None:
         """Qwen3-VL's patch rows, as Qwen2-VL's: ``[patches, C·t·p·p]``."""
