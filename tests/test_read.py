@@ -350,6 +350,38 @@ def test_reader_batches_are_typed_and_read_by_key_through_every_loader(image_dat
     assert torch.equal(megatron_bridge_batch(batch)["tokens"], batch.tokens)
 
 
+def test_a_loop_over_one_outputs_packs_builds_its_reader_once(image_dataset, monkeypatch):
+    """``read_packs`` and ``PackDataset`` build the manifest's family reader once per pass, not per pack (it cost
+    ~3 % of a text pack's read), and the batches equal those built pack by pack. The control: ``pack_to_batch``
+    alone builds it on each call."""
+    import packtool.runtime.loader as loader_module
+    import packtool.runtime.read as read_module
+
+    path, _ = image_dataset
+    built = []
+
+    def counting(manifest):
+        built.append(1)
+        return real(manifest)
+
+    real = read_module.reader_of
+    expected = [b.tokens for b in read_packs(path, pad_to="segments")]
+    monkeypatch.setattr(read_module, "reader_of", counting)
+    monkeypatch.setattr(loader_module, "reader_of", counting)
+    rows = list(read_packs(path, pad_to="segments", images=False))
+    assert len(rows) > 1 and len(built) == 1
+    assert all(torch.equal(r.tokens, e) for r, e in zip(rows, expected, strict=True))
+    built.clear()
+    assert len(list(PackDataset(path, shuffle=False, images=False))) == len(rows) and len(built) == 1
+    built.clear()
+    from packtool.format import split_shard_paths
+    from packtool.shards import iter_records
+
+    for key, members in iter_records(split_shard_paths(path, "train")[0]):
+        pack_to_batch({**members, "__key__": key}, load_manifest(path), images=False)
+    assert len(built) > 1
+
+
 def test_every_readers_media_part_is_a_typed_dataclass_naming_its_batch_keys():
     """Each registered reader (convention variants and the processor mode's included) names its media part, a
     dataclass below the families' readers, whose fields are the reader's batch keys; an entry not a field is kept

@@ -38,7 +38,7 @@ from packtool.format import BATCH_CONTEXT, BATCH_FAMILY
 from packtool.lossweights import check_loss_mode
 from packtool.readkit import layout_context, mm_token_type_ids
 from packtool.runtime.read import IGNORE_INDEX, LOSS_MODE
-from packtool.runtime.registry import registered
+from packtool.runtime.registry import FamilyReader, reader_of, registered
 
 #: Attention implementations that keep packed segments apart (see the module docstring).
 SEGMENT_SAFE_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
@@ -315,6 +315,7 @@ class HFPackDataset(torch.utils.data.Dataset):
         self._index = [(shard, i) for shard in split_shard_paths(path, split)
                        for i in range(len(record_offsets(shard)) - 1)]
         self._processor = None
+        self._reader: FamilyReader | None = None  # the manifest's family reader, built on the first pack read
 
     def __len__(self) -> int:
         return len(self._index)
@@ -333,9 +334,12 @@ class HFPackDataset(torch.utils.data.Dataset):
         shard, number = self._index[i]
         if self._processor is None and self.manifest.image_processor is not None:
             self._processor = processor_for_output(self.path, self.manifest)
+        if self._reader is None:
+            self._reader = reader_of(self.manifest)
         key, members = next(iter_records(shard, [number]))
         batch = pack_to_batch({**members, "__key__": key}, self.manifest, pad_to="segments",
-                              image_processor=self._processor, source=str(shard), loss_mode=self.loss_mode or "token")
+                              image_processor=self._processor, source=str(shard), loss_mode=self.loss_mode or "token",
+                              reader=self._reader)
         return hf_batch(batch, self.manifest, tokens_per_second=self.tokens_per_second, family=self.family,
                         loss_mode=self.loss_mode)
 

@@ -50,7 +50,7 @@ from packtool.runtime.read import (
     pack_to_batch,
     processor_for_output,
 )
-from packtool.runtime.registry import reader_classes, reader_of
+from packtool.runtime.registry import FamilyReader, reader_classes, reader_of
 from packtool.shards import iter_records, record_offsets
 
 log = logging.getLogger(__name__)
@@ -197,10 +197,12 @@ class PackDataset(torch.utils.data.IterableDataset):
         processor = self.image_processor
         if processor is None and self.images:
             processor = processor_for_output(self.path, self.manifest)
+        reader = reader_of(self.manifest)
         for shard, index in mine:
             key, members = next(iter_records(self.shards[shard], iter([index])))
             yield pack_to_batch({**members, "__key__": key}, self.manifest, pad_to=self.pad_to, images=self.images,
-                                image_processor=processor, source=str(self.shards[shard]), loss_mode=self.loss_mode)
+                                image_processor=processor, source=str(self.shards[shard]), loss_mode=self.loss_mode,
+                                reader=reader)
 
 
 def _manifest(dataset_path: str) -> Manifest:
@@ -222,11 +224,17 @@ def _read_manifest(dataset_path: str) -> Manifest:
 
 
 @functools.lru_cache(maxsize=16)
+def _reader(dataset_path: str) -> FamilyReader:
+    """The family reader of a dataset Energon opened, built once from its manifest (:func:`_manifest`)."""
+    return reader_of(_manifest(dataset_path))
+
+
+@functools.lru_cache(maxsize=16)
 def _reader_processor(dataset_path: str):
     """The processor of a dataset Energon opened (its family's reader's, :meth:`FamilyReader.processor`); for a
     reader of the model folder, from the dataset's copy of it, a remote one's settings files copied to a local
     temporary folder first (transformers' processors read local files)."""
-    reader = reader_of(_manifest(dataset_path))
+    reader = _reader(dataset_path)
     if not reader.reads_folder:
         return reader.processor(None)
     folder = EPath(dataset_path) / TOKENIZER_DIR
@@ -298,7 +306,7 @@ class PackTaskEncoder(DefaultTaskEncoder):
                 processor = _reader_processor(str(info.dataset_path))
             batch = pack_to_batch({**sample.members, "__key__": sample.__key__}, manifest, pad_to=self.pad_to,
                                   images=self.images, image_processor=processor, source=where,
-                                  loss_mode=self.loss_mode)
+                                  loss_mode=self.loss_mode, reader=_reader(str(info.dataset_path)))
         except Exception as exc:
             self._failed(exc, where, sample.__key__)
         return PackRow.derive_from(sample, batch=batch)

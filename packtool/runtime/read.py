@@ -114,6 +114,7 @@ def pack_to_batch(
     image_processor=None,
     source: str = "",
     loss_mode: str = "token",
+    reader: FamilyReader | None = None,
 ) -> ReaderBatch:
     """One pack record -> one micro-batch row (a :class:`~packtool.readkit.ReaderBatch`: typed fields, read by
     attribute or by key).
@@ -129,6 +130,8 @@ def pack_to_batch(
         source: where the record came from (shard path), named in errors.
         loss_mode: how each target token weighs in the step (:mod:`packtool.lossweights`): "token" (each target
             token its sample's weight), "sample" (each sample's targets sum to its weight), "square".
+        reader: the manifest's family reader (:func:`packtool.runtime.registry.reader_of` of ``manifest``), given by
+            a loop over one output's packs so that it is built once; None: built from ``manifest`` here.
 
     Returns: tokens, labels, loss_mask, loss_weights (float32, the weight of each label position under `loss_mode`,
     0 where the label is -100), position_ids, padding_mask (`[1, L]`), loss_weight_sum (float64 `[1]`: the row's
@@ -183,7 +186,7 @@ def pack_to_batch(
     weights = np.zeros(length, dtype=np.float32)
     weights[dest[predictors]] = scale[seg_of[predictors]]
 
-    reader = reader_of(manifest)
+    reader = reader if reader is not None else reader_of(manifest)
     return ReaderBatch(
         tokens=torch.from_numpy(row_tokens)[None],
         labels=torch.from_numpy(labels)[None],
@@ -275,10 +278,11 @@ def read_packs(
     processor = image_processor
     if processor is None and images:
         processor = processor_for_output(path, manifest)
+    reader = reader_of(manifest)
     for shard in split_shard_paths(path, split):
         for key, members in iter_records(shard):
             batch = pack_to_batch({**members, "__key__": key}, manifest, pad_to=pad_to, images=images,
-                                  image_processor=processor, source=str(shard), loss_mode=loss_mode)
+                                  image_processor=processor, source=str(shard), loss_mode=loss_mode, reader=reader)
             yield batch if device is None else batch.to(device)
 
 
