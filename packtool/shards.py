@@ -149,20 +149,21 @@ def write_tar(path: Path, records: Iterable[tuple[str, list[tuple[str, bytes]]]]
 def write_records(f: BinaryIO, records: Iterable[tuple[str, list[tuple[str, bytes]]]]) -> ShardIndex:
     """Write records as tar members (no end-of-archive marker) to ``f``; their index, offsets from where ``f``
     was. A tar's bytes are its records' bytes in order, so a shard may be written as parts and joined."""
-    index: list[IndexedRecord] = []
-    pos = 0
-    for key, parts in records:
-        start, placed = pos, []
-        for part, data in parts:
-            head = _header(member_name(key, part), len(data))
-            pad = -len(data) % BLOCK
-            f.write(head)
-            f.write(data)
-            f.write(b"\0" * pad)
-            placed.append((part, pos + len(head), len(data)))
-            pos += len(head) + len(data) + pad
-        index.append(IndexedRecord(key, start, pos - start, tuple(placed)))
-    return ShardIndex(index)
+    def written() -> Iterator[IndexedRecord]:  # each record as it is written: the index grows as arrays
+        pos = 0
+        for key, parts in records:
+            start, placed = pos, []
+            for part, data in parts:
+                head = _header(member_name(key, part), len(data))
+                pad = -len(data) % BLOCK
+                f.write(head)
+                f.write(data)
+                f.write(b"\0" * pad)
+                placed.append((part, pos + len(head), len(data)))
+                pos += len(head) + len(data) + pad
+            yield IndexedRecord(key, start, pos - start, tuple(placed))
+
+    return ShardIndex(written())
 
 
 def join_tar(path: Path, parts: list[tuple[Path, Sequence[IndexedRecord]]]) -> ShardIndex:

@@ -94,6 +94,22 @@ def test_one_pool_serves_every_stage_and_dies_with_the_engine():
     assert alive(first) == []
 
 
+def test_released_workers_are_gone_before_the_engine_closes_and_take_no_more_tasks():
+    """A run releases its workers after its last stage with tasks (the write): their processes end there, so
+    their memory leaves the process tree while the run finishes alone; a later map is refused, not run inline.
+    The control: before the release the same workers serve the stages."""
+    with Engine("local", workers=2) as engine:
+        workers = set(engine.map(whoami, list(range(8)), progress=False))
+        assert alive(workers) and os.getpid() not in workers
+        engine.release_workers()
+        assert alive(workers) == []
+        with pytest.raises(RuntimeError, match="workers not released"):
+            engine.map(square, [1], progress=False)
+    with Engine("local", workers=1) as engine:  # inline: nothing to release, the process goes on
+        engine.release_workers()
+        assert engine.map(square, [3], progress=False) == [9]
+
+
 def test_one_worker_runs_inline():
     with Engine("local", workers=1) as engine:
         assert set(engine.map(whoami, list(range(3)), progress=False)) == {os.getpid()}

@@ -151,7 +151,8 @@ def test_shard_index_is_its_records():
 
 def test_write_tasks_carry_their_rows_by_file(demo_dir: Path, tmp_path: Path, monkeypatch) -> None:
     """A write task names its rows of the plan (a file in OUTPUT's work folder, removed once the shards are
-    written): the command's process hands each worker a few names, not a table, whatever the rows."""
+    written): the command's process hands each worker a few names, not a table, whatever the rows, and the worker
+    reads them a batch at a time."""
     import pickle
 
     import pyarrow.parquet as pq
@@ -160,13 +161,16 @@ def test_write_tasks_carry_their_rows_by_file(demo_dir: Path, tmp_path: Path, mo
     from packtool.settings import PlanSettings
 
     rows: list[int] = []
-    real = assemble.read_parquet
+    batches: list[int] = []
+    real = assemble._segments
 
-    def reading(loc, *args, **kwargs):
-        table = real(loc, *args, **kwargs)
-        if "/.packtool/write/" in str(loc):
-            rows.append(table.num_rows)
-        return table
+    def reading(task):
+        assert "/.packtool/write/" in str(task.segments)
+        rows.append(0)
+        for batch in real(task):
+            rows[-1] += batch.num_rows
+            batches.append(batch.num_rows)
+            yield batch
 
     tasks: list = []
     write_shard = pipeline.write_shard
@@ -175,7 +179,7 @@ def test_write_tasks_carry_their_rows_by_file(demo_dir: Path, tmp_path: Path, mo
         tasks.append(task)
         return write_shard(task)
 
-    monkeypatch.setattr(assemble, "read_parquet", reading)
+    monkeypatch.setattr(assemble, "_segments", reading)
     monkeypatch.setattr(pipeline, "write_shard", keep)
     settings = PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"), pack_size=2048),
                             PlanSettings(shard_size="8"), splits=("train",))
@@ -183,6 +187,7 @@ def test_write_tasks_carry_their_rows_by_file(demo_dir: Path, tmp_path: Path, mo
     status = pq.read_table(tmp_path / "out" / "ledger.parquet", columns=["status"]).column("status").to_pylist()
     assert len(tasks) > 2 and len(rows) == len(tasks) and all(isinstance(t.segments, str) for t in tasks)
     assert sum(rows) == sum(s in ("packed", "truncated") for s in status) and len(set(rows)) > 1
+    assert max(batches) <= assemble._ROWS_READ  # a task reads its rows a batch at a time, never all at once
     sizes = [len(pickle.dumps(t)) for t in tasks]
     assert max(sizes) - min(sizes) < 256, sizes  # a task's size does not follow its rows
     assert not (tmp_path / "out" / ".packtool" / "write").exists()

@@ -9,7 +9,7 @@ made after encoding fails the task instead of packing stale bytes.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
@@ -26,7 +26,7 @@ from packtool.packer.sources.safepickle import load_bytes_list, video_frames
 from packtool.packer.store import NpyReader, SourceStamp
 from packtool.shards import ShardIndex, idx_path, index_tar, write_records, write_tar
 from packtool.storage import RangedReader as _ObjectReader
-from packtool.storage import is_remote, location, open_read, read_parquet
+from packtool.storage import is_remote, location, open_read, parquet_file
 
 
 #: Columns of a write task's segment table (``pack`` first), sorted by pack, then source order.
@@ -258,17 +258,23 @@ def write_part(task: WriteTask) -> ShardIndex:
         sources.close()
 
 
-def _segments(task: WriteTask) -> pa.Table:
-    return read_parquet(location(task.segments))
+#: Segment rows of a write task read (and turned into Python values) at once.
+_ROWS_READ = 1024
 
 
-def _records(split: str, segments: pa.Table, sources: _Sources, pack_size: int, align: int,
+def _segments(task: WriteTask) -> Iterator[pa.RecordBatch]:
+    """The task's segment rows, a batch at a time: a shard's rows are never all in memory at once."""
+    with parquet_file(location(task.segments)) as f:
+        yield from f.iter_batches(batch_size=_ROWS_READ)
+
+
+def _records(split: str, segments: Iterable[pa.RecordBatch], sources: _Sources, pack_size: int, align: int,
              datasets: tuple[str, ...] = ()) -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
-    """The tar members of each pack of ``segments``, in order."""
+    """The tar members of each pack of ``segments`` (batches of segment rows, in pack order), in order."""
     columns = SEGMENT_COLUMNS + (MIXTURE_COLUMNS if datasets else ())
 
     def rows() -> Iterator[SegmentRow]:  # a batch of rows at a time as Python values
-        for batch in segments.to_batches(max_chunksize=1024):
+        for batch in segments:
             if sources.reads_ahead:
                 sources.prefetch(batch)
             yield from itertools.starmap(SegmentRow, zip(*(batch.column(c).to_pylist() for c in columns)))

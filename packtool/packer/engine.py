@@ -112,6 +112,14 @@ class Engine:
             self._pool, self._ray, self._owns_ray = None, None, False
             self._restore_signal_handlers()
 
+    def release_workers(self) -> None:
+        """The run needs no more tasks: a local pool's workers stop now (their memory leaves the process tree
+        while the command finishes on its own); a later :meth:`map` is refused. Ray's workers stay the
+        cluster's."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
     # -- running -----------------------------------------------------------------------------------------------
     def map(self, fn: Callable[[T], R], tasks: Sequence[T], *, desc: str = "", unit: str = "task",
             progress: bool = True, names: Sequence[str] | None = None,
@@ -122,7 +130,7 @@ class Engine:
         reported with the tasks it may have been running); ``on_result(i, result)`` sees each result as it
         arrives and may raise to stop the map."""
         if self._pool is None and self._ray is None and (self.kind == "ray" or self.workers > 1):
-            raise RuntimeError("Engine.map needs an open engine (use it in a with block)")
+            raise RuntimeError("Engine.map needs an open engine (use it in a with block; its workers not released)")
         bar = tqdm(total=len(tasks), desc=desc, unit=unit, disable=not progress or not tasks, leave=False)
         seen = on_result or (lambda i, r: None)
         try:

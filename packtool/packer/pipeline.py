@@ -216,6 +216,7 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
         indexes = {} if run.dry_run else _write(engine, source, output, settings, run, plans, out_shards, enc_dirs,
                                                 stamps, src.chunks,
                                                 tuple(names))
+        engine.release_workers()  # the last stage with tasks: the rest of the run is this process's alone
         clock.lap("write")
         counts, packs = write_ledger(output, plans, tuple(names))
         if not run.dry_run:
@@ -379,8 +380,8 @@ def _write(engine: Engine, source: Path, output: Path, settings: PackSettings, r
     return dict(zip((s for names_ in out_shards.values() for s in names_), written))  # tasks in this order
 
 
-#: Rows of the plan copied at once into a write task's file.
-_ROWS_AT_ONCE = 1 << 16
+#: Rows of the plan copied at once into a write task's file (its row groups: a write task reads one at a time).
+_ROWS_AT_ONCE = 1 << 13
 
 
 def _rows_file(path: Path, table: pa.Table, rows: np.ndarray) -> str:
