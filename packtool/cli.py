@@ -177,7 +177,7 @@ def _report(result: PackResult, *, dry_run: bool) -> None:
         for line in mixture_lines(f, report["pack_size"]):  # a mixture: each dataset against its declared share
             typer.echo(line)
     if result.seconds:
-        typer.echo("seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in result.seconds.items()))
+        typer.echo("seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in result.seconds.items()))
     typer.echo(f"wrote {result.output}" + (" (dry run: ledger only)" if dry_run else ""))
     if result.over_limits:
         flag = {"error": "--max-error-rate", "dropped": "--max-drop-rate", "truncated": "--max-truncate-rate"}
