@@ -26,6 +26,7 @@ class MediaPart(MutableMapping[str, Any]):
 
     #: Entries under keys that are not the part's fields (what a caller adds; what a model's own processor gives).
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         """The part's media fields, in declaration order (``extra`` is none of them)."""
