@@ -449,6 +449,21 @@ def arrow_without_pandas() -> None:
         sys.meta_path.insert(0, _NO_PANDAS)
 
 
+def system_allocator() -> None:
+    """Have Arrow allocate with the C library's allocator in this process and the processes it starts (unless
+    ``ARROW_DEFAULT_MEMORY_POOL`` names another). Arrow's default (mimalloc) keeps the pages of what it freed: a
+    write task grew by ~35 MB over one shard with it and by ~14 MB without, and the command's process held ~20 MB
+    more of the split's rows. For packtool's own processes only, as :func:`arrow_without_pandas`."""
+    os.environ.setdefault(_ARROW_POOL, "system")
+    if os.environ[_ARROW_POOL] == "system" and "pyarrow" in sys.modules:
+        import pyarrow as pa
+
+        pa.set_memory_pool(pa.system_memory_pool())
+
+
+_ARROW_POOL = "ARROW_DEFAULT_MEMORY_POOL"
+
+
 def allow_pandas() -> None:
     """Let pandas be imported again (a user's module may need it)."""
     if _NO_PANDAS in sys.meta_path:

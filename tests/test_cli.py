@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -188,6 +189,24 @@ def test_a_pack_run_never_loads_pandas(demo_dir, tmp_path):
             "allow_pandas()\nimport pandas\nprint('loaded')")
     both = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert both.stdout.split() == ["refused", "loaded"], both.stdout + both.stderr
+
+
+def test_packtool_processes_allocate_with_the_system_allocator():
+    """Arrow's default allocator keeps what it freed (tens of MB a write task): packtool's command line sets the
+    system one, for itself and every process it starts (a pack's workers), unless the user named one. Control: a
+    plain process keeps Arrow's default."""
+    child = "import pyarrow as pa; print(pa.default_memory_pool().backend_name)"
+    code = ("import subprocess, sys\nimport pyarrow as pa\nfrom packtool.storage import system_allocator\n"
+            "system_allocator()\nprint(pa.default_memory_pool().backend_name)\n"
+            f"print(subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True).stdout)")
+    env = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
+    set_here = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert set_here.stdout.split() == ["system", "system"], set_here.stdout + set_here.stderr
+    control = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, env=env)
+    assert control.returncode == 0 and control.stdout.strip() != "system", control.stdout + control.stderr
+    users = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**env, "ARROW_DEFAULT_MEMORY_POOL": control.stdout.strip()})
+    assert users.stdout.split() == [control.stdout.strip()] * 2, users.stdout + users.stderr
 
 
 def test_mistyped_option_or_command_is_one_line_naming_the_nearest():

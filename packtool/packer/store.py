@@ -360,12 +360,15 @@ class NpyReader:
 
     def __init__(self, path: Path):
         self.path = location(path)
-        self.file = open_read(self.path, readahead=4096)
-        version = np.lib.format.read_magic(self.file)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-            np.lib.format.read_array_header_2_0
-        _, _, self.dtype = read_header(self.file)
-        self.start = self.file.tell()
+        with open_read(self.path, readahead=4096) as f:
+            version = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            _, _, self.dtype = read_header(f)
+            self.start = f.tell()
+        # A local file is read by positioned reads of a bare descriptor: a write task holds one per encode store
+        # of its split (every store, since the plan mixes them), so a file object's buffer would cost 8 KiB each.
+        self.fd = -1 if isinstance(self.path, ObjectPath) else os.open(self.path, os.O_RDONLY)
         #: Blocks of an object fetched by :meth:`prefetch`: their byte offsets, and their bytes.
         self.block_starts: list[int] = []
         self.blocks: list[bytes] = []
@@ -390,7 +393,7 @@ class NpyReader:
         size = self.dtype.itemsize
         n, at = (s.stop - s.start) * size, self.start + s.start * size
         if not isinstance(self.path, ObjectPath):
-            return np.frombuffer(os.pread(self.file.fileno(), n, at), self.dtype)
+            return np.frombuffer(os.pread(self.fd, n, at), self.dtype)
         k = bisect.bisect_right(self.block_starts, at) - 1
         if k >= 0 and at + n <= self.block_starts[k] + len(self.blocks[k]):
             offset = at - self.block_starts[k]
@@ -398,4 +401,6 @@ class NpyReader:
         return np.frombuffer(self.path.read_range(at, n), self.dtype)
 
     def close(self) -> None:
-        self.file.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

@@ -9,7 +9,7 @@ import math
 import os
 import re
 import tarfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,8 +162,9 @@ class ShardLayout:
     one shard be encoded as several independent ranges."""
 
     shard: str
-    #: Byte offset of each sample's first member header, in on-disk order (excluded samples too).
-    starts: tuple[int, ...]
+    #: Byte offset of each sample's first member header, in on-disk order (excluded samples too); a file
+    #: source's chunk, whose records are counted, not walked: ``range(count)``.
+    starts: Sequence[int]
     #: Positions of samples whose key appeared earlier in the shard.
     duplicates: frozenset[int]
     #: Positions of samples left out by ``split.yaml``'s ``exclude``.
