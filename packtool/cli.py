@@ -391,10 +391,9 @@ def main() -> None:
 
     A command line Click refuses is one ``packtool: error:`` line (naming the nearest option or command for a
     mistyped one); Ctrl-C says that the same command resumes (a run keeps what it committed) and exits 130."""
-    from packtool.storage import arrow_without_pandas, system_allocator
+    from packtool.storage import own_process
 
-    arrow_without_pandas()
-    system_allocator()
+    own_process()
     code: object
     try:
         code = app(standalone_mode=False)  # Typer turns KeyboardInterrupt into exit status 130

@@ -464,6 +464,13 @@ def system_allocator() -> None:
 _ARROW_POOL = "ARROW_DEFAULT_MEMORY_POOL"
 
 
+def own_process() -> None:
+    """Set up one of packtool's own processes (the command line, a pack's pool worker): pandas kept out
+    (:func:`arrow_without_pandas`), Arrow on the system allocator (:func:`system_allocator`)."""
+    arrow_without_pandas()
+    system_allocator()
+
+
 def allow_pandas() -> None:
     """Let pandas be imported again (a user's module may need it)."""
     if _NO_PANDAS in sys.meta_path:

@@ -48,11 +48,10 @@ def warm(settings: EncodeSettings, source: str, decoder_threads: int = 0) -> Non
     import multiprocessing
 
     from packtool.media.video import set_decoder_threads
-    from packtool.storage import arrow_without_pandas, system_allocator
+    from packtool.storage import own_process
 
     if multiprocessing.parent_process() is not None:  # a pool worker: packtool's own process
-        arrow_without_pandas()
-        system_allocator()
+        own_process()
     set_decoder_threads(decoder_threads)
     try:
         from packtool.packer.encoder import get_encoder
