@@ -165,16 +165,18 @@ def pack(ctx: typer.Context, **params: Any) -> None:
 def _report(result: PackResult, *, dry_run: bool) -> None:
     """What a finished pack run prints: each split's counts and fill, the stage times, and (exit 3) the limits it
     went over, with their top reasons."""
-    from packtool.verify.stats import compute, mixture_lines
+    from packtool.verify.stats import compute, mixture_report
 
-    report = compute(result.output)
-    fills = report["splits"]
+    if result.fills:  # this invocation planned: its fills come from the plans (no ledger read but a mixture's)
+        fills: dict = {name: vars(f) for name, f in result.fills.items()}
+    else:  # a run found finished: its fills are read back from the ledger
+        fills = compute(result.output)["splits"]
     for name, c in result.counts.items():
         f = fills.get(name, {})
         typer.echo(f"{name}: {c['samples']} samples -> {result.packs.get(name, 0)} packs "
                    f"(L1 bound {f.get('l1_bound', 0)}, fill {f.get('fill', 0.0):.4f}; packed {c['packed']}, "
                    f"truncated {c['truncated']}, dropped {c['dropped']}, error {c['error']})")
-        for line in mixture_lines(f, report["pack_size"]):  # a mixture: each dataset against its declared share
+        for line in mixture_report(result.output, name, f):  # each dataset against its declared share
             typer.echo(line)
     if result.seconds:
         typer.echo("seconds: " + ", ".join(f"{k} {v:.2f}" for k, v in result.seconds.items()))

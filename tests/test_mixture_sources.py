@@ -27,7 +27,7 @@ from packtool.packer.mixing import copies_of
 from packtool.packer.pipeline import pack
 from packtool.packer.sources.files import resolve_source
 from packtool.settings import EncodeSettings, PackSettings, PlanSettings
-from packtool.verify.stats import compute
+from packtool.verify.stats import compute, mixture_lines, mixture_report
 
 RUNNER = CliRunner()
 HEADER = {"__module__": "megatron.energon", "__class__": "MetadatasetV2"}
@@ -175,7 +175,8 @@ def test_same_bytes_whatever_the_workers(mixed, sources, demo_dir, tmp_path):
 def test_groups_never_share_a_pack_and_keep_the_proportions(mixed, sources, demo_dir, tmp_path):
     groups = {"energon": "a", "disk": "a", "chat.jsonl": "b", "cells": "c"}
     out = tmp_path / "grouped"
-    pack(_write(sources, "grouped.yaml", _entries(groups)), out, _settings(demo_dir), workers=1, progress=False)
+    result = pack(_write(sources, "grouped.yaml", _entries(groups)), out, _settings(demo_dir), workers=1,
+                  progress=False)
     ledger = read_ledger(out).to_pandas()
     kept = ledger[ledger.status.isin(KEPT)]
     per_pack = kept.groupby("pack").dataset.agg(lambda d: {groups[x] for x in d})
@@ -192,6 +193,11 @@ def test_groups_never_share_a_pack_and_keep_the_proportions(mixed, sources, demo
     assert all(0 < g["fill"] <= 1 for g in rows.values())
     text = RUNNER.invoke(app, ["stats", str(out)]).output
     assert "group a" in text and "one plan" in text
+    # What the run reports, taken from its plans, is what the ledger says.
+    fill = vars(result.fills["train"])
+    assert fill == {k: report[k] for k in ("packs", "tokens", "l1_bound", "fill")}
+    assert mixture_report(out, "train", fill) == mixture_report(out, "train", report) == mixture_lines(report, 1024)
+    assert any(line.startswith("  group a") for line in mixture_report(out, "train", fill))
 
 
 def test_an_added_file_entry_encodes_that_entry_only(sources, demo_dir, tmp_path):

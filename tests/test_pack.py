@@ -317,3 +317,22 @@ def test_an_encode_store_is_only_reused_for_the_same_range(demo_dir, tmp_path):
     assert is_current(store, stamp, seven) and not is_current(store, stamp, five)
     encode_range(EncodeTask(str(root), layout, five, frozenset(), settings, {}, None, stamp, False, str(store)))
     assert pq.read_table(store / "samples.parquet").num_rows == 5
+
+
+def test_the_run_reports_the_fill_the_ledger_gives(demo_dir, tmp_path):
+    """The fill and L1 bound a run prints come from its plans; they are the numbers ``stats`` reads back from the
+    ledger (aligned rows, truncated samples)."""
+    from packtool.packer.pipeline import pack
+    from packtool.settings import EncodeSettings, PackSettings
+    from packtool.verify.stats import compute
+
+    out = tmp_path / "aligned"
+    result = pack(demo_dir / "dataset", out, PackSettings(EncodeSettings(tokenizer=str(demo_dir / "tokenizer"),
+                                                                         pack_size=1024, align=8)),
+                  workers=1, progress=False)
+    report = compute(out)
+    assert set(result.fills) == set(report["splits"]) == {"train", "val"}
+    for split, fill in result.fills.items():
+        entry = report["splits"][split]
+        assert vars(fill) == {k: entry[k] for k in ("packs", "tokens", "l1_bound", "fill")}
+    assert report["splits"]["train"]["status"]["truncated"] and report["splits"]["train"]["padding_align"]

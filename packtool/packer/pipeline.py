@@ -52,7 +52,7 @@ from packtool.packer.sources.files import (
     recorded_source,
     stamp_chunk,
 )
-from packtool.packer.split_plan import SplitPlan, load_encoded, plan_split
+from packtool.packer.split_plan import SplitFill, SplitPlan, load_encoded, plan_split
 from packtool.packer.store import (
     EncodeTask,
     FailureLimits,
@@ -78,6 +78,8 @@ class PackResult:
     #: ``(status, count, total, limit)`` for each ledger status above its limit (``RunOptions.limits``): the run
     #: wrote everything, and failed.
     over_limits: list = field(default_factory=list)
+    #: Each split's fill, from the plans of this invocation (empty when it found the run already finished).
+    fills: dict[str, SplitFill] = field(default_factory=dict)
 
 
 class _Clock:
@@ -232,7 +234,8 @@ def _pack(engine: Engine, src: SourceDataset, output: Path, settings: PackSettin
             manifest.run_config.update(recorded_source(src.source))
         commit_bytes(output / MANIFEST, manifest.to_bytes())
         clock.lap("finalize")
-        return PackResult(output, counts, packs, clock.seconds, over_limits(counts, run))
+        fills = {split: plan.fill(settings.encode.pack_size, settings.encode.align) for split, plan in plans.items()}
+        return PackResult(output, counts, packs, clock.seconds, over_limits(counts, run), fills)
 
 
 def _stamps(engine: Engine, src: SourceDataset, run: RunOptions) -> dict[str, SourceStamp]:

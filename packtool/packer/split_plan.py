@@ -18,6 +18,20 @@ from packtool.settings import PackSettings, ShardSize
 from packtool.storage import location, read_parquet
 
 
+@dataclass(frozen=True)
+class SplitFill:
+    """How full a split's packs are: what a run reports, taken from its plan (the same numbers ``packtool stats``
+    reads back from the ledger)."""
+
+    packs: int
+    #: Tokens of the packed samples.
+    tokens: int
+    #: The fewest packs the packed samples could take (their aligned tokens over the pack size, rounded up).
+    l1_bound: int
+    #: ``tokens / (packs * pack_size)``.
+    fill: float
+
+
 @dataclass
 class SplitPlan:
     """The packs of one split and the output shards they go to."""
@@ -38,6 +52,14 @@ class SplitPlan:
     @property
     def n_shards(self) -> int:
         return int(self.shard_of_pack.max()) + 1 if self.shard_of_pack.size else 0
+
+    def fill(self, pack_size: int, align: int) -> SplitFill:
+        """The split's fill and L1 bound, from the rows the plan packed."""
+        lengths = self.table.column("tokens").to_numpy()[self.pack >= 0].astype(np.int64)
+        tokens, costs = int(lengths.sum()), int(aligned_lengths(lengths, align).sum())
+        packs = self.n_packs
+        return SplitFill(packs, tokens, -(-costs // pack_size) if costs else 0,
+                         tokens / (packs * pack_size) if packs else 0.0)
 
 
 def load_encoded(enc_dirs: list[Path]) -> pa.Table:

@@ -90,16 +90,18 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
     groups = balance_dp or st.get("balance_dp")
     splits: dict[str, dict[str, Any]] = {}
     report = {"pack_size": size, "align": align, "algorithm": st.get("algorithm"), "splits": splits}
-    for split in sorted(set(ledger.column("split").to_pylist())):
+    mixture = _manifest(path).get("mixture") if path.is_dir() else None
+    for split in sorted(pc.unique(ledger.column("split")).to_pylist()):
         a = split_arrays(ledger, split)
         rows = ledger.filter(pc.equal(ledger.column("split"), split))
-        statuses = rows.column("status").to_pylist()
+        counted = pc.value_counts(rows.column("status")).to_pylist()
+        status = {s: 0 for s in STATUSES} | {c["values"]: c["counts"] for c in counted if c["values"] in STATUSES}
+        failed = rows.filter(pc.not_equal(rows.column("status"), "packed"))  # only the reasons of what failed
         reasons: Counter[tuple[str, str]] = Counter()
         examples: dict[tuple[str, str], str] = {}  # a group's first full reason: the numbers folded out of it
-        for s, r in zip(statuses, rows.column("reason").to_pylist()):
-            if s != "packed":
-                reasons[(s, group_reason(r))] += 1
-                examples.setdefault((s, group_reason(r)), r)
+        for s, r in zip(failed.column("status").to_pylist(), failed.column("reason").to_pylist()):
+            reasons[(s, group_reason(r))] += 1
+            examples.setdefault((s, group_reason(r)), r)
         lengths, pack = a["lengths"], a["pack"]
         n_packs = int(pack.max()) + 1 if pack.size else 0
         cost = aligned_lengths(lengths, align)
@@ -107,8 +109,8 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
         seg_per_pack = np.bincount(pack, minlength=n_packs) if n_packs else np.zeros(0, np.int64)
         img_per_pack = np.bincount(pack, weights=a["images"], minlength=n_packs) if n_packs else seg_per_pack
         entry: dict[str, Any] = {
-            "samples": len(statuses),
-            "status": {s: statuses.count(s) for s in STATUSES},
+            "samples": rows.num_rows,
+            "status": status,
             "reasons": [{"status": s, "reason": r, "count": c, "example": examples[(s, r)]}
                         for (s, r), c in sorted(reasons.items())],
             "packs": n_packs,
@@ -121,21 +123,29 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
             "images_per_pack": _summary(img_per_pack),
             "image_tokens": int(a["image_tokens"].sum()),
         }
+        del rows, failed, a, cost
         if groups and groups > 1 and n_packs:
             entry["dp_group"] = groups
             entry["dp_imbalance"] = float(dp_imbalance(pack, lengths, groups))
             natural = np.argsort(_first_index(pack, n_packs), kind="stable")
             entry["dp_imbalance_unbalanced_order"] = float(dp_imbalance(pack, lengths, groups, order=natural))
         entry["step_weights"] = step_weights(path, split)
-        mixture = _manifest(path).get("mixture") if path.is_dir() else None
-        if isinstance(mixture, dict) and split in mixture.get("repetitions", {}):
-            entry["datasets"] = per_dataset(path, split, mixture, st)
-            entry["packs_sharing_a_sample"] = packs_sharing_a_sample(path, split)
-            grouping = per_group(path, split, mixture, st)
-            if grouping is not None:
-                entry["groups"], entry["one_plan_packs"] = grouping
+        entry.update(mixture_entry(path, split, mixture, st))
         splits[split] = entry
     return report
+
+
+def mixture_entry(path: Path, split: str, mixture: object, st: dict) -> dict[str, Any]:
+    """A mixture split's part of the report (read from the ledger): per dataset its shares (``datasets``), the
+    packs holding a sample twice, and per packing group its fill; empty for a split no mixture made."""
+    if not isinstance(mixture, dict) or split not in mixture.get("repetitions", {}):
+        return {}
+    entry: dict[str, Any] = {"datasets": per_dataset(path, split, mixture, st),
+                             "packs_sharing_a_sample": packs_sharing_a_sample(path, split)}
+    grouping = per_group(path, split, mixture, st)
+    if grouping is not None:
+        entry["groups"], entry["one_plan_packs"] = grouping
+    return entry
 
 
 def step_weights(path: Path, split: str) -> dict | None:
@@ -380,6 +390,18 @@ def mixture_lines(e: dict, pack_size: int) -> list[str]:
         lines.append(f"  grouping costs {e['packs'] - one:+d} packs against one plan of the split ({one} packs, "
                      f"fill {e['tokens'] / (one * pack_size) if one else 0.0:.4f})")
     return lines
+
+
+def mixture_report(path: str | Path, split: str, entry: dict) -> list[str]:
+    """:func:`mixture_lines` of a split of the output at ``path``. ``entry``: the split's entry of
+    :func:`compute`, or just its ``packs``, ``tokens`` and ``fill`` (the mixture's part is then read from the
+    ledger). Empty for a split no mixture made."""
+    path = location(path)
+    st = _settings(path)
+    if "datasets" not in entry:
+        entry = {**entry, **mixture_entry(path, split, _manifest(path).get("mixture") if path.is_dir() else None,
+                                          st)}
+    return mixture_lines(entry, int(st["pack_size"]))
 
 
 def format_report(report: dict) -> str:
