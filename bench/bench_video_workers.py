@@ -187,7 +187,8 @@ def run_floor(members: list[tuple[str, int, int]], processes: int) -> tuple[floa
     return time.perf_counter() - start, frames
 
 
-def run_pack(src: Path, model: Path, out: Path, workers: int, fps: float) -> float:
+def run_pack(src: Path, model: Path, out: Path, workers: int, fps: float) -> tuple[float, dict[str, float]]:
+    """Wall seconds of one pack command, and the seconds of its stages as it prints them."""
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "packtool", "pack", str(src), str(out), "--tokenizer", str(model),
            "--pack-size", "16384", "--split", "train", "--workers", str(workers), "--no-progress",
@@ -197,7 +198,9 @@ def run_pack(src: Path, model: Path, out: Path, workers: int, fps: float) -> flo
     wall = time.perf_counter() - start
     if done.returncode:
         sys.exit(f"packtool: error: the benchmark's pack failed ({' '.join(cmd)}):\n{done.stderr.strip()}")
-    return wall
+    line = next((x for x in done.stdout.splitlines() if x.startswith("seconds: ")), "seconds: ")
+    stages = {k: float(v) for k, v in (part.rsplit(" ", 1) for part in line[len("seconds: "):].split(", ") if part)}
+    return wall, stages
 
 
 def _segments(out: Path) -> Iterator[object]:
@@ -234,10 +237,13 @@ def main() -> None:
     half_members = video_members(paths["spread" + HALF])
 
     times: dict[str, float] = {}
+    stages: dict[str, dict[str, float]] = {}  # of each pack's best run
     frames = 0
 
-    def best(name: str, wall: float) -> None:
-        times[name] = min(times.get(name, float("inf")), wall)
+    def best(name: str, wall: float | tuple[float, dict[str, float]]) -> None:
+        wall, stage = wall if isinstance(wall, tuple) else (wall, {})
+        if wall < times.get(name, float("inf")):
+            times[name], stages[name] = wall, stage
 
     for _ in range(args.repeat):
         for layout in LAYOUTS:
@@ -267,6 +273,11 @@ def main() -> None:
               f"{p2:.2f} s: 2 workers / 1 worker speedup {p1 / p2:.2f}x; pack(2) / floor {p2 / floor:.2f}x; "
               f"half the videos {half:.2f} s: marginal pack(2) / floor {(p2 - half) / (floor - floor_half):.2f}x; "
               f"at no videos (extrapolated) pack(2) {2 * half - p2:.2f} s, floor {2 * floor_half - floor:.2f} s")
+        full, part = stages[f"{layout} pack 2"], stages[f"{layout}{HALF} pack 2"]
+        print("  stages of pack(2), all / half the videos: " + ", ".join(
+            f"{k} {full[k]:.2f} / {part.get(k, 0.0):.2f}" for k in full)
+            + "; the marginal seconds of each against the floor's: " + ", ".join(
+            f"{k} {(full[k] - part.get(k, 0.0)) / (floor - floor_half):.2f}x" for k in full))
 
 
 if __name__ == "__main__":
