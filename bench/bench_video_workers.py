@@ -20,6 +20,8 @@ interpreter, transformers and the tokenizer each) and the planning, writing and 
 each layout is also packed (2 workers) from its first half of the videos, and the floor decodes that half too: the
 marginal ratio (pack(all) - pack(half)) / (floor(all) - floor(half)) is what each further video costs against its
 bare decode, the ratio a large source tends to.
+Each pack's stages (as it prints them) are split the same way: the marginal seconds of its encode stage and of
+its write stage (the output's copy of the videos' bytes) against the floor's.
 """
 
 from __future__ import annotations
