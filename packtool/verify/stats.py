@@ -90,7 +90,7 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
     groups = balance_dp or st.get("balance_dp")
     splits: dict[str, dict[str, Any]] = {}
     report = {"pack_size": size, "align": align, "algorithm": st.get("algorithm"), "splits": splits}
-    mixture = _manifest(path).get("mixture") if path.is_dir() else None
+    mixture = _mixture(path)
     for split in sorted(pc.unique(ledger.column("split")).to_pylist()):
         a = split_arrays(ledger, split)
         rows = ledger.filter(pc.equal(ledger.column("split"), split))
@@ -135,11 +135,18 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
     return report
 
 
-def mixture_entry(path: Path, split: str, mixture: object, st: dict) -> dict[str, Any]:
+def _mixture(path: Path) -> object:
+    """The manifest's ``mixture`` beside the ledger (None for a ledger file alone, or no mixture)."""
+    return _manifest(path).get("mixture") if path.is_dir() else None
+
+
+def mixture_entry(path: Path, split: str, mixture: object, st: dict | None = None) -> dict[str, Any]:
     """A mixture split's part of the report (read from the ledger): per dataset its shares (``datasets``), the
-    packs holding a sample twice, and per packing group its fill; empty for a split no mixture made."""
+    packs holding a sample twice, and per packing group its fill; empty for a split no mixture made (nothing
+    read). ``st``: the run's settings (by default the manifest's)."""
     if not isinstance(mixture, dict) or split not in mixture.get("repetitions", {}):
         return {}
+    st = st if st is not None else _settings(path)
     entry: dict[str, Any] = {"datasets": per_dataset(path, split, mixture, st),
                              "packs_sharing_a_sample": packs_sharing_a_sample(path, split)}
     grouping = per_group(path, split, mixture, st)
@@ -397,11 +404,12 @@ def mixture_report(path: str | Path, split: str, entry: dict) -> list[str]:
     :func:`compute`, or just its ``packs``, ``tokens`` and ``fill`` (the mixture's part is then read from the
     ledger). Empty for a split no mixture made."""
     path = location(path)
-    st = _settings(path)
     if "datasets" not in entry:
-        entry = {**entry, **mixture_entry(path, split, _manifest(path).get("mixture") if path.is_dir() else None,
-                                          st)}
-    return mixture_lines(entry, int(st["pack_size"]))
+        more = mixture_entry(path, split, _mixture(path))
+        if not more:
+            return []
+        entry = {**entry, **more}
+    return mixture_lines(entry, int(_settings(path)["pack_size"]))
 
 
 def format_report(report: dict) -> str:
