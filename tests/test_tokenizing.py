@@ -206,3 +206,71 @@ def test_a_tokenizer_that_rewrites_most_texts_turns_the_byte_path_off():
     kept = Tokenizing(byte_level())  # NFC text: the byte path stays
     kept.encode(texts)
     assert kept.table is not None
+
+
+class _Spy:
+    """A backend that records, for each ``encode_batch_fast`` call, whether its normalizer was set aside."""
+
+    def __init__(self, tok: Tokenizer, fail_plain: bool = False):
+        object.__setattr__(self, "tok", tok)
+        object.__setattr__(self, "calls", [])
+        object.__setattr__(self, "fail_plain", fail_plain)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.tok, name, value)
+
+    def encode_batch_fast(self, texts, **kwargs):
+        self.calls.append((self.tok.normalizer is None, list(texts)))
+        if self.fail_plain and self.tok.normalizer is None:
+            raise RuntimeError("refused")
+        return self.tok.encode_batch_fast(texts, **kwargs)
+
+
+#: Texts NFC rewrites: a combining accent, a CJK compatibility ideograph, the Angstrom sign, Hangul jamo.
+NFC_CHANGES = ["e\u0301", "\uf900 x", "\u212b", "\u1100\u1161 hi", "Ω\u0301 <|im_end|>"]
+
+
+def test_text_in_normal_form_is_encoded_with_the_normalizer_set_aside():
+    import unicodedata
+
+    tok = byte_level()
+    spy = _Spy(tok)
+    texts = TEXTS + NFC_CHANGES + [f"数据 {t} tail" for t in NFC_CHANGES]
+    assert assert_same_positions(tok, texts)  # the reference, then through the spy:
+    got = Tokenizing(spy).encode(texts)
+    for text, tokens in zip(texts, got):
+        assert tokens.ids.tolist() == tok.encode(text, add_special_tokens=False).ids, text
+    assert isinstance(tok.normalizer, normalizers.NFC)  # given back
+    plain = [t for aside, batch in spy.calls if aside for t in batch]
+    normalized = [t for aside, batch in spy.calls if not aside for t in batch]
+    assert sorted(plain + normalized) == sorted(texts)
+    assert all(unicodedata.is_normalized("NFC", t) for t in plain)
+    assert sorted(normalized) == sorted(t for t in texts if not unicodedata.is_normalized("NFC", t))
+    assert len(normalized) >= 2 * len(NFC_CHANGES) and any(not t.isascii() for t in plain)
+    # control: the routing matters, the normalizer set aside changes these texts' ids
+    tok.normalizer = None
+    aside = [tok.encode(t, add_special_tokens=False).ids for t in NFC_CHANGES]
+    tok.normalizer = normalizers.NFC()
+    assert all(a != tok.encode(t, add_special_tokens=False).ids for a, t in zip(aside, NFC_CHANGES))
+
+
+def test_the_normalizer_comes_back_when_the_call_fails():
+    tok = byte_level()
+    got = Tokenizing(_Spy(tok, fail_plain=True)).encode(["hello world", "e\u0301"])
+    assert isinstance(tok.normalizer, normalizers.NFC)
+    assert [g.ids.tolist() for g in got] == [tok.encode(t, add_special_tokens=False).ids
+                                             for t in ["hello world", "e\u0301"]]
+
+
+@pytest.mark.parametrize(("normalizer", "forms"), [
+    (None, ()),
+    (normalizers.NFC(), ("NFC",)),
+    (normalizers.Sequence([normalizers.NFD(), normalizers.NFKC()]), ("NFD", "NFKC")),
+    (normalizers.Sequence([normalizers.NFC(), normalizers.Lowercase()]), None),
+    (normalizers.Lowercase(), None),
+])
+def test_which_normalizers_are_set_aside(normalizer, forms):
+    assert Tokenizing(byte_level(normalizer=normalizer)).forms == forms

@@ -68,6 +68,7 @@ from packtool.media import image_size, probe_audio, probe_frames, probe_video
 from packtool.media.audio import decode_audio
 from packtool.packer.engine import Engine
 from packtool.packer.sources.files import FileSource
+from packtool.packer.tokenizing import encode_fast, normal_forms
 from packtool.settings import EngineKind
 from packtool.shards import idx_path, index_tar, parse_record, record_offsets, scan_records
 from packtool.storage import local_copy, location, open_read, parquet_file
@@ -117,6 +118,7 @@ class TokenCheck:
         self.expanded_in_ids = expanded_in_ids
         self.exact = isinstance(self.tok.decoder, decoders.ByteLevel)
         self.pre_tokenizer = self.tok.pre_tokenizer
+        self.forms = normal_forms(self.tok)
 
     def problems(self, segments: list[tuple[str, np.ndarray, list[MediaRef], bool, bool]]) -> list[str]:
         """Problems of ``(where, tokens, media, truncated, roundtrip)`` segments (checked as one batch): every id
@@ -136,7 +138,7 @@ class TokenCheck:
                 (cut if truncated else whole).append((where, self._collapse(tokens, media)))
         if whole:
             texts = self.tok.decode_batch([ids.tolist() for _, ids in whole], skip_special_tokens=False)
-            again = self.tok.encode_batch_fast(texts, add_special_tokens=False)
+            again = encode_fast(self.tok, texts, self.forms)
             for (where, ids), enc in zip(whole, again):
                 if not np.array_equal(ids, enc.ids):
                     problems.append(f"{where}: token ids differ from the tokenizer's encoding of their own text "
