@@ -4,6 +4,7 @@ plans."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,26 @@ from packtool.storage import location, read_parquet
 
 if TYPE_CHECKING:
     from packtool.packer.split_plan import SplitPlan
+
+
+@dataclass(frozen=True)
+class SplitFill:
+    """How full a split's packs are: what a run reports from its plan and ``packtool stats`` from the ledger."""
+
+    packs: int
+    #: Tokens of the packed samples.
+    tokens: int
+    #: The fewest packs the packed samples could take (their aligned tokens over the pack size, rounded up).
+    l1_bound: int
+    #: ``tokens / (packs * pack_size)``.
+    fill: float
+
+    @classmethod
+    def of(cls, tokens: int, aligned: int, packs: int, pack_size: int) -> SplitFill:
+        """Of packed samples holding ``tokens`` tokens, ``aligned`` once each is aligned up
+        (:func:`~packtool.format.aligned_lengths`), in ``packs`` packs."""
+        return cls(packs, tokens, -(-aligned // pack_size) if aligned else 0,
+                   tokens / (packs * pack_size) if packs else 0.0)
 
 
 def read_ledger(path: str | Path, columns: list[str] | None = None) -> pa.Table:

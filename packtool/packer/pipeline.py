@@ -39,7 +39,7 @@ from packtool.format import (
 from packtool.packer.assemble import MIXTURE_COLUMNS, SEGMENT_COLUMNS, WriteTask, write_part, write_shard
 from packtool.packer.engine import Engine
 from packtool.packer.holdout import TRAIN, VAL, held_out
-from packtool.packer.ledger import weight_summary, write_ledger
+from packtool.packer.ledger import SplitFill, weight_summary, write_ledger
 from packtool.packer.mixing import all_failed, dataset_loss_weights, repeat, repetitions, with_datasets, with_groups
 from packtool.packer.output import WRITE, OutputDir, check_paths
 from packtool.packer.sources import SourceDataset, open_source
@@ -52,7 +52,7 @@ from packtool.packer.sources.files import (
     recorded_source,
     stamp_chunk,
 )
-from packtool.packer.split_plan import SplitFill, SplitPlan, load_encoded, plan_split
+from packtool.packer.split_plan import SplitPlan, load_encoded, plan_split
 from packtool.packer.store import (
     EncodeTask,
     FailureLimits,

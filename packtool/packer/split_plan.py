@@ -12,24 +12,11 @@ import pyarrow.compute as pc
 from packtool.format import KEPT, aligned_lengths, row_length
 from packtool.packer.algorithms import balance_dp, pack_lengths
 from packtool.packer.assemble import estimate_pack_bytes, media_bytes_of
+from packtool.packer.ledger import SplitFill
 from packtool.packer.mixing import GROUP_COLUMN, copy_samples, first_seen, separate_copies
 from packtool.packer.store import ENCODED_SCHEMA
 from packtool.settings import PackSettings, ShardSize
 from packtool.storage import location, read_parquet
-
-
-@dataclass(frozen=True)
-class SplitFill:
-    """How full a split's packs are: what a run reports, taken from its plan (the same numbers ``packtool stats``
-    reads back from the ledger)."""
-
-    packs: int
-    #: Tokens of the packed samples.
-    tokens: int
-    #: The fewest packs the packed samples could take (their aligned tokens over the pack size, rounded up).
-    l1_bound: int
-    #: ``tokens / (packs * pack_size)``.
-    fill: float
 
 
 @dataclass
@@ -56,10 +43,7 @@ class SplitPlan:
     def fill(self, pack_size: int, align: int) -> SplitFill:
         """The split's fill and L1 bound, from the rows the plan packed."""
         lengths = self.table.column("tokens").to_numpy()[self.pack >= 0].astype(np.int64)
-        tokens, costs = int(lengths.sum()), int(aligned_lengths(lengths, align).sum())
-        packs = self.n_packs
-        return SplitFill(packs, tokens, -(-costs // pack_size) if costs else 0,
-                         tokens / (packs * pack_size) if packs else 0.0)
+        return SplitFill.of(int(lengths.sum()), int(aligned_lengths(lengths, align).sum()), self.n_packs, pack_size)
 
 
 def load_encoded(enc_dirs: list[Path]) -> pa.Table:

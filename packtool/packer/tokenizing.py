@@ -225,8 +225,7 @@ def normal_forms(backend: Any) -> tuple[NormalForm, ...] | None:
 
 
 def _normal_forms(state: dict | None) -> tuple[NormalForm, ...] | None:
-    """The Unicode normal forms a normalizer brings text to, in order, where it does nothing else (``()``: no
-    normalizer); None for any other normalizer."""
+    """:func:`normal_forms` of a normalizer's JSON state."""
     if state is None:
         return ()
     kind = state.get("type")

@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 
 from packtool.errors import FormatError
 from packtool.format import KEPT, MANIFEST, STATUSES, aligned_lengths, pack_numbers, read_mapping
-from packtool.packer.ledger import read_ledger
+from packtool.packer.ledger import SplitFill, read_ledger
 from packtool.packer.mixing import NOT_DRAWN
 from packtool.storage import location
 
@@ -104,8 +104,8 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
             examples.setdefault((s, group_reason(r)), r)
         lengths, pack = a["lengths"], a["pack"]
         n_packs = int(pack.max()) + 1 if pack.size else 0
-        cost = aligned_lengths(lengths, align)
-        tokens, costs = int(lengths.sum()), int(cost.sum())
+        aligned = int(aligned_lengths(lengths, align).sum())
+        f = SplitFill.of(int(lengths.sum()), aligned, n_packs, size)
         seg_per_pack = np.bincount(pack, minlength=n_packs) if n_packs else np.zeros(0, np.int64)
         img_per_pack = np.bincount(pack, weights=a["images"], minlength=n_packs) if n_packs else seg_per_pack
         entry: dict[str, Any] = {
@@ -114,16 +114,16 @@ def compute(path: str | Path, *, balance_dp: int | None = None, pack_size: int |
             "reasons": [{"status": s, "reason": r, "count": c, "example": examples[(s, r)]}
                         for (s, r), c in sorted(reasons.items())],
             "packs": n_packs,
-            "l1_bound": -(-costs // size) if costs else 0,
-            "tokens": tokens,
-            "fill": tokens / (n_packs * size) if n_packs else 0.0,
-            "padding_align": costs - tokens,
-            "padding_tail": n_packs * size - costs,
+            "l1_bound": f.l1_bound,
+            "tokens": f.tokens,
+            "fill": f.fill,
+            "padding_align": aligned - f.tokens,
+            "padding_tail": n_packs * size - aligned,
             "segments_per_pack": _summary(seg_per_pack),
             "images_per_pack": _summary(img_per_pack),
             "image_tokens": int(a["image_tokens"].sum()),
         }
-        del rows, failed, a, cost
+        del rows, failed, a
         if groups and groups > 1 and n_packs:
             entry["dp_group"] = groups
             entry["dp_imbalance"] = float(dp_imbalance(pack, lengths, groups))
